@@ -1,0 +1,137 @@
+"""The saved-conversation API over a real SQLite file, through a tiny app that mounts only the page."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+
+from kvserve.server.webui import CLIENT_HEADER, mount_webui
+
+ALICE = {CLIENT_HEADER: "browser-alice-0001"}
+BOB = {CLIENT_HEADER: "browser-bob-000002"}
+
+
+def make_app(db_path) -> FastAPI:
+    app = FastAPI()
+
+    # Stands in for the server's auth middleware only in what it hands the page: the key name.
+    @app.middleware("http")
+    async def key_name_from_header(request: Request, call_next):
+        request.state.key_name = request.headers.get("x-test-key-name")
+        return await call_next(request)
+
+    mount_webui(app, db_path)
+    return app
+
+
+@pytest.fixture
+def client(tmp_path):
+    with TestClient(make_app(tmp_path / "conversations.db")) as c:
+        yield c
+
+
+def test_create_list_get_rename_delete(client):
+    r = client.post("/v1/kvserve/conversations", json={"title": "  First   chat ", "model": "m"}, headers=ALICE)
+    assert r.status_code == 200, r.text
+    conv = r.json()
+    assert conv["title"] == "First chat" and conv["model"] == "m" and conv["messages"] == []
+
+    listed = client.get("/v1/kvserve/conversations", headers=ALICE).json()["data"]
+    assert [c["id"] for c in listed] == [conv["id"]]
+
+    r = client.patch(f"/v1/kvserve/conversations/{conv['id']}", json={"title": "Renamed"}, headers=ALICE)
+    assert r.status_code == 200 and r.json()["title"] == "Renamed"
+    assert client.get(f"/v1/kvserve/conversations/{conv['id']}", headers=ALICE).json()["title"] == "Renamed"
+
+    r = client.delete(f"/v1/kvserve/conversations/{conv['id']}", headers=ALICE)
+    assert r.status_code == 200 and r.json()["deleted"] is True
+    assert client.get("/v1/kvserve/conversations", headers=ALICE).json()["data"] == []
+    assert client.get(f"/v1/kvserve/conversations/{conv['id']}", headers=ALICE).status_code == 404
+
+
+def test_messages_append_replace_and_traces(client):
+    conv = client.post("/v1/kvserve/conversations", json={}, headers=ALICE).json()
+    url = f"/v1/kvserve/conversations/{conv['id']}/messages"
+    trace = {"timings_ms": {"ttft": 12.5}, "output_tokens": [{"id": 1, "text": "<b>", "prob": 0.5}]}
+    client.post(url, json={"messages": [{"role": "user", "content": "hi"}]}, headers=ALICE)
+    r = client.post(url, json={"messages": [{"role": "assistant", "content": "one", "trace": trace}]},
+                    headers=ALICE)
+    assert [(m["position"], m["role"], m["content"]) for m in r.json()["messages"]] == [
+        (0, "user", "hi"), (1, "assistant", "one")]
+    assert r.json()["messages"][1]["trace"] == trace
+
+    # Regenerate: replace the answer at position 1.
+    r = client.post(url, json={"start": 1, "messages": [{"role": "assistant", "content": "two",
+                                                         "meta": {"stopped": True}}]}, headers=ALICE)
+    msgs = r.json()["messages"]
+    assert [m["content"] for m in msgs] == ["hi", "two"]
+    assert msgs[1]["trace"] is None and msgs[1]["meta"] == {"stopped": True}
+
+    assert client.post(url, json={"start": 5, "messages": []}, headers=ALICE).status_code == 400
+
+
+def test_owners_are_isolated_by_browser_and_by_key(client):
+    conv = client.post("/v1/kvserve/conversations", json={"title": "secret"}, headers=ALICE).json()
+    assert client.get("/v1/kvserve/conversations", headers=BOB).json()["data"] == []
+    for method in ("get", "delete"):
+        assert getattr(client, method)(f"/v1/kvserve/conversations/{conv['id']}", headers=BOB).status_code == 404
+    r = client.patch(f"/v1/kvserve/conversations/{conv['id']}", json={"title": "x"}, headers=BOB)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "conversation_not_found"
+
+    # With auth on, the key name decides, whatever browser id is sent.
+    key_a = {**BOB, "x-test-key-name": "team-a"}
+    client.post("/v1/kvserve/conversations", json={"title": "keyed"}, headers=key_a)
+    other_browser_same_key = {**ALICE, "x-test-key-name": "team-a"}
+    titles = [c["title"] for c in client.get("/v1/kvserve/conversations", headers=other_browser_same_key)
+              .json()["data"]]
+    assert titles == ["keyed"]
+    assert [c["title"] for c in client.get("/v1/kvserve/conversations", headers=BOB).json()["data"]] == []
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x", "trace": [1]}]}, "messages[0].trace"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [], "start": -1}, "start"),
+])
+def test_bad_messages_are_rejected_with_the_param(client, body, param):
+    conv = client.post("/v1/kvserve/conversations", json={}, headers=ALICE).json()
+    r = client.post(f"/v1/kvserve/conversations/{conv['id']}/messages", json=body, headers=ALICE)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == param
+
+
+def test_missing_or_bad_client_id_and_bad_json(client):
+    assert client.get("/v1/kvserve/conversations").status_code == 400
+    r = client.get("/v1/kvserve/conversations", headers={CLIENT_HEADER: "../../etc"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == CLIENT_HEADER
+    r = client.post("/v1/kvserve/conversations", content=b"{not json", headers=ALICE)
+    assert r.status_code == 400
+    r = client.post("/v1/kvserve/conversations", json={"title": "x" * 500}, headers=ALICE)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "title"
+
+
+def test_survives_a_restart_and_uses_wal(tmp_path):
+    db = tmp_path / "conversations.db"
+    with TestClient(make_app(db)) as c:
+        conv = c.post("/v1/kvserve/conversations", json={"title": "kept",
+                                                            "messages": [{"role": "user", "content": "q"}]},
+                      headers=ALICE).json()
+    with TestClient(make_app(db)) as c:
+        got = c.get(f"/v1/kvserve/conversations/{conv['id']}", headers=ALICE).json()
+    assert got["title"] == "kept" and got["messages"][0]["content"] == "q"
+    assert sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_page_and_assets_are_served_with_a_strict_policy(client):
+    r = client.get("/")
+    assert r.status_code == 200 and "text/html" in r.headers["content-type"]
+    assert "script-src 'self'" in r.headers["content-security-policy"]
+    assert '<script type="module" src="/static/app.js"></script>' in r.text
+    for asset in ("app.js", "markdown.js", "inspector.js", "style.css"):
+        assert client.get(f"/static/{asset}").status_code == 200, asset
+    assert "javascript" in client.get("/static/app.js").headers["content-type"]
