@@ -1,0 +1,439 @@
+// kvserve CPU kernels: GGUF block-quantized matmul (Q4_0, Q4_1, Q8_0) with AVX2 integer dot products.
+//
+// Built by kvserve.model.quant.build with: g++ -O3 -mavx2 -mfma -mf16c -fPIC -shared -pthread
+// and called through ctypes. Explicit AVX2 flags (not -march=native) so the same binary is valid on
+// every AVX2 host the team runs on.
+//
+// Weight layout after repacking (done once at load by kvs_repack):
+//
+//   Q4 (Q4_0 and Q4_1 share it; Q4_0 becomes Q4_1 with m = -8 d):
+//     qs [rows][nb][16] uint8   byte j of a block holds element j (low nibble) and j+16 (high nibble),
+//                               exactly as GGUF stores it
+//     d  [rows][nb] float32     block scale
+//     m  [rows][nb] float32     block minimum:  w = d * q + m,  q in 0..15
+//   Q8_0:
+//     qs [rows][K] int8, d [rows][nb] float32:  w = d * q
+//
+// Activations are quantized per 32-element block to int8 (like llama.cpp's q8_1):
+//     xq [T][K] int8, xd [T][nb] float32 scale, xs [T][nb] float32 = xd * sum(xq of block)
+// so that for one block   sum_i w_i x_i  ~=  d * xd * sum_i q_i xq_i  +  m * xs.
+// The integer sum uses vpmaddubsw (u8 x s8 -> s16 pairs) + vpmaddwd (-> s32), which is what makes
+// llama.cpp fast on AVX2.
+//
+// Threads: a tiny persistent pool (the calling thread + nth-1 workers). Workers spin briefly after
+// each job (a decode step issues ~200 calls a few microseconds apart) and then sleep on a condvar.
+// Calls are serialized by a mutex: one forward at a time per process.
+
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <atomic>
+
+#define KVS_QK 32
+
+extern "C" {
+
+struct kvs_weight {
+    int32_t qtype;  // 0 = Q4 (Q4_0/Q4_1 repacked), 1 = Q8_0
+    int32_t rows;   // out_features
+    int32_t cols;   // in_features (multiple of 32)
+    int32_t pad;
+    const uint8_t *qs;
+    const float *d;
+    const float *m;     // Q4 only
+    const float *bias;  // may be NULL
+};
+
+int kvs_version(void) { return 3; }
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// thread pool
+
+typedef void (*kvs_task)(void *arg, int ith, int nth);
+
+namespace {
+
+constexpr int kMaxThreads = 64;
+
+struct Pool {
+    int nth = 1;
+    pthread_t threads[kMaxThreads];
+    std::atomic<uint64_t> generation{0};
+    std::atomic<int> pending{0};
+    kvs_task fn = nullptr;
+    void *arg = nullptr;
+    pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+    std::atomic<bool> stop{false};
+    long spin_ns = 200000;  // how long an idle worker spins before sleeping
+};
+
+Pool g_pool;
+pthread_mutex_t g_call_mu = PTHREAD_MUTEX_INITIALIZER;
+
+inline long now_ns() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+void *worker_main(void *p) {
+    int ith = (int)(intptr_t)p;
+    uint64_t seen = 0;
+    for (;;) {
+        uint64_t g = g_pool.generation.load(std::memory_order_acquire);
+        if (g == seen) {
+            long t0 = now_ns();
+            int spins = 0;
+            while ((g = g_pool.generation.load(std::memory_order_acquire)) == seen) {
+                _mm_pause();
+                if (++spins % 64 == 0 && now_ns() - t0 > g_pool.spin_ns) break;
+            }
+            if (g == seen) {
+                pthread_mutex_lock(&g_pool.mu);
+                while ((g = g_pool.generation.load(std::memory_order_acquire)) == seen &&
+                       !g_pool.stop.load())
+                    pthread_cond_wait(&g_pool.cv, &g_pool.mu);
+                pthread_mutex_unlock(&g_pool.mu);
+            }
+        }
+        if (g_pool.stop.load()) return nullptr;
+        seen = g;
+        g_pool.fn(g_pool.arg, ith, g_pool.nth);
+        g_pool.pending.fetch_sub(1, std::memory_order_acq_rel);
+    }
+}
+
+// Run fn(arg, ith, nth) on all threads; returns when all are done.
+void pool_run(kvs_task fn, void *arg) {
+    if (g_pool.nth <= 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+    g_pool.fn = fn;
+    g_pool.arg = arg;
+    g_pool.pending.store(g_pool.nth - 1, std::memory_order_release);
+    pthread_mutex_lock(&g_pool.mu);
+    g_pool.generation.fetch_add(1, std::memory_order_acq_rel);
+    pthread_cond_broadcast(&g_pool.cv);
+    pthread_mutex_unlock(&g_pool.mu);
+    fn(arg, 0, g_pool.nth);
+    while (g_pool.pending.load(std::memory_order_acquire) != 0) _mm_pause();
+}
+
+void pool_stop() {
+    if (g_pool.nth <= 1) return;
+    pthread_mutex_lock(&g_pool.mu);
+    g_pool.stop.store(true);
+    g_pool.generation.fetch_add(1);
+    pthread_cond_broadcast(&g_pool.cv);
+    pthread_mutex_unlock(&g_pool.mu);
+    for (int i = 1; i < g_pool.nth; i++) pthread_join(g_pool.threads[i], nullptr);
+    g_pool.stop.store(false);
+    g_pool.nth = 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// SIMD helpers
+
+inline float hsum_ps(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v);
+    __m128 hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+// 16 packed bytes -> 32 x uint8 in 0..15: low nibbles in the low lane (elements 0..15),
+// high nibbles in the high lane (elements 16..31).
+inline __m256i unpack_q4(const uint8_t *p) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(b, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    return _mm256_set_m128i(hi, lo);
+}
+
+// u8 x s8 dot of 32 pairs -> 8 x int32 partial sums
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// s8 x s8 dot of 32 pairs -> 8 x int32 partial sums
+inline __m256i dot_s8s8(__m256i a, __m256i b) {
+    return dot_u8s8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+
+// Quantize one row of K floats to int8 blocks of 32. xs may be NULL.
+void quantize_row_q8(const float *x, int K, int8_t *xq, float *xd, float *xs) {
+    const int nb = K / KVS_QK;
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < nb; b++) {
+        const float *p = x + b * KVS_QK;
+        __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
+        __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
+        __m256 amax = _mm256_andnot_ps(sign_bit, v0);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v1));
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v2));
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v3));
+        __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float max_abs = _mm_cvtss_f32(m4);
+        const float d = max_abs / 127.0f;
+        const float id = max_abs != 0.0f ? 127.0f / max_abs : 0.0f;
+        xd[b] = d;
+        const __m256 mul = _mm256_set1_ps(id);
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, mul), _MM_ROUND_NEAREST));
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, mul), _MM_ROUND_NEAREST));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, mul), _MM_ROUND_NEAREST));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, mul), _MM_ROUND_NEAREST));
+        if (xs) {
+            __m256i s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            xs[b] = d * (float)hsum_ps(_mm256_cvtepi32_ps(s));
+        }
+        i0 = _mm256_packs_epi32(i0, i1);  // lanes interleave; fixed by the permute below
+        i2 = _mm256_packs_epi32(i2, i3);
+        i0 = _mm256_packs_epi16(i0, i2);
+        const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        i0 = _mm256_permutevar8x32_epi32(i0, perm);
+        _mm256_storeu_si256((__m256i *)(xq + b * KVS_QK), i0);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// micro-kernels: R weight rows x TT tokens, full K. y[t * ldy + r] = dot(w_r, x_t) (+ bias)
+
+template <int R, int TT>
+inline void q4_tile(const kvs_weight *w, int r0, const int8_t *xq, const float *xd, const float *xs,
+                    int t0, float *y, int ldy) {
+    const int K = w->cols, nb = K / KVS_QK;
+    __m256 acc[R][TT];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m256i xv[TT];
+        for (int j = 0; j < TT; j++)
+            xv[j] = _mm256_loadu_si256((const __m256i *)(xq + (size_t)(t0 + j) * K + b * KVS_QK));
+        for (int i = 0; i < R; i++) {
+            const size_t blk = (size_t)(r0 + i) * nb + b;
+            const __m256i wv = unpack_q4(w->qs + blk * 16);
+            const float dw = w->d[blk];
+            for (int j = 0; j < TT; j++) {
+                const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wv, xv[j]));
+                const __m256 s = _mm256_set1_ps(dw * xd[(size_t)(t0 + j) * nb + b]);
+                acc[i][j] = _mm256_fmadd_ps(p, s, acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        const float *mrow = w->m + (size_t)(r0 + i) * nb;
+        for (int j = 0; j < TT; j++) {
+            const float *srow = xs + (size_t)(t0 + j) * nb;
+            __m256 macc = _mm256_setzero_ps();
+            int b = 0;
+            for (; b + 8 <= nb; b += 8)
+                macc = _mm256_fmadd_ps(_mm256_loadu_ps(mrow + b), _mm256_loadu_ps(srow + b), macc);
+            float v = hsum_ps(_mm256_add_ps(acc[i][j], macc));
+            for (; b < nb; b++) v += mrow[b] * srow[b];
+            if (w->bias) v += w->bias[r0 + i];
+            y[(size_t)(t0 + j) * ldy + r0 + i] = v;
+        }
+    }
+}
+
+template <int R, int TT>
+inline void q8_tile(const kvs_weight *w, int r0, const int8_t *xq, const float *xd, const float *,
+                    int t0, float *y, int ldy) {
+    const int K = w->cols, nb = K / KVS_QK;
+    __m256 acc[R][TT];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m256i xv[TT];
+        for (int j = 0; j < TT; j++)
+            xv[j] = _mm256_loadu_si256((const __m256i *)(xq + (size_t)(t0 + j) * K + b * KVS_QK));
+        for (int i = 0; i < R; i++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w->qs + (size_t)(r0 + i) * K + b * KVS_QK));
+            const __m256i wa = _mm256_sign_epi8(wv, wv);
+            const float dw = w->d[(size_t)(r0 + i) * nb + b];
+            for (int j = 0; j < TT; j++) {
+                const __m256i p32 = dot_u8s8(wa, _mm256_sign_epi8(xv[j], wv));
+                const __m256 s = _mm256_set1_ps(dw * xd[(size_t)(t0 + j) * nb + b]);
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), s, acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < TT; j++) {
+            float v = hsum_ps(acc[i][j]);
+            if (w->bias) v += w->bias[r0 + i];
+            y[(size_t)(t0 + j) * ldy + r0 + i] = v;
+        }
+}
+
+// ---------------------------------------------------------------------------------------------
+// one linear call: quantize x (split over threads by token), then multiply (split over rows)
+
+struct LinearJob {
+    const kvs_weight *w;
+    const float *x;
+    int T;
+    float *y;
+    int8_t *xq;
+    float *xd;
+    float *xs;
+    std::atomic<int> quantized;
+};
+
+#define KVS_DISPATCH_TT(KERNEL, R, ...)                               \
+    switch (tt) {                                                     \
+        case 4: KERNEL<R, 4>(__VA_ARGS__); break;                     \
+        case 3: KERNEL<R, 3>(__VA_ARGS__); break;                     \
+        case 2: KERNEL<R, 2>(__VA_ARGS__); break;                     \
+        default: KERNEL<R, 1>(__VA_ARGS__); break;                    \
+    }
+
+template <bool Q4>
+void run_rows(const LinearJob *job, int rbeg, int rend) {
+    const kvs_weight *w = job->w;
+    const int T = job->T;
+    // Rows in tiles of 4 (decode: 4 independent accumulator chains), tokens in tiles of 4: a
+    // weight block is unpacked once and reused for 4 tokens, and each 4-row strip of weights
+    // (~1.4 KB for K=576) stays in L1 while all T tokens stream past it.
+    int r = rbeg;
+    for (; r + 4 <= rend; r += 4)
+        for (int t = 0; t < T; t += 4) {
+            const int tt = T - t < 4 ? T - t : 4;
+            if (Q4) {
+                KVS_DISPATCH_TT(q4_tile, 4, w, r, job->xq, job->xd, job->xs, t, job->y, w->rows)
+            } else {
+                KVS_DISPATCH_TT(q8_tile, 4, w, r, job->xq, job->xd, job->xs, t, job->y, w->rows)
+            }
+        }
+    for (; r < rend; r++)
+        for (int t = 0; t < T; t += 4) {
+            const int tt = T - t < 4 ? T - t : 4;
+            if (Q4) {
+                KVS_DISPATCH_TT(q4_tile, 1, w, r, job->xq, job->xd, job->xs, t, job->y, w->rows)
+            } else {
+                KVS_DISPATCH_TT(q8_tile, 1, w, r, job->xq, job->xd, job->xs, t, job->y, w->rows)
+            }
+        }
+}
+
+void linear_task(void *arg, int ith, int nth) {
+    LinearJob *job = (LinearJob *)arg;
+    const kvs_weight *w = job->w;
+    const int K = w->cols, nb = K / KVS_QK;
+    const bool q4 = w->qtype == 0;
+    // phase 1: quantize this thread's share of tokens
+    for (int t = ith; t < job->T; t += nth)
+        quantize_row_q8(job->x + (size_t)t * K, K, job->xq + (size_t)t * K, job->xd + (size_t)t * nb,
+                        q4 ? job->xs + (size_t)t * nb : nullptr);
+    job->quantized.fetch_add(1, std::memory_order_acq_rel);
+    while (job->quantized.load(std::memory_order_acquire) < nth) _mm_pause();
+    // phase 2: this thread's rows, in multiples of 4
+    const int rows = w->rows;
+    const int per = ((rows + nth - 1) / nth + 3) & ~3;
+    const int rbeg = ith * per < rows ? ith * per : rows;
+    const int rend = rbeg + per < rows ? rbeg + per : rows;
+    if (q4)
+        run_rows<true>(job, rbeg, rend);
+    else
+        run_rows<false>(job, rbeg, rend);
+}
+
+// scratch for quantized activations, grown as needed (calls are serialized)
+void *g_scratch = nullptr;
+size_t g_scratch_size = 0;
+
+}  // namespace
+
+extern "C" {
+
+// Start (or resize) the pool: nth threads in total including the caller.
+void kvs_set_num_threads(int nth) {
+    if (nth < 1) nth = 1;
+    if (nth > kMaxThreads) nth = kMaxThreads;
+    pthread_mutex_lock(&g_call_mu);
+    if (nth != g_pool.nth) {
+        pool_stop();
+        g_pool.nth = nth;
+        for (int i = 1; i < nth; i++)
+            pthread_create(&g_pool.threads[i], nullptr, worker_main, (void *)(intptr_t)i);
+    }
+    pthread_mutex_unlock(&g_call_mu);
+}
+
+int kvs_get_num_threads(void) { return g_pool.nth; }
+
+void kvs_set_spin_ns(long ns) { g_pool.spin_ns = ns; }
+
+// Repack GGUF blocks of `rows` rows of `cols` elements. ggml_type: 2 = Q4_0, 3 = Q4_1, 8 = Q8_0.
+// Returns 0 on success, -1 on an unsupported type.
+int kvs_repack(int ggml_type, const uint8_t *raw, int rows, int cols, uint8_t *qs, float *d, float *m) {
+    const int nb = cols / KVS_QK;
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < nb; b++) {
+            const size_t blk = (size_t)r * nb + b;
+            if (ggml_type == 2) {  // Q4_0: fp16 d, 16 bytes
+                const uint8_t *p = raw + blk * 18;
+                uint16_t h;
+                memcpy(&h, p, 2);
+                d[blk] = _cvtsh_ss(h);
+                m[blk] = -8.0f * d[blk];
+                memcpy(qs + blk * 16, p + 2, 16);
+            } else if (ggml_type == 3) {  // Q4_1: fp16 d, fp16 m, 16 bytes
+                const uint8_t *p = raw + blk * 20;
+                uint16_t h0, h1;
+                memcpy(&h0, p, 2);
+                memcpy(&h1, p + 2, 2);
+                d[blk] = _cvtsh_ss(h0);
+                m[blk] = _cvtsh_ss(h1);
+                memcpy(qs + blk * 16, p + 4, 16);
+            } else if (ggml_type == 8) {  // Q8_0: fp16 d, 32 int8
+                const uint8_t *p = raw + blk * 34;
+                uint16_t h;
+                memcpy(&h, p, 2);
+                d[blk] = _cvtsh_ss(h);
+                memcpy(qs + (size_t)r * cols + b * KVS_QK, p + 2, KVS_QK);
+            } else {
+                return -1;
+            }
+        }
+    return 0;
+}
+
+// y[T, rows] = x[T, cols] @ W^T (+ bias). x and y are contiguous float32.
+void kvs_linear(const kvs_weight *w, const float *x, int T, float *y) {
+    if (T <= 0) return;
+    pthread_mutex_lock(&g_call_mu);
+    const int K = w->cols, nb = K / KVS_QK;
+    const size_t need = (size_t)T * K + 2 * (size_t)T * nb * sizeof(float) + 64;
+    if (need > g_scratch_size) {
+        free(g_scratch);
+        g_scratch_size = need * 2;
+        g_scratch = aligned_alloc(64, (g_scratch_size + 63) & ~(size_t)63);
+    }
+    LinearJob job;
+    job.w = w;
+    job.x = x;
+    job.T = T;
+    job.y = y;
+    job.xd = (float *)g_scratch;
+    job.xs = job.xd + (size_t)T * nb;
+    job.xq = (int8_t *)(job.xs + (size_t)T * nb);
+    job.quantized.store(0);
+    pool_run(linear_task, &job);
+    pthread_mutex_unlock(&g_call_mu);
+}
+
+}  // extern "C"

@@ -1,0 +1,165 @@
+"""Build and load the C++ kernels (csrc/kvserve_kernels.cpp) as a plain shared library via ctypes.
+
+The library is compiled from source on this machine, once, into a cache directory keyed by the
+source hash, compiler and flags: at `make setup` time (`python -m kvserve.model.quant.build`) or on
+first use. With no compiler, or a CPU without AVX2/FMA/F16C, `load_kernels()` returns None and the
+Linear variants fall back to dequantize-and-matmul in PyTorch (one warning).
+
+Why ctypes and not a torch C++ op: a ctypes call with four arguments costs about a microsecond,
+less than the torch dispatcher, and the build needs no torch headers (seconds, not a minute).
+Why explicit -mavx2 -mfma -mf16c and not -march=native: the result is valid on every AVX2 host,
+so a cache shared between machines, or a CPU that advertises more than it runs, cannot crash us.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CXX_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-pthread", "-std=c++17"]
+REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
+KERNEL_VERSION = 3  # must match kvs_version() in the source
+
+
+class KvsWeight(ctypes.Structure):
+    """Mirror of `struct kvs_weight` in csrc/kvserve_kernels.cpp."""
+
+    _fields_ = [
+        ("qtype", ctypes.c_int32),
+        ("rows", ctypes.c_int32),
+        ("cols", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+        ("qs", ctypes.c_void_p),
+        ("d", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+    ]
+
+
+def source_path() -> Path:
+    """csrc/ lives at the repository root, next to src/ (editable install)."""
+    return Path(__file__).resolve().parents[4] / "csrc" / "kvserve_kernels.cpp"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve"
+    )
+    return Path(root) / "kernels"
+
+
+def cpu_supported() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return all(flag in flags for flag in REQUIRED_CPU_FLAGS)
+    except OSError:
+        pass
+    return False
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def build(force: bool = False) -> Path:
+    """Compile the library if needed and return its path. Raises RuntimeError on failure."""
+    src = source_path()
+    if not src.exists():
+        raise RuntimeError(f"kernel source not found at {src}")
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
+    key = hashlib.sha256(src.read_bytes() + cxx.encode() + " ".join(CXX_FLAGS).encode()).hexdigest()[:16]
+    out = cache_dir() / f"libkvserve_kernels-{key}.so"
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *CXX_FLAGS, "-o", tmp, str(src)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"kernel build failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+    os.replace(tmp, out)  # atomic: concurrent builders race harmlessly
+    return out
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_reason = ""
+
+
+def load_kernels() -> ctypes.CDLL | None:
+    """The loaded library, or None (with one warning) when it cannot be built or used here."""
+    global _lib, _tried, _reason
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            if os.environ.get("KVSERVE_NO_KERNELS"):
+                raise RuntimeError("disabled by KVSERVE_NO_KERNELS")
+            if not cpu_supported():
+                raise RuntimeError(f"CPU lacks one of {', '.join(REQUIRED_CPU_FLAGS)}")
+            lib = ctypes.CDLL(str(build()))
+            if lib.kvs_version() != KERNEL_VERSION:
+                raise RuntimeError("kernel library version mismatch; rebuild with `make setup`")
+            _declare(lib)
+            import torch
+
+            lib.kvs_set_num_threads(max(1, torch.get_num_threads()))
+            _lib = lib
+        except Exception as e:  # noqa: BLE001 - any failure means: use the fallback
+            _reason = str(e).splitlines()[0]
+            logger.warning("kvserve: fast CPU kernels unavailable (%s); using slower PyTorch matmul", _reason)
+        _tried = True
+    return _lib
+
+
+def unavailable_reason() -> str:
+    return _reason
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    vp, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.kvs_repack.argtypes = [i32, vp, i32, i32, vp, vp, vp]
+    lib.kvs_repack.restype = i32
+    lib.kvs_linear.argtypes = [vp, vp, i32, vp]
+    lib.kvs_linear.restype = None
+    lib.kvs_set_num_threads.argtypes = [i32]
+    lib.kvs_set_num_threads.restype = None
+    lib.kvs_get_num_threads.restype = i32
+    lib.kvs_set_spin_ns.argtypes = [ctypes.c_long]
+    lib.kvs_set_spin_ns.restype = None
+
+
+def main() -> int:
+    """`python -m kvserve.model.quant.build`: build at setup time; never fails setup."""
+    try:
+        if not cpu_supported():
+            print(f"kvserve kernels: skipped, CPU lacks one of {REQUIRED_CPU_FLAGS}", file=sys.stderr)
+            return 0
+        print(f"kvserve kernels: {build()}")
+    except RuntimeError as e:
+        print(f"kvserve kernels: not built ({e}); the PyTorch fallback will be used", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
