@@ -1,0 +1,3 @@
+from kvserve.tokenizer.tokenizer import Tokenizer
+
+__all__ = ["Tokenizer"]

@@ -5,7 +5,13 @@ All share one call signature: layer(x) with x [T, in_features] float32 -> [T, ou
 
 from kvserve.model.quant.build import load_kernels, unavailable_reason
 from kvserve.model.quant.dense import DenseLinear
-from kvserve.model.quant.gguf_linear import GGUFQuantLinear, QuantLinearConfig, get_config, set_config, supports
+from kvserve.model.quant.gguf_linear import (
+    GGUFQuantLinear,
+    QuantLinearConfig,
+    get_config,
+    set_config,
+    supports,
+)
 
 __all__ = [
     "DenseLinear",

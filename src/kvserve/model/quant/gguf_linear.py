@@ -101,7 +101,9 @@ class GGUFQuantLinear(torch.nn.Module):
         raw_t = torch.as_tensor(np.ascontiguousarray(raw, dtype=np.uint8))
         expect = (out_features, in_features // reference.QK * reference.BLOCK_BYTES[qtype])
         if tuple(raw_t.shape) != expect:
-            raise ModelLoadError(f"GGUF {qtype.name} tensor has byte shape {tuple(raw_t.shape)}, expected {expect}")
+            raise ModelLoadError(
+                f"GGUF {qtype.name} tensor has byte shape {tuple(raw_t.shape)}, expected {expect}"
+            )
         self.qtype = qtype
         self.in_features = in_features
         self.out_features = out_features

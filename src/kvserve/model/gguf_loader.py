@@ -1,0 +1,179 @@
+"""Read a GGUF file: validate it, translate its metadata to a ModelConfig, and hand its tensors
+over under Hugging Face names, block quants still packed.
+
+GGUF converters permute the rows of Q and K of Llama-style models so llama.cpp can apply RoPE
+to adjacent pairs; we undo that permutation (row reordering, exact on packed rows) to get back
+the rotate-half layout the model file uses.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvserve.errors import ModelLoadError, ModelNotFound
+from kvserve.model.config import ModelConfig
+from kvserve.model.linear import WeightSource
+
+GGUF_MAGIC = b"GGUF"
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight", "rope_freqs.weight": "rope_freqs"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def open_gguf(path: str | os.PathLike):
+    """Open and structurally validate a GGUF file; returns a gguf.GGUFReader."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelNotFound(f"model file not found: {path}")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # the reader raises assorted errors on truncated or corrupt headers
+        raise ModelLoadError(f"{path} is truncated or corrupt: the GGUF header cannot be read ({e})") from None
+    for t in reader.tensors:
+        if t.tensor_type.name not in SUPPORTED_TYPES:
+            raise ModelLoadError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}; "
+                                 f"supported: {', '.join(sorted(SUPPORTED_TYPES))}")
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise ModelLoadError(f"{path} is truncated or corrupt: tensor {t.name} ({t.n_bytes} bytes at "
+                                 f"offset {t.data_offset}) extends beyond the end of the file ({size} bytes)")
+    return reader
+
+
+def field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    try:
+        return f.contents()
+    except Exception:
+        raise ModelLoadError(f"GGUF metadata field {key} is corrupt") from None
+
+
+def config_from_gguf(reader, name: str = "") -> ModelConfig:
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"unsupported architecture {arch!r} in GGUF file: kvserve runs "
+                             f"{', '.join(ARCHITECTURES)}")
+
+    def req(key: str):
+        v = field(reader, f"{arch}.{key}")
+        if v is None:
+            raise ModelLoadError(f"GGUF metadata is missing {arch}.{key}")
+        return v
+
+    n_vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    n_head = int(req("attention.head_count"))
+    hidden = int(req("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    rope_scaling = None
+    if field(reader, f"{arch}.rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(field(reader, f"{arch}.rope.scaling.factor"))}
+    eos = field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=ARCHITECTURES[arch], vocab_size=int(n_vocab), hidden_size=hidden,
+        intermediate_size=int(req("feed_forward_length")), num_hidden_layers=int(req("block_count")),
+        num_attention_heads=n_head,
+        num_key_value_heads=int(field(reader, f"{arch}.attention.head_count_kv", n_head)),
+        head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // n_head)),
+        rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)), rope_scaling=rope_scaling,
+        max_position_embeddings=int(field(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names, attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"), eos_token_id=eos,
+        name=name or str(field(reader, "general.name", "")))
+
+
+def _unpermute_order(n_rows: int, n_head: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's converter permute() for a Q or K weight."""
+    idx = torch.arange(n_rows)
+    return idx.reshape(n_head, n_rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def weights_from_gguf(reader, cfg: ModelConfig) -> dict[str, WeightSource | torch.Tensor]:
+    from gguf.quants import dequantize
+
+    out: dict[str, WeightSource | torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        qt = t.tensor_type
+        if len(shape) == 1 or name == "rope_freqs":
+            out[name] = torch.from_numpy(np.array(dequantize(t.data, qt), dtype=np.float32).reshape(-1))
+            continue
+        if qt.name in ("F32", "F16"):
+            src = WeightSource(shape, tensor=torch.from_numpy(np.array(t.data)).reshape(shape))
+        else:
+            src = WeightSource(shape, raw=t.data, qtype=qt)
+        out[name] = src
+    _check_shapes(out, cfg)
+    if "rope_freqs" in out:
+        cfg.rope_scaling = {"rope_type": "freq_factors", "factors": out.pop("rope_freqs").tolist()}
+    if cfg.architecture in ("llama", "mistral"):
+        for i in range(cfg.num_hidden_layers):
+            for proj, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads)):
+                for suffix in ("weight", "bias"):
+                    key = f"model.layers.{i}.self_attn.{proj}_proj.{suffix}"
+                    if key not in out:
+                        continue
+                    v = out[key]
+                    n = v.shape[0]
+                    order = _unpermute_order(n, heads)
+                    out[key] = v[order] if isinstance(v, torch.Tensor) else v.permute_rows(order)
+    return out
+
+
+def _check_shapes(w: dict, cfg: ModelConfig) -> None:
+    h, d = cfg.hidden_size, cfg.head_dim
+    want = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        want.update({
+            p + "self_attn.q_proj.weight": (cfg.num_attention_heads * d, h),
+            p + "self_attn.k_proj.weight": (cfg.num_key_value_heads * d, h),
+            p + "self_attn.v_proj.weight": (cfg.num_key_value_heads * d, h),
+            p + "self_attn.o_proj.weight": (h, cfg.num_attention_heads * d),
+            p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+            p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+            p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+    for name, shape in want.items():
+        if name not in w:
+            raise ModelLoadError(f"model file is missing tensor {name}")
+        got = tuple(w[name].shape)
+        if got != shape:
+            raise ModelLoadError(f"tensor {name} has shape {got}, expected {shape} from the model config")

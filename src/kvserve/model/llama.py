@@ -1,0 +1,241 @@
+"""The Llama-family transformer (Llama 1-3, SmolLM2, Mistral, Qwen2), read top to bottom.
+
+    tokens -> embedding -> N x [RMSNorm -> attention (RoPE, GQA, paged KV) -> +residual
+                                RMSNorm -> SwiGLU MLP -> +residual] -> RMSNorm -> lm_head
+
+The architectures differ only in config values: q/k/v bias (Qwen2), rope scaling (Llama 3),
+KV-head count (GQA/MQA), tied embeddings. Q/K/V and gate/up projections are fused into one
+matmul each. Two ways in:
+  * `forward(input_ids [B, T])` with no metadata: plain causal attention over the batch,
+    for training and for checking against a reference implementation;
+  * `forward(input_ids [T], positions [T], attn_metadata, kv_caches)`: a flattened batch of
+    many sequences' new tokens, reading and writing the paged KV cache (see attention.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.errors import ModelLoadError
+from kvserve.model.attention import AttentionMetadata, attend, paged_attention, write_kv
+from kvserve.model.config import ModelConfig
+from kvserve.model.linear import DenseLinear, WeightSource, make_linear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float().contiguous(), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.rope_scaling
+    if not rs:
+        return inv_freq
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "freq_factors":   # GGUF's precomputed `rope_freqs.weight` (Llama 3.x)
+        return inv_freq / torch.tensor(rs["factors"], dtype=torch.float32)
+    if kind == "linear":
+        return inv_freq / rs["factor"]
+    if kind == "llama3":
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old / lo, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        return torch.where(medium, smoothed, scaled)
+    raise ModelLoadError(f"unsupported rope scaling {kind!r}: kvserve supports default, linear and llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to the context length (HF's rotate-half layout)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        inv_freq = rope_inv_freq(cfg)
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, H, D]; cos/sin [..., T, D]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(-2) + rot * sin.unsqueeze(-2)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: dict[str, nn.Module]):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.input_layernorm = w["input_layernorm"]
+        self.qkv_proj = w["qkv_proj"]
+        self.o_proj = w["o_proj"]
+        self.post_attention_layernorm = w["post_attention_layernorm"]
+        self.gate_up_proj = w["gate_up_proj"]
+        self.down_proj = w["down_proj"]
+        self.intermediate_size = self.gate_up_proj.out_features // 2
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata | None, kv_cache: torch.Tensor | None) -> torch.Tensor:
+        lead = x.shape[:-1]                              # [T] or [B, T]
+        h = self.input_layernorm(x)
+        qkv = self.qkv_proj(h.reshape(-1, h.shape[-1])).view(*lead, -1)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(*lead, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(*lead, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        if meta is None:   # dense causal attention over [B, T]
+            o = torch.stack([attend(q[b], k[b], v[b], self.scale) for b in range(q.shape[0])])
+        else:
+            write_kv(kv_cache, k, v, meta.slot_mapping)
+            o = paged_attention(q, kv_cache, meta, self.scale)
+        x = x + self.o_proj(o.reshape(-1, self.q_size)).view(*lead, -1)
+        h = self.post_attention_layernorm(x)
+        gu = self.gate_up_proj(h.reshape(-1, h.shape[-1]))
+        gate, up = gu.split(self.intermediate_size, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up).view(*lead, -1)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer],
+                 norm: RMSNorm, lm_head: nn.Module):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Parameter(embed, requires_grad=False)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = lm_head
+        self.rotary = RotaryEmbedding(cfg)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                attn_metadata: AttentionMetadata | None = None,
+                kv_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Hidden states after the final norm: [B, T, H] (dense) or [T, H] (paged)."""
+        if positions is None:
+            positions = torch.arange(input_ids.shape[-1]).expand_as(input_ids)
+        x = F.embedding(input_ids, self.embed_tokens).float()
+        cos, sin = self.rotary(positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn_metadata, None if kv_caches is None else kv_caches[i])
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        lead = hidden.shape[:-1]
+        return self.lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*lead, -1)
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_weights(cls, cfg: ModelConfig, w: dict[str, WeightSource | torch.Tensor],
+                     weight_format: str = "auto") -> LlamaForCausalLM:
+        """Build from HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...); 1-D
+        tensors (norms, biases) are plain tensors, projections are WeightSources."""
+
+        def lin(names: list[str], bias_names: list[str] | None = None) -> nn.Module:
+            src = WeightSource.concat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
+            bias = None
+            if bias_names and all(b in w for b in bias_names):
+                bias = torch.cat([w[b].float() for b in bias_names])
+            return make_linear(src, bias, weight_format)
+
+        layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv = [a + f"{n}_proj.weight" for n in "qkv"]
+            layers.append(DecoderLayer(cfg, {
+                "input_layernorm": RMSNorm(w[p + "input_layernorm.weight"], cfg.rms_norm_eps),
+                "qkv_proj": lin(qkv, [a + f"{n}_proj.bias" for n in "qkv"]),
+                "o_proj": lin([a + "o_proj.weight"]),
+                "post_attention_layernorm": RMSNorm(w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps),
+                "gate_up_proj": lin([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                "down_proj": lin([p + "mlp.down_proj.weight"]),
+            }))
+        emb_src = w["model.embed_tokens.weight"]
+        embed = emb_src.dequantize() if isinstance(emb_src, WeightSource) else emb_src.float()
+        head_src = w.get("lm_head.weight")
+        if head_src is None or cfg.tie_word_embeddings:
+            head_src = emb_src if isinstance(emb_src, WeightSource) else WeightSource(tuple(embed.shape), embed)
+        lm_head = make_linear(head_src, None, weight_format)
+        norm = RMSNorm(w["model.norm.weight"], cfg.rms_norm_eps)
+        model = cls(cfg, embed, layers, norm, lm_head)
+        if isinstance(lm_head, DenseLinear) and lm_head.weight.dtype == torch.float32 and (
+                cfg.tie_word_embeddings or "lm_head.weight" not in w):
+            model.lm_head.weight = model.embed_tokens   # tied: one parameter, not a copy
+        return model
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> LlamaForCausalLM:
+        """A freshly initialised fp32 model (for training): normal(0, std) weights, unit norms."""
+        g = torch.Generator().manual_seed(seed)
+        return cls.from_weights(cfg, random_hf_weights(cfg, g, std), "fp32")
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under Hugging Face names, fused projections split again (fp32, dense only)."""
+        cfg = self.config
+        sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed_tokens.detach()}
+        for i, layer in enumerate(self.layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            q, k, v = layer.qkv_proj.weight.detach().split([layer.q_size, layer.kv_size, layer.kv_size])
+            sd.update({a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v,
+                       a + "o_proj.weight": layer.o_proj.weight.detach()})
+            if layer.qkv_proj.bias is not None:
+                qb, kb, vb = layer.qkv_proj.bias.detach().split([layer.q_size, layer.kv_size, layer.kv_size])
+                sd.update({a + "q_proj.bias": qb, a + "k_proj.bias": kb, a + "v_proj.bias": vb})
+            gate, up = layer.gate_up_proj.weight.detach().split(layer.intermediate_size)
+            sd.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                       p + "mlp.down_proj.weight": layer.down_proj.weight.detach(),
+                       p + "input_layernorm.weight": layer.input_layernorm.weight.detach(),
+                       p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight.detach()})
+        sd["model.norm.weight"] = self.norm.weight.detach()
+        if not cfg.tie_word_embeddings:
+            sd["lm_head.weight"] = self.lm_head.weight.detach()
+        return {k: t.float().contiguous() for k, t in sd.items()}
+
+
+def random_hf_weights(cfg: ModelConfig, g: torch.Generator, std: float = 0.02) -> dict:
+    h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+
+    def mat(o: int, i: int) -> WeightSource:
+        return WeightSource((o, i), tensor=torch.randn(o, i, generator=g) * std)
+
+    w: dict = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, h, generator=g) * std,
+               "model.norm.weight": torch.ones(h)}
+    for i in range(cfg.num_hidden_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        w.update({a + "q_proj.weight": mat(q, h), a + "k_proj.weight": mat(kv, h),
+                  a + "v_proj.weight": mat(kv, h), a + "o_proj.weight": mat(h, q),
+                  p + "mlp.gate_proj.weight": mat(inter, h), p + "mlp.up_proj.weight": mat(inter, h),
+                  p + "mlp.down_proj.weight": mat(h, inter),
+                  p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h)})
+        if cfg.attention_bias:
+            w.update({a + "q_proj.bias": torch.zeros(q), a + "k_proj.bias": torch.zeros(kv),
+                      a + "v_proj.bias": torch.zeros(kv)})
+    if not cfg.tie_word_embeddings:
+        w["lm_head.weight"] = mat(cfg.vocab_size, h)
+    return w

@@ -1,0 +1,67 @@
+"""Chat templates: the model's Jinja template rendered in a sandbox, as transformers does.
+
+Templates come from model files, so they are untrusted code: `ImmutableSandboxedEnvironment`
+forbids attribute tricks and mutation of the passed data. Message content given as a list of
+text parts (OpenAI's `[{"type": "text", "text": ...}]`) is joined into one string first.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from kvserve.errors import InvalidRequest
+
+# ChatML, used when a model ships no template.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}")
+
+
+def _raise(msg: str):
+    raise InvalidRequest(f"chat template error: {msg}", param="messages")
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str):
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def flatten_content(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") in ("text", "input_text"):
+                parts.append(str(p.get("text", "")))
+            elif isinstance(p, str):
+                parts.append(p)
+            else:
+                raise InvalidRequest("only text content parts are supported", param="messages")
+        return "".join(parts)
+    raise InvalidRequest("message content must be a string or a list of text parts", param="messages")
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                         **kwargs) -> str:
+    msgs = [{**m, "content": flatten_content(m.get("content"))} for m in messages]
+    try:
+        return _compile(template).render(messages=msgs, add_generation_prompt=add_generation_prompt, **kwargs)
+    except InvalidRequest:
+        raise
+    except TemplateError as e:
+        raise InvalidRequest(f"the model's chat template failed to render: {e}", param="messages") from None

@@ -1,0 +1,156 @@
+"""Tokenizer: HF `tokenizers` underneath, built from a tokenizer.json or from GGUF metadata.
+
+From GGUF (`tokenizer.ggml.*`, the byte-level BPE "gpt2" model) we rebuild the same
+tokenizers pipeline a tokenizer.json would describe: the vocabulary and merges, the
+pre-tokenizer that llama.cpp names in `tokenizer.ggml.pre`, the byte-level decoder, and the
+control tokens as special added tokens so they are matched whole in text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from kvserve.errors import ModelLoadError
+from kvserve.tokenizer.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat_template
+
+# Tokens that end an assistant turn in common chat formats; any present in the vocabulary
+# also stops generation.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>",
+                      "<|end|>", "</s>")
+
+_LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _pre_tokenizer(pre: str | None):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("llama3", "llama-bpe", "qwen2"):
+        rx = _QWEN2_RE if pre == "qwen2" else _LLAMA3_RE
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(rx), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return byte_level   # "gpt2", "default" and unknown: GPT-2's regex
+
+
+class Tokenizer:
+    def __init__(self, hf: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: Sequence[int],
+                 add_bos: bool = False, chat_template: str | None = None):
+        self.hf = hf
+        self.bos_token_id = bos_token_id
+        self.add_bos = add_bos
+        self.chat_template = chat_template or DEFAULT_CHAT_TEMPLATE
+        self.has_chat_template = chat_template is not None
+        vocab = hf.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1 if vocab else 0
+        self.all_special_ids: set[int] = {t_id for t_id, t in hf.get_added_tokens_decoder().items() if t.special}
+        eos = list(dict.fromkeys(eos_token_ids))
+        for tok in END_OF_TURN_TOKENS:
+            tid = vocab.get(tok)
+            if tid is not None and tid in self.all_special_ids and tid not in eos:
+                eos.append(tid)
+        self.eos_token_ids: list[int] = eos
+        self.eos_token_id = eos[0] if eos else None
+
+    # ---- constructors -------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, reader) -> Tokenizer:
+        from kvserve.model.gguf_loader import field
+
+        kind = field(reader, "tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r}: kvserve reads byte-level BPE "
+                                 "('gpt2') tokenizers from GGUF; use the model's tokenizer.json instead")
+        tokens = field(reader, "tokenizer.ggml.tokens")
+        types = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges") or []]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        hf = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        hf.pre_tokenizer = _pre_tokenizer(field(reader, "tokenizer.ggml.pre"))
+        hf.decoder = decoders.ByteLevel()
+        special = [AddedToken(tokens[i], special=True, normalized=False)
+                   for i, ty in enumerate(types) if ty in (3, 4)]   # CONTROL, USER_DEFINED
+        hf.add_special_tokens(special)
+        eos = field(reader, "tokenizer.ggml.eos_token_id")
+        return cls(hf, bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+                   eos_token_ids=[] if eos is None else [int(eos)],
+                   add_bos=bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
+                   chat_template=field(reader, "tokenizer.chat_template"))
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise ModelLoadError(f"{path} has no tokenizer.json")
+        try:
+            hf = HFTokenizer.from_file(str(tj))
+        except Exception as e:
+            raise ModelLoadError(f"{tj} cannot be read ({e})") from None
+        cfg = _read_json(path / "tokenizer_config.json")
+        gen = _read_json(path / "generation_config.json")
+        model_cfg = _read_json(path / "config.json")
+
+        def tok_id(v) -> int | None:
+            if isinstance(v, dict):
+                v = v.get("content")
+            return hf.token_to_id(v) if isinstance(v, str) else None
+
+        eos: list[int] = []
+        for src in (gen.get("eos_token_id"), model_cfg.get("eos_token_id")):
+            eos += src if isinstance(src, list) else [src] if isinstance(src, int) else []
+        if (t := tok_id(cfg.get("eos_token"))) is not None:
+            eos.append(t)
+        bos = tok_id(cfg.get("bos_token"))
+        if bos is None:
+            bos = model_cfg.get("bos_token_id")
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        return cls(hf, bos_token_id=bos, eos_token_ids=eos, add_bos=False, chat_template=template)
+
+    # ---- encoding -----------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None and (
+                not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return [self.hf.id_to_token(int(i)) or "" for i in ids]
+
+    def token_text(self, token_id: int) -> str:
+        """The text one token stands for on its own (may be a partial UTF-8 character: '�')."""
+        return self.hf.decode([int(token_id)], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False, **kwargs) -> str | list[int]:
+        text = render_chat_template(
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.hf.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
+            eos_token=self.hf.id_to_token(self.eos_token_id) if self.eos_token_id is not None else "",
+            **kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _read_json(p: Path) -> dict:
+    if not p.is_file():
+        return {}
+    try:
+        return json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{p} is not valid JSON ({e})") from None
