@@ -60,7 +60,7 @@ def open_gguf(path: str | os.PathLike):
 
     try:
         reader = GGUFReader(path)
-    except Exception as e:  # the reader raises assorted errors on truncated or corrupt headers
+    except Exception as e:  # noqa: BLE001 - the reader raises assorted errors on corrupt headers
         raise ModelLoadError(f"{path} is truncated or corrupt: the GGUF header cannot be read ({e})") from None
     for t in reader.tensors:
         if t.tensor_type.name not in SUPPORTED_TYPES:
@@ -78,7 +78,7 @@ def field(reader, key: str, default=None):
         return default
     try:
         return f.contents()
-    except Exception:
+    except Exception:  # noqa: BLE001 - any decoding failure means a corrupt field
         raise ModelLoadError(f"GGUF metadata field {key} is corrupt") from None
 
 

