@@ -1,0 +1,230 @@
+"""Turn one row of logits per request into one token per request, for the whole batch at once.
+
+The engine builds one `SamplingRequest` per row each step and calls `Sampler(logits, reqs)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingRequest:
+    """One row of logits: the request's controls and the tokens its penalties look at."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far (before this step)
+    generator: torch.Generator | None = None  # from make_generator(params.seed)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor               # [B] int64, the sampled tokens
+    logprobs: torch.Tensor                # [B] float32, raw log-prob of the sampled token
+    ranks: torch.Tensor                   # [B] int64, 1-based rank of the sampled token (raw distribution)
+    top_token_ids: torch.Tensor | None    # [B, K], K = max logprobs asked in the batch (None if K == 0)
+    top_logprobs: torch.Tensor | None     # [B, K]
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A private random stream for a seeded request (None: share the global stream)."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)  # negative seeds are valid requests too
+    return g
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Raw log-probs of `token_ids` ([N]) under `logits` ([N, V]), their 1-based ranks, and the
+    top `num_top` alternatives. Used for sampled tokens and, by the engine, for prompt_logprobs."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, token_ids.view(-1, 1))
+    ranks = (lp > chosen).sum(dim=-1) + 1
+    if num_top > 0:
+        top_lp, top_ids = lp.topk(min(num_top, lp.shape[-1]), dim=-1)
+        return chosen.view(-1), ranks, top_ids, top_lp
+    return chosen.view(-1), ranks, None, None
+
+
+def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long,
+                        device=device).view(len(rows), width)
+
+
+class Sampler:
+    """Vectorised sampling: every per-request control becomes a [B] tensor or a sparse index list,
+    so the work per step is a handful of batched tensor ops whatever the mix of requests.
+
+    Order (each step touches only the rows that use it):
+      raw log_softmax (reported logprobs, vLLM's choice) → logit_bias → min_tokens / ignore_eos
+      masks → repetition_penalty (prompt + output: positive logits / r, negative * r) →
+      presence / frequency penalties (output only: logit -= count * freq + (count > 0) * pres) →
+      greedy rows: argmax → temperature → top_k → top_p → min_p → sample.
+
+    Sampling inverts the CDF with one uniform draw per row (V times cheaper than an exponential
+    race over the vocabulary). Unseeded rows share one batched draw; a seeded row draws its
+    uniform from its own generator, so its tokens do not depend on which other requests share
+    the batch or on its row index. Ties at a top_k / top_p cutoff are all kept.
+    """
+
+    def __init__(self, eos_token_ids: list[int]):
+        self.eos_token_ids = list(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[SamplingRequest]) -> SamplerOutput:
+        B = logits.shape[0]
+        assert len(reqs) == B, f"{B} rows of logits for {len(reqs)} requests"
+        logits = logits.float()
+        params = [r.params for r in reqs]
+        num_top = max((p.logprobs or 0 for p in params), default=0)
+
+        if all(p.greedy and not self._needs_processing(r) for p, r in zip(params, reqs)):
+            token_ids = logits.argmax(dim=-1)
+            lp, ranks, top_ids, top_lp = compute_logprobs(logits, token_ids, num_top)
+            return SamplerOutput(token_ids, lp, ranks, top_ids, top_lp)
+
+        raw_logits = logits
+        logits = logits.clone()
+        self._apply_bias_and_masks(logits, reqs)
+        self._apply_penalties(logits, reqs)
+
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(logits, reqs, greedy)
+        lp, ranks, top_ids, top_lp = compute_logprobs(raw_logits, token_ids, num_top)
+        return SamplerOutput(token_ids, lp, ranks, top_ids, top_lp)
+
+    # ---- logits processors ---------------------------------------------------------------------
+    def _needs_processing(self, r: SamplingRequest) -> bool:
+        p = r.params
+        return bool(p.logit_bias or p.ignore_eos or p.repetition_penalty != 1.0 or p.presence_penalty
+                    or p.frequency_penalty or len(r.output_token_ids) < p.min_tokens)
+
+    def _apply_bias_and_masks(self, logits: torch.Tensor, reqs: list[SamplingRequest]) -> None:
+        V = logits.shape[1]
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        mask_rows: list[int] = []
+        mask_cols: list[int] = []
+        for i, r in enumerate(reqs):
+            p = r.params
+            if p.logit_bias:
+                for tok, b in p.logit_bias.items():
+                    if tok < V:  # ids past the vocabulary cannot be sampled anyway
+                        rows.append(i)
+                        cols.append(tok)
+                        vals.append(b)
+            banned: list[int] = []
+            if p.ignore_eos:
+                banned += self.eos_token_ids
+            if len(r.output_token_ids) < p.min_tokens:
+                if not p.ignore_eos:
+                    banned += self.eos_token_ids
+                banned += p.stop_token_ids or []
+            for tok in banned:
+                if tok < V:
+                    mask_rows.append(i)
+                    mask_cols.append(tok)
+        dev = logits.device
+        if rows:
+            logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                              torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+        if mask_rows:
+            logits[torch.tensor(mask_rows, device=dev), torch.tensor(mask_cols, device=dev)] = _NEG_INF
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[SamplingRequest]) -> None:
+        V, dev = logits.shape[1], logits.device
+        rep = [i for i, r in enumerate(reqs) if r.params.repetition_penalty != 1.0]
+        if rep:
+            # Presence mask over prompt + output tokens, via scatter into a spare column V for padding.
+            ids = _pad([reqs[i].prompt_token_ids + reqs[i].output_token_ids for i in rep], V, dev)
+            seen = torch.zeros(len(rep), V + 1, dtype=torch.bool, device=dev)
+            seen = seen.scatter_(1, ids.clamp_max(V), True)[:, :V]
+            penalty = torch.tensor([reqs[i].params.repetition_penalty for i in rep], device=dev).unsqueeze(1)
+            sub = logits[rep]
+            penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+            logits[rep] = torch.where(seen, penalised, sub)
+        pf = [i for i, r in enumerate(reqs) if r.params.presence_penalty or r.params.frequency_penalty]
+        if pf:
+            ids = _pad([reqs[i].output_token_ids for i in pf], V, dev).clamp_max(V)
+            counts = torch.zeros(len(pf), V + 1, device=dev)
+            counts = counts.scatter_add_(1, ids, torch.ones(ids.shape, device=dev))[:, :V]
+            freq = torch.tensor([reqs[i].params.frequency_penalty for i in pf], device=dev).unsqueeze(1)
+            pres = torch.tensor([reqs[i].params.presence_penalty for i in pf], device=dev).unsqueeze(1)
+            logits[pf] = logits[pf] - counts * freq - (counts > 0).float() * pres
+
+    # ---- truncation and sampling ---------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, reqs: list[SamplingRequest], greedy: list[bool]) -> torch.Tensor:
+        (B, V), dev = logits.shape, logits.device
+        params = [r.params for r in reqs]
+        greedy_ids = logits.argmax(dim=-1) if any(greedy) else None
+
+        temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
+        if any(t != 1.0 for t in temps):
+            logits = logits / torch.tensor(temps, device=dev).unsqueeze(1)
+
+        top_k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < V and not greedy[i]]
+        if top_k_rows:
+            sub = logits[top_k_rows]
+            k = torch.tensor([params[i].top_k for i in top_k_rows], device=dev).unsqueeze(1)
+            kth = sub.topk(int(k.max()), dim=-1).values.gather(1, k - 1)
+            logits[top_k_rows] = sub.masked_fill(sub < kth, _NEG_INF)
+        top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0 and not greedy[i]]
+        if top_p_rows:
+            logits[top_p_rows] = _top_p(logits[top_p_rows], [params[i].top_p for i in top_p_rows])
+        min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0 and not greedy[i]]
+        if min_p_rows:
+            sub = logits[min_p_rows]
+            probs = sub.softmax(dim=-1)
+            min_p = torch.tensor([params[i].min_p for i in min_p_rows], device=dev).unsqueeze(1)
+            keep = probs >= probs.max(dim=-1, keepdim=True).values * min_p
+            logits[min_p_rows] = sub.masked_fill(~keep, _NEG_INF)
+
+        # Inverse CDF: one uniform per row. u * total stays strictly below the last cdf value, and
+        # the first index whose cdf exceeds it always has p > 0, so masked tokens never come out.
+        cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
+        u = torch.rand(B, 1, device=dev)
+        for i, r in enumerate(reqs):
+            if r.generator is not None and not greedy[i]:
+                u[i] = torch.rand(1, generator=r.generator, device=r.generator.device).to(dev)
+        total = cdf[:, -1:]
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        token_ids = torch.searchsorted(cdf, target, right=True).view(B)
+        if greedy_ids is not None:
+            token_ids = torch.where(torch.tensor(greedy, device=dev), greedy_ids, token_ids)
+        return token_ids
+
+
+# top_p looks at the largest few hundred tokens first; only if their mass stays below p (a flat
+# distribution) does a row pay for a full sort of the vocabulary.
+_TOP_P_CANDIDATES = 256
+
+
+def _top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability mass reaches p (measured after
+    temperature and top_k): token j survives iff the mass of tokens strictly more likely is < p."""
+    V, dev = logits.shape[1], logits.device
+    p = torch.tensor(top_p, device=dev).unsqueeze(1)
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    kk = min(V, _TOP_P_CANDIDATES)
+    vals = logits.topk(kk, dim=-1).values  # descending
+    probs = (vals - lse).exp()
+    num_keep = ((probs.cumsum(dim=-1) - probs) < p).sum(dim=-1, keepdim=True)  # >= 1 since p > 0
+    if kk < V and bool((num_keep >= kk).any()):
+        vals = logits.sort(dim=-1, descending=True).values
+        probs = (vals - lse).exp()
+        num_keep = ((probs.cumsum(dim=-1) - probs) < p).sum(dim=-1, keepdim=True)
+    cutoff = vals.gather(1, num_keep - 1)
+    return logits.masked_fill(logits < cutoff, _NEG_INF)
