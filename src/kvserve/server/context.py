@@ -1,0 +1,108 @@
+"""Build the engine's input from a request: render the chat template, tokenize, fit the window.
+
+Everything here is CPU work (Jinja rendering, BPE), so the server calls it through
+`asyncio.to_thread` and the event loop keeps streaming other requests meanwhile.
+
+With `truncate: "oldest"` a conversation that does not fit loses its oldest non-system turns,
+one at a time, until prompt + max_tokens fits; the system prompt(s) and the last message are
+always kept. Without it, a prompt that does not fit is a 400 `context_length_exceeded`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.errors import ContextLengthExceeded, InvalidRequest
+from kvserve.server.protocol import ChatMessage
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None = None
+    dropped_messages: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        role = "system" if m.role == "developer" else m.role
+        d: dict[str, Any] = {"role": role, "content": m.text()}
+        if m.tool_calls:
+            d["tool_calls"] = m.tool_calls
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
+    # The tokenizer's sandboxed template raises InvalidRequest(param="messages") itself.
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def build_chat_prompt(tokenizer, messages: list[ChatMessage], *, max_model_len: int,
+                      max_tokens: int | None, truncate: str | None,
+                      add_generation_prompt: bool = True) -> Prompt:
+    """Render and tokenize a conversation so that prompt + max_tokens (or + 1) fits the window."""
+    msgs = message_dicts(messages)
+    reserve = max_tokens if max_tokens is not None else 1
+    text, ids = _render(tokenizer, msgs, add_generation_prompt)
+    dropped = 0
+    while len(ids) + reserve > max_model_len and truncate == "oldest":
+        victim = next((i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"), None)
+        if victim is None:
+            break
+        del msgs[victim]
+        dropped += 1
+        text, ids = _render(tokenizer, msgs, add_generation_prompt)
+    if len(ids) + reserve > max_model_len:
+        what = f"{len(ids)} prompt tokens" + (f" + max_tokens {max_tokens}" if max_tokens else "")
+        hint = ("shorten the messages or lower max_tokens" if truncate == "oldest" else
+                'shorten the messages, lower max_tokens, or send "truncate": "oldest" to drop old turns')
+        raise ContextLengthExceeded(f"This model's maximum context length is {max_model_len} tokens, but "
+                                    f"the request needs {what}. Please {hint}.", param="messages")
+    return Prompt(token_ids=ids, text=text, dropped_messages=dropped)
+
+
+def build_completion_prompts(tokenizer, prompt: str | list, *, vocab_size: int | None) -> list[Prompt]:
+    """One Prompt per entry of a completions `prompt` (string, strings, token ids, or lists of ids)."""
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            ids = tokenizer.encode(item, add_special_tokens=True)
+            out.append(Prompt(token_ids=ids, text=item))
+        else:
+            if not item:
+                raise InvalidRequest("A token-id prompt must not be empty.", param=f"prompt[{i}]")
+            bad = next((t for t in item if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+            if bad is not None:
+                raise InvalidRequest(f"Token id {bad} is outside the vocabulary (0..{(vocab_size or 0) - 1}).",
+                                     param="prompt")
+            out.append(Prompt(token_ids=list(item), text=None))
+        if not out[-1].token_ids:
+            raise InvalidRequest("The prompt is empty after tokenization; send some text.", param="prompt")
+    return out
+
+
+def check_fits(prompt: Prompt, max_tokens: int | None, max_model_len: int, param: str = "prompt") -> None:
+    need = len(prompt.token_ids) + (max_tokens or 1)
+    if need > max_model_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens, but the request needs "
+            f"{len(prompt.token_ids)} prompt tokens + {max_tokens or 1} max_tokens. Shorten the prompt "
+            "or lower max_tokens.", param=param)
+
+
+def token_texts(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's own text (special tokens included), for logprobs and traces."""
+    return [tokenizer.decode([t], skip_special_tokens=False) for t in ids]

@@ -1,0 +1,93 @@
+"""Prometheus metrics with vLLM's names under a `kvserve:` prefix.
+
+Latency histograms are observed by the server once per finished engine request, from the
+engine's own timestamps (RequestMetrics). Gauges and cumulative counters are read from
+`engine.stats()` at scrape time by a custom collector, so they cannot drift from the engine.
+Each app has its own registry, so several apps can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvserve.outputs import RequestMetrics
+
+P = "kvserve:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0)
+
+# engine.stats() key -> (metric name, kind, help)
+ENGINE_STATS = {
+    "num_requests_running": ("num_requests_running", "gauge", "Requests in the engine's running batch."),
+    "num_requests_waiting": ("num_requests_waiting", "gauge", "Requests waiting in the engine's scheduler."),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (0-1)."),
+    "prefix_cache_queries": ("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache."),
+    "prompt_tokens": ("prompt_tokens", "counter", "Prefill tokens processed."),
+    "generation_tokens": ("generation_tokens", "counter", "Tokens generated."),
+    "num_preemptions": ("num_preemptions", "counter", "Requests preempted for lack of KV blocks."),
+}
+
+
+class _EngineCollector:
+    def __init__(self, stats: Callable[[], dict | None], model_name: Callable[[], str]):
+        self._stats = stats
+        self._model_name = model_name
+
+    def collect(self) -> Iterator:
+        stats = self._stats() or {}
+        labels = [self._model_name()]
+        for key, (name, kind, doc) in ENGINE_STATS.items():
+            family_cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            family = family_cls(P + name, doc, labels=["model_name"])
+            family.add_metric(labels, float(stats.get(key, 0) or 0))
+            yield family
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict | None], model_name: Callable[[], str]):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r = self.registry
+        lab = ["model_name"]
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time from arrival to the first token.",
+                              lab, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             lab, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             lab, buckets=E2E_BUCKETS, registry=r)
+        self.queue = Histogram(P + "request_queue_time_seconds",
+                               "Time waiting (gateway queue + scheduler) before first scheduled.",
+                               lab, buckets=E2E_BUCKETS, registry=r)
+        self.success = Counter(P + "request_success", "Finished requests by finish reason.",
+                               lab + ["finished_reason"], registry=r)
+        self.http_errors = Counter(P + "http_request_errors", "Requests answered with an error status.",
+                                   ["status"], registry=r)
+        self.gateway_waiting = Gauge(P + "gateway_requests_waiting",
+                                     "Requests waiting in the gateway's admission queue.", registry=r)
+        r.register(_EngineCollector(stats, model_name))
+
+    def observe_request(self, m: RequestMetrics | None, finish_reason: str | None, *,
+                        gateway_wait_s: float = 0.0) -> None:
+        """Record one finished engine request (call once per request that produced a token)."""
+        if m is None or m.first_token_time is None:
+            return
+        name = self.model_name()
+        self.ttft.labels(name).observe(max(0.0, m.first_token_time - m.arrival_time))
+        for a, b in zip(m.token_times, m.token_times[1:]):
+            self.itl.labels(name).observe(max(0.0, b - a))
+        end = m.finished_time or m.last_token_time or m.first_token_time
+        self.e2e.labels(name).observe(max(0.0, end - m.arrival_time))
+        if m.first_scheduled_time is not None:
+            self.queue.labels(name).observe(max(0.0, m.first_scheduled_time - m.arrival_time) + gateway_wait_s)
+        self.success.labels(name, finish_reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,111 @@
+"""The gateway's outer layer, as raw ASGI: request id, authentication, and the access log.
+
+Auth decides on `scope["path"]`, the path the router will match, exactly as the server received
+it (percent-decoded by uvicorn, nothing rebuilt from Host or forwarding headers). Public means an
+exact match with a short list, or the `/static/` prefix, which only ever routes to the static
+file mount; anything else (`//v1/models`, `/health/../v1/models`, `/v1/models/`, `/%761/models`)
+needs a key. The key's name and tier go into `scope["state"]` (read by routes as
+`request.state.key_name` / `request.state.key_tier`) before any route runs.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+
+from kvserve.errors import AuthenticationError, KVServeError
+from kvserve.server.keys import ApiKey, KeyStore
+
+access_log = logging.getLogger("kvserve.access")
+
+PUBLIC_PATHS = frozenset({"/health", "/", "/index.html", "/favicon.ico"})
+PUBLIC_PREFIXES = ("/static/",)
+_REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+CLI_KEY_NAME = "api-key"
+
+
+def is_public(path: str) -> bool:
+    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def send_error(send, err: KVServeError, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps(err.to_dict()).encode()
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())] + (headers or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GatewayMiddleware:
+    def __init__(self, app, keystore: KeyStore, api_key: str | None = None):
+        self.app = app
+        self.keystore = keystore
+        self.api_key = api_key
+
+    def authenticate(self, scope: dict) -> ApiKey | None:
+        """The caller's key, None when auth is off; raises AuthenticationError."""
+        if self.api_key is None and not self.keystore.auth_required():
+            return None
+        auth = _header(scope, b"authorization")
+        if not auth or not auth[:7].lower() == "bearer " or not auth[7:].strip():
+            raise AuthenticationError("Missing API key. Send it as `Authorization: Bearer <key>`; "
+                                      "create one with `kvserve keys create --name NAME`.")
+        presented = auth[7:].strip()
+        key = self.keystore.lookup(presented)
+        if self.api_key is not None and hmac.compare_digest(
+                presented.encode("utf-8", "surrogateescape"), self.api_key.encode()):
+            key = ApiKey(name=CLI_KEY_NAME, tier="paid")
+        if key is None:
+            raise AuthenticationError("Invalid or revoked API key. Check the key, or create a new one "
+                                      "with `kvserve keys create --name NAME`.")
+        return key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.monotonic()
+        incoming = _header(scope, b"x-request-id")
+        request_id = incoming if incoming and _REQUEST_ID_OK.match(incoming) else uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        log: dict = {}
+        state.update(request_id=request_id, t0=t0, log=log, key_name=None, key_tier="paid", key=None)
+        status = {"code": 500}
+        rid_header = (b"x-request-id", request_id.encode())
+
+        async def send_wrapped(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                message = dict(message)
+                message["headers"] = list(message.get("headers", [])) + [rid_header]
+            await send(message)
+
+        path = scope["path"]
+        try:
+            if not is_public(path):
+                try:
+                    key = self.authenticate(scope)
+                except AuthenticationError as err:
+                    await send_error(send_wrapped, err)
+                    return
+                if key is not None:
+                    state.update(key_name=key.name, key_tier=key.tier, key=key)
+            state["auth_done"] = time.monotonic()
+            await self.app(scope, receive, send_wrapped)
+        finally:
+            line = {"ts": round(time.time(), 3), "request_id": request_id, "method": scope.get("method"),
+                    "path": path, "status": status["code"], "key_name": state.get("key_name")}
+            line.update(log)
+            line["total_ms"] = round((time.monotonic() - t0) * 1000, 2)
+            access_log.info(json.dumps(line))

@@ -1,0 +1,104 @@
+"""Token-bucket rate limits per key: one bucket for requests per minute, one for tokens per minute.
+
+A bucket holds up to `capacity` tokens and refills at `capacity / 60` per second. A request takes
+one from the request bucket when it arrives, and reserves `prompt tokens + max_tokens` from the
+token bucket before it reaches the engine; when it finishes, the tokens it did not use go back.
+Refusals say how long until the bucket would hold enough (`Retry-After`), and whether waiting can
+help at all (`x-should-retry: false` when one request asks for more than the whole bucket).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvserve.errors import RateLimitError
+
+
+@dataclass
+class TokenBucket:
+    capacity: float
+    refill_per_s: float
+    tokens: float = field(default=-1.0)
+    updated: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0:
+            self.tokens = self.capacity
+
+    def _refill(self, now: float) -> None:
+        self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.refill_per_s)
+        self.updated = now
+
+    def wait_time(self, amount: float, now: float) -> float:
+        """Seconds until `amount` is available (0 if it is now, inf if it never will be)."""
+        self._refill(now)
+        if amount > self.capacity:
+            return math.inf
+        if self.tokens >= amount:
+            return 0.0
+        return (amount - self.tokens) / self.refill_per_s
+
+    def take(self, amount: float) -> None:
+        self.tokens -= amount
+
+    def give_back(self, amount: float, now: float) -> None:
+        self._refill(now)
+        self.tokens = min(self.capacity, self.tokens + amount)
+
+
+class RateLimiter:
+    """Buckets per key name, created on first use from the key's rpm/tpm."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buckets: dict[tuple[str, str], TokenBucket] = {}
+
+    def _bucket(self, key_name: str, kind: str, per_minute: int) -> TokenBucket:
+        bucket = self._buckets.get((key_name, kind))
+        if bucket is None or bucket.capacity != per_minute:
+            bucket = TokenBucket(capacity=float(per_minute), refill_per_s=per_minute / 60.0)
+            self._buckets[(key_name, kind)] = bucket
+        return bucket
+
+    def acquire_request(self, key_name: str, rpm: int | None) -> None:
+        if rpm is None:
+            return
+        with self._lock:
+            bucket = self._bucket(key_name, "rpm", rpm)
+            wait = bucket.wait_time(1, time.monotonic())
+            if wait > 0:
+                raise RateLimitError(
+                    f"Rate limit reached for key {key_name!r}: {rpm} requests per minute. "
+                    f"Retry after {math.ceil(wait)} s, or ask for a higher --rpm.",
+                    retry_after=wait)
+            bucket.take(1)
+
+    def reserve_tokens(self, key_name: str, tpm: int | None, amount: int) -> int:
+        """Reserve `amount` tokens; returns what was reserved (0 when the key has no tpm limit)."""
+        if tpm is None:
+            return 0
+        with self._lock:
+            bucket = self._bucket(key_name, "tpm", tpm)
+            wait = bucket.wait_time(amount, time.monotonic())
+            if math.isinf(wait):
+                err = RateLimitError(
+                    f"This request needs {amount} tokens (prompt + max_tokens) but key {key_name!r} "
+                    f"is limited to {tpm} tokens per minute. Lower max_tokens or shorten the prompt.",
+                    param="max_tokens", retry_after=60.0)
+                err.should_retry = False
+                raise err
+            if wait > 0:
+                raise RateLimitError(
+                    f"Token rate limit reached for key {key_name!r}: {tpm} tokens per minute and this "
+                    f"request reserves {amount}. Retry after {math.ceil(wait)} s.", retry_after=wait)
+            bucket.take(amount)
+            return amount
+
+    def refund_tokens(self, key_name: str, tpm: int | None, amount: int) -> None:
+        if tpm is None or amount <= 0:
+            return
+        with self._lock:
+            self._bucket(key_name, "tpm", tpm).give_back(amount, time.monotonic())

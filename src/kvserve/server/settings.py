@@ -1,0 +1,52 @@
+"""Server configuration: one dataclass that the CLI fills and `create_app` reads."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from dataclasses import dataclass, field
+
+
+def default_data_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("KVSERVE_DATA_DIR", pathlib.Path.home() / ".kvserve"))
+
+
+@dataclass
+class ServerSettings:
+    # What to serve. `model=None` is the embedded default; `load_model=False` runs the gateway alone
+    # (health stays 503 and generation endpoints answer 503), which the gateway tests use.
+    model: str | None = None
+    served_model_name: str | None = None  # name clients send in "model"; defaults to the engine's name
+    load_model: bool = True
+    engine_kwargs: dict = field(default_factory=dict)
+
+    data_dir: pathlib.Path = field(default_factory=default_data_dir)
+    api_key: str | None = None  # a key accepted on top of the database's keys (name "api-key")
+
+    # Default per-key limits for keys created without their own (None = unlimited).
+    default_rpm: int | None = None
+    default_tpm: int | None = None
+
+    # Request caps: every one is a 400 with `param` when exceeded.
+    max_body_bytes: int = 1 << 20
+    max_messages: int = 256
+    max_n: int = 8
+    max_best_of: int = 8
+    max_top_logprobs: int = 20
+    max_stop: int = 16
+    max_prompts: int = 32  # list prompts in one /v1/completions request
+    default_max_tokens: int = 512  # when the client sends none (still capped by the context window)
+
+    # Overload: at most `max_running` requests are handed to the engine at once; the others wait in a
+    # priority queue (paid before free) of at most `max_waiting`; past it, 503 + Retry-After.
+    max_running: int = 32
+    max_waiting: int = 128
+    # Degradation ladder, by current queue length: cap max_tokens, then reject free tier, then all.
+    ladder_cap_at: int | None = 64
+    ladder_cap_max_tokens: int = 128
+    ladder_reject_free_at: int | None = 96
+    retry_after_s: float = 2.0
+
+    @property
+    def db_path(self) -> pathlib.Path:
+        return pathlib.Path(self.data_dir) / "kvserve.db"
