@@ -119,15 +119,16 @@ function altTable(tok) {
 function outputTokens(trace, tooltip) {
   const wrap = el("div", { class: "out-tokens", "aria-label": "Generated tokens" });
   for (const tok of trace.output_tokens || []) {
-    const p = num(tok.prob) ?? Math.exp(num(tok.logprob) ?? 0);
-    const span = el("span", { class: "out-tok", tabindex: "0",
-      "aria-label": `${tok.text} — probability ${(p * 100).toFixed(1)}%` });
+    const p = num(tok.prob) ?? (num(tok.logprob) == null ? null : Math.exp(tok.logprob));
+    const pct = p == null ? "unknown" : `${(p * 100).toFixed(1)}%`;
+    const span = el("span", { class: p == null ? "out-tok unknown" : "out-tok", tabindex: "0",
+      "aria-label": `${tok.text} — probability ${pct}` });
     span.textContent = tok.text || "∅";
-    span.style.setProperty("--hue", String(probHue(p)));
+    if (p != null) span.style.setProperty("--hue", String(probHue(p)));
     const show = () => {
       tooltip.replaceChildren(el("div", { class: "tip-head" },
         el("code", { text: visibleToken(tok.text) }),
-        el("span", { text: ` id ${tok.id} · p = ${(p * 100).toFixed(1)}%` })), altTable(tok));
+        el("span", { text: ` id ${tok.id} · p = ${pct}` })), altTable(tok));
       tooltip.hidden = false;
       const r = span.getBoundingClientRect();
       const w = tooltip.offsetWidth;
