@@ -103,6 +103,7 @@ class KeyStore:
                     "INSERT INTO api_keys (name, key_hash, prefix, tier, rpm, tpm, created_at)"
                     " VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (name, hash_key(key), key[:8], tier, rpm, tpm, time.time()))
+                self._version = None  # data_version only moves for other connections' commits
             except sqlite3.IntegrityError:
                 raise InvalidRequest(f"A key named {name!r} already exists; pick another name or "
                                      f"revoke it first with `kvserve keys revoke {name}`.",
@@ -114,6 +115,7 @@ class KeyStore:
             cur = self._conn.execute(
                 "UPDATE api_keys SET revoked_at = ? WHERE name = ? AND revoked_at IS NULL",
                 (time.time(), name))
+            self._version = None
             return cur.rowcount > 0
 
     def list(self) -> list[ApiKey]:

@@ -1,0 +1,196 @@
+"""The FastAPI app: `create_app(engine, settings)`.
+
+The HTTP server comes up at once; the model loads in a background thread, and until it has
+/health answers 503 and generation endpoints answer 503 with Retry-After. Every error a client
+can cause leaves as an OpenAI-shaped body (`{"error": {message, type, param, code}}`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import threading
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import kvserve
+from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound, Overloaded
+from kvserve.server.admission import Admission
+from kvserve.server.handlers import generate, read_body
+from kvserve.server.keys import KeyStore
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.middleware import GatewayMiddleware
+from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
+from kvserve.server.ratelimit import RateLimiter
+from kvserve.server.settings import ServerSettings
+
+logger = logging.getLogger("kvserve.server")
+
+
+class ServerState:
+    """What the routes share: settings, the engine once loaded, keys, limits, admission, metrics."""
+
+    def __init__(self, engine, settings: ServerSettings):
+        self.settings = settings
+        self.engine = engine
+        self.load_error: str | None = None
+        self.keystore = KeyStore(settings.db_path)
+        self.limiter = RateLimiter()
+        self.admission = Admission(settings)
+        self.metrics = ServerMetrics(self.engine_stats, lambda: self.model_name or "")
+
+    @property
+    def model_name(self) -> str | None:
+        if self.engine is None:
+            return None
+        return self.settings.served_model_name or self.engine.model_name
+
+    def engine_stats(self) -> dict | None:
+        self.metrics.gateway_waiting.set(self.admission.num_waiting)
+        return self.engine.stats() if self.engine is not None else None
+
+    def require_engine(self, requested: str | None):
+        if self.engine is None:
+            msg = (f"The model failed to load: {self.load_error}" if self.load_error else
+                   "The model is still loading; retry in a few seconds.")
+            raise Overloaded(msg, retry_after=5.0, code="model_not_ready")
+        name = self.model_name
+        if requested not in (None, "", name, self.engine.model_name):
+            raise ModelNotFound(f"The model {requested!r} does not exist on this server; it serves {name!r} "
+                                "(GET /v1/models).", param="model")
+        return self.engine, name
+
+    def load(self) -> None:
+        """Runs in a background thread: build the engine (blocking), then start its loop."""
+        from kvserve.engine.async_engine import AsyncEngine
+
+        try:
+            engine = AsyncEngine.from_model(self.settings.model, **self.settings.engine_kwargs)
+        except Exception as e:
+            logger.exception("model load failed")
+            self.load_error = str(e)
+            return
+        fut = asyncio.run_coroutine_threadsafe(engine.start(), self.loop)
+        fut.result()
+        self.engine = engine
+        logger.info("model %s loaded", engine.model_name)
+
+
+def _error_response(err: KVServeError) -> JSONResponse:
+    headers = {}
+    retry_after = getattr(err, "retry_after", None)
+    if retry_after is not None:
+        headers["Retry-After"] = str(max(1, int(retry_after + 0.999)))
+        headers["x-should-retry"] = "false" if getattr(err, "should_retry", True) is False else "true"
+    return JSONResponse(err.to_dict(), status_code=err.status, headers=headers)
+
+
+def create_app(engine, settings: ServerSettings) -> FastAPI:
+    """The server app. With `engine=None` (and settings.load_model) the model loads after startup."""
+    state = ServerState(engine, settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
+        if state.engine is not None:
+            await state.engine.start()
+        elif settings.load_model:
+            threading.Thread(target=state.load, name="kvserve-model-load", daemon=True).start()
+        yield
+        if state.engine is not None:
+            with contextlib.suppress(Exception):
+                await state.engine.shutdown()
+        state.keystore.close()
+
+    app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+
+    @app.exception_handler(KVServeError)
+    async def _kvserve_error(request: Request, exc: KVServeError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse({"error": {"message": f"{exc.detail}: {request.method} {request.url.path}",
+                                       "type": "invalid_request_error", "param": None, "code": code}},
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSONResponse({"error": {"message": "Internal server error.", "type": "server_error",
+                                       "param": None, "code": "internal_error"}}, status_code=500)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(state, request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(state, request, "completion")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        data = []
+        if state.engine is not None:
+            data.append({"id": state.model_name, "object": "model", "created": int(time.time()),
+                         "owned_by": "kvserve", "max_model_len": state.engine.max_model_len})
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine is None:
+            body = {"status": "error", "error": state.load_error} if state.load_error else {"status": "loading"}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+        return JSONResponse({"status": "ok", "model": state.model_name})
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": kvserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = await asyncio.to_thread(state.metrics.render)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        req = parse_body(await read_body(request, settings.max_body_bytes), TokenizeRequest)
+        engine, name = state.require_engine(req.model)
+        tok = engine.tokenizer
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequest("Send exactly one of prompt or messages.", param="prompt")
+        if req.messages is not None:
+            from kvserve.server.context import message_dicts
+
+            text = await asyncio.to_thread(tok.apply_chat_template, message_dicts(req.messages),
+                                           add_generation_prompt=req.add_generation_prompt)
+            ids = await asyncio.to_thread(tok.encode, text, add_special_tokens=False)
+        else:
+            ids = await asyncio.to_thread(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len, "model": name}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        req = parse_body(await read_body(request, settings.max_body_bytes), DetokenizeRequest)
+        engine, _ = state.require_engine(req.model)
+        vocab = getattr(engine.tokenizer, "vocab_size", None)
+        if any(t < 0 or (vocab is not None and t >= vocab) for t in req.tokens):
+            raise InvalidRequest("tokens holds an id outside the vocabulary.", param="tokens")
+        text = await asyncio.to_thread(engine.tokenizer.decode, req.tokens, skip_special_tokens=False)
+        return {"prompt": text}
+
+    if importlib.util.find_spec("kvserve.server.webui") is not None:
+        from kvserve.server.webui import mount_webui
+
+        mount_webui(app, settings.db_path)
+
+    app.add_middleware(GatewayMiddleware, keystore=state.keystore, api_key=settings.api_key)
+    return app

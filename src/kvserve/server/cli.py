@@ -1,0 +1,138 @@
+"""`kvserve serve` and `kvserve keys ...` (mounted by the top-level kvserve.cli)."""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import sys
+from typing import Annotated
+
+import typer
+
+from kvserve.errors import KVServeError
+from kvserve.server.keys import KeyStore
+from kvserve.server.settings import ServerSettings, default_data_dir
+
+DATA_DIR_HELP = "Directory for the keys/usage database (default $KVSERVE_DATA_DIR or ~/.kvserve)."
+DataDir = Annotated[pathlib.Path | None, typer.Option(help=DATA_DIR_HELP)]
+
+
+def _setup_logging() -> None:
+    access = logging.getLogger("kvserve.access")
+    if not access.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access.addHandler(handler)
+        access.setLevel(logging.INFO)
+        access.propagate = False
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def serve(
+    model: str = typer.Option(None, "--model", help="Model name or path (default: the embedded SmolLM2)."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    data_dir: DataDir = None,
+    api_key: str = typer.Option(None, "--api-key", envvar="KVSERVE_API_KEY",
+                                help="Require this key (on top of any created with `kvserve keys`)."),
+    served_model_name: str = typer.Option(None, help="Name clients use in \"model\"."),
+    max_running: int = typer.Option(32, help="Requests handed to the engine at once."),
+    max_waiting: int = typer.Option(128, help="Requests that may wait for a slot; beyond it, 503."),
+    ladder_cap_at: int = typer.Option(64, help="Queue length at which max_tokens is capped."),
+    ladder_cap_max_tokens: int = typer.Option(128, help="The max_tokens cap under load."),
+    ladder_reject_free_at: int = typer.Option(96, help="Queue length at which free-tier keys get 503."),
+    default_max_tokens: int = typer.Option(512, help="max_tokens when a chat request sends none."),
+    max_model_len: int = typer.Option(None, help="Context window to serve (default: the model's)."),
+) -> None:
+    """Serve the OpenAI-compatible API (and the web chat page) with one model."""
+    import uvicorn
+
+    from kvserve.server.app import create_app
+
+    _setup_logging()
+    engine_kwargs = {"max_model_len": max_model_len} if max_model_len else {}
+    settings = ServerSettings(
+        model=model, served_model_name=served_model_name, data_dir=data_dir or default_data_dir(),
+        api_key=api_key, max_running=max_running, max_waiting=max_waiting, ladder_cap_at=ladder_cap_at,
+        ladder_cap_max_tokens=ladder_cap_max_tokens, ladder_reject_free_at=ladder_reject_free_at,
+        default_max_tokens=default_max_tokens, engine_kwargs=engine_kwargs)
+    try:
+        app = create_app(None, settings)
+    except KVServeError as e:
+        typer.echo(f"error: {e.message}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"kvserve: listening on http://{host}:{port} (OpenAI API under /v1; keys in {settings.db_path})",
+               err=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=5)
+
+
+keys_app = typer.Typer(help="Create, list and revoke API keys; show usage.", no_args_is_help=True)
+
+
+def _store(data_dir: pathlib.Path | None) -> KeyStore:
+    return KeyStore(ServerSettings(load_model=False, data_dir=data_dir or default_data_dir()).db_path)
+
+
+@keys_app.command("create")
+def keys_create(
+    name: str = typer.Option(..., "--name", help="A name for the key (letters, digits, - _ .)."),
+    rpm: int = typer.Option(None, "--rpm", help="Requests per minute (default: unlimited)."),
+    tpm: int = typer.Option(None, "--tpm", help="Tokens per minute, prompt + max_tokens (default: unlimited)."),
+    tier: str = typer.Option("paid", "--tier", help="paid or free (paid is served first under load)."),
+    data_dir: DataDir = None,
+) -> None:
+    """Create a key and print it. It is shown only this once: only its hash is stored."""
+    store = _store(data_dir)
+    try:
+        key = store.create(name, tier=tier, rpm=rpm, tpm=tpm)
+    except KVServeError as e:
+        typer.echo(f"error: {e.message}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(key)
+    typer.echo(f"created key {name!r} (tier {tier}); store it now, it cannot be shown again", err=True)
+
+
+@keys_app.command("list")
+def keys_list(data_dir: DataDir = None) -> None:
+    """List keys (names, prefixes, limits; never the keys themselves)."""
+    keys = _store(data_dir).list()
+    if not keys:
+        typer.echo("no keys (the server is open until the first key is created)")
+        return
+    typer.echo(f"{'name':<20} {'prefix':<10} {'tier':<5} {'rpm':>7} {'tpm':>9}  status")
+    for k in keys:
+        status = "revoked" if k.revoked_at else "active"
+        typer.echo(f"{k.name:<20} {k.prefix:<10} {k.tier:<5} {k.rpm or '-':>7} {k.tpm or '-':>9}  {status}")
+
+
+@keys_app.command("revoke")
+def keys_revoke(name: str = typer.Argument(..., help="The key's name."),
+                data_dir: DataDir = None) -> None:
+    """Revoke a key; requests with it get 401 from then on."""
+    if not _store(data_dir).revoke(name):
+        typer.echo(f"error: no active key named {name!r} (see `kvserve keys list`)", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"revoked {name!r}")
+
+
+@keys_app.command("usage")
+def keys_usage(name: str = typer.Argument(None, help="Only this key."),
+               data_dir: DataDir = None) -> None:
+    """Tokens used per key per day (UTC)."""
+    rows = _store(data_dir).usage(name)
+    if not rows:
+        typer.echo("no usage recorded")
+        return
+    typer.echo(f"{'day':<11} {'key':<20} {'requests':>8} {'prompt':>10} {'completion':>10} {'cached':>10}")
+    for r in rows:
+        typer.echo(f"{r['day']:<11} {r['key_name']:<20} {r['requests']:>8} {r['prompt_tokens']:>10} "
+                   f"{r['completion_tokens']:>10} {r['cached_tokens']:>10}")
+
+
+def main() -> None:
+    """`python -m kvserve.server` runs `serve`; `python -m kvserve.server keys ...` the key commands."""
+    app = typer.Typer(add_completion=False)
+    app.command("serve")(serve)
+    app.add_typer(keys_app, name="keys")
+    app()
