@@ -17,12 +17,12 @@ MAX_LOGIT_BIAS = 100.0
 
 @dataclass(frozen=True)
 class RepetitionGuard:
-    """End a generation stuck in a loop: the last `window` output tokens, taken as one unit,
-    appear `repeats` times back to back at the end of the output (finish_reason "repetition").
+    """End a generation stuck in a loop (finish_reason "repetition"): the output ends with a block
+    of p <= `window` tokens repeated `repeats` times back to back.
 
-    window=3, repeats=4 stops on `... a b c a b c a b c a b c`. A window of 1 catches one
-    token repeated; the guard tries every period from 1 to `window`, so a loop shorter than the
-    window is caught too (as soon as it covers `window * repeats` tokens).
+    window=3, repeats=4 stops on `... a b c a b c a b c a b c` and on `... x x x x`; every period
+    from 1 to `window` is tried, so pick `repeats` high enough for legitimately repetitive text
+    (tables, lists of numbers). Off unless a request sets it.
     """
 
     window: int = 16

@@ -93,9 +93,7 @@ class Sampler:
             return SamplerOutput(token_ids, lp, ranks, top_ids, top_lp)
 
         raw_logits = logits
-        logits = logits.clone()
-        self._apply_bias_and_masks(logits, reqs)
-        self._apply_penalties(logits, reqs)
+        logits = self.process_logits(logits, reqs)
 
         greedy = [p.greedy for p in params]
         if all(greedy):
@@ -106,6 +104,14 @@ class Sampler:
         return SamplerOutput(token_ids, lp, ranks, top_ids, top_lp)
 
     # ---- logits processors ---------------------------------------------------------------------
+    def process_logits(self, logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
+        """logit_bias, min_tokens / ignore_eos masks and penalties, on a float32 copy of `logits`
+        (what greedy rows take the argmax of; temperature and truncation come after)."""
+        logits = logits.float().clone()
+        self._apply_bias_and_masks(logits, reqs)
+        self._apply_penalties(logits, reqs)
+        return logits
+
     def _needs_processing(self, r: SamplingRequest) -> bool:
         p = r.params
         return bool(p.logit_bias or p.ignore_eos or p.repetition_penalty != 1.0 or p.presence_penalty
