@@ -1,0 +1,267 @@
+"""The chat page in a real browser (Debian's Chromium, headless) against a live kvserve server
+running the real default model. Screenshots go to test-artifacts/."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = pathlib.Path(__file__).resolve().parents[2] / "test-artifacts"
+
+pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
+                                reason="needs Debian's chromium (scripts/test-deps.sh installs it)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("kvserve-data")
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = data_dir / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve.server", "serve", "--port", str(port),
+                                 "--data-dir", str(data_dir)], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"kvserve serve exited with {proc.returncode}:\n{log_path.read_text()}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy in time:\n{log_path.read_text()}")
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                              args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        yield b
+        b.close()
+
+
+def wait_until(page, js: str, timeout: float = 120.0, what: str = ""):
+    """Poll a JS expression (page.wait_for_function evaluates strings, which the page's CSP forbids)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = page.evaluate(js)
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what or js}")
+
+
+def open_page(browser, base: str, client: str, *, settings: dict | None = None, bypass_csp: bool = False,
+              hash_: str = ""):
+    """A fresh browser profile whose page identifies itself as `client` (X-KVServe-Client)."""
+    ctx = browser.new_context(viewport={"width": 1400, "height": 900}, bypass_csp=bypass_csp)
+    init = f"localStorage.setItem('kvserve.clientId', {json.dumps(client)});"
+    if settings:
+        init += f"localStorage.setItem('kvserve.settings', {json.dumps(json.dumps(settings))});"
+    ctx.add_init_script(init)
+    page = ctx.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("dialog", lambda d: (errors.append(f"dialog: {d.message}"), d.dismiss()))
+    page.goto(base + "/" + hash_)
+    wait_until(page, "document.documentElement.dataset.ready === '1'", 30, "page ready")
+    return page, errors
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    m = re.search(rf"^kvserve:{name}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def set_settings_via_dialog(page, *, max_tokens: int, temperature: float) -> None:
+    page.click("#open-settings")
+    page.fill("#set-max-tokens", str(max_tokens))
+    page.fill("#set-temperature", str(temperature))
+    page.click("#save-settings")
+    wait_until(page, f"JSON.parse(localStorage.getItem('kvserve.settings') || '{{}}').max_tokens === {max_tokens}",
+               5, "settings saved")
+
+
+GROWTH_OBSERVER = """() => {
+  window.__growth = [];
+  new MutationObserver(() => {
+    const body = document.querySelector('.msg.assistant.streaming .msg-body');
+    if (body && window.__growth[window.__growth.length - 1] !== body.textContent) window.__growth.push(body.textContent);
+  }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def test_chat_streams_inspects_and_survives_reload(server, browser):
+    page, errors = open_page(browser, server, "web-test-chat")
+    assert page.locator("#model-select option").count() >= 1
+    set_settings_via_dialog(page, max_tokens=40, temperature=0)
+    page.evaluate(GROWTH_OBSERVER)
+    page.fill("#prompt", "What is the capital of France?")
+    page.keyboard.press("Enter")
+    wait_until(page, "!!document.querySelector('.msg.assistant:not(.streaming) .inspect')", 180, "answer done")
+
+    growth = page.evaluate("window.__growth")
+    final = page.inner_text(".msg.assistant .msg-body")
+    assert final.strip()
+    assert len(growth) >= 3, f"answer arrived in {len(growth)} DOM update(s): {growth}"
+    assert [len(g) for g in growth] == sorted(len(g) for g in growth)  # it grows, never shrinks
+
+    page.click(".msg.assistant .inspect")
+    stat = {page.inner_text(f".stat:nth-child({i}) .stat-label"): page.inner_text(f".stat:nth-child({i}) .stat-value")
+            for i in range(1, 7)}
+    ttft = re.match(r"([0-9.]+) (ms|s)", stat["Time to first token"])
+    assert ttft and float(ttft.group(1)) > 0, stat
+    n_prompt = int(stat["Prompt tokens"])
+    assert n_prompt > 5 and page.locator("#inspector .chip:not(.legend-chip)").count() == n_prompt
+    assert int(page.inner_text("#inspector .chip:not(.legend-chip) .chip-id >> nth=0")) >= 0
+    assert page.locator(".tl-row").count() >= 6  # 5 stages + TTFT + total
+    assert page.locator(".out-tok").count() == int(stat["Output tokens"]) > 0
+
+    page.hover(".out-tok >> nth=1")
+    assert page.is_visible("#token-tooltip")
+    alts = page.locator("#token-tooltip tr.alt")
+    assert alts.count() == 5
+    assert re.fullmatch(r"[0-9.]+%", page.inner_text("#token-tooltip tr.alt >> nth=0 >> .alt-prob"))
+    assert page.locator("#token-tooltip tr.alt.chosen").count() == 1  # temperature 0: greedy = top-1
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "web-chat-inspector.png"))
+
+    # Focus works as hover does (keyboard users).
+    page.mouse.move(0, 0)
+    page.focus(".out-tok >> nth=2")
+    assert page.locator("#token-tooltip tr.alt").count() == 5
+
+    # A follow-up turn reuses the first turn's prompt from the prefix cache; the chips say so.
+    page.keyboard.press("Escape")
+    page.fill("#prompt", "And of Germany?")
+    page.keyboard.press("Enter")
+    wait_until(page, "document.querySelectorAll('.msg.assistant:not(.streaming) .inspect').length === 2", 180,
+               "second answer")
+    page.click(".msg.assistant >> nth=1 >> .inspect")
+    cached = int(re.search(r"(\d+) from prefix cache", page.inner_text(".stat:nth-child(4) .stat-sub")).group(1))
+    assert cached > 0
+    assert page.locator("#inspector .chip.cached:not(.legend-chip)").count() == cached
+
+    # The conversation, its answers and their traces survive a reload.
+    page.reload()
+    wait_until(page, "document.documentElement.dataset.ready === '1'", 30, "reloaded")
+    assert page.locator(".conv-open").all_inner_texts() == ["What is the capital of France?"]
+    assert page.locator(".msg.user").count() == 2 and page.locator(".msg.assistant").count() == 2
+    assert page.inner_text(".msg.assistant .msg-body") == final
+    page.click(".msg.assistant >> nth=0 >> .inspect")
+    assert page.locator("#inspector .chip:not(.legend-chip)").count() == n_prompt
+    assert errors == []
+
+
+def test_stop_halts_generation_and_frees_the_request(server, browser):
+    page, errors = open_page(browser, server, "web-test-stop", settings={"max_tokens": 400, "temperature": 0.8})
+    page.click("#new-chat")
+    page.fill("#prompt", "Write a long story about a dragon who learns to bake bread.")
+    page.keyboard.press("Enter")
+    wait_until(page, "(document.querySelector('.msg.assistant.streaming .msg-body')?.textContent.length || 0) > 20",
+               120, "some streamed text")
+    assert metric(server, "num_requests_running") == 1
+    page.click("#stop")
+    wait_until(page, "!document.querySelector('.streaming') && !!document.querySelector('.msg.assistant .badge')",
+               10, "stopped")
+    assert page.inner_text(".msg.assistant .badge") == "stopped"
+    assert page.is_visible("#send") and not page.is_visible("#stop")
+
+    # The server aborted the request: nothing running, and no more tokens are generated.
+    deadline = time.monotonic() + 10
+    while metric(server, "num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the engine still runs the stopped request"
+        time.sleep(0.1)
+    generated = metric(server, "generation_tokens")
+    text = page.inner_text(".msg.assistant .msg-body")
+    time.sleep(1.0)
+    assert metric(server, "generation_tokens") == generated
+    assert page.inner_text(".msg.assistant .msg-body") == text
+
+    page.reload()
+    wait_until(page, "document.documentElement.dataset.ready === '1'", 30, "reloaded")
+    assert page.inner_text(".msg.assistant .badge") == "stopped"
+    assert page.inner_text(".msg.assistant .msg-body") == text
+    assert errors == []
+
+
+EVIL = ("Look: <img src=x onerror=alert(1)> and <script>window.__pwned = 1; alert(2)</script>\n\n"
+        "[click](javascript:alert(3)) **bold** <a href=\"javascript:alert(4)\">a</a>\n\n"
+        "```html\n<img src=y onerror=alert(5)>\n```")
+
+
+@pytest.mark.parametrize("bypass_csp", [False, True], ids=["with-csp", "renderer-alone"])
+def test_untrusted_markup_renders_as_text_and_runs_nothing(server, browser, bypass_csp):
+    trace = {"request_id": "chatcmpl-evil", "prompt_tokens": [{"id": 1, "text": "<img src=x onerror=alert(6)>",
+                                                                "cached": False}],
+             "timings_ms": {"ttft": 1.0, "total": 2.0},
+             "output_tokens": [{"id": 2, "text": "<script>alert(7)</script>", "prob": 0.5,
+                                "top": [{"id": 3, "text": "<img src=z onerror=alert(8)>", "prob": 0.5}]}]}
+    client = f"web-test-evil-{bypass_csp:d}"
+    conv = httpx.post(f"{server}/v1/kvserve/conversations", headers={"X-KVServe-Client": client},
+                      json={"title": "<img src=t onerror=alert(9)>",
+                            "messages": [{"role": "user", "content": "<script>alert(10)</script>"},
+                                         {"role": "assistant", "content": EVIL, "trace": trace}]}).json()
+    page, errors = open_page(browser, server, client, bypass_csp=bypass_csp, hash_=f"#c={conv['id']}")
+    wait_until(page, "document.querySelectorAll('.msg').length === 2", 10, "stored messages")
+    page.click(".msg.assistant .inspect")
+    page.hover(".out-tok >> nth=0")
+
+    body = page.inner_text(".msg.assistant .msg-body")
+    assert "<img src=x onerror=alert(1)>" in body and "<script>window.__pwned = 1; alert(2)</script>" in body
+    assert page.inner_text(".msg.user .msg-body") == "<script>alert(10)</script>"
+    assert page.locator(".msg.assistant strong").inner_text() == "bold"
+    assert page.locator(".msg.assistant pre code").inner_text() == "<img src=y onerror=alert(5)>"
+    assert page.evaluate("""() => {
+        const bad = document.querySelectorAll('#app img, #app script, #token-tooltip img, [onerror]');
+        const hrefs = [...document.querySelectorAll('a[href]')].map(a => a.getAttribute('href'));
+        return bad.length === 0 && hrefs.every(h => /^(https?:|mailto:)/.test(h)) && window.__pwned === undefined;
+    }""")
+    assert "<img src=x onerror=alert(6)>".replace(" ", "·") in page.inner_text("#inspector")
+    assert page.locator(".conv-open").first.inner_text().startswith("<img")
+
+    # The renderer on its own, in the page: only its own markup comes out.
+    html = page.evaluate("""async (source) => {
+        const {renderMarkdown} = await import('/static/markdown.js');
+        const div = document.createElement('div');
+        div.innerHTML = renderMarkdown(source);
+        document.body.append(div);
+        return div.innerHTML;
+    }""", EVIL + "\n<svg onload=alert(11)>[x](https://ok.example/?a=\"b)")
+    page.wait_for_timeout(200)
+    assert "<img" not in html and "<script" not in html and "<svg" not in html
+    assert 'href="javascript' not in html.lower() and "[click](javascript:alert(3))" in html
+    assert 'href="https://ok.example/?a=&quot;b"' in html
+    assert errors == []
