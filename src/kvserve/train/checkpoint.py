@@ -1,0 +1,66 @@
+"""Checkpoints that resume bit-exactly: model, optimizer, scheduler, RNG states, step, data position.
+
+A resumed run must produce the same losses as an uninterrupted one, so everything that feeds
+the next step is saved: weights and AdamW moments, the LR schedule's position, the data cursor
+(`PackedBatches.position` or a stage's own), and the torch / Python RNG states (sampling in
+GRPO, shuffling in SFT/DPO). Written atomically (tmp file + rename) so a crash mid-save never
+leaves a half checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.errors import InvalidRequest
+
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+def save_checkpoint(out_dir: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, step: int, data_state: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "model_config": model.config.to_hf_dict() if hasattr(model, "config") else None,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "data": data_state,
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "extra": extra or {},
+    }
+    path = out / CHECKPOINT_NAME
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def find_checkpoint(out_dir: str | Path) -> Path | None:
+    p = Path(out_dir) / CHECKPOINT_NAME
+    return p if p.is_file() else None
+
+
+def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Any) -> dict[str, Any]:
+    """Restore everything in place; returns {"step", "data", "extra"} for the caller's loop."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / CHECKPOINT_NAME
+    if not p.is_file():
+        raise InvalidRequest(f"no checkpoint at {p}: nothing to resume (run without --resume to start fresh)",
+                             param="resume")
+    state = torch.load(p, map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    return {"step": state["step"], "data": state["data"], "extra": state["extra"]}

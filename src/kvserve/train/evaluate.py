@@ -1,0 +1,92 @@
+"""Held-out evaluation: loss, perplexity and bits per byte, and the unigram baseline to beat.
+
+Loss per token depends on the tokenizer (a bigger vocabulary has fewer, harder tokens), so
+models with different tokenizers are compared in bits per byte: the total cross-entropy of the
+text, in bits, divided by its UTF-8 byte count. Each target token is charged its own byte
+length (special tokens count 0 bytes), so any subset of windows gives a consistent number.
+In byte-level BPE every character of a token's string stands for exactly one byte.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.tokenizer import Tokenizer
+
+
+def token_byte_lengths(tokenizer: Tokenizer) -> torch.Tensor:
+    """[vocab] UTF-8 bytes each token stands for; 0 for special tokens."""
+    lengths = torch.zeros(tokenizer.vocab_size, dtype=torch.long)
+    for tok, tid in tokenizer.hf.get_vocab(with_added_tokens=True).items():
+        lengths[tid] = 0 if tid in tokenizer.all_special_ids else len(tok)
+    return lengths
+
+
+@dataclass
+class EvalResult:
+    loss: float              # nats per token
+    bits_per_byte: float
+    tokens: int
+    bytes: int
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+    def as_dict(self) -> dict:
+        return {"loss": self.loss, "perplexity": self.perplexity, "bits_per_byte": self.bits_per_byte,
+                "tokens": self.tokens, "bytes": self.bytes}
+
+
+@torch.no_grad()
+def evaluate_stream(model: LlamaForCausalLM, ids: torch.Tensor, token_bytes: torch.Tensor, seq_len: int,
+                    batch_size: int = 8, max_windows: int | None = None) -> EvalResult:
+    """Teacher-forced cross-entropy over consecutive non-overlapping windows of `ids`."""
+    was_training = model.training
+    model.eval()
+    n_win = max(1, (len(ids) - 1) // seq_len)
+    if max_windows:
+        n_win = min(n_win, max_windows)
+    nats, tokens, nbytes = 0.0, 0, 0
+    for start in range(0, n_win, batch_size):
+        rows = []
+        for w in range(start, min(n_win, start + batch_size)):
+            rows.append(ids[w * seq_len: w * seq_len + seq_len + 1])
+        width = min(len(r) for r in rows)
+        x = torch.stack([r[:width] for r in rows])
+        logits = model.compute_logits(model(x[:, :-1]))
+        ce = F.cross_entropy(logits.transpose(1, 2).float(), x[:, 1:], reduction="sum")
+        nats += float(ce)
+        tokens += x[:, 1:].numel()
+        nbytes += int(token_bytes[x[:, 1:]].sum())
+    model.train(was_training)
+    return EvalResult(nats / max(tokens, 1), nats / math.log(2) / max(nbytes, 1), tokens, nbytes)
+
+
+def unigram_bits_per_byte(train_ids: torch.Tensor, eval_ids: torch.Tensor, token_bytes: torch.Tensor,
+                          vocab_size: int) -> float:
+    """The baseline a model must beat: token frequencies of the training stream (add-one
+    smoothed) as the prediction for every held-out token, in bits per byte."""
+    counts = torch.bincount(train_ids, minlength=vocab_size).double() + 1.0
+    logp = counts.log() - counts.sum().log()
+    targets = eval_ids[1:]
+    nats = -float(logp[targets].sum())
+    return nats / math.log(2) / max(int(token_bytes[targets].sum()), 1)
+
+
+def perplexity(model_dir: str | Path, text: str, seq_len: int | None = None, batch_size: int = 4,
+               max_windows: int | None = None) -> EvalResult:
+    """Perplexity and bits per byte of a model directory (or GGUF) on a text."""
+    from kvserve.model.loader import load_model
+
+    lm = load_model(str(model_dir), weight_format="fp32")
+    tok = lm.tokenizer
+    ids = torch.tensor(tok.encode(text, add_special_tokens=True), dtype=torch.long)
+    seq_len = min(seq_len or 512, lm.config.max_position_embeddings - 1)
+    return evaluate_stream(lm.model, ids, token_byte_lengths(tok), seq_len, batch_size, max_windows)
