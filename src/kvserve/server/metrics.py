@@ -68,8 +68,6 @@ class ServerMetrics:
                                lab, buckets=E2E_BUCKETS, registry=r)
         self.success = Counter(P + "request_success", "Finished requests by finish reason.",
                                lab + ["finished_reason"], registry=r)
-        self.http_errors = Counter(P + "http_request_errors", "Requests answered with an error status.",
-                                   ["status"], registry=r)
         self.gateway_waiting = Gauge(P + "gateway_requests_waiting",
                                      "Requests waiting in the gateway's admission queue.", registry=r)
         r.register(_EngineCollector(stats, model_name))
