@@ -117,7 +117,7 @@ def mount_webui(app: FastAPI, db_path: pathlib.Path) -> None:
     store = ConversationStore(db_path)
     app.state.conversation_store = store
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     async def index() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html", media_type="text/html", headers=_PAGE_HEADERS)
 

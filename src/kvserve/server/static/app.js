@@ -304,8 +304,14 @@ async function loadModels() {
     state.models = await listModels();
   } catch (e) {
     showError(e.message);
+    if (e instanceof ApiError && e.status === 401 && !$("settings-dialog").open) {
+      $("settings-note").textContent = "This server requires an API key.";
+      openSettings();
+      $("set-api-key").focus();
+    }
     return;
   }
+  $("settings-note").textContent = "";
   select.replaceChildren(...state.models.map((id) => new Option(id, id)));
   if (!state.models.includes(state.settings.model)) state.settings.model = state.models[0] || "";
   select.value = state.settings.model;
