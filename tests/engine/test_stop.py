@@ -43,9 +43,9 @@ def test_repetition_guard():
     assert not is_repeating([4, 4, 4], window=3, repeats=4)
     p = SamplingParams(repetition_guard={"window": 4, "repeats": 3}, max_tokens=100)
     out = [10, 11]
-    for t in [1, 2, 3, 1, 2, 3, 1, 2]:
+    for t in [21, 22, 23, 21, 22, 23, 21, 22]:
         out.append(t)
         assert check_stop(p, out, EOS, 100) is None
-    out.append(3)
+    out.append(23)
     assert check_stop(p, out, EOS, 100) == ("repetition", None)
     assert check_stop(SamplingParams(max_tokens=100), out, EOS, 100) is None   # off by default
