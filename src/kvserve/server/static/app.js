@@ -220,6 +220,8 @@ async function send(text) {
   state.current.messages.push(userMsg);
   renderMessages();
   await conversations.putMessages(state.current.id, [userMsg], index);
+  const listed = state.list.findIndex((c) => c.id === state.current.id);
+  if (listed > 0) { state.list.unshift(...state.list.splice(listed, 1)); renderList(); }
   await generate(index + 1);
 }
 
@@ -235,6 +237,7 @@ async function generate(index) {
   const node = $("messages").querySelector(`.msg[data-index="${index}"]`);
   const body = node.querySelector(".msg-body");
   node.classList.add("streaming");
+  node.setAttribute("aria-busy", "true");
   const controller = new AbortController();
   state.generating = { controller, index };
   setGenerating(true);
