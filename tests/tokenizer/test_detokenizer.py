@@ -150,3 +150,16 @@ def test_first_token_after_the_prompt_keeps_its_leading_space(tok):
     detok = IncrementalDetokenizer(tok, prompt_ids)
     assert "".join(stream(detok, ids)) == " a sentence"
     assert IncrementalDetokenizer(tok, []).add_tokens(ids) == " a sentence"
+
+
+def test_a_stop_token_text_is_left_out_unless_asked(tok, prompt):
+    im_end = tok.encode("<|im_end|>", add_special_tokens=False)
+    newline = tok.encode("\n", add_special_tokens=False)
+    ids = tok.encode("Hi there", add_special_tokens=False)
+    for end, keep in ((im_end, "<|im_end|>"), (newline, "\n")):
+        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=False)
+        text = detok.add_tokens(ids) + detok.add_tokens(end, stop_terminated=True) + detok.flush()
+        assert text == detok.text == "Hi there"
+        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=False, include_stop_str_in_output=True)
+        text = detok.add_tokens(ids) + detok.add_tokens(end, stop_terminated=True) + detok.flush()
+        assert text == "Hi there" + keep

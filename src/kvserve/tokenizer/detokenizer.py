@@ -72,9 +72,17 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         return self.stop_reason is not None
 
-    def add_tokens(self, token_ids: Sequence[int]) -> str:
-        """Append newly generated tokens; return the text that is now safe to stream."""
-        if self.stopped or not token_ids:
+    def add_tokens(self, token_ids: Sequence[int], *, stop_terminated: bool = False) -> str:
+        """Append newly generated tokens; return the text that is now safe to stream.
+
+        `stop_terminated=True` says the last token is EOS or a stop_token_id that ends the
+        request: its text is left out (as vLLM does) unless include_stop_str_in_output. Call
+        `flush()` afterwards as for any finish."""
+        if self.stopped:
+            return ""
+        if stop_terminated and not self.include_stop_str_in_output:
+            token_ids = token_ids[:-1]
+        if not token_ids:
             return ""
         self._ids.extend(token_ids)
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
