@@ -26,6 +26,7 @@
 
 #include <immintrin.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -71,11 +72,23 @@ struct Pool {
     pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
     pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
     std::atomic<bool> stop{false};
-    long spin_ns = 200000;  // how long an idle worker spins before sleeping
+    long spin_ns = 100000;  // how long an idle worker spins before sleeping
 };
 
 Pool g_pool;
 pthread_mutex_t g_call_mu = PTHREAD_MUTEX_INITIALIZER;
+
+// Wait politely: spin with pause first (the common case is a few microseconds), then yield the
+// core, since on an oversubscribed machine the thread we wait for may need it.
+template <class Pred>
+inline void spin_until(Pred done) {
+    for (int i = 0; !done(); i++) {
+        if (i < 4096)
+            _mm_pause();
+        else
+            sched_yield();
+    }
+}
 
 inline long now_ns() {
     timespec ts;
@@ -92,8 +105,11 @@ void *worker_main(void *p) {
             long t0 = now_ns();
             int spins = 0;
             while ((g = g_pool.generation.load(std::memory_order_acquire)) == seen) {
-                _mm_pause();
-                if (++spins % 64 == 0 && now_ns() - t0 > g_pool.spin_ns) break;
+                if (++spins < 2048)
+                    _mm_pause();
+                else
+                    sched_yield();
+                if (spins % 64 == 0 && now_ns() - t0 > g_pool.spin_ns) break;
             }
             if (g == seen) {
                 pthread_mutex_lock(&g_pool.mu);
@@ -124,7 +140,7 @@ void pool_run(kvs_task fn, void *arg) {
     pthread_cond_broadcast(&g_pool.cv);
     pthread_mutex_unlock(&g_pool.mu);
     fn(arg, 0, g_pool.nth);
-    while (g_pool.pending.load(std::memory_order_acquire) != 0) _mm_pause();
+    spin_until([] { return g_pool.pending.load(std::memory_order_acquire) == 0; });
 }
 
 void pool_stop() {
@@ -339,7 +355,7 @@ void linear_task(void *arg, int ith, int nth) {
         quantize_row_q8(job->x + (size_t)t * K, K, job->xq + (size_t)t * K, job->xd + (size_t)t * nb,
                         q4 ? job->xs + (size_t)t * nb : nullptr);
     job->quantized.fetch_add(1, std::memory_order_acq_rel);
-    while (job->quantized.load(std::memory_order_acquire) < nth) _mm_pause();
+    spin_until([&] { return job->quantized.load(std::memory_order_acquire) >= nth; });
     // phase 2: this thread's rows, in multiples of 4
     const int rows = w->rows;
     const int per = ((rows + nth - 1) / nth + 3) & ~3;

@@ -98,7 +98,8 @@ class GGUFQuantLinear(torch.nn.Module):
             raise ModelLoadError(f"GGUF weight type {qtype.name} has no packed kernel; dequantize it instead")
         if in_features % reference.QK:
             raise ModelLoadError(f"in_features={in_features} is not a multiple of the GGUF block size 32")
-        raw_t = torch.as_tensor(np.ascontiguousarray(raw, dtype=np.uint8))
+        raw = np.ascontiguousarray(raw, dtype=np.uint8)
+        raw_t = torch.from_numpy(raw if raw.flags.writeable else raw.copy())  # read-only mmap from GGUFReader
         expect = (out_features, in_features // reference.QK * reference.BLOCK_BYTES[qtype])
         if tuple(raw_t.shape) != expect:
             raise ModelLoadError(

@@ -1,0 +1,201 @@
+"""GGUF packed-weight Linear variants against the fp32 dequantized reference.
+
+Error bounds, relative Frobenius norm of y - y_ref over y_ref (y_ref in float64):
+  * int8 kernel path (Q4_0, Q4_1, Q8_0): x is quantized to int8 per 32-element block with scale
+    max|x|/127, so each element is off by at most max|x|/254 (uniform, RMS ~ step/sqrt(12)). For
+    Gaussian x, max|x| over 32 values is ~2.5 sigma, giving ~0.6% RMS relative error on x, which
+    passes to y unchanged in expectation (independent of W). The weights themselves are exact
+    (integer dot products, fp32 scales). Bound: 2% (3x margin); measured ~0.55%.
+  * bf16 path (large T): x, W and y each rounded to bf16 (relative 2^-9 = 0.2%), accumulation in
+    fp32: ~0.3% expected. Bound: 1%.
+  * torch fallback: fp32 dequantized weights and fp32 matmul: 1e-5.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from kvserve.errors import ModelLoadError
+from kvserve.model.quant import DenseLinear, GGUFQuantLinear, load_kernels, reference, supports
+
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+SHAPES = [(192, 576), (37, 64), (576, 1536)]   # (out, in); 37 rows: not a multiple of the 4-row tile
+BATCHES = [1, 7, 64]
+INT8_BOUND = 0.02
+BF16_BOUND = 0.01
+
+requires_kernels = pytest.mark.skipif(load_kernels() is None, reason="compiled kernels unavailable here")
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def make(qtype: Q, out_f: int, in_f: int, seed: int = 0, bias: bool = False):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((out_f, in_f)).astype(np.float32)
+    raw = quantize(w, qtype)
+    ref_w = torch.from_numpy(dequantize(raw, qtype)).double()
+    b = torch.from_numpy(rng.standard_normal(out_f).astype(np.float32)) if bias else None
+    return raw, ref_w, b
+
+
+def kernel_layer(raw, qtype, in_f, out_f, bias=None) -> GGUFQuantLinear:
+    layer = GGUFQuantLinear(raw, qtype, in_f, out_f, bias)
+    layer.bf16_min_tokens = None if layer.weight_bf16 is None else 10**9   # force the int8 kernel
+    return layer
+
+
+def test_supports():
+    assert all(supports(q) for q in FORMATS)
+    assert not supports(Q.Q6_K) and not supports(Q.F32)
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_reference_dequantize_matches_gguf(qtype):
+    raw, ref_w, _ = make(qtype, 48, 96)
+    assert torch.equal(reference.dequantize(raw, qtype, 96).double(), ref_w)
+
+
+@requires_kernels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_repack_is_exact(qtype):
+    raw, ref_w, _ = make(qtype, 37, 160)
+    layer = GGUFQuantLinear(raw, qtype, 160, 37)
+    assert torch.equal(layer.dequantized_weight().double(), ref_w)
+
+
+@requires_kernels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("T", BATCHES)
+def test_int8_kernel_matches_reference(qtype, shape, T):
+    out_f, in_f = shape
+    raw, ref_w, _ = make(qtype, out_f, in_f, seed=T)
+    layer = kernel_layer(raw, qtype, in_f, out_f)
+    x = torch.randn(T, in_f, generator=torch.Generator().manual_seed(T))
+    y = layer(x)
+    assert y.shape == (T, out_f) and y.dtype == torch.float32
+    assert rel_err(y, x.double() @ ref_w.T) < INT8_BOUND
+
+
+@requires_kernels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_bias_and_leading_dims(qtype):
+    raw, ref_w, b = make(qtype, 64, 128, bias=True)
+    layer = kernel_layer(raw, qtype, 128, 64, b)
+    x = torch.randn(2, 5, 128)
+    y = layer(x)
+    assert y.shape == (2, 5, 64)
+    assert rel_err(y, x.double() @ ref_w.T + b.double()) < INT8_BOUND
+
+
+@requires_kernels
+def test_thread_counts_give_identical_results():
+    lib = load_kernels()
+    raw, _, _ = make(Q.Q4_1, 576, 576)
+    layer = kernel_layer(raw, Q.Q4_1, 576, 576)
+    x = torch.randn(7, 576)
+    before = lib.kvs_get_num_threads()
+    try:
+        lib.kvs_set_num_threads(1)
+        y1 = layer(x)
+        lib.kvs_set_num_threads(2)
+        y2 = layer(x)
+    finally:
+        lib.kvs_set_num_threads(before)
+    assert torch.equal(y1, y2)
+
+
+@requires_kernels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_bf16_path_for_large_batches(qtype):
+    raw, ref_w, b = make(qtype, 192, 576, bias=True)
+    layer = GGUFQuantLinear(raw, qtype, 576, 192, b)
+    if layer.weight_bf16 is None:
+        layer.weight_bf16 = reference.dequantize(raw, qtype, 576).to(torch.bfloat16)
+    layer.bf16_min_tokens = 16
+    x = torch.randn(64, 576)
+    assert rel_err(layer(x), x.double() @ ref_w.T + b.double()) < BF16_BOUND
+
+
+@requires_kernels
+def test_real_model_tensor():
+    """A Q4_1 projection and the Q8_0 embedding of the default model, as GGUFReader gives them."""
+    from kvserve.model.gguf_loader import open_gguf
+    from kvserve.model.registry import resolve
+
+    reader = open_gguf(resolve(None).path)
+    tensors = {t.name: t for t in reader.tensors}
+    for name in ("blk.0.ffn_down.weight", "token_embd.weight"):
+        t = tensors[name]
+        in_f, out_f = (int(n) for n in t.shape)
+        ref_w = torch.from_numpy(dequantize(t.data, t.tensor_type)).double()
+        layer = kernel_layer(t.data, t.tensor_type, in_f, out_f)
+        x = torch.randn(7, in_f)
+        assert rel_err(layer(x), x.double() @ ref_w.T) < INT8_BOUND
+
+
+def test_rejects_bad_input():
+    raw, _, _ = make(Q.Q4_1, 8, 64)
+    with pytest.raises(ModelLoadError):
+        GGUFQuantLinear(raw, Q.Q4_1, 64, 9)          # byte shape does not match out_features
+    with pytest.raises(ModelLoadError):
+        GGUFQuantLinear(np.zeros((4, 210), np.uint8), Q.Q6_K, 256, 4)   # no packed Q6_K kernel (yet)
+
+
+def test_fallback_without_kernels(tmp_path):
+    """With the kernels disabled, layers warn once and compute with dequantized fp32 weights."""
+    code = """
+import numpy as np, torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from kvserve.model.quant import GGUFQuantLinear
+w = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
+ok = True
+for qt in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+    raw = quantize(w, qt)
+    layer = GGUFQuantLinear(raw, qt, 96, 48)
+    assert layer.lib is None and layer.weight_f32 is not None
+    x = torch.randn(7, 96)
+    ref = x.double() @ torch.from_numpy(dequantize(raw, qt)).double().T
+    err = float((layer(x).double() - ref).norm() / ref.norm())
+    ok = ok and err < 1e-5
+print("OK" if ok else "BAD")
+"""
+    env = {**os.environ, "KVSERVE_NO_KERNELS": "1", "KVSERVE_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "OK"
+    assert proc.stderr.count("fast CPU kernels unavailable") == 1
+
+
+@pytest.mark.skipif(load_kernels() is None, reason="no compiler or CPU support")
+def test_builds_from_source_into_cache(tmp_path, monkeypatch):
+    from kvserve.model.quant import build
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    path = build.build()
+    assert path.is_file() and path.parent == tmp_path / "kernels"
+    assert build.build() == path                     # cached: same file, no rebuild
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-6), (torch.bfloat16, BF16_BOUND)])
+@pytest.mark.parametrize("T", BATCHES)
+def test_dense_linear(dtype, bound, T):
+    w = torch.randn(192, 576)
+    b = torch.randn(192)
+    layer = DenseLinear(w.to(dtype), b)
+    x = torch.randn(T, 576)
+    y = layer(x)
+    assert y.dtype == torch.float32
+    assert rel_err(y, x.double() @ w.double().T + b.double()) < bound
