@@ -1,0 +1,63 @@
+"""Engine options (the keyword arguments of `LLM` and `AsyncEngine.from_model`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.errors import InvalidRequest
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    # KV cache budget: bytes (int), a fraction of RAM (0 < float <= 1), or a string like "2GiB".
+    kv_cache_memory: int | float | str = "1GiB"
+    block_size: int = 16
+    max_num_seqs: int = 64                 # most sequences in one step
+    max_num_batched_tokens: int = 512      # token budget per step (chunked prefill size)
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None       # default: the model's context length
+    kv_cache_dtype: str = "fp32"
+    weight_format: str = "auto"
+    num_threads: int | None = None         # torch intra-op threads (default: all cores)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidRequest(f"{name} must be a positive integer, got {v!r}", param=name)
+        if self.kv_cache_dtype not in _DTYPES:
+            raise InvalidRequest(f"kv_cache_dtype must be one of {sorted(_DTYPES)}", param="kv_cache_dtype")
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return _DTYPES[self.kv_cache_dtype]
+
+    def kv_cache_bytes(self) -> int:
+        v = self.kv_cache_memory
+        if isinstance(v, str):
+            return parse_bytes(v)
+        if isinstance(v, float) and 0 < v <= 1:
+            return int(v * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 1:
+            return int(v)
+        raise InvalidRequest(f"kv_cache_memory must be bytes, a fraction of RAM in (0, 1] or a size like "
+                             f"'2GiB', got {v!r}", param="kv_cache_memory")
+
+
+def parse_bytes(s: str) -> int:
+    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+             "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
+    t = s.strip().lower().replace(" ", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    try:
+        if t[len(num):] in units and float(num) > 0:
+            return int(float(num) * units[t[len(num):]])
+    except ValueError:
+        pass
+    raise InvalidRequest(f"cannot read {s!r} as a size: use e.g. 512MiB or 2GiB", param="kv_cache_memory")
