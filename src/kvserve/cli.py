@@ -1,0 +1,204 @@
+"""The `kvserve` command: run | chat | models | serve | keys | bench | train | eval."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import typer
+
+from kvserve.errors import KVServeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="kvserve: an LLM serving system. `kvserve run \"question\"` to try it.")
+
+MODEL_HELP = "Model: a built-in name (see `kvserve models`), a .gguf file or a Hugging Face directory."
+
+
+def _fail(e: KVServeError) -> None:
+    typer.echo(f"error: {e.message}", err=True)
+    raise typer.Exit(1)
+
+
+def _load_engine(model: str | None, weight_format: str, max_model_len: int | None = None):
+    from rich.console import Console
+
+    from kvserve.engine.config import EngineConfig
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.model.loader import load_model
+
+    with Console(stderr=True).status(f"Loading {model or 'the default model'}..."):
+        loaded = load_model(model, weight_format=weight_format)
+        cfg = EngineConfig(weight_format=weight_format, kv_cache_memory="256MiB", max_model_len=max_model_len)
+        return LLMEngine(loaded.model, loaded.tokenizer, cfg, model_name=loaded.source.name)
+
+
+def _stream(engine, prompt_ids: list[int], params, request_id: str) -> str:
+    """Generate and print the answer as it comes; Ctrl-C stops the answer (engine.abort)."""
+    engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+    text = []
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                delta = out.outputs[0].text_delta
+                if delta:
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+                    text.append(delta)
+    except KeyboardInterrupt:
+        engine.abort(request_id)
+        sys.stdout.write(" [stopped]")
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return "".join(text)
+
+
+def _params(temperature: float, top_p: float, max_tokens: int, seed: int | None):
+    from kvserve.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+
+
+@app.command()
+def run(
+    prompt: str = typer.Argument(..., help="The question (or text, with --raw); '-' reads standard input."),
+    model: str = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    temperature: float = typer.Option(0.7, help="0 means greedy."),
+    top_p: float = typer.Option(0.9, "--top-p"),
+    max_tokens: int = typer.Option(256, "--max-tokens"),
+    seed: int = typer.Option(None, help="Seed for reproducible sampling."),
+    system: str = typer.Option(None, help="System prompt."),
+    raw: bool = typer.Option(False, help="Continue the text as is, without the chat template."),
+    weight_format: str = typer.Option("auto", help="auto | fp32 | bf16 | fp16 | gguf"),
+) -> None:
+    """Answer one prompt, streaming the answer to the terminal."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    try:
+        params = _params(temperature, top_p, max_tokens, seed)
+        engine = _load_engine(model, weight_format)
+        tok = engine.tokenizer
+        if raw:
+            ids = tok.encode(prompt)
+        else:
+            msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            ids = tok.apply_chat_template(msgs, tokenize=True)
+        _stream(engine, ids, params, "run")
+    except KVServeError as e:
+        _fail(e)
+
+
+@app.command()
+def chat(
+    model: str = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    temperature: float = typer.Option(0.7),
+    top_p: float = typer.Option(0.9, "--top-p"),
+    max_tokens: int = typer.Option(512, "--max-tokens"),
+    system: str = typer.Option(None, help="System prompt."),
+    weight_format: str = typer.Option("auto", help="auto | fp32 | bf16 | fp16 | gguf"),
+) -> None:
+    """Multi-turn chat in the terminal. /reset, /system TEXT, /exit; Ctrl-C stops an answer."""
+    try:
+        import readline  # noqa: F401 - line editing and history for input()
+    except ImportError:
+        pass
+    try:
+        params = _params(temperature, top_p, max_tokens, None)
+        engine = _load_engine(model, weight_format)
+    except KVServeError as e:
+        _fail(e)
+    tok = engine.tokenizer
+    history: list[dict] = []
+    turn = 0
+    typer.echo(f"kvserve chat with {engine.model_name}. /reset clears, /system TEXT sets the system prompt, "
+               "/exit quits; Ctrl-C stops an answer.", err=True)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            typer.echo("")
+            return
+        except KeyboardInterrupt:
+            typer.echo("")
+            continue
+        cmd = line.strip()
+        if not cmd:
+            continue
+        if cmd in ("/exit", "/quit", "/bye"):
+            return
+        if cmd == "/reset":
+            history.clear()
+            typer.echo("(conversation cleared)", err=True)
+            continue
+        if cmd.startswith("/system"):
+            system = cmd[len("/system"):].strip() or None
+            typer.echo(f"(system prompt {'set' if system else 'cleared'})", err=True)
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            ids = _fit(tok, system, history, engine.max_model_len - max_tokens)
+            answer = _stream(engine, ids, params, f"chat-{turn}")
+        except KVServeError as e:
+            history.pop()
+            typer.echo(f"error: {e.message}", err=True)
+            continue
+        turn += 1
+        history.append({"role": "assistant", "content": answer})
+
+
+def _fit(tok, system: str | None, history: list[dict], budget: int) -> list[int]:
+    """Render the conversation, dropping the oldest turns until it fits in `budget` tokens."""
+    from kvserve.errors import ContextLengthExceeded
+
+    while True:
+        msgs = ([{"role": "system", "content": system}] if system else []) + history
+        ids = tok.apply_chat_template(msgs, tokenize=True)
+        if len(ids) <= budget:
+            return ids
+        if len(history) <= 1:
+            raise ContextLengthExceeded(f"the message is {len(ids)} tokens, more than the {budget} that fit; "
+                                        "shorten it or lower --max-tokens")
+        del history[:2]   # the oldest user turn and its answer
+
+
+@app.command()
+def models() -> None:
+    """List the models kvserve can load and where they come from."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvserve.model.registry import list_models
+
+    t = Table(title="Built-in models")
+    for col in ("name", "installed", "path", "origin"):
+        t.add_column(col)
+    for m in list_models():
+        t.add_row(m["name"], "yes" if m["installed"] else "no", m["path"] or "-", m["origin"])
+    c = Console()
+    c.print(t)
+    c.print("Also accepted by --model: any .gguf file (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, "
+            "Q5_K, Q6_K; Llama, Mistral, Qwen2 architectures) and any Hugging Face model directory "
+            "(config.json, *.safetensors, tokenizer.json).")
+
+
+def _mount() -> None:
+    from kvserve.server.cli import keys_app, serve
+
+    app.command(help="Serve the OpenAI-compatible API and the web chat page.")(serve)
+    app.add_typer(keys_app, name="keys")
+    # Sub-apps whose modules may be absent in a partial install.
+    for module, attr, name in (("kvserve.bench.cli", "app", "bench"), ("kvserve.train.cli", "train_app", "train"),
+                               ("kvserve.train.cli", "eval_app", "eval")):
+        if importlib.util.find_spec(module) is not None:
+            app.add_typer(getattr(importlib.import_module(module), attr), name=name)
+
+
+_mount()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
