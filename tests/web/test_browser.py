@@ -126,7 +126,7 @@ GROWTH_OBSERVER = """() => {
 def test_chat_streams_inspects_and_survives_reload(server, browser):
     page, errors = open_page(browser, server, "web-test-chat")
     assert page.locator("#model-select option").count() >= 1
-    set_settings_via_dialog(page, max_tokens=40, temperature=0)
+    set_settings_via_dialog(page, max_tokens=24, temperature=0)
     page.evaluate(GROWTH_OBSERVER)
     page.fill("#prompt", "What is the capital of France?")
     page.keyboard.press("Enter")
@@ -204,10 +204,10 @@ def test_stop_halts_generation_and_frees_the_request(server, browser):
     while metric(server, "num_requests_running") != 0:
         assert time.monotonic() < deadline, "the engine still runs the stopped request"
         time.sleep(0.1)
-    generated = metric(server, "generation_tokens")
+    generated = metric(server, "generation_tokens_total")
     text = page.inner_text(".msg.assistant .msg-body")
     time.sleep(1.0)
-    assert metric(server, "generation_tokens") == generated
+    assert metric(server, "generation_tokens_total") == generated
     assert page.inner_text(".msg.assistant .msg-body") == text
 
     page.reload()
