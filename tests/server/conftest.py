@@ -114,3 +114,18 @@ class ModelServer:
 
     def access_log(self) -> list[str]:
         return [line for line in self.log_path.read_text().splitlines() if line.startswith('{"ts"')]
+
+
+@pytest.fixture(scope="session")
+def model_server():
+    """Factory: `model_server(data_dir, *cli_args)` starts a ModelServer; all are stopped at the end."""
+    started: list[ModelServer] = []
+
+    def make(data_dir: pathlib.Path, *args: str) -> ModelServer:
+        server = ModelServer(data_dir, *args)
+        started.append(server)
+        return server.start()
+
+    yield make
+    for server in started:
+        server.stop()

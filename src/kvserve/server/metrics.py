@@ -28,6 +28,7 @@ ENGINE_STATS = {
     "num_requests_running": ("num_requests_running", "gauge", "Requests in the engine's running batch."),
     "num_requests_waiting": ("num_requests_waiting", "gauge", "Requests waiting in the engine's scheduler."),
     "kv_cache_usage_perc": ("kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (0-1)."),
+    "kv_blocks_used": ("kv_cache_blocks_used", "gauge", "KV-cache blocks held by requests."),
     "prefix_cache_queries": ("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache."),
     "prompt_tokens": ("prompt_tokens", "counter", "Prefill tokens processed."),
