@@ -268,3 +268,52 @@ def test_untrusted_markup_renders_as_text_and_runs_nothing(server, browser, bypa
     assert out["hrefs"] == ['https://ok.example/?a="b']
     assert "[click](javascript:alert(3))" in out["text"] and "<svg onload=alert(11)>" in out["text"]
     assert errors == []
+
+
+def test_phone_viewport_theme_and_keyboard(server, browser):
+    client = "web-test-phone"
+    conv = httpx.post(f"{server}/v1/kvserve/conversations", headers={"X-KVServe-Client": client},
+                      json={"title": "Saved chat", "messages": [
+                          {"role": "user", "content": "Show me code"},
+                          {"role": "assistant", "content": "Sure:\n\n```python\nprint('hi')\n```\n\n- one\n- two"}]}).json()
+    ctx = browser.new_context(viewport={"width": 390, "height": 800}, color_scheme="dark", is_mobile=True,
+                              has_touch=True)
+    ctx.add_init_script(f"localStorage.setItem('kvserve.clientId', {json.dumps(client)});")
+    page = ctx.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(f"{server}/#c={conv['id']}")
+    wait_until(page, "document.documentElement.dataset.ready === '1'", 30, "page ready")
+
+    # The sidebar is a drawer on a phone: off screen until the menu button opens it.
+    assert not page.locator(".conv-open").first.is_visible() or page.evaluate(
+        "document.getElementById('sidebar').getBoundingClientRect().right <= 0")
+    page.click("#toggle-sidebar")
+    wait_until(page, "document.getElementById('sidebar').getBoundingClientRect().left >= 0", 5, "drawer open")
+    assert page.locator(".conv-open").all_inner_texts() == ["Saved chat"]
+    page.keyboard.press("Escape")
+    assert page.get_attribute("#toggle-sidebar", "aria-expanded") == "false"
+    wait_until(page, "document.getElementById('sidebar').getBoundingClientRect().right <= 0", 5, "drawer closed")
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")  # nothing overflows sideways
+    assert page.locator(".msg.assistant pre code").inner_text() == "print('hi')"
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "web-chat-phone-dark.png"))
+
+    # Theme toggle flips the system (dark) scheme to light, and it sticks across a reload.
+    bg = page.evaluate("getComputedStyle(document.body).backgroundColor")
+    page.click("#toggle-sidebar")
+    page.click("#theme-toggle")
+    assert page.evaluate("document.documentElement.dataset.theme") == "light"
+    assert page.evaluate("getComputedStyle(document.body).backgroundColor") != bg
+    page.reload()
+    wait_until(page, "document.documentElement.dataset.ready === '1'", 30, "reloaded")
+    assert page.evaluate("document.documentElement.dataset.theme") == "light"
+
+    # Shift+Enter adds a line instead of sending; the composer is reachable from the keyboard.
+    page.focus("#prompt")
+    page.keyboard.type("line one")
+    page.keyboard.press("Shift+Enter")
+    page.keyboard.type("line two")
+    assert page.input_value("#prompt") == "line one\nline two"
+    assert page.locator(".msg").count() == 2
+    assert errors == []

@@ -73,7 +73,7 @@ function renderList() {
     const open = button(conv.title, "conv-open", () => openConversation(conv.id));
     if (state.current?.id === conv.id) open.setAttribute("aria-current", "page");
     const rename = button("✎", "btn-icon conv-action", () => startRename(li, conv), { "aria-label": `Rename ${conv.title}` });
-    const del = button("🗑", "btn-icon conv-action", () => confirmDelete(conv), { "aria-label": `Delete ${conv.title}` });
+    const del = button("✕", "btn-icon conv-action", () => confirmDelete(conv), { "aria-label": `Delete ${conv.title}` });
     li.append(open, rename, del);
     ul.append(li);
   }
