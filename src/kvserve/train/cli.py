@@ -1,0 +1,206 @@
+"""`kvserve train tokenizer|pretrain|sft|dpo|grpo` and `kvserve eval perplexity`.
+
+Each subcommand is a thin layer over its stage's config dataclass; the same commands run under
+`torchrun --nproc_per_node N -m kvserve.train ...` for data-parallel training.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from kvserve.errors import KVServeError
+
+train_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                        help="Train models kvserve serves: tokenizer, pretraining, SFT, DPO, GRPO.")
+eval_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Evaluate models.")
+
+OUT = typer.Option(..., "--out", help="Output directory (HF-format model, checkpoint, metrics.jsonl, loss_curve.png).")
+RESUME = typer.Option(False, "--resume", help="Continue from the checkpoint in --out.")
+
+
+def _fail(e: KVServeError) -> None:
+    typer.echo(f"error: {e.message}", err=True)
+    raise typer.Exit(1)
+
+
+def _summary(result: dict, keys: tuple[str, ...]) -> None:
+    shown = {k: result[k] for k in keys if k in result}
+    typer.echo(json.dumps(shown, indent=2, default=str))
+
+
+def _threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+@train_app.command("tokenizer")
+def tokenizer_cmd(
+    out: str = OUT,
+    corpus: str = typer.Option(None, help="Text file or directory; default: the bundled public-domain corpus."),
+    vocab_size: int = typer.Option(4096, "--vocab-size"),
+    max_chars: int = typer.Option(None, "--max-chars", help="Use only the first N characters."),
+) -> None:
+    """Train a byte-level BPE tokenizer with ChatML special tokens; reports compression."""
+    from kvserve.train.data import load_corpus, split_documents
+    from kvserve.train.tokenizer_train import bytes_per_token, save_tokenizer, train_tokenizer
+
+    try:
+        train, held = split_documents(load_corpus(corpus, max_chars))
+        tok = train_tokenizer(train, vocab_size)
+        save_tokenizer(tok, out)
+    except KVServeError as e:
+        _fail(e)
+    held_text = "\n\n".join(held)
+    typer.echo(json.dumps({"out": out, "vocab_size": tok.get_vocab_size(),
+                           "train_bytes_per_token": round(bytes_per_token(tok, "\n\n".join(train[:200])), 3),
+                           "heldout_bytes_per_token": round(bytes_per_token(tok, held_text), 3)}, indent=2))
+
+
+@train_app.command("pretrain")
+def pretrain_cmd(
+    out: str = OUT,
+    tokenizer: str = typer.Option(..., help="Directory written by `kvserve train tokenizer`."),
+    corpus: str = typer.Option(None, help="Text file or directory; default: the bundled corpus."),
+    size: str = typer.Option("tiny", help="nano | tiny | small"),
+    seq_len: int = typer.Option(256, "--seq-len"),
+    batch_size: int = typer.Option(16, "--batch-size", help="Rows per micro-batch, over all processes."),
+    grad_accum: int = typer.Option(1, "--grad-accum"),
+    lr: float = typer.Option(3e-3),
+    warmup_steps: int = typer.Option(20, "--warmup-steps"),
+    max_steps: int = typer.Option(None, "--max-steps", help="Default 1000, or fitted to --max-minutes."),
+    max_minutes: float = typer.Option(None, "--max-minutes"),
+    max_chars: int = typer.Option(None, "--max-chars"),
+    eval_every: int = typer.Option(100, "--eval-every"),
+    checkpoint_every: int = typer.Option(100, "--checkpoint-every"),
+    seed: int = typer.Option(0),
+    threads: int = typer.Option(None, help="torch threads per process."),
+    resume: bool = RESUME,
+) -> None:
+    """Pretrain a small Llama-style model with teacher forcing on packed sequences."""
+    from kvserve.train.pretrain import PretrainConfig, pretrain
+
+    _threads(threads)
+    try:
+        r = pretrain(PretrainConfig(
+            tokenizer=tokenizer, out=out, corpus=corpus, max_chars=max_chars, size=size, seq_len=seq_len,
+            batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps, max_steps=max_steps,
+            max_minutes=max_minutes, eval_every=eval_every, checkpoint_every=checkpoint_every, seed=seed,
+            resume=resume))
+    except KVServeError as e:
+        _fail(e)
+    if "val_bpb" in r:
+        _summary(r, ("out", "steps", "params", "val_loss", "val_bpb", "unigram_bpb"))
+
+
+@train_app.command("sft")
+def sft_cmd(
+    model: str = typer.Option(..., help="HF-format model directory (e.g. the pretrain output)."),
+    data: str = typer.Option(..., help='JSONL: {"messages": [{"role": ..., "content": ...}, ...]} per line.'),
+    out: str = OUT,
+    epochs: int = typer.Option(3),
+    max_steps: int = typer.Option(None, "--max-steps"),
+    batch_size: int = typer.Option(8, "--batch-size"),
+    lr: float = typer.Option(1e-3),
+    max_len: int = typer.Option(512, "--max-len"),
+    seed: int = typer.Option(0),
+    debug: bool = typer.Option(False, help="Print the first example with its trained tokens in «»."),
+    threads: int = typer.Option(None),
+    resume: bool = RESUME,
+) -> None:
+    """Supervised fine-tuning on chats; loss on assistant tokens only."""
+    from kvserve.train.sft import SFTConfig, sft
+
+    _threads(threads)
+    try:
+        r = sft(SFTConfig(model=model, data=data, out=out, epochs=epochs, max_steps=max_steps,
+                          batch_size=batch_size, lr=lr, max_len=max_len, seed=seed, debug=debug, resume=resume))
+    except KVServeError as e:
+        _fail(e)
+    _summary(r, ("out", "steps"))
+
+
+@train_app.command("dpo")
+def dpo_cmd(
+    model: str = typer.Option(..., help="HF-format model directory (usually the SFT output)."),
+    data: str = typer.Option(..., help='JSONL: {"prompt": ..., "chosen": ..., "rejected": ...} per line.'),
+    out: str = OUT,
+    beta: float = typer.Option(0.1),
+    epochs: int = typer.Option(3),
+    max_steps: int = typer.Option(None, "--max-steps"),
+    batch_size: int = typer.Option(8, "--batch-size"),
+    lr: float = typer.Option(5e-4),
+    seed: int = typer.Option(0),
+    threads: int = typer.Option(None),
+    resume: bool = RESUME,
+) -> None:
+    """Direct Preference Optimization against a frozen reference copy of --model."""
+    from kvserve.train.dpo import DPOConfig, dpo
+
+    _threads(threads)
+    try:
+        r = dpo(DPOConfig(model=model, data=data, out=out, beta=beta, epochs=epochs, max_steps=max_steps,
+                          batch_size=batch_size, lr=lr, seed=seed, resume=resume))
+    except KVServeError as e:
+        _fail(e)
+    _summary(r, ("out", "steps", "reward_accuracy", "reward_margin"))
+
+
+@train_app.command("grpo")
+def grpo_cmd(
+    model: str = typer.Option(..., help="HF-format model directory (usually the SFT output)."),
+    out: str = OUT,
+    task: str = typer.Option("arithmetic"),
+    max_operand: int = typer.Option(9, "--max-operand"),
+    group_size: int = typer.Option(8, "--group-size"),
+    prompts_per_step: int = typer.Option(4, "--prompts-per-step"),
+    max_steps: int = typer.Option(50, "--max-steps"),
+    max_tokens: int = typer.Option(8, "--max-tokens"),
+    temperature: float = typer.Option(1.0),
+    kl_coef: float = typer.Option(0.0, "--kl-coef", help="KL penalty to the starting model (0 = off)."),
+    no_std: bool = typer.Option(False, "--no-std", help="Advantage = reward - group mean, not divided by std."),
+    lr: float = typer.Option(2e-4),
+    seed: int = typer.Option(0),
+    threads: int = typer.Option(None),
+    resume: bool = RESUME,
+) -> None:
+    """Group Relative Policy Optimization with a verifiable reward, sampling through kvserve's engine."""
+    from kvserve.train.grpo import GRPOConfig, grpo
+
+    _threads(threads)
+    try:
+        r = grpo(GRPOConfig(model=model, out=out, task=task, max_operand=max_operand, group_size=group_size,
+                            prompts_per_step=prompts_per_step, max_steps=max_steps, max_tokens=max_tokens,
+                            temperature=temperature, kl_coef=kl_coef, scale_rewards=not no_std, lr=lr,
+                            seed=seed, resume=resume))
+    except KVServeError as e:
+        _fail(e)
+    _summary(r, ("out", "eval_reward_before", "eval_reward_after"))
+
+
+@eval_app.command("perplexity")
+def perplexity_cmd(
+    model: str = typer.Option(None, help="Model directory, .gguf file or built-in name."),
+    text: str = typer.Option(None, help="Text file; default: the held-out part of the bundled corpus."),
+    seq_len: int = typer.Option(512, "--seq-len"),
+    max_windows: int = typer.Option(None, "--max-windows", help="Evaluate at most this many windows."),
+    threads: int = typer.Option(None),
+) -> None:
+    """Perplexity and bits per byte of a model on a text."""
+    from kvserve.train.data import load_corpus, split_documents
+    from kvserve.train.evaluate import perplexity
+
+    _threads(threads)
+    try:
+        body = Path(text).read_text(errors="replace") if text else "\n\n".join(split_documents(load_corpus())[1])
+        r = perplexity(model, body, seq_len=seq_len, max_windows=max_windows)
+    except KVServeError as e:
+        _fail(e)
+    except OSError as e:
+        typer.echo(f"error: cannot read {text}: {e.strerror}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.as_dict().items()}, indent=2))

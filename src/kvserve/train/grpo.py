@@ -1,0 +1,176 @@
+"""GRPO (Group Relative Policy Optimization): learn from a checkable reward, no value model.
+
+Each step, for every prompt, sample a *group* of G completions through kvserve's own engine
+(`kvserve.LLM` sharing the very model being trained), score each with a verifiable reward
+(here: is the arithmetic answer exactly right?), and push up the completions that did better
+than their siblings:
+
+    A_i   = (r_i − mean(r_group)) [/ std(r_group)]              group-relative advantage
+    loss  = −mean_i [ A_i · mean_t ρ_t ] + β_KL · mean_i mean_t KL_t
+    ρ_t   = π(y_t)/π_old(y_t)   (= 1 in value, ∇ log π in gradient: one update per sample batch,
+                                 so PPO's clipping never engages and is left out)
+    KL_t  = π_ref/π − log(π_ref/π) − 1                           (k3 estimator, optional)
+
+Groups whose completions all scored the same carry no signal (A = 0). The engine and the
+trainer share one set of weights; prefix caching is off so no KV block computed with old
+weights is reused after an update. Sampling seeds derive from (seed, step), so a resumed run
+draws the same samples.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.errors import InvalidRequest
+from kvserve.train.common import frozen, init_distributed, pad_rows, token_logprobs, trainable
+from kvserve.train.export import export_hf
+from kvserve.train.loop import LoopConfig, run_loop
+
+
+@dataclass
+class ArithmeticTask:
+    """'What is 3+4?' -> reward 1 if the first integer in the reply is exactly 7, else 0."""
+
+    max_operand: int = 9
+    ops: str = "+"
+
+    def problems(self) -> list[tuple[str, str]]:
+        out = []
+        for a in range(self.max_operand + 1):
+            for b in range(self.max_operand + 1):
+                for op in self.ops:
+                    ans = {"+": a + b, "-": a - b, "*": a * b}[op]
+                    out.append((f"What is {a}{op}{b}?", str(ans)))
+        return out
+
+    @staticmethod
+    def reward(completion: str, answer: str) -> float:
+        m = re.search(r"-?\d+", completion)
+        return float(m is not None and m.group() == answer)
+
+
+TASKS = {"arithmetic": ArithmeticTask}
+
+
+@dataclass
+class GRPOConfig:
+    model: str                       # HF-format directory (usually the SFT output); also the KL reference
+    out: str
+    task: str = "arithmetic"
+    max_operand: int = 9
+    group_size: int = 8              # completions sampled per prompt
+    prompts_per_step: int = 4
+    max_steps: int = 50
+    max_tokens: int = 8              # longest completion
+    temperature: float = 1.0
+    scale_rewards: bool = True       # divide advantages by the group's std
+    kl_coef: float = 0.0             # β_KL; 0 = no reference model
+    lr: float = 2e-4
+    warmup_steps: int = 5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_prompts: int = 32           # mean reward on this many fixed problems, before and after training,
+    eval_samples: int = 16           # ... sampled this many times each (seeded, at --temperature)
+    seed: int = 0
+    checkpoint_every: int = 50
+    resume: bool = False
+    stop_after_steps: int | None = None
+
+
+def group_advantages(rewards: torch.Tensor, scale: bool = True) -> torch.Tensor:
+    """rewards [P, G] -> advantages [P, G]: reward minus group mean (optionally / group std)."""
+    adv = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale:
+        adv = adv / (rewards.std(dim=1, keepdim=True) + 1e-4)
+    return adv
+
+
+def completion_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                        pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of each completion given its prompt [N, L] and the completion mask [N, L]."""
+    seqs = [p + c for p, c in zip(prompt_ids, completion_ids)]
+    ids = pad_rows(seqs, pad_id)
+    logp = token_logprobs(model, ids[:, :-1], ids[:, 1:])
+    pos = torch.arange(ids.shape[1] - 1)
+    starts = torch.tensor([len(p) - 1 for p in prompt_ids])
+    ends = torch.tensor([len(s) - 1 for s in seqs])
+    mask = (pos[None] >= starts[:, None]) & (pos[None] < ends[:, None])
+    return logp, mask.float()
+
+
+def mean_reward(llm, tok, task, problems: list[tuple[str, str]], params) -> float:
+    prompts = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True)}
+               for q, _ in problems]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    rewards = [task.reward(c.text, a) for o, (_, a) in zip(outs, problems) for c in o.outputs]
+    return sum(rewards) / max(len(rewards), 1)
+
+
+def grpo(cfg: GRPOConfig) -> dict:
+    from kvserve import LLM, SamplingParams
+    from kvserve.model.loader import load_model
+
+    if cfg.task not in TASKS:
+        raise InvalidRequest(f"unknown task {cfg.task!r}; choose one of {', '.join(TASKS)}", param="task")
+    if cfg.group_size < 2:
+        raise InvalidRequest("group size must be at least 2: advantages compare siblings", param="group_size")
+    info = init_distributed()
+    torch.manual_seed(cfg.seed)
+    task = TASKS[cfg.task](max_operand=cfg.max_operand)
+    problems = task.problems()
+    lm = load_model(cfg.model, weight_format="fp32")
+    tok, model = lm.tokenizer, trainable(lm.model)
+    reference = frozen(copy.deepcopy(model)) if cfg.kl_coef > 0 else None
+    llm = LLM(model, tokenizer=tok, kv_cache_memory="64MiB", enable_prefix_caching=False,
+              max_num_seqs=cfg.prompts_per_step * cfg.group_size)
+    pad_id = tok.eos_token_id or 0
+    eval_set = random.Random(cfg.seed + 1).sample(problems, min(cfg.eval_prompts, len(problems)))
+    eval_params = [SamplingParams(n=cfg.eval_samples, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                  seed=cfg.seed + 7919 * i) for i in range(len(eval_set))]
+    before = mean_reward(llm, tok, task, eval_set, eval_params)
+
+    def step_fn(step: int) -> dict:
+        rng = random.Random(cfg.seed * 1000003 + step)
+        batch = [rng.choice(problems) for _ in range(cfg.prompts_per_step)]
+        share = len(batch) // info.world_size
+        batch = batch[info.rank * share:(info.rank + 1) * share]
+        prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True) for q, _ in batch]
+        params = [SamplingParams(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                 seed=cfg.seed * 1000003 + step * 1009 + i) for i in range(len(batch))]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        rewards = torch.tensor([[task.reward(c.text, ans) for c in o.outputs] for o, (_, ans) in zip(outs, batch)])
+        adv = group_advantages(rewards, cfg.scale_rewards).reshape(-1)
+        p_ids = [p for p in prompts for _ in range(cfg.group_size)]
+        c_ids = [list(c.token_ids) or [pad_id] for o in outs for c in o.outputs]
+        logp, mask = completion_logprobs(model, p_ids, c_ids, pad_id)
+        ratio = torch.exp(logp - logp.detach())
+        per_seq = lambda x: (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        loss = -(adv * per_seq(ratio)).mean()
+        metrics = {}
+        if reference is not None:
+            with torch.no_grad():
+                ref_logp, _ = completion_logprobs(reference, p_ids, c_ids, pad_id)
+            d = ref_logp - logp
+            kl = per_seq(torch.exp(d) - d - 1).mean()
+            loss = loss + cfg.kl_coef * kl
+            metrics["kl"] = kl.item()
+        loss.backward()
+        return {"loss": loss.item(), "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+                "tokens": int(mask.sum()), **metrics}
+
+    loop = LoopConfig(out=cfg.out, max_steps=cfg.max_steps, lr=cfg.lr,
+                      warmup_steps=min(cfg.warmup_steps, cfg.max_steps // 2), min_lr_ratio=1.0,
+                      weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                      checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
+                      stop_after_steps=cfg.stop_after_steps, title="grpo")
+    log = run_loop(model, loop, step_fn, dict, lambda state: None, info, cfg)
+    after = mean_reward(llm, tok, task, eval_set, eval_params)
+    if info.is_main:
+        export_hf(model, cfg.model, cfg.out, tok.eos_token_ids)
+    return {"out": cfg.out, "history": log.history, "model": model, "eval_reward_before": before,
+            "eval_reward_after": after}
