@@ -214,6 +214,20 @@ def test_stop_halts_generation_and_frees_the_request(server, browser):
     wait_until(page, "document.documentElement.dataset.ready === '1'", 30, "reloaded")
     assert page.inner_text(".msg.assistant .badge") == "stopped"
     assert page.inner_text(".msg.assistant .msg-body") == text
+
+    # Regenerate replaces the stopped answer in place (on the page and in the store).
+    page.click(".msg.assistant .regenerate")
+    wait_until(page, "(document.querySelector('.msg.assistant.streaming .msg-body')?.textContent.length || 0) > 5",
+               120, "regenerated text")
+    page.keyboard.press("Escape")  # Esc stops too
+    wait_until(page, "!document.querySelector('.streaming')", 10, "stopped again")
+    assert page.locator(".msg.assistant").count() == 1
+    conv_id = page.evaluate("new URLSearchParams(location.hash.slice(1)).get('c')")
+    stored = httpx.get(f"{server}/v1/kvserve/conversations/{conv_id}",
+                       headers={"X-KVServe-Client": "web-test-stop"}).json()["messages"]
+    assert [m["role"] for m in stored] == ["user", "assistant"]
+    assert stored[1]["content"] == page.inner_text(".msg.assistant .msg-body")
+    assert stored[1]["meta"]["stopped"] is True
     assert errors == []
 
 
