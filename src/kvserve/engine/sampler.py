@@ -189,7 +189,9 @@ class Sampler:
             logits[top_k_rows] = sub.masked_fill(sub < kth, _NEG_INF)
         top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0 and not greedy[i]]
         if top_p_rows:
-            logits[top_p_rows] = _top_p(logits[top_p_rows], [params[i].top_p for i in top_p_rows])
+            ks = [params[i].top_k if 0 < params[i].top_k < V else V for i in top_p_rows]
+            logits[top_p_rows] = _top_p(logits[top_p_rows], [params[i].top_p for i in top_p_rows],
+                                        num_candidates=min(max(ks), _TOP_P_CANDIDATES))
         min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0 and not greedy[i]]
         if min_p_rows:
             sub = logits[min_p_rows]
@@ -207,7 +209,8 @@ class Sampler:
                 u[i] = torch.rand(1, generator=r.generator, device=r.generator.device).to(dev)
         total = cdf[:, -1:]
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-        token_ids = torch.searchsorted(cdf, target, right=True).view(B)
+        # clamp: NaN logits (a broken model) must not yield an id past the vocabulary
+        token_ids = torch.searchsorted(cdf, target, right=True).view(B).clamp_(max=V - 1)
         if greedy_ids is not None:
             token_ids = torch.where(torch.tensor(greedy, device=dev), greedy_ids, token_ids)
         return token_ids
@@ -218,17 +221,18 @@ class Sampler:
 _TOP_P_CANDIDATES = 256
 
 
-def _top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+def _top_p(logits: torch.Tensor, top_p: list[float], num_candidates: int = _TOP_P_CANDIDATES) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probability mass reaches p (measured after
     temperature and top_k): token j survives iff the mass of tokens strictly more likely is < p."""
     V, dev = logits.shape[1], logits.device
     p = torch.tensor(top_p, device=dev).unsqueeze(1)
     lse = logits.logsumexp(dim=-1, keepdim=True)
-    kk = min(V, _TOP_P_CANDIDATES)
+    kk = min(V, num_candidates)  # after top_k, the top k already hold all the mass
     vals = logits.topk(kk, dim=-1).values  # descending
     probs = (vals - lse).exp()
-    num_keep = ((probs.cumsum(dim=-1) - probs) < p).sum(dim=-1, keepdim=True)  # >= 1 since p > 0
-    if kk < V and bool((num_keep >= kk).any()):
+    cum = probs.cumsum(dim=-1)
+    num_keep = ((cum - probs) < p).sum(dim=-1, keepdim=True)  # >= 1 since p > 0
+    if kk < V and bool((cum[:, -1:] < p).any()):  # the cutoff may lie past the candidates
         vals = logits.sort(dim=-1, descending=True).values
         probs = (vals - lse).exp()
         num_keep = ((probs.cumsum(dim=-1) - probs) < p).sum(dim=-1, keepdim=True)
