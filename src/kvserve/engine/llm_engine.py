@@ -164,11 +164,13 @@ class LLMEngine:
                 seq.output_token_ids.append(tok)
                 self.generation_tokens_total += 1
                 record_sample(seq, row, out, self.tokenizer, now)
-                seq.text += seq.detokenizer.add_tokens([tok])
                 max_tokens = self.max_model_len - seq.num_prompt_tokens
                 if seq.params.max_tokens is not None:
                     max_tokens = min(max_tokens, seq.params.max_tokens)
                 stop = check_stop(seq.params, seq.output_token_ids, self.tokenizer.eos_token_ids, max_tokens)
+                # An EOS or stop token that ends the request adds no text (vLLM's behaviour).
+                stop_token = stop is not None and stop[0] == "stop"
+                seq.text += seq.detokenizer.add_tokens([tok], stop_terminated=stop_token)
                 if seq.detokenizer.stop_reason is not None:
                     stop = ("stop", seq.detokenizer.stop_reason)
                 if stop is not None:
