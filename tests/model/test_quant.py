@@ -50,7 +50,7 @@ def make(qtype: Q, out_f: int, in_f: int, seed: int = 0, bias: bool = False):
 
 def kernel_layer(raw, qtype, in_f, out_f, bias=None) -> GGUFQuantLinear:
     layer = GGUFQuantLinear(raw, qtype, in_f, out_f, bias)
-    layer.bf16_min_tokens = None if layer.weight_bf16 is None else 10**9   # force the int8 kernel
+    layer.bf16_min_tokens = None   # force the int8 kernel
     return layer
 
 

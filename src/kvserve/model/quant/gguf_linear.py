@@ -147,7 +147,7 @@ class GGUFQuantLinear(torch.nn.Module):
         T = x.shape[0]
         if self.weight_f32 is not None:
             y = torch.nn.functional.linear(x, self.weight_f32, self.bias)
-        elif self.weight_bf16 is not None and T >= self.bf16_min_tokens:
+        elif self.weight_bf16 is not None and self.bf16_min_tokens is not None and T >= self.bf16_min_tokens:
             y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight_bf16).float()
             if self.bias is not None:
                 y += self.bias

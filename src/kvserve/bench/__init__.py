@@ -1,0 +1,1 @@
+"""Benchmarks: `kvserve bench latency | kernels | ...`, with peers run side by side."""

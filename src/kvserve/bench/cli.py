@@ -1,0 +1,95 @@
+"""`kvserve bench ...`: benchmarks with progress bars, a markdown table and a PNG chart.
+
+This module holds the `latency` and `kernels` commands; other benchmarks register their own
+commands on `app` from their modules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvserve.errors import KVServeError
+
+app = typer.Typer(no_args_is_help=True, help="Benchmarks: latency (prefill/decode), kernels; peers side by side.")
+console = Console(stderr=True)
+OUT_DIR = Path("runs/bench")
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=False)
+
+
+def _write_outputs(out_dir: Path, stem: str, table: str, data: list[dict]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.md").write_text(table + "\n")
+    (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+
+
+@app.command()
+def latency(
+    model: str = typer.Option(None, help="Model name or path (default: SmolLM2-135M-Instruct Q4_1)."),
+    prompt_tokens: int = typer.Option(512, "--prompt-tokens", "-n", min=1, help="Prompt length for prefill."),
+    decode_tokens: int = typer.Option(128, "--decode-tokens", "-m", min=1, help="Tokens to decode, batch 1."),
+    repeats: int = typer.Option(3, min=1, help="Runs per engine; the best is reported."),
+    threads: int = typer.Option(2, min=1, help="CPU threads for every engine."),
+    weight_format: str = typer.Option("auto", help="kvserve weight format: auto, gguf, fp32, bf16, fp16."),
+    peer: Annotated[list[str] | None, typer.Option(help="Also run: llama-cpp, transformers (repeatable).")] = None,
+    out_dir: Annotated[Path, typer.Option(help="Where the table (.md, .json) and chart (.png) go.")] = OUT_DIR,
+) -> None:
+    """Prefill tokens/s of an N-token prompt and single-stream decode tokens/s for M tokens."""
+    from kvserve.bench.latency import LatencyConfig, markdown_table, run_latency, save_chart
+
+    cfg = LatencyConfig(model=model, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, repeats=repeats,
+                        threads=threads, weight_format=weight_format, peers=list(peer or []))
+    with _progress() as prog:
+        task = None
+
+        def on_event(kind: str, **info) -> None:
+            nonlocal task
+            if kind == "load":
+                console.print(f"loading {info['engine']}...")
+            elif kind == "start":
+                task = prog.add_task(f"{info['engine']:>12}", total=info["total"])
+            elif kind == "advance" and task is not None:
+                prog.advance(task, info["n"])
+
+        try:
+            results = run_latency(cfg, on_event)
+        except KVServeError as e:
+            console.print(f"error: {e.message}")
+            raise typer.Exit(1) from None
+    table = markdown_table(results)
+    print(f"prompt {prompt_tokens} tokens, decode {decode_tokens} tokens, {threads} threads, best of {repeats}, "
+          f"load average {os.getloadavg()[0]:.1f}\n")
+    print(table)
+    data = [{**r.__dict__, "prefill_tps": r.prefill_tps, "decode_tps": r.decode_tps} for r in results]
+    _write_outputs(out_dir, "latency", table, data)
+    save_chart(results, str(out_dir / "latency.png"))
+    console.print(f"wrote {out_dir}/latency.md, latency.json, latency.png")
+
+
+@app.command()
+def kernels(
+    tokens: Annotated[list[int] | None, typer.Option("--tokens", "-t", help="Rows of x per call (T).")] = None,
+    threads: int = typer.Option(2, min=1, help="CPU threads."),
+    out_dir: Annotated[Path, typer.Option(help="Where the table (.md, .json) goes.")] = OUT_DIR,
+) -> None:
+    """Each Linear variant alone on the default model's weight shapes, vs torch fp32 and bf16 matmul."""
+    from kvserve.bench.latency import MODEL_SHAPES, kernel_latency, kernel_table
+
+    tokens = list(tokens or [1, 7, 64, 512])
+    with _progress() as prog:
+        task = prog.add_task("kernels", total=len(MODEL_SHAPES) * len(tokens))
+        rows = kernel_latency(tokens, threads=threads, progress=lambda n: prog.advance(task, n))
+    table = kernel_table(rows)
+    print(f"{threads} threads, median µs per call, load average {os.getloadavg()[0]:.1f}\n")
+    print(table)
+    _write_outputs(out_dir, "kernels", table, rows)

@@ -1,0 +1,313 @@
+"""`kvserve bench latency`: prefill and single-stream decode tokens/s, kvserve and peers side by side.
+
+Each runner feeds the same prompt token ids to its engine and times two things:
+  prefill  one forward pass over an N-token prompt (up to the last token's logits)
+  decode   M further tokens, one forward pass each, greedy, batch size 1
+and reports tokens/s as N / prefill seconds and M / decode seconds, the best of `repeats` runs
+(llama-bench reports the mean; the best is less sensitive to other work on a shared machine).
+kvserve runs its model directly over the paged KV cache, as the engine's model runner does,
+without the scheduler: this measures the model and kernels, the part llama.cpp's eval measures.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from kvserve.model.attention import AttentionMetadata
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class LatencyConfig:
+    model: str | None = None          # kvserve model name or path (default: SmolLM2-135M-Instruct Q4_1)
+    prompt_tokens: int = 512
+    decode_tokens: int = 128
+    repeats: int = 3
+    threads: int = 2
+    weight_format: str = "auto"
+    peers: list[str] = field(default_factory=list)   # "llama-cpp", "transformers"
+    seed: int = 0
+
+
+@dataclass
+class LatencyResult:
+    engine: str
+    detail: str
+    prompt_tokens: int
+    decode_tokens: int
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_s
+
+
+def prompt_ids(vocab_size: int, n: int, seed: int) -> list[int]:
+    """A fixed pseudo-random prompt (ids from the ordinary-token range, no specials)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, min(vocab_size, 30000), (n,), generator=g).tolist()
+
+
+class KvserveRunner:
+    """kvserve's model on its paged KV cache: one sequence, block size 16."""
+
+    name = "kvserve"
+
+    def __init__(self, cfg: LatencyConfig):
+        from kvserve.model.loader import load_model
+        from kvserve.model.quant import load_kernels
+
+        torch.set_num_threads(cfg.threads)
+        load_kernels()
+        self.loaded = load_model(cfg.model, cfg.weight_format)
+        self.model = self.loaded.model
+        c = self.loaded.config
+        self.block_size = 16
+        n_blocks = (cfg.prompt_tokens + cfg.decode_tokens + self.block_size) // self.block_size + 1
+        self.kv_caches = [torch.zeros(2, n_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+                          for _ in range(c.num_hidden_layers)]
+        self.block_table = list(range(n_blocks))
+        self.detail = f"{self.loaded.source.name} ({cfg.weight_format}), {cfg.threads} threads"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.loaded.config.vocab_size
+
+    def _step(self, ids: list[int], start: int) -> int:
+        n = len(ids)
+        meta = AttentionMetadata.build([n], [start + n], [self.block_table], self.block_size)
+        positions = torch.arange(start, start + n)
+        hidden = self.model(torch.tensor(ids), positions, meta, self.kv_caches)
+        logits = self.model.compute_logits(hidden[-1:])
+        return int(logits[0].argmax())
+
+    @torch.inference_mode()
+    def run(self, ids: list[int], decode_tokens: int, progress: Progress | None = None) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        tok = self._step(ids, 0)
+        t1 = time.perf_counter()
+        pos = len(ids)
+        for _ in range(decode_tokens):
+            tok = self._step([tok], pos)
+            pos += 1
+            if progress:
+                progress(1)
+        return t1 - t0, time.perf_counter() - t1
+
+
+class LlamaCppRunner:
+    """llama-cpp-python on the same GGUF file (pip install 'kvserve[llama-cpp]')."""
+
+    name = "llama.cpp"
+
+    def __init__(self, cfg: LatencyConfig):
+        try:
+            import llama_cpp
+        except ImportError:
+            from kvserve.errors import InvalidRequest
+
+            raise InvalidRequest("--peer llama-cpp needs llama-cpp-python: pip install 'kvserve[llama-cpp]'",
+                                 param="peer") from None
+        from kvserve.model.registry import resolve
+
+        path = resolve(cfg.model).path
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=cfg.prompt_tokens + cfg.decode_tokens + 16,
+                                   n_threads=cfg.threads, n_threads_batch=cfg.threads,
+                                   n_batch=max(512, cfg.prompt_tokens), verbose=False)
+        self.vocab_size = self.llm.n_vocab()
+        self.detail = f"llama-cpp-python {llama_cpp.__version__}, {path.name}, {cfg.threads} threads"
+
+    def run(self, ids: list[int], decode_tokens: int, progress: Progress | None = None) -> tuple[float, float]:
+        import numpy as np
+
+        self.llm.reset()
+        self.llm._ctx.kv_cache_clear()
+        t0 = time.perf_counter()
+        self.llm.eval(ids)
+        tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        t1 = time.perf_counter()
+        for _ in range(decode_tokens):
+            self.llm.eval([tok])
+            tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+            if progress:
+                progress(1)
+        return t1 - t0, time.perf_counter() - t1
+
+
+class TransformersRunner:
+    """Hugging Face transformers on fp32 weights dequantized from the same GGUF."""
+
+    name = "transformers"
+
+    def __init__(self, cfg: LatencyConfig):
+        import transformers
+
+        from kvserve.model.registry import resolve
+
+        torch.set_num_threads(cfg.threads)
+        path = resolve(cfg.model).path
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        self.vocab_size = self.model.config.vocab_size
+        self.detail = f"transformers {transformers.__version__}, fp32 from {path.name}, {cfg.threads} threads"
+
+    @torch.inference_mode()
+    def run(self, ids: list[int], decode_tokens: int, progress: Progress | None = None) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        out = self.model(torch.tensor([ids]), use_cache=True)
+        tok = int(out.logits[0, -1].argmax())
+        t1 = time.perf_counter()
+        past = out.past_key_values
+        for _ in range(decode_tokens):
+            out = self.model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+            past, tok = out.past_key_values, int(out.logits[0, -1].argmax())
+            if progress:
+                progress(1)
+        return t1 - t0, time.perf_counter() - t1
+
+
+RUNNERS = {"kvserve": KvserveRunner, "llama-cpp": LlamaCppRunner, "transformers": TransformersRunner}
+
+
+def run_latency(cfg: LatencyConfig, on_event: Callable[..., None] | None = None) -> list[LatencyResult]:
+    """Run kvserve and each peer in turn (one loaded at a time). on_event(kind, **info) drives progress:
+    ("load", engine=), ("start", engine=, total=), ("advance", n=), ("done", result=)."""
+    from kvserve.errors import InvalidRequest
+
+    emit = on_event or (lambda *a, **k: None)
+    for p in cfg.peers:
+        if p not in RUNNERS or p == "kvserve":
+            raise InvalidRequest(f"unknown peer {p!r}; choose from llama-cpp, transformers", param="peer")
+    results = []
+    for key in ["kvserve", *cfg.peers]:
+        emit("load", engine=key)
+        runner = RUNNERS[key](cfg)
+        ids = prompt_ids(runner.vocab_size, cfg.prompt_tokens, cfg.seed)
+        emit("start", engine=runner.name, total=(cfg.repeats + 1) * (cfg.decode_tokens + 1))
+        runner.run(ids[: min(32, len(ids))], min(4, cfg.decode_tokens))   # warm-up: threads, caches
+        emit("advance", n=cfg.decode_tokens + 1)
+        best_p = best_d = float("inf")
+        for _ in range(cfg.repeats):
+            p, d = runner.run(ids, cfg.decode_tokens, lambda n: emit("advance", n=n))
+            emit("advance", n=1)
+            best_p, best_d = min(best_p, p), min(best_d, d)
+        res = LatencyResult(runner.name, runner.detail, cfg.prompt_tokens, cfg.decode_tokens, best_p, best_d)
+        results.append(res)
+        emit("done", result=res)
+        del runner
+        gc.collect()
+    return results
+
+
+def markdown_table(results: list[LatencyResult]) -> str:
+    base = results[0]
+    lines = ["| engine | prefill tok/s | decode tok/s | prefill vs kvserve | decode vs kvserve | detail |",
+             "|---|---:|---:|---:|---:|---|"]
+    for r in results:
+        lines.append(f"| {r.engine} | {r.prefill_tps:.1f} | {r.decode_tps:.1f} | "
+                     f"{r.prefill_tps / base.prefill_tps:.2f}x | {r.decode_tps / base.decode_tps:.2f}x | {r.detail} |")
+    return "\n".join(lines)
+
+
+def save_chart(results: list[LatencyResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    names = [r.engine for r in results]
+    for ax, title, vals in (
+        (axes[0], f"prefill, {results[0].prompt_tokens}-token prompt", [r.prefill_tps for r in results]),
+        (axes[1], f"decode, {results[0].decode_tokens} tokens, batch 1", [r.decode_tps for r in results]),
+    ):
+        bars = ax.bar(names, vals, color=["#3b7dd8", "#d8793b", "#5fa55a", "#999999"][: len(vals)])
+        ax.bar_label(bars, fmt="%.0f")
+        ax.set_title(title)
+        ax.set_ylabel("tokens/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- kernels alone --------------------------------------------------------------------------
+# The default model's projection shapes (out, in) and formats; qkv and gate/up are fused.
+MODEL_SHAPES = [(960, 576, "Q4_1"), (576, 576, "Q4_1"), (3072, 576, "Q4_1"), (576, 1536, "Q4_1"),
+                (49152, 576, "Q8_0")]
+
+
+def _time_call(fn: Callable[[], object], budget_s: float = 0.25) -> float:
+    """Median seconds per call over a time budget (at least 3 calls)."""
+    fn()
+    times: list[float] = []
+    t_end = time.perf_counter() + budget_s
+    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < 500):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def _bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x.to(torch.bfloat16), w).float()
+
+
+def kernel_latency(tokens: list[int], shapes=None, threads: int = 2,
+                   progress: Progress | None = None) -> list[dict]:
+    """Microseconds per call of each Linear variant on random weights of the model's shapes."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from kvserve.model.quant import GGUFQuantLinear, reference
+
+    torch.set_num_threads(threads)
+    rows = []
+    rng = np.random.default_rng(0)
+    for out_f, in_f, qname in shapes or MODEL_SHAPES:
+        qtype = GGMLQuantizationType[qname]
+        raw = quantize(rng.standard_normal((out_f, in_f)).astype(np.float32), qtype)
+        layer = GGUFQuantLinear(raw, qtype, in_f, out_f)
+        w32 = reference.dequantize(raw, qtype, in_f)
+        w16 = w32.to(torch.bfloat16)
+        for T in tokens:
+            x = torch.randn(T, in_f)
+            row = {"shape": f"{out_f}x{in_f}", "qtype": qname, "T": T}
+            if layer.lib is not None:
+                saved, layer.bf16_min_tokens = layer.bf16_min_tokens, None
+                row["int8_us"] = _time_call(partial(layer, x)) * 1e6
+                layer.bf16_min_tokens = saved
+            row["auto_us"] = _time_call(partial(layer, x)) * 1e6
+            row["fp32_us"] = _time_call(partial(torch.nn.functional.linear, x, w32)) * 1e6
+            row["bf16_us"] = _time_call(partial(_bf16_linear, x, w16)) * 1e6
+            row["weight_mb"] = raw.nbytes / 1e6
+            rows.append(row)
+            if progress:
+                progress(1)
+    return rows
+
+
+def kernel_table(rows: list[dict]) -> str:
+    lines = [("| weight (out x in) | format | T | kvserve int8 µs | kvserve auto µs | torch fp32 µs | "
+              "torch bf16 µs | auto vs fp32 | int8 GB/s of packed weights |"),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        i8 = r.get("int8_us")
+        gbs = "-" if i8 is None else f"{r['weight_mb'] * 1e3 / i8:.1f}"
+        lines.append(
+            f"| {r['shape']} | {r['qtype']} | {r['T']} | {'-' if i8 is None else f'{i8:.0f}'} | "
+            f"{r['auto_us']:.0f} | {r['fp32_us']:.0f} | {r['bf16_us']:.0f} | {r['fp32_us'] / r['auto_us']:.2f}x | "
+            f"{gbs} |")
+    return "\n".join(lines)

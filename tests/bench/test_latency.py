@@ -1,0 +1,53 @@
+"""`kvserve bench latency` and `kernels` at tiny sizes: they run end to end and write their outputs.
+No timing is asserted; only that the numbers exist, are positive and land in the table and chart."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvserve.bench.cli import app
+from kvserve.bench.latency import KvserveRunner, LatencyConfig, kernel_latency, kernel_table, prompt_ids
+
+
+def test_latency_cli_writes_table_json_and_chart(tmp_path):
+    res = CliRunner().invoke(app, ["latency", "-n", "8", "-m", "2", "--repeats", "1", "--out-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "| kvserve |" in res.output
+    data = json.loads((tmp_path / "latency.json").read_text())
+    assert [r["engine"] for r in data] == ["kvserve"]
+    assert data[0]["prefill_tps"] > 0 and data[0]["decode_tps"] > 0
+    assert (tmp_path / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_peer_is_a_clean_error(tmp_path):
+    res = CliRunner().invoke(app, ["latency", "-n", "4", "-m", "1", "--peer", "vllm", "--out-dir", str(tmp_path)])
+    assert res.exit_code == 1
+    assert "unknown peer 'vllm'" in res.output
+
+
+def test_kvserve_runner_decodes_greedily_and_repeatably():
+    runner = KvserveRunner(LatencyConfig(prompt_tokens=8, decode_tokens=3))
+    ids = prompt_ids(runner.vocab_size, 8, seed=0)
+    assert len(ids) == 8 and all(100 <= i < runner.vocab_size for i in ids)
+    prefill_s, decode_s = runner.run(ids, 3)
+    assert prefill_s > 0 and decode_s > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
+def test_llama_cpp_peer(tmp_path):
+    res = CliRunner().invoke(app, ["latency", "-n", "8", "-m", "2", "--repeats", "1", "--peer", "llama-cpp",
+                                   "--out-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert [r["engine"] for r in json.loads((tmp_path / "latency.json").read_text())] == ["kvserve", "llama.cpp"]
+
+
+def test_kernel_bench_tiny():
+    rows = kernel_latency([1, 3], shapes=[(64, 64, "Q4_1"), (32, 64, "Q8_0")], threads=1)
+    assert len(rows) == 4
+    assert all(r["auto_us"] > 0 and r["fp32_us"] > 0 and r["bf16_us"] > 0 for r in rows)
+    table = kernel_table(rows)
+    assert table.count("\n") == 5 and "| 64x64 | Q4_1 | 3 |" in table
