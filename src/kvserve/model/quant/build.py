@@ -1,7 +1,7 @@
 """Build and load the C++ kernels (csrc/kvserve_kernels.cpp) as a plain shared library via ctypes.
 
 The library is compiled from source on this machine, once, into a cache directory keyed by the
-source hash, compiler and flags: at `make setup` time (`python -m kvserve.model.quant.build`) or on
+source hash, compiler and flags: at `make setup` time (`python -m kvserve.model.quant`) or on
 first use. With no compiler, or a CPU without AVX2/FMA/F16C, `load_kernels()` returns None and the
 Linear variants fall back to dequantize-and-matmul in PyTorch (one warning).
 
@@ -150,7 +150,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def main() -> int:
-    """`python -m kvserve.model.quant.build`: build at setup time; never fails setup."""
+    """`python -m kvserve.model.quant`: build at setup time; never fails setup."""
     try:
         if not cpu_supported():
             print(f"kvserve kernels: skipped, CPU lacks one of {REQUIRED_CPU_FLAGS}", file=sys.stderr)
