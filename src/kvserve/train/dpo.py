@@ -84,7 +84,7 @@ def dpo(cfg: DPOConfig) -> dict:
 
     info = init_distributed()
     torch.manual_seed(cfg.seed)
-    lm = load_model(cfg.model, weight_format="fp32")
+    lm = load_model(str(cfg.model), weight_format="fp32")
     tok, model = lm.tokenizer, trainable(lm.model)
     reference = frozen(copy.deepcopy(model))
     pairs = [encode_pair(tok, r, cfg.max_len) for r in read_jsonl(cfg.data, ("prompt", "chosen", "rejected"))]

@@ -123,7 +123,7 @@ def grpo(cfg: GRPOConfig) -> dict:
     torch.manual_seed(cfg.seed)
     task = TASKS[cfg.task](max_operand=cfg.max_operand)
     problems = task.problems()
-    lm = load_model(cfg.model, weight_format="fp32")
+    lm = load_model(str(cfg.model), weight_format="fp32")
     tok, model = lm.tokenizer, trainable(lm.model)
     reference = frozen(copy.deepcopy(model)) if cfg.kl_coef > 0 else None
     llm = LLM(model, tokenizer=tok, kv_cache_memory="64MiB", enable_prefix_caching=False,

@@ -145,6 +145,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
             if fit_budget and step == start + 3:   # fit the schedule to the time budget
                 per_step = (time.perf_counter() - t_start) / 3
                 total = schedule.total_steps = max(step + 1, int(cfg.max_minutes * 60 / per_step))
+                schedule.warmup_steps = min(schedule.warmup_steps, max(1, total // 10))
                 log.log("budget", step, total_steps=total, sec_per_step=per_step)
             if info.is_main and (step % cfg.eval_every == 0 or step == total):
                 evaluate()

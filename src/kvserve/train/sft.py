@@ -129,7 +129,7 @@ def sft(cfg: SFTConfig) -> dict:
 
     info = init_distributed()
     torch.manual_seed(cfg.seed)
-    lm = load_model(cfg.model, weight_format="fp32")
+    lm = load_model(str(cfg.model), weight_format="fp32")
     tok, model = lm.tokenizer, trainable(lm.model)
     examples = []
     for row in read_jsonl(cfg.data, ("messages",)):
