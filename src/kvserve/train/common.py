@@ -189,6 +189,11 @@ class RunLog:
         self._task = self._progress.add_task(self.title, total=self.total_steps, completed=first_step, info="")
         self._progress.start()
 
+    def set_total(self, total_steps: int) -> None:
+        self.total_steps = total_steps
+        if self._progress is not None:
+            self._progress.update(self._task, total=total_steps)
+
     def log(self, kind: str, step: int, **metrics) -> None:
         rec = {"kind": kind, "step": step, "time": round(time.perf_counter() - self._t0, 3), **metrics}
         self.history.append(rec)

@@ -146,6 +146,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
                 per_step = (time.perf_counter() - t_start) / 3
                 total = schedule.total_steps = max(step + 1, int(cfg.max_minutes * 60 / per_step))
                 schedule.warmup_steps = min(schedule.warmup_steps, max(1, total // 10))
+                log.set_total(total)
                 log.log("budget", step, total_steps=total, sec_per_step=per_step)
             if info.is_main and (step % cfg.eval_every == 0 or step == total):
                 evaluate()
