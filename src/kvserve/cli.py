@@ -170,12 +170,17 @@ def models() -> None:
     from kvserve.model.registry import list_models
 
     t = Table(title="Built-in models")
-    for col in ("name", "installed", "path", "origin"):
-        t.add_column(col)
-    for m in list_models():
-        t.add_row(m["name"], "yes" if m["installed"] else "no", m["path"] or "-", m["origin"])
+    t.add_column("name", no_wrap=True)
+    t.add_column("installed", no_wrap=True)
+    t.add_column("where it comes from")
+    rows = list_models()
+    for m in rows:
+        t.add_row(m["name"], "yes" if m["installed"] else "no", m["origin"])
     c = Console()
     c.print(t)
+    for m in rows:
+        if m["path"]:
+            c.print(f"{m['name']}: {m['path']}", soft_wrap=True)
     c.print("Also accepted by --model: any .gguf file (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, "
             "Q5_K, Q6_K; Llama, Mistral, Qwen2 architectures) and any Hugging Face model directory "
             "(config.json, *.safetensors, tokenizer.json).")

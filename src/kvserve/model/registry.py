@@ -57,6 +57,8 @@ def resolve(model: str | None) -> ModelSource:
         if len(ggufs) == 1:
             return ModelSource(ggufs[0].stem, ggufs[0], "gguf", f"GGUF file {ggufs[0]}")
         raise ModelNotFound(f"{p} is a directory with neither config.json nor a single .gguf file")
+    if "/" in model or model.endswith(".gguf") or model.startswith("."):
+        raise ModelNotFound(f"model file not found: {p} (no such file or directory)")
     raise ModelNotFound(f"unknown model {model!r}: give a built-in name ({', '.join(BUILTIN)}), "
                         "a .gguf file or a Hugging Face model directory")
 

@@ -1,0 +1,95 @@
+"""The CLI as a user meets it: a real answer, and one-line errors (no traceback, exit 1) for
+every kind of bad model file or prompt."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "model"))
+from ggufmaker import make_tiny_llama_gguf  # noqa: E402
+
+KVSERVE = [sys.executable, "-m", "kvserve.cli"]
+
+
+def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([*KVSERVE, *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_run_answers_capital_of_france():
+    r = run_cli("run", "--temperature", "0", "--max-tokens", "32", "What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_models_lists_default():
+    r = run_cli("models")
+    assert r.returncode == 0
+    assert "smollm2-135m-instruct" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", qtype="Q8_0", ctx=64)
+
+
+def _bad(path_or_name: str, prompt: str = "hi", *extra: str) -> str:
+    r = run_cli("run", "--model", path_or_name, "--max-tokens", "4", *extra, prompt)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    err = r.stderr.strip()
+    assert "Traceback" not in r.stderr
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("error: ")
+    return err
+
+
+def test_tiny_model_runs(tiny):
+    r = run_cli("run", "--model", str(tiny), "--max-tokens", "4", "--raw", "the")
+    assert r.returncode == 0, r.stderr
+
+
+def test_missing_file(tmp_path):
+    assert "not found" in _bad(str(tmp_path / "nope.gguf"))
+
+
+def test_unknown_name():
+    assert "unknown model" in _bad("no-such-model")
+
+
+def test_not_a_gguf(tmp_path):
+    p = tmp_path / "fake.gguf"
+    p.write_bytes(b"PK\x03\x04 this is a zip, not a model" * 10)
+    assert "not a GGUF file" in _bad(str(p))
+
+
+def test_truncated_header(tiny, tmp_path):
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(tiny.read_bytes()[:200])
+    assert "truncated or corrupt" in _bad(str(p))
+
+
+def test_tensor_beyond_end_of_file(tiny, tmp_path):
+    p = tmp_path / "short.gguf"
+    data = tiny.read_bytes()
+    p.write_bytes(data[: len(data) - 1000])
+    err = _bad(str(p))
+    assert "extends beyond the end of the file" in err or "truncated" in err
+
+
+def test_unsupported_architecture(tmp_path):
+    p = make_tiny_llama_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
+    assert "unsupported architecture 'gpt2'" in _bad(str(p))
+
+
+def test_unsupported_tensor_type(tmp_path):
+    p = make_tiny_llama_gguf(tmp_path / "q2k.gguf", qtype="Q8_0",
+                             tensor_type_override={"blk.0.ffn_up.weight": "Q2_K"})
+    assert "unsupported type Q2_K" in _bad(str(p))
+
+
+def test_prompt_longer_than_context(tiny):
+    assert "maximum context length is 64" in _bad(str(tiny), "the " * 200, "--raw")
