@@ -70,7 +70,7 @@ def make_tiny_llama_gguf(path: Path, *, qtype: str = "F32", arch: str = "llama",
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
-    qt = gguf.GGMLQuantizationType[qtype]
+
     override = tensor_type_override or {}
 
     def mat(name: str, rows: int, cols: int, scale: float = 0.05, permute_heads: int | None = None):

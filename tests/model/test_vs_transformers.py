@@ -14,9 +14,9 @@ TOL = 1e-4
 def _hf_model(kind: str, tied: bool, kv_heads: int, rope_scaling=None):
     import transformers
 
-    common = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                  num_attention_heads=8, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                  tie_word_embeddings=tied, rms_norm_eps=1e-5)
+    common = {"vocab_size": 320, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3,
+              "num_attention_heads": 8, "num_key_value_heads": kv_heads, "max_position_embeddings": 256,
+              "tie_word_embeddings": tied, "rms_norm_eps": 1e-5}
     if kind == "llama":
         cfg = transformers.LlamaConfig(rope_theta=10000.0, rope_scaling=rope_scaling, **common)
         model = transformers.LlamaForCausalLM(cfg)
