@@ -1,14 +1,16 @@
 // kvserve CPU kernels: GGUF block-quantized matmul (Q4_0, Q4_1, Q8_0) with AVX2 integer dot products.
 //
 // Built by kvserve.model.quant.build with: g++ -O3 -mavx2 -mfma -mf16c -fPIC -shared -pthread
-// and called through ctypes. Explicit AVX2 flags (not -march=native) so the same binary is valid on
+// (plus -mavxvnni where the CPU has AVX-VNNI) and called through ctypes. Explicit AVX2 flags (not -march=native) so the same binary is valid on
 // every AVX2 host the team runs on.
 //
 // Weight layout after repacking (done once at load by kvs_repack):
 //
 //   Q4 (Q4_0 and Q4_1 share it; Q4_0 becomes Q4_1 with m = -8 d):
-//     qs [rows][nb][16] uint8   byte j of a block holds element j (low nibble) and j+16 (high nibble),
-//                               exactly as GGUF stores it
+//     qs [rows][ceil(nb/2)][32] uint8   blocks in pairs: byte i of pair p holds element i of block 2p
+//                               (low nibble) and element i of block 2p+1 (high nibble), so one 32-byte
+//                               load, an AND and a shift+AND give two blocks in element order
+//                               (GGUF's own order, j and j+16 in one byte, needs a lane insert per block)
 //     d  [rows][nb] float32     block scale
 //     m  [rows][nb] float32     block minimum:  w = d * q + m,  q in 0..15
 //   Q8_0:
@@ -49,7 +51,7 @@ struct kvs_weight {
     const float *bias;  // may be NULL
 };
 
-int kvs_version(void) { return 3; }
+int kvs_version(void) { return 4; }
 
 }  // extern "C"
 
@@ -167,19 +169,13 @@ inline float hsum_ps(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-// 16 packed bytes -> 32 x uint8 in 0..15: low nibbles in the low lane (elements 0..15),
-// high nibbles in the high lane (elements 16..31).
-inline __m256i unpack_q4(const uint8_t *p) {
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
-    __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i lo = _mm_and_si128(b, mask);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    return _mm256_set_m128i(hi, lo);
-}
-
 // u8 x s8 dot of 32 pairs -> 8 x int32 partial sums
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 
 // s8 x s8 dot of 32 pairs -> 8 x int32 partial sums
@@ -230,22 +226,41 @@ void quantize_row_q8(const float *x, int K, int8_t *xq, float *xd, float *xs) {
 template <int R, int TT>
 inline void q4_tile(const kvs_weight *w, int r0, const int8_t *xq, const float *xd, const float *xs,
                     int t0, float *y, int ldy) {
-    const int K = w->cols, nb = K / KVS_QK;
+    const int K = w->cols, nb = K / KVS_QK, np = (nb + 1) / 2;
+    const __m256i mask = _mm256_set1_epi8(0x0F);
     __m256 acc[R][TT];
     for (int i = 0; i < R; i++)
         for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        __m256i xv[TT];
-        for (int j = 0; j < TT; j++)
-            xv[j] = _mm256_loadu_si256((const __m256i *)(xq + (size_t)(t0 + j) * K + b * KVS_QK));
+    for (int p = 0; p < np; p++) {
+        const int b = 2 * p;
+        const bool pair = b + 1 < nb;
+        __m256i x0[TT], x1[TT];
+        __m256 xd0[TT], xd1[TT];
+        for (int j = 0; j < TT; j++) {
+            const int8_t *xr = xq + (size_t)(t0 + j) * K + b * KVS_QK;
+            const float *dr = xd + (size_t)(t0 + j) * nb + b;
+            x0[j] = _mm256_loadu_si256((const __m256i *)xr);
+            xd0[j] = _mm256_broadcast_ss(dr);
+            if (pair) {
+                x1[j] = _mm256_loadu_si256((const __m256i *)(xr + KVS_QK));
+                xd1[j] = _mm256_broadcast_ss(dr + 1);
+            }
+        }
         for (int i = 0; i < R; i++) {
-            const size_t blk = (size_t)(r0 + i) * nb + b;
-            const __m256i wv = unpack_q4(w->qs + blk * 16);
-            const float dw = w->d[blk];
-            for (int j = 0; j < TT; j++) {
-                const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wv, xv[j]));
-                const __m256 s = _mm256_set1_ps(dw * xd[(size_t)(t0 + j) * nb + b]);
-                acc[i][j] = _mm256_fmadd_ps(p, s, acc[i][j]);
+            const size_t row = (size_t)(r0 + i);
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w->qs + (row * np + p) * 32));
+            const float *dw = w->d + row * nb + b;
+            const __m256i w0 = _mm256_and_si256(v, mask);
+            const __m256 dw0 = _mm256_broadcast_ss(dw);
+            for (int j = 0; j < TT; j++)
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w0, x0[j])), _mm256_mul_ps(dw0, xd0[j]),
+                                            acc[i][j]);
+            if (pair) {
+                const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                const __m256 dw1 = _mm256_broadcast_ss(dw + 1);
+                for (int j = 0; j < TT; j++)
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w1, x1[j])),
+                                                _mm256_mul_ps(dw1, xd1[j]), acc[i][j]);
             }
         }
     }
@@ -367,6 +382,15 @@ void linear_task(void *arg, int ith, int nth) {
         run_rows<false>(job, rbeg, rend);
 }
 
+// GGUF's 16 bytes (element j low nibble, j+16 high nibble) -> element i at byte i of the pair,
+// in the low nibble (first block of the pair) or the high nibble (second).
+void put_q4_block(uint8_t *pair, int second, const uint8_t *src) {
+    for (int i = 0; i < KVS_QK; i++) {
+        const uint8_t q = i < 16 ? (src[i] & 0x0F) : (src[i - 16] >> 4);
+        pair[i] |= second ? (uint8_t)(q << 4) : q;
+    }
+}
+
 // scratch for quantized activations, grown as needed (calls are serialized)
 void *g_scratch = nullptr;
 size_t g_scratch_size = 0;
@@ -396,7 +420,8 @@ void kvs_set_spin_ns(long ns) { g_pool.spin_ns = ns; }
 // Repack GGUF blocks of `rows` rows of `cols` elements. ggml_type: 2 = Q4_0, 3 = Q4_1, 8 = Q8_0.
 // Returns 0 on success, -1 on an unsupported type.
 int kvs_repack(int ggml_type, const uint8_t *raw, int rows, int cols, uint8_t *qs, float *d, float *m) {
-    const int nb = cols / KVS_QK;
+    const int nb = cols / KVS_QK, np = (nb + 1) / 2;
+    if (ggml_type == 2 || ggml_type == 3) memset(qs, 0, (size_t)rows * np * 32);
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < nb; b++) {
             const size_t blk = (size_t)r * nb + b;
@@ -406,7 +431,7 @@ int kvs_repack(int ggml_type, const uint8_t *raw, int rows, int cols, uint8_t *q
                 memcpy(&h, p, 2);
                 d[blk] = _cvtsh_ss(h);
                 m[blk] = -8.0f * d[blk];
-                memcpy(qs + blk * 16, p + 2, 16);
+                put_q4_block(qs + ((size_t)r * np + b / 2) * 32, b % 2, p + 2);
             } else if (ggml_type == 3) {  // Q4_1: fp16 d, fp16 m, 16 bytes
                 const uint8_t *p = raw + blk * 20;
                 uint16_t h0, h1;
@@ -414,7 +439,7 @@ int kvs_repack(int ggml_type, const uint8_t *raw, int rows, int cols, uint8_t *q
                 memcpy(&h1, p + 2, 2);
                 d[blk] = _cvtsh_ss(h0);
                 m[blk] = _cvtsh_ss(h1);
-                memcpy(qs + blk * 16, p + 4, 16);
+                put_q4_block(qs + ((size_t)r * np + b / 2) * 32, b % 2, p + 4);
             } else if (ggml_type == 8) {  // Q8_0: fp16 d, 32 int8
                 const uint8_t *p = raw + blk * 34;
                 uint16_t h;

@@ -25,9 +25,10 @@ from gguf.quants import dequantize, quantize
 
 from kvserve.errors import ModelLoadError
 from kvserve.model.quant import DenseLinear, GGUFQuantLinear, load_kernels, reference, supports
+from kvserve.model.quant.gguf_linear import Bf16Weight
 
 FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
-SHAPES = [(192, 576), (37, 64), (576, 1536)]   # (out, in); 37 rows: not a multiple of the 4-row tile
+SHAPES = [(192, 576), (37, 96), (576, 1536)]   # (out, in); 37 rows, 3 blocks: odd tile and pair counts
 BATCHES = [1, 7, 64]
 INT8_BOUND = 0.02
 BF16_BOUND = 0.01
@@ -121,7 +122,7 @@ def test_bf16_path_for_large_batches(qtype):
     raw, ref_w, b = make(qtype, 192, 576, bias=True)
     layer = GGUFQuantLinear(raw, qtype, 576, 192, b)
     if layer.weight_bf16 is None:
-        layer.weight_bf16 = reference.dequantize(raw, qtype, 576).to(torch.bfloat16)
+        layer.weight_bf16 = Bf16Weight(reference.dequantize(raw, qtype, 576))
     layer.bf16_min_tokens = 16
     x = torch.randn(64, 576)
     assert rel_err(layer(x), x.double() @ ref_w.T + b.double()) < BF16_BOUND

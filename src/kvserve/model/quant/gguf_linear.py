@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType
 
 from kvserve.errors import ModelLoadError
 from kvserve.model.quant import reference
-from kvserve.model.quant.build import KvsWeight, load_kernels
+from kvserve.model.quant.build import KvsWeight, cpu_flags, load_kernels
 
 _KERNEL_QTYPE = {
     GGMLQuantizationType.Q4_0: 0,
@@ -26,15 +26,25 @@ def supports(qtype: GGMLQuantizationType) -> bool:
     return qtype in _KERNEL_QTYPE
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+def _mkldnn_prepack() -> bool:
+    ops = torch.ops.mkldnn
+    return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+
+
+class Bf16Weight:
+    """A bf16 weight for torch's oneDNN matmul, prepacked once into oneDNN's blocked layout when
+    torch exposes that (halves the time of small and medium calls: no per-call weight reorder)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        w = w.to(torch.bfloat16).contiguous()
+        self.prepacked = _mkldnn_prepack()
+        self.w = torch.ops.mkldnn._reorder_linear_weight(w, None) if self.prepacked else w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16)
+        if self.prepacked:
+            return torch.ops.mkldnn._linear_pointwise(x, self.w, None, "none", [], "").float()
+        return torch.nn.functional.linear(x, self.w).float()
 
 
 @dataclass
@@ -42,9 +52,11 @@ class QuantLinearConfig:
     """How GGUFQuantLinear picks a path per call.
 
     bf16_min_tokens: calls with at least this many tokens use a bf16 copy of the dequantized weights
-    and torch's matmul (oneDNN, AMX tiles where the CPU has them: ~1.3 TFLOP/s measured on 2 cores
-    vs ~0.15 for the int8 AVX2 kernel). None disables the copy (saves 2 bytes/weight of memory).
-    Default: 16 if the CPU has amx_bf16, else None. Env KVSERVE_BF16_MIN_TOKENS overrides (0 = off).
+    and torch's oneDNN matmul (AMX tiles where the CPU has them: ~1.3 TFLOP/s on ONE core, against
+    ~0.1 for the int8 AVX2 kernel, which wins only at T=1-2 where reading 4-bit weights is what
+    counts). None disables the copy (saves 2 bytes/weight of memory).
+    Default: 3 if the CPU has amx_bf16 (crossover measured at T=2-4 on every model shape, see
+    BENCHMARKS.md), else None. Env KVSERVE_BF16_MIN_TOKENS overrides (0 = off).
     """
 
     bf16_min_tokens: int | None = None
@@ -54,7 +66,7 @@ class QuantLinearConfig:
         env = os.environ.get("KVSERVE_BF16_MIN_TOKENS")
         if env is not None:
             return cls(bf16_min_tokens=int(env) or None)
-        return cls(bf16_min_tokens=16 if "amx_bf16" in _cpu_flags() else None)
+        return cls(bf16_min_tokens=3 if "amx_bf16" in cpu_flags() else None)
 
 
 _config: QuantLinearConfig | None = None
@@ -110,7 +122,7 @@ class GGUFQuantLinear(torch.nn.Module):
         self.out_features = out_features
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self.lib = load_kernels()
-        self.weight_bf16: torch.Tensor | None = None
+        self.weight_bf16: Bf16Weight | None = None
         self.weight_f32: torch.Tensor | None = None
         self.bf16_min_tokens = get_config().bf16_min_tokens
         if self.lib is None:
@@ -119,7 +131,7 @@ class GGUFQuantLinear(torch.nn.Module):
             return
         nb = in_features // reference.QK
         q4 = _KERNEL_QTYPE[qtype] == 0
-        self.qs = torch.empty(out_features * (nb * 16 if q4 else in_features), dtype=torch.uint8)
+        self.qs = torch.empty(out_features * ((nb + 1) // 2 * 32 if q4 else in_features), dtype=torch.uint8)
         self.d = torch.empty(out_features * nb, dtype=torch.float32)
         self.m = torch.empty(out_features * nb if q4 else 0, dtype=torch.float32)
         rc = self.lib.kvs_repack(
@@ -136,7 +148,7 @@ class GGUFQuantLinear(torch.nn.Module):
         self._desc_ptr = ctypes.addressof(self._desc)
         self._linear = self.lib.kvs_linear
         if self.bf16_min_tokens is not None:
-            self.weight_bf16 = reference.dequantize(raw_t, qtype, in_features).to(torch.bfloat16)
+            self.weight_bf16 = Bf16Weight(reference.dequantize(raw_t, qtype, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -148,7 +160,7 @@ class GGUFQuantLinear(torch.nn.Module):
         if self.weight_f32 is not None:
             y = torch.nn.functional.linear(x, self.weight_f32, self.bias)
         elif self.weight_bf16 is not None and self.bf16_min_tokens is not None and T >= self.bf16_min_tokens:
-            y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight_bf16).float()
+            y = self.weight_bf16(x)
             if self.bias is not None:
                 y += self.bias
         else:
@@ -164,9 +176,9 @@ class GGUFQuantLinear(torch.nn.Module):
             return self.weight_f32
         nb = self.in_features // reference.QK
         d = self.d.view(self.out_features, nb, 1)
-        if _KERNEL_QTYPE[self.qtype] == 0:
-            qs = self.qs.view(self.out_features, nb, 16)
-            q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+        if _KERNEL_QTYPE[self.qtype] == 0:   # block pairs: 32 bytes = block 2p (low nibbles), 2p+1 (high)
+            qs = self.qs.view(self.out_features, -1, 1, 32)
+            q = torch.cat([qs & 0x0F, qs >> 4], dim=2).view(self.out_features, -1, 32)[:, :nb].float()
             w = q * d + self.m.view(self.out_features, nb, 1)
         else:
             w = self.qs.view(torch.int8).view(self.out_features, nb, 32).float() * d
