@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.errors import ModelLoadError
-from kvserve.model.attention import AttentionMetadata, attend, paged_attention, write_kv
+from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from kvserve.model.config import ModelConfig
 from kvserve.model.linear import DenseLinear, WeightSource, make_linear
 
@@ -109,8 +109,12 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q.view(*lead, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(*lead, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
-        if meta is None:   # dense causal attention over [B, T]
-            o = torch.stack([attend(q[b], k[b], v[b], self.scale) for b in range(q.shape[0])])
+        if meta is None:   # dense causal attention over [B, T] (training, reference checks)
+            rep = self.num_heads // self.num_kv_heads  # K/V expanded to every head: the fused kernel
+            kt = k.transpose(1, 2).repeat_interleave(rep, dim=1)   # also runs under autograd
+            vt = v.transpose(1, 2).repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, is_causal=True,
+                                               scale=self.scale).transpose(1, 2)
         else:
             write_kv(kv_cache, k, v, meta.slot_mapping)
             o = paged_attention(q, kv_cache, meta, self.scale)
