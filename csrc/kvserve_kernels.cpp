@@ -22,19 +22,17 @@
 // The integer sum uses vpmaddubsw (u8 x s8 -> s16 pairs) + vpmaddwd (-> s32), which is what makes
 // llama.cpp fast on AVX2.
 //
-// Threads: a tiny persistent pool (the calling thread + nth-1 workers). Workers spin briefly after
-// each job (a decode step issues ~200 calls a few microseconds apart) and then sleep on a condvar.
-// Calls are serialized by a mutex: one forward at a time per process.
+// Threads: OpenMP, and the library is loaded after torch, so `libgomp.so.1` resolves to the copy
+// torch already loaded: the kernels run on torch's own thread team. A private pool measured
+// badly: its spinning workers and torch's fought for the same 2 cores (decode 20x slower).
+// Calls are serialized by a mutex (one scratch buffer): one forward at a time per process.
 
 #include <immintrin.h>
+#include <omp.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-
-#include <atomic>
 
 #define KVS_QK 32
 
@@ -51,111 +49,14 @@ struct kvs_weight {
     const float *bias;  // may be NULL
 };
 
-int kvs_version(void) { return 4; }
+int kvs_version(void) { return 5; }
 
 }  // extern "C"
 
-// ---------------------------------------------------------------------------------------------
-// thread pool
-
-typedef void (*kvs_task)(void *arg, int ith, int nth);
-
 namespace {
 
-constexpr int kMaxThreads = 64;
-
-struct Pool {
-    int nth = 1;
-    pthread_t threads[kMaxThreads];
-    std::atomic<uint64_t> generation{0};
-    std::atomic<int> pending{0};
-    kvs_task fn = nullptr;
-    void *arg = nullptr;
-    pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-    pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
-    std::atomic<bool> stop{false};
-    long spin_ns = 100000;  // how long an idle worker spins before sleeping
-};
-
-Pool g_pool;
+int g_nth = 1;  // threads per call, set from torch.get_num_threads()
 pthread_mutex_t g_call_mu = PTHREAD_MUTEX_INITIALIZER;
-
-// Wait politely: spin with pause first (the common case is a few microseconds), then yield the
-// core, since on an oversubscribed machine the thread we wait for may need it.
-template <class Pred>
-inline void spin_until(Pred done) {
-    for (int i = 0; !done(); i++) {
-        if (i < 4096)
-            _mm_pause();
-        else
-            sched_yield();
-    }
-}
-
-inline long now_ns() {
-    timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1000000000L + ts.tv_nsec;
-}
-
-void *worker_main(void *p) {
-    int ith = (int)(intptr_t)p;
-    uint64_t seen = 0;
-    for (;;) {
-        uint64_t g = g_pool.generation.load(std::memory_order_acquire);
-        if (g == seen) {
-            long t0 = now_ns();
-            int spins = 0;
-            while ((g = g_pool.generation.load(std::memory_order_acquire)) == seen) {
-                if (++spins < 2048)
-                    _mm_pause();
-                else
-                    sched_yield();
-                if (spins % 64 == 0 && now_ns() - t0 > g_pool.spin_ns) break;
-            }
-            if (g == seen) {
-                pthread_mutex_lock(&g_pool.mu);
-                while ((g = g_pool.generation.load(std::memory_order_acquire)) == seen &&
-                       !g_pool.stop.load())
-                    pthread_cond_wait(&g_pool.cv, &g_pool.mu);
-                pthread_mutex_unlock(&g_pool.mu);
-            }
-        }
-        if (g_pool.stop.load()) return nullptr;
-        seen = g;
-        g_pool.fn(g_pool.arg, ith, g_pool.nth);
-        g_pool.pending.fetch_sub(1, std::memory_order_acq_rel);
-    }
-}
-
-// Run fn(arg, ith, nth) on all threads; returns when all are done.
-void pool_run(kvs_task fn, void *arg) {
-    if (g_pool.nth <= 1) {
-        fn(arg, 0, 1);
-        return;
-    }
-    g_pool.fn = fn;
-    g_pool.arg = arg;
-    g_pool.pending.store(g_pool.nth - 1, std::memory_order_release);
-    pthread_mutex_lock(&g_pool.mu);
-    g_pool.generation.fetch_add(1, std::memory_order_acq_rel);
-    pthread_cond_broadcast(&g_pool.cv);
-    pthread_mutex_unlock(&g_pool.mu);
-    fn(arg, 0, g_pool.nth);
-    spin_until([] { return g_pool.pending.load(std::memory_order_acquire) == 0; });
-}
-
-void pool_stop() {
-    if (g_pool.nth <= 1) return;
-    pthread_mutex_lock(&g_pool.mu);
-    g_pool.stop.store(true);
-    g_pool.generation.fetch_add(1);
-    pthread_cond_broadcast(&g_pool.cv);
-    pthread_mutex_unlock(&g_pool.mu);
-    for (int i = 1; i < g_pool.nth; i++) pthread_join(g_pool.threads[i], nullptr);
-    g_pool.stop.store(false);
-    g_pool.nth = 1;
-}
 
 // ---------------------------------------------------------------------------------------------
 // SIMD helpers
@@ -321,7 +222,6 @@ struct LinearJob {
     int8_t *xq;
     float *xd;
     float *xs;
-    std::atomic<int> quantized;
 };
 
 #define KVS_DISPATCH_TT(KERNEL, R, ...)                               \
@@ -360,8 +260,7 @@ void run_rows(const LinearJob *job, int rbeg, int rend) {
         }
 }
 
-void linear_task(void *arg, int ith, int nth) {
-    LinearJob *job = (LinearJob *)arg;
+void linear_task(const LinearJob *job, int ith, int nth) {
     const kvs_weight *w = job->w;
     const int K = w->cols, nb = K / KVS_QK;
     const bool q4 = w->qtype == 0;
@@ -369,8 +268,7 @@ void linear_task(void *arg, int ith, int nth) {
     for (int t = ith; t < job->T; t += nth)
         quantize_row_q8(job->x + (size_t)t * K, K, job->xq + (size_t)t * K, job->xd + (size_t)t * nb,
                         q4 ? job->xs + (size_t)t * nb : nullptr);
-    job->quantized.fetch_add(1, std::memory_order_acq_rel);
-    spin_until([&] { return job->quantized.load(std::memory_order_acquire) >= nth; });
+#pragma omp barrier
     // phase 2: this thread's rows, in multiples of 4
     const int rows = w->rows;
     const int per = ((rows + nth - 1) / nth + 3) & ~3;
@@ -399,23 +297,10 @@ size_t g_scratch_size = 0;
 
 extern "C" {
 
-// Start (or resize) the pool: nth threads in total including the caller.
-void kvs_set_num_threads(int nth) {
-    if (nth < 1) nth = 1;
-    if (nth > kMaxThreads) nth = kMaxThreads;
-    pthread_mutex_lock(&g_call_mu);
-    if (nth != g_pool.nth) {
-        pool_stop();
-        g_pool.nth = nth;
-        for (int i = 1; i < nth; i++)
-            pthread_create(&g_pool.threads[i], nullptr, worker_main, (void *)(intptr_t)i);
-    }
-    pthread_mutex_unlock(&g_call_mu);
-}
+// Threads per call (the caller's OpenMP team). Small calls use fewer: one thread per 64 rows.
+void kvs_set_num_threads(int nth) { g_nth = nth < 1 ? 1 : nth; }
 
-int kvs_get_num_threads(void) { return g_pool.nth; }
-
-void kvs_set_spin_ns(long ns) { g_pool.spin_ns = ns; }
+int kvs_get_num_threads(void) { return g_nth; }
 
 // Repack GGUF blocks of `rows` rows of `cols` elements. ggml_type: 2 = Q4_0, 3 = Q4_1, 8 = Q8_0.
 // Returns 0 on success, -1 on an unsupported type.
@@ -472,8 +357,13 @@ void kvs_linear(const kvs_weight *w, const float *x, int T, float *y) {
     job.xd = (float *)g_scratch;
     job.xs = job.xd + (size_t)T * nb;
     job.xq = (int8_t *)(job.xs + (size_t)T * nb);
-    job.quantized.store(0);
-    pool_run(linear_task, &job);
+    int nth = g_nth < w->rows / 64 ? g_nth : w->rows / 64;
+    if (nth <= 1) {
+        linear_task(&job, 0, 1);
+    } else {
+#pragma omp parallel num_threads(nth)
+        linear_task(&job, omp_get_thread_num(), omp_get_num_threads());
+    }
     pthread_mutex_unlock(&g_call_mu);
 }
 

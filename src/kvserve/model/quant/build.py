@@ -7,6 +7,7 @@ Linear variants fall back to dequantize-and-matmul in PyTorch (one warning).
 
 Why ctypes and not a torch C++ op: a ctypes call with four arguments costs about a microsecond,
 less than the torch dispatcher, and the build needs no torch headers (seconds, not a minute).
+Threads: -fopenmp, loaded after torch so the kernels run on torch's own OpenMP team (see csrc).
 Why explicit -mavx2 -mfma -mf16c and not -march=native: the result is valid on every AVX2 host,
 so a cache shared between machines, or a CPU that advertises more than it runs, cannot crash us.
 """
@@ -26,9 +27,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-CXX_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-pthread", "-std=c++17"]
+CXX_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-pthread", "-std=c++17"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
-KERNEL_VERSION = 4  # must match kvs_version() in the source
+KERNEL_VERSION = 5  # must match kvs_version() in the source
 
 
 class KvsWeight(ctypes.Structure):
@@ -126,12 +127,12 @@ def load_kernels() -> ctypes.CDLL | None:
                 raise RuntimeError("disabled by KVSERVE_NO_KERNELS")
             if not cpu_supported():
                 raise RuntimeError(f"CPU lacks one of {', '.join(REQUIRED_CPU_FLAGS)}")
+            import torch  # first: our libgomp.so.1 must resolve to torch's, so both share one thread team
+
             lib = ctypes.CDLL(str(build()))
             if lib.kvs_version() != KERNEL_VERSION:
                 raise RuntimeError("kernel library version mismatch; rebuild with `make setup`")
             _declare(lib)
-            import torch
-
             lib.kvs_set_num_threads(max(1, torch.get_num_threads()))
             _lib = lib
         except Exception as e:  # noqa: BLE001 - any failure means: use the fallback
@@ -154,8 +155,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvs_set_num_threads.argtypes = [i32]
     lib.kvs_set_num_threads.restype = None
     lib.kvs_get_num_threads.restype = i32
-    lib.kvs_set_spin_ns.argtypes = [ctypes.c_long]
-    lib.kvs_set_spin_ns.restype = None
 
 
 def main() -> int:
