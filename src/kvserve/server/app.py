@@ -43,6 +43,7 @@ class ServerState:
         self.limiter = RateLimiter()
         self.admission = Admission(settings)
         self.metrics = ServerMetrics(self.engine_stats, lambda: self.model_name or "")
+        self.metrics.gateway_waiting.set_function(lambda: self.admission.num_waiting)
 
     @property
     def model_name(self) -> str | None:
@@ -51,7 +52,6 @@ class ServerState:
         return self.settings.served_model_name or self.engine.model_name
 
     def engine_stats(self) -> dict | None:
-        self.metrics.gateway_waiting.set(self.admission.num_waiting)
         return self.engine.stats() if self.engine is not None else None
 
     def require_engine(self, requested: str | None):
