@@ -109,6 +109,8 @@ class AsyncEngine:
                 return
             kind, fut, rid = cmd[0], cmd[1], cmd[2]
             if kind == "add":
+                if not fut.set_running_or_notify_cancel():
+                    continue  # the caller was cancelled (client gone) before the add: skip it
                 try:
                     self.engine.add_request(rid, cmd[3], cmd[4], priority=cmd[5], cache_salt=cmd[6])
                     fut.set_result(None)
