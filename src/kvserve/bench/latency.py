@@ -181,9 +181,64 @@ class TransformersRunner:
 RUNNERS = {"kvserve": KvserveRunner, "llama-cpp": LlamaCppRunner, "transformers": TransformersRunner}
 
 
+def _measure(key: str, cfg: LatencyConfig, emit: Callable[..., None]) -> LatencyResult:
+    runner = RUNNERS[key](cfg)
+    ids = prompt_ids(runner.vocab_size, cfg.prompt_tokens, cfg.seed)
+    emit("start", engine=runner.name, total=(cfg.repeats + 1) * (cfg.decode_tokens + 1))
+    runner.run(ids[: min(32, len(ids))], min(4, cfg.decode_tokens))   # warm-up: threads, caches
+    emit("advance", n=cfg.decode_tokens + 1)
+    best_p = best_d = float("inf")
+    for _ in range(cfg.repeats):
+        p, d = runner.run(ids, cfg.decode_tokens, lambda n: emit("advance", n=n))
+        emit("advance", n=1)
+        best_p, best_d = min(best_p, p), min(best_d, d)
+    return LatencyResult(runner.name, runner.detail, cfg.prompt_tokens, cfg.decode_tokens, best_p, best_d)
+
+
+def _peer_main(key: str, cfg: LatencyConfig, queue) -> None:
+    try:
+        res = _measure(key, cfg, lambda kind, **info: queue.put((kind, info)))
+        queue.put(("result", {"result": res}))
+    except Exception as e:  # noqa: BLE001 - reported to the parent as a failed row
+        queue.put(("error", {"message": f"{type(e).__name__}: {e}"}))
+
+
+def _measure_in_subprocess(key: str, cfg: LatencyConfig, emit: Callable[..., None]) -> LatencyResult:
+    """A peer runs in its own process: its threads and native crashes (llama.cpp built for
+    instructions this CPU lacks dies with SIGILL) cannot take the benchmark down."""
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_peer_main, args=(key, cfg, q), daemon=True)
+    proc.start()
+    try:
+        while True:
+            try:
+                kind, info = q.get(timeout=1.0)
+            except queue_mod.Empty:
+                if not proc.is_alive():
+                    code = proc.exitcode
+                    why = "SIGILL: rebuild it for this CPU" if code == -4 else f"exit code {code}"
+                    return LatencyResult(RUNNERS[key].name, f"failed: process died ({why})", cfg.prompt_tokens,
+                                         cfg.decode_tokens, float("nan"), float("nan"))
+                continue
+            if kind == "result":
+                return info["result"]
+            if kind == "error":
+                return LatencyResult(RUNNERS[key].name, f"failed: {info['message']}", cfg.prompt_tokens, cfg.decode_tokens,
+                                     float("nan"), float("nan"))
+            emit(kind, **info)
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+
+
 def run_latency(cfg: LatencyConfig, on_event: Callable[..., None] | None = None) -> list[LatencyResult]:
-    """Run kvserve and each peer in turn (one loaded at a time). on_event(kind, **info) drives progress:
-    ("load", engine=), ("start", engine=, total=), ("advance", n=), ("done", result=)."""
+    """Run kvserve (in this process) and each peer (in a child process), one at a time.
+    on_event(kind, **info) drives progress: ("load", engine=), ("start", engine=, total=), ("advance", n=)."""
     from kvserve.errors import InvalidRequest
 
     emit = on_event or (lambda *a, **k: None)
@@ -193,20 +248,7 @@ def run_latency(cfg: LatencyConfig, on_event: Callable[..., None] | None = None)
     results = []
     for key in ["kvserve", *cfg.peers]:
         emit("load", engine=key)
-        runner = RUNNERS[key](cfg)
-        ids = prompt_ids(runner.vocab_size, cfg.prompt_tokens, cfg.seed)
-        emit("start", engine=runner.name, total=(cfg.repeats + 1) * (cfg.decode_tokens + 1))
-        runner.run(ids[: min(32, len(ids))], min(4, cfg.decode_tokens))   # warm-up: threads, caches
-        emit("advance", n=cfg.decode_tokens + 1)
-        best_p = best_d = float("inf")
-        for _ in range(cfg.repeats):
-            p, d = runner.run(ids, cfg.decode_tokens, lambda n: emit("advance", n=n))
-            emit("advance", n=1)
-            best_p, best_d = min(best_p, p), min(best_d, d)
-        res = LatencyResult(runner.name, runner.detail, cfg.prompt_tokens, cfg.decode_tokens, best_p, best_d)
-        results.append(res)
-        emit("done", result=res)
-        del runner
+        results.append(_measure(key, cfg, emit) if key == "kvserve" else _measure_in_subprocess(key, cfg, emit))
         gc.collect()
     return results
 
