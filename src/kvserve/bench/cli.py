@@ -93,3 +93,9 @@ def kernels(
     print(f"{threads} threads, median µs per call, load average {os.getloadavg()[0]:.1f}\n")
     print(table)
     _write_outputs(out_dir, "kernels", table, rows)
+
+
+# `kvserve bench serve` lives in its own module (the HTTP load generator); registered here.
+from kvserve.bench.serve import serve_command
+
+app.command("serve")(serve_command)
