@@ -32,7 +32,7 @@ def srv(tmp_path_factory, model_server):
     keys = {"alice": store.create("alice"), "tiny": store.create("tiny", rpm=2),
             "tokens": store.create("tokens", tpm=1000)}
     store.close()
-    server = model_server(data_dir, "--max-model-len", "512")
+    server = model_server(data_dir, "--max-model-len", "512", "--max-running", "64")
     server.keys = keys
     global MODEL
     MODEL = HTTP.get(server.base_url + "/v1/models", headers={"Authorization": f"Bearer {keys['alice']}"}
