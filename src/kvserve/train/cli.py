@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -189,18 +190,37 @@ def perplexity_cmd(
     seq_len: int = typer.Option(512, "--seq-len"),
     max_windows: int = typer.Option(None, "--max-windows", help="Evaluate at most this many windows."),
     threads: int = typer.Option(None),
+    weight_format: Annotated[list[str] | None, typer.Option(
+        "--weight-format", help="fp32 (default), bf16, fp16, auto (GGUF packed where a kernel exists), gguf; "
+        "repeatable: one table row each.")] = None,
+    peer: Annotated[list[str] | None, typer.Option(
+        "--peer", help="Also score the same token windows with: llama-cpp.")] = None,
 ) -> None:
-    """Perplexity and bits per byte of a model on a text."""
+    """Perplexity and bits per byte of a model on a text (a table when several formats or peers)."""
+    from kvserve.errors import InvalidRequest
     from kvserve.train.data import load_corpus, split_documents
-    from kvserve.train.evaluate import perplexity
+    from kvserve.train.evaluate import llama_cpp_perplexity, perplexity, perplexity_table
 
     _threads(threads)
+    weight_format, peer = weight_format or ["fp32"], peer or []
+    rows = []
     try:
+        if any(p != "llama-cpp" for p in peer):
+            raise InvalidRequest(f"unknown peer in {peer}: the one peer is llama-cpp", param="peer")
         body = Path(text).read_text(errors="replace") if text else "\n\n".join(split_documents(load_corpus())[1])
-        r = perplexity(model, body, seq_len=seq_len, max_windows=max_windows)
+        for fmt in weight_format:
+            rows.append((f"kvserve {fmt}", perplexity(model, body, seq_len=seq_len, max_windows=max_windows,
+                                                      weight_format=fmt)))
+        for _ in peer:
+            rows.append(("llama.cpp", llama_cpp_perplexity(model, body, seq_len=seq_len, max_windows=max_windows,
+                                                           threads=threads)))
     except KVServeError as e:
         _fail(e)
     except OSError as e:
         typer.echo(f"error: cannot read {text}: {e.strerror}", err=True)
         raise typer.Exit(1) from None
+    if len(rows) > 1:
+        typer.echo(perplexity_table(rows))
+        return
+    r = rows[0][1]
     typer.echo(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.as_dict().items()}, indent=2))

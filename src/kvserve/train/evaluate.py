@@ -80,13 +80,70 @@ def unigram_bits_per_byte(train_ids: torch.Tensor, eval_ids: torch.Tensor, token
     return nats / math.log(2) / max(int(token_bytes[targets].sum()), 1)
 
 
-def perplexity(model_dir: str | Path, text: str, seq_len: int | None = None, batch_size: int = 4,
-               max_windows: int | None = None) -> EvalResult:
-    """Perplexity and bits per byte of a model directory (or GGUF) on a text."""
+def perplexity(model_dir: str | Path | None, text: str, seq_len: int | None = None, batch_size: int = 4,
+               max_windows: int | None = None, weight_format: str = "fp32") -> EvalResult:
+    """Perplexity and bits per byte of a model directory (or GGUF, or built-in name; None is the
+    default model) on a text, with its weights in `weight_format` (fp32, bf16, fp16, auto, gguf)."""
     from kvserve.model.loader import load_model
 
-    lm = load_model(str(model_dir), weight_format="fp32")
+    lm = load_model(str(model_dir) if model_dir else None, weight_format=weight_format)
     tok = lm.tokenizer
     ids = torch.tensor(tok.encode(text, add_special_tokens=True), dtype=torch.long)
     seq_len = min(seq_len or 512, lm.config.max_position_embeddings - 1)
     return evaluate_stream(lm.model, ids, token_byte_lengths(tok), seq_len, batch_size, max_windows)
+
+
+def llama_cpp_perplexity(model: str | Path | None, text: str, seq_len: int | None = 512,
+                         max_windows: int | None = None, threads: int | None = None) -> EvalResult:
+    """llama.cpp's perplexity on exactly the token windows `perplexity` scores: the text is
+    tokenized by kvserve, and llama.cpp evaluates those ids (logits for every position), each
+    window from an empty cache, as `evaluate_stream` does. Needs a GGUF model."""
+    import os
+
+    import numpy as np
+
+    from kvserve.errors import InvalidRequest
+    from kvserve.model.gguf_loader import config_from_gguf, open_gguf
+    from kvserve.model.registry import resolve
+
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise InvalidRequest("--peer llama-cpp needs llama-cpp-python: pip install 'kvserve[llama-cpp]'",
+                             param="peer") from None
+    src = resolve(str(model) if model else None)
+    if src.kind != "gguf":
+        raise InvalidRequest("--peer llama-cpp needs a GGUF model", param="peer")
+    reader = open_gguf(src.path)
+    tok = Tokenizer.from_gguf(reader)
+    seq_len = min(seq_len or 512, config_from_gguf(reader, src.name).max_position_embeddings - 1)
+    ids = tok.encode(text, add_special_tokens=True)
+    token_bytes = token_byte_lengths(tok)
+    n_win = max(1, (len(ids) - 1) // seq_len)
+    if max_windows:
+        n_win = min(n_win, max_windows)
+    threads = threads or os.cpu_count() or 1
+    llm = Llama(model_path=str(src.path), n_ctx=seq_len + 1, n_batch=seq_len, n_ubatch=seq_len, logits_all=True,
+                n_threads=threads, n_threads_batch=threads, verbose=False)
+    nats, tokens, nbytes = 0.0, 0, 0
+    for w in range(n_win):
+        window = ids[w * seq_len: w * seq_len + seq_len + 1]
+        llm.reset()
+        llm.eval(window[:-1])
+        logits = torch.from_numpy(np.array(llm.scores[: len(window) - 1], dtype=np.float32))
+        targets = torch.tensor(window[1:], dtype=torch.long)
+        nats += float(F.cross_entropy(logits, targets, reduction="sum"))
+        tokens += len(targets)
+        nbytes += int(token_bytes[targets].sum())
+    llm.close()
+    return EvalResult(nats / max(tokens, 1), nats / math.log(2) / max(nbytes, 1), tokens, nbytes)
+
+
+def perplexity_table(rows: list[tuple[str, EvalResult]]) -> str:
+    """Markdown: one row per (label, result), with the relative perplexity change from the first row."""
+    ref = rows[0][1].perplexity
+    out = ["| weights | perplexity | vs " + rows[0][0] + " | bits/byte | tokens |", "|---|---:|---:|---:|---:|"]
+    for label, r in rows:
+        out.append(f"| {label} | {r.perplexity:.4f} | {100 * (r.perplexity / ref - 1):+.2f}% | "
+                   f"{r.bits_per_byte:.4f} | {r.tokens} |")
+    return "\n".join(out)
