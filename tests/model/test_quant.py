@@ -8,7 +8,8 @@ Error bounds, relative Frobenius norm of y - y_ref over y_ref (y_ref in float64)
     (integer dot products, fp32 scales). Bound: 2% (3x margin); measured ~0.55%.
   * bf16 path (large T): x, W and y each rounded to bf16 (relative 2^-9 = 0.2%), accumulation in
     fp32: ~0.3% expected. Bound: 1%.
-  * torch fallback: fp32 dequantized weights and fp32 matmul: 1e-5.
+  * fp32-GEMM path (large T without bf16) and torch fallback: W dequantized exactly to fp32, fp32
+    matmul: 1e-5.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def make(qtype: Q, out_f: int, in_f: int, seed: int = 0, bias: bool = False):
 
 def kernel_layer(raw, qtype, in_f, out_f, bias=None) -> GGUFQuantLinear:
     layer = GGUFQuantLinear(raw, qtype, in_f, out_f, bias)
-    layer.bf16_min_tokens = None   # force the int8 kernel
+    layer.bf16_min_tokens = layer.f32_min_tokens = None   # force the int8 kernel
     return layer
 
 
@@ -126,6 +127,16 @@ def test_bf16_path_for_large_batches(qtype):
     layer.bf16_min_tokens = 16
     x = torch.randn(64, 576)
     assert rel_err(layer(x), x.double() @ ref_w.T + b.double()) < BF16_BOUND
+
+
+@requires_kernels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_f32_gemm_path_for_large_batches(qtype):
+    raw, ref_w, b = make(qtype, 192, 96, bias=True)   # 3 blocks per row: odd pair count
+    layer = GGUFQuantLinear(raw, qtype, 96, 192, b)
+    layer.bf16_min_tokens, layer.f32_min_tokens = None, 32
+    x = torch.randn(64, 96)
+    assert rel_err(layer(x), x.double() @ ref_w.T + b.double()) < 1e-5
 
 
 @requires_kernels

@@ -328,9 +328,10 @@ def kernel_latency(tokens: list[int], shapes=None, threads: int = 2,
             x = torch.randn(T, in_f)
             row = {"shape": f"{out_f}x{in_f}", "qtype": qname, "T": T}
             if layer.lib is not None:
-                saved, layer.bf16_min_tokens = layer.bf16_min_tokens, None
+                saved = layer.bf16_min_tokens, layer.f32_min_tokens
+                layer.bf16_min_tokens = layer.f32_min_tokens = None
                 row["int8_us"] = _time_call(partial(layer, x)) * 1e6
-                layer.bf16_min_tokens = saved
+                layer.bf16_min_tokens, layer.f32_min_tokens = saved
             row["auto_us"] = _time_call(partial(layer, x)) * 1e6
             row["fp32_us"] = _time_call(partial(torch.nn.functional.linear, x, w32)) * 1e6
             row["bf16_us"] = _time_call(partial(_bf16_linear, x, w16)) * 1e6

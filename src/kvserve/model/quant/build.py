@@ -152,6 +152,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvs_repack.restype = i32
     lib.kvs_linear.argtypes = [vp, vp, i32, vp]
     lib.kvs_linear.restype = None
+    lib.kvs_dequantize.argtypes = [vp, vp]
+    lib.kvs_dequantize.restype = None
     lib.kvs_set_num_threads.argtypes = [i32]
     lib.kvs_set_num_threads.restype = None
     lib.kvs_get_num_threads.restype = i32
