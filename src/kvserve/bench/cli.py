@@ -99,3 +99,8 @@ def kernels(
 from kvserve.bench.serve import serve_command
 
 app.command("serve")(serve_command)
+
+# `kvserve bench throughput` (offline, many requests at once) lives in its own module too.
+from kvserve.bench.throughput import throughput
+
+app.command("throughput")(throughput)
