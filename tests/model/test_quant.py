@@ -56,9 +56,32 @@ def kernel_layer(raw, qtype, in_f, out_f, bias=None) -> GGUFQuantLinear:
     return layer
 
 
+def random_q4_k(out_f: int, in_f: int, seed: int = 0) -> np.ndarray:
+    """gguf-py cannot quantize to Q4_K; random super-blocks are valid Q4_K data all the same."""
+    rng = np.random.default_rng(seed)
+    n = out_f * in_f // 256
+    blocks = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
+    blocks[:, 0:4] = np.stack([rng.uniform(1e-3, 1e-2, n), rng.uniform(1e-3, 1e-2, n)], 1).astype(
+        np.float16).view(np.uint8)
+    return blocks.reshape(out_f, -1)
+
+
 def test_supports():
-    assert all(supports(q) for q in FORMATS)
+    assert all(supports(q) for q in [*FORMATS, Q.Q4_K])
     assert not supports(Q.Q6_K) and not supports(Q.F32)
+
+
+@requires_kernels
+@pytest.mark.parametrize("T", BATCHES)
+@pytest.mark.parametrize("shape", [(64, 512), (37, 256)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_q4_k_repacked_into_q4_kernel(shape, T):
+    out_f, in_f = shape
+    raw = random_q4_k(out_f, in_f, seed=T)
+    ref_w = torch.from_numpy(dequantize(raw, Q.Q4_K)).double()
+    layer = kernel_layer(raw, Q.Q4_K, in_f, out_f)
+    assert torch.equal(layer.dequantized_weight().double(), ref_w)
+    x = torch.randn(T, in_f)
+    assert rel_err(layer(x), x.double() @ ref_w.T) < INT8_BOUND
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)

@@ -1,4 +1,4 @@
-"""Linear layers over GGUF block-quantized weights, kept packed (Q4_0, Q4_1, Q8_0)."""
+"""Linear layers over GGUF block-quantized weights, kept packed (Q4_0, Q4_1, Q4_K, Q8_0)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from kvserve.errors import ModelLoadError
 from kvserve.model.quant import reference
@@ -19,6 +20,7 @@ _KERNEL_QTYPE = {
     GGMLQuantizationType.Q4_0: 0,
     GGMLQuantizationType.Q4_1: 0,
     GGMLQuantizationType.Q8_0: 1,
+    GGMLQuantizationType.Q4_K: 0,   # repacked losslessly into the Q4 layout: scale d*sc, min -dmin*m
 }
 
 
@@ -102,6 +104,19 @@ def set_config(config: QuantLinearConfig) -> None:
     _config = config
 
 
+def repack_q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks (256 values: fp16 d, dmin, 6-bit scales/mins of 8 sub-blocks, 128 bytes of
+    nibbles) -> the kernels' Q4 layout. Each 32-value sub-block becomes a Q4 block with scale d*sc and
+    minimum -dmin*m (exact in fp32), and Q4_K already stores nibbles in sub-block pairs, as we do."""
+    blocks = raw.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K][1])
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = gguf_quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    scale = d * sc.astype(np.float32)
+    minimum = -(dmin * mn.astype(np.float32))
+    return np.ascontiguousarray(blocks[:, 16:]).reshape(-1), scale.reshape(-1), minimum.reshape(-1)
+
+
 class GGUFQuantLinear(torch.nn.Module):
     """y = x @ W^T (+ bias) with W in GGUF block-quantized form.
 
@@ -125,11 +140,12 @@ class GGUFQuantLinear(torch.nn.Module):
         qtype = GGMLQuantizationType(qtype)
         if not supports(qtype):
             raise ModelLoadError(f"GGUF weight type {qtype.name} has no packed kernel; dequantize it instead")
-        if in_features % reference.QK:
-            raise ModelLoadError(f"in_features={in_features} is not a multiple of the GGUF block size 32")
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        if in_features % block:
+            raise ModelLoadError(f"in_features={in_features} is not a multiple of the {qtype.name} block size {block}")
         raw = np.ascontiguousarray(raw, dtype=np.uint8)
         raw_t = torch.from_numpy(raw if raw.flags.writeable else raw.copy())  # read-only mmap from GGUFReader
-        expect = (out_features, in_features // reference.QK * reference.BLOCK_BYTES[qtype])
+        expect = (out_features, in_features // block * block_bytes)
         if tuple(raw_t.shape) != expect:
             raise ModelLoadError(
                 f"GGUF {qtype.name} tensor has byte shape {tuple(raw_t.shape)}, expected {expect}"
@@ -152,10 +168,17 @@ class GGUFQuantLinear(torch.nn.Module):
         self.qs = torch.empty(out_features * ((nb + 1) // 2 * 32 if q4 else in_features), dtype=torch.uint8)
         self.d = torch.empty(out_features * nb, dtype=torch.float32)
         self.m = torch.empty(out_features * nb if q4 else 0, dtype=torch.float32)
-        rc = self.lib.kvs_repack(
-            int(qtype), raw_t.data_ptr(), out_features, in_features,
-            self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr() if q4 else None,
-        )  # fmt: skip
+        if qtype == GGMLQuantizationType.Q4_K:
+            qs, d, m = repack_q4_k(raw)
+            self.qs.copy_(torch.from_numpy(qs))
+            self.d.copy_(torch.from_numpy(d))
+            self.m.copy_(torch.from_numpy(m))
+            rc = 0
+        else:
+            rc = self.lib.kvs_repack(
+                int(qtype), raw_t.data_ptr(), out_features, in_features,
+                self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr() if q4 else None,
+            )  # fmt: skip
         if rc != 0:
             raise ModelLoadError(f"kernel repack failed for {qtype.name}")
         self._desc = KvsWeight(
