@@ -234,3 +234,28 @@ def test_dense_linear(dtype, bound, T):
     y = layer(x)
     assert y.dtype == torch.float32
     assert rel_err(y, x.double() @ w.double().T + b.double()) < bound
+
+
+@requires_kernels
+@pytest.mark.parametrize("seq_lens", [[1], [37], [5, 16, 17, 130]])
+def test_paged_decode_attention_matches_torch_path(seq_lens):
+    """The C decode attention against the model's PyTorch paged attention (GQA 9:3, D=64)."""
+    from kvserve.model.attention import AttentionMetadata, paged_attention
+    from kvserve.model.quant.attention import paged_decode_attention
+
+    g = torch.Generator().manual_seed(len(seq_lens))
+    block_size, hq, hkv, d = 16, 9, 3, 64
+    need = [(n + block_size - 1) // block_size for n in seq_lens]
+    perm = torch.randperm(sum(need) + 3, generator=g).tolist()   # blocks scattered over the pool
+    tables, i = [], 0
+    for n in need:
+        tables.append(perm[i:i + n])
+        i += n
+    kv_cache = torch.randn(2, len(perm), block_size, hkv, d, generator=g)
+    q = torch.randn(len(seq_lens), hq, d, generator=g)
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size)
+    ref = paged_attention(q, kv_cache, meta, 0.125)
+    out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
+    assert out is not None and out.shape == ref.shape
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+    assert paged_decode_attention(q, kv_cache.to(torch.bfloat16), meta.block_tables, seq_lens, 0.125) is None

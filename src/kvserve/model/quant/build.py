@@ -1,4 +1,4 @@
-"""Build and load the C++ kernels (csrc/kvserve_kernels.cpp) as a plain shared library via ctypes.
+"""Build and load the C++ kernels (csrc/*.cpp) as one plain shared library, called via ctypes.
 
 The library is compiled from source on this machine, once, into a cache directory keyed by the
 source hash, compiler and flags: at `make setup` time (`python -m kvserve.model.quant`) or on
@@ -47,9 +47,9 @@ class KvsWeight(ctypes.Structure):
     ]
 
 
-def source_path() -> Path:
+def source_dir() -> Path:
     """csrc/ lives at the repository root, next to src/ (editable install)."""
-    return Path(__file__).resolve().parents[4] / "csrc" / "kvserve_kernels.cpp"
+    return Path(__file__).resolve().parents[4] / "csrc"
 
 
 def cache_dir() -> Path:
@@ -85,21 +85,24 @@ def _compiler() -> str | None:
 
 def build(force: bool = False) -> Path:
     """Compile the library if needed and return its path. Raises RuntimeError on failure."""
-    src = source_path()
-    if not src.exists():
-        raise RuntimeError(f"kernel source not found at {src}")
+    sources = sorted(source_dir().glob("*.cpp"))
+    if not sources:
+        raise RuntimeError(f"kernel sources not found in {source_dir()}")
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
     flags = cxx_flags()
-    key = hashlib.sha256(src.read_bytes() + cxx.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(cxx.encode() + " ".join(flags).encode())
+    for src in sources:
+        digest.update(src.name.encode() + src.read_bytes())
+    key = digest.hexdigest()[:16]
     out = cache_dir() / f"libkvserve_kernels-{key}.so"
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *flags, "-o", tmp, str(src)]
+    cmd = [cxx, *flags, "-o", tmp, *map(str, sources)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
@@ -152,6 +155,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvs_repack.restype = i32
     lib.kvs_linear.argtypes = [vp, vp, i32, vp]
     lib.kvs_linear.restype = None
+    lib.kvs_paged_decode_attention.argtypes = [vp, vp, i32, i32, i32, i32, i32, vp, i32, vp, i32,
+                                               ctypes.c_float, vp, i32]
+    lib.kvs_paged_decode_attention.restype = None
     lib.kvs_dequantize.argtypes = [vp, vp]
     lib.kvs_dequantize.restype = None
     lib.kvs_set_num_threads.argtypes = [i32]
