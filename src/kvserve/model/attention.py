@@ -78,6 +78,12 @@ def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, n: int) -> tuple[
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """q [T, Hq, D] (already rotated) -> output [T, Hq, D]; K/V for these tokens already written."""
+    if meta.is_all_decode:   # C kernel reading K/V in place (kvserve.model.quant); None = not applicable
+        from kvserve.model.quant.attention import paged_decode_attention
+
+        out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale)
+        if out is not None:
+            return out
     hq, d = q.shape[1], q.shape[2]
     hkv = kv_cache.shape[3]
     gqa = hq != hkv
