@@ -1,4 +1,4 @@
-// Paged decode attention: one new query token per sequence against its cached K/V, read in place
+// Small fused ops for the decode step. Paged decode attention: one new query token per sequence against its cached K/V, read in place
 // through the block table (no gather copy), GQA without repeating K/V. fp32 cache.
 //
 //   q        [B, Hq, D]                          (already rotated)
@@ -93,6 +93,25 @@ void kvs_paged_decode_attention(const float *q, const float *kv_cache, int num_b
                 for (int g = 0; g < group; g++) axpy(o + g * D, scores[(size_t)g * L + t], v, D);
             }
         }
+    }
+}
+
+}  // extern "C"
+
+extern "C" {
+
+// y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, for T rows of n floats (one fused pass per row;
+// torch 2.13's CPU rms_norm runs ~6 separate ops, a decode step calls it 61 times).
+void kvs_rms_norm(const float *x, const float *w, int T, int n, float eps, float *y) {
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (size_t)t * n;
+        float *yr = y + (size_t)t * n;
+        const float inv = 1.0f / sqrtf(dot(xr, xr, n) / (float)n + eps);
+        const __m256 iv = _mm256_set1_ps(inv);
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), iv), _mm256_loadu_ps(w + i)));
+        for (; i < n; i++) yr[i] = xr[i] * inv * w[i];
     }
 }
 

@@ -259,3 +259,15 @@ def test_paged_decode_attention_matches_torch_path(seq_lens):
     assert out is not None and out.shape == ref.shape
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
     assert paged_decode_attention(q, kv_cache.to(torch.bfloat16), meta.block_tables, seq_lens, 0.125) is None
+
+
+@requires_kernels
+@pytest.mark.parametrize("shape", [(1, 576), (7, 576), (3, 5, 100)])
+def test_fused_rms_norm_matches_torch(shape):
+    from kvserve.model.quant.attention import rms_norm
+
+    x, w = torch.randn(*shape), torch.randn(shape[-1])
+    y = rms_norm(x, w, 1e-5)
+    assert y is not None and y.shape == x.shape
+    assert torch.allclose(y, torch.nn.functional.rms_norm(x, (shape[-1],), w, 1e-5), atol=1e-5, rtol=1e-5)
+    assert rms_norm(x.double(), w, 1e-5) is None

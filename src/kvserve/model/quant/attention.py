@@ -1,9 +1,9 @@
-"""Paged decode attention in C (csrc/kvserve_attention.cpp): a fast path for all-decode steps.
+"""Fused CPU ops from csrc/kvserve_attention.cpp: paged decode attention and RMSNorm.
 
-`paged_decode_attention` returns None when it does not apply (kernels unavailable, a cache that is
-not contiguous fp32 on CPU, or a step that is not all single-token queries), and the caller keeps
-its PyTorch path. It reads K/V in place through the block tables, so the per-layer gather copy and
-the GQA repeat of the PyTorch path disappear.
+Each returns None when it does not apply (kernels unavailable, tensors not contiguous fp32 on CPU,
+a step that is not all single-token queries) and the caller keeps its PyTorch path. The decode
+attention reads K/V in place through the block tables, so the per-layer gather copy and the GQA
+repeat of the PyTorch path disappear.
 """
 
 from __future__ import annotations
@@ -33,3 +33,16 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                                    tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, scale,
                                    out.data_ptr(), lib.kvs_get_num_threads())
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm over the last dim in one pass (x and weight float32 on CPU), or None if not applicable."""
+    lib = load_kernels()
+    if (lib is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
+            or x.requires_grad or weight.requires_grad or x.shape[-1] != weight.shape[0]):
+        return None
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    n = x.shape[-1]
+    lib.kvs_rms_norm(x.data_ptr(), weight.data_ptr(), x.numel() // n, n, eps, y.data_ptr())
+    return y

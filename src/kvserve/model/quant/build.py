@@ -158,6 +158,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvs_paged_decode_attention.argtypes = [vp, vp, i32, i32, i32, i32, i32, vp, i32, vp, i32,
                                                ctypes.c_float, vp, i32]
     lib.kvs_paged_decode_attention.restype = None
+    lib.kvs_rms_norm.argtypes = [vp, vp, i32, i32, ctypes.c_float, vp]
+    lib.kvs_rms_norm.restype = None
     lib.kvs_dequantize.argtypes = [vp, vp]
     lib.kvs_dequantize.restype = None
     lib.kvs_set_num_threads.argtypes = [i32]
