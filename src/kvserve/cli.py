@@ -33,23 +33,34 @@ def _load_engine(model: str | None, weight_format: str, max_model_len: int | Non
         return LLMEngine(loaded.model, loaded.tokenizer, cfg, model_name=loaded.source.name)
 
 
-def _stream(engine, prompt_ids: list[int], params, request_id: str) -> str:
-    """Generate and print the answer as it comes; Ctrl-C stops the answer (engine.abort)."""
+def _stream(engine, prompt_ids: list[int], params, request_id: str, stats: bool = False) -> str:
+    """Generate and print the answer as it comes; Ctrl-C stops the answer (engine.abort).
+    With `stats`, a line of counts and speed follows on stderr."""
     engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
     text = []
+    last = None
     try:
         while engine.has_unfinished_requests():
             for out in engine.step():
+                last = out
                 delta = out.outputs[0].text_delta
                 if delta:
                     sys.stdout.write(delta)
                     sys.stdout.flush()
                     text.append(delta)
     except KeyboardInterrupt:
-        engine.abort(request_id)
+        last = engine.abort(request_id) or last
         sys.stdout.write(" [stopped]")
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if stats and last is not None and last.metrics is not None:
+        m = last.metrics
+        n_out = len(last.outputs[0].token_ids) if last.outputs else 0
+        decode_s = (m.last_token_time or 0) - (m.first_token_time or 0)
+        tps = f", {(n_out - 1) / decode_s:.1f} tokens/s" if n_out > 1 and decode_s > 0 else ""
+        ttft = (m.first_token_time - m.arrival_time) * 1000 if m.first_token_time else 0.0
+        typer.echo(f"[prompt {len(prompt_ids)} tokens ({last.num_cached_tokens} cached), "
+                   f"{n_out} generated, first token {ttft:.0f} ms{tps}]", err=True)
     return "".join(text)
 
 
@@ -70,6 +81,7 @@ def run(
     system: str = typer.Option(None, help="System prompt."),
     raw: bool = typer.Option(False, help="Continue the text as is, without the chat template."),
     weight_format: str = typer.Option("auto", help="auto | fp32 | bf16 | fp16 | gguf"),
+    stats: bool = typer.Option(False, help="Print token counts and speed after the answer."),
 ) -> None:
     """Answer one prompt, streaming the answer to the terminal."""
     if prompt == "-":
@@ -83,7 +95,7 @@ def run(
         else:
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             ids = tok.apply_chat_template(msgs, tokenize=True)
-        _stream(engine, ids, params, "run")
+        _stream(engine, ids, params, "run", stats)
     except KVServeError as e:
         _fail(e)
 
@@ -96,6 +108,7 @@ def chat(
     max_tokens: int = typer.Option(512, "--max-tokens"),
     system: str = typer.Option(None, help="System prompt."),
     weight_format: str = typer.Option("auto", help="auto | fp32 | bf16 | fp16 | gguf"),
+    stats: bool = typer.Option(False, help="Print token counts and speed after each answer."),
 ) -> None:
     """Multi-turn chat in the terminal. /reset, /system TEXT, /exit; Ctrl-C stops an answer."""
     try:
@@ -137,7 +150,7 @@ def chat(
         history.append({"role": "user", "content": line})
         try:
             ids = _fit(tok, system, history, engine.max_model_len - max_tokens)
-            answer = _stream(engine, ids, params, f"chat-{turn}")
+            answer = _stream(engine, ids, params, f"chat-{turn}", stats)
         except KVServeError as e:
             history.pop()
             typer.echo(f"error: {e.message}", err=True)

@@ -1,0 +1,57 @@
+"""`kvserve chat` as a user drives it: history, /system, /reset, /exit, and Ctrl-C that stops an
+answer but not the program."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+
+def _start() -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "kvserve.cli", "chat", "--temperature", "0",
+                             "--max-tokens", "48", "--stats"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def test_chat_commands_and_history():
+    p = _start()
+    script = ("/system You are a terse assistant.\n"
+              "My name is Alice. Reply with one word: ok.\n"
+              "What is my name?\n"
+              "/reset\n"
+              "/exit\n")
+    _out, err = p.communicate(script, timeout=600)
+    assert p.returncode == 0, err
+    assert "(system prompt set)" in err
+    assert "(conversation cleared)" in err
+    assert "Traceback" not in err
+    # Each turn's prompt holds the whole conversation so far; the second turn reuses the first
+    # turn's KV blocks through the prefix cache.
+    turns = [(int(a), int(b)) for a, b in re.findall(r"\[prompt (\d+) tokens \((\d+) cached\)", err)]
+    assert len(turns) == 2, err
+    assert turns[1][0] > turns[0][0] + 5
+    assert turns[1][1] >= 16
+
+
+def test_ctrl_c_stops_the_answer_not_the_program():
+    p = _start()
+    p.stdin.write("Write a very long story about a dragon.\n")
+    p.stdin.flush()
+    # Wait until the answer has started streaming, then press Ctrl-C.
+    buf = ""
+    deadline = time.monotonic() + 300
+    while len(buf) < 20 and time.monotonic() < deadline:
+        buf += p.stdout.read(1)
+    p.send_signal(signal.SIGINT)
+    p.stdin.write("What is 2+2?\n/exit\n")
+    p.stdin.flush()
+    out, err = p.communicate(timeout=300)
+    out = buf + out
+    assert p.returncode == 0, err
+    assert "[stopped]" in out
+    after = out.split("[stopped]", 1)[1]
+    assert len(after.strip(" >\n")) > 5            # the next question was still answered
+    assert err.count("[prompt ") == 2
