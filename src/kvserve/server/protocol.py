@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvserve.errors import InvalidRequest
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import RepetitionGuard, SamplingParams
 from kvserve.server.settings import ServerSettings
 
 
@@ -49,6 +49,13 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class RepetitionGuardSpec(_Strict):
+    """End a generation stuck in a loop (finish_reason "repetition"): see SamplingParams."""
+
+    window: int = 16
+    repeats: int = 4
+
+
 class _Common(_Strict):
     """Fields shared by chat and completions: OpenAI's, vLLM's extras, and kvserve's extensions."""
 
@@ -81,6 +88,7 @@ class _Common(_Strict):
     kvserve_trace: bool = False
     priority: int = 0
     cache_salt: str | None = Field(default=None, max_length=256)
+    repetition_guard: RepetitionGuardSpec | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -205,6 +213,8 @@ def to_sampling_params(req: _Common, max_tokens: int, *, logprobs: int | None,
         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
         "include_stop_str_in_output": req.include_stop_str_in_output, "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs, "skip_special_tokens": req.skip_special_tokens}
+    if req.repetition_guard is not None:
+        kwargs["repetition_guard"] = RepetitionGuard(req.repetition_guard.window, req.repetition_guard.repeats)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
         if value is not None:
