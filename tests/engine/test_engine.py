@@ -178,3 +178,25 @@ def test_random_aborts_leave_the_pool_free(loaded, corpus_ids):
     assert aborted > 3 and finished
     assert eng.abort("no-such-request") is None
     assert_pool_idle(llm)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp32", "bf16"])
+def test_unwritten_kv_slots_do_not_reach_the_output(loaded, corpus_ids, kv_cache_dtype):
+    """The pool is torch.empty: slots never written (the tail of a sequence's last block, the
+    padding of a batch's block tables) may hold anything, NaN included (CUDA's caching allocator
+    hands back used memory). Attention must not let them through, even multiplied by zero.
+    fp32 runs the C decode kernel on CPU, bf16 the SDPA path every other device uses."""
+    prompts = mixed_prompts(corpus_ids, 4, 5, 60, seed=5)
+    runs = []
+    for fill in (0.0, float("nan")):
+        llm = make_llm(loaded, kv_cache_memory="32MiB", kv_cache_dtype=kv_cache_dtype)
+        for cache in llm.engine.runner.kv_caches:
+            cache.fill_(fill)
+        runs.append(llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(4), use_tqdm=False))
+        assert_pool_idle(llm)
+    for p, clean, dirty in zip(prompts, *runs):
+        assert dirty.outputs[0].token_ids == clean.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in pos.items()} for pos in dirty.outputs[0].logprobs] == [
+            {t: lp.logprob for t, lp in pos.items()} for pos in clean.outputs[0].logprobs]
+        if kv_cache_dtype == "fp32":
+            check_against_dense(loaded.model, p, dirty.outputs[0])

@@ -97,8 +97,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         tables = meta.block_tables[:, :nblk]
         k = kv_cache[0, tables].flatten(1, 2)[:, :max_len].to(dtype)    # [B, L, Hkv, D]
         v = kv_cache[1, tables].flatten(1, 2)[:, :max_len].to(dtype)
-        lens = torch.tensor(meta.seq_lens)
-        mask = torch.arange(max_len)[None, :] < lens[:, None]            # [B, L]
+        lens = torch.tensor(meta.seq_lens, device=k.device)
+        mask = torch.arange(max_len, device=k.device)[None, :] < lens[:, None]    # [B, L]
+        # Padding slots were never written (the pool is torch.empty): they may hold NaN/Inf,
+        # which a masked score does not stop (0 * NaN = NaN in the weighted sum of V). Zero them.
+        invalid = ~mask[:, :, None, None]
+        k.masked_fill_(invalid, 0.0)
+        v.masked_fill_(invalid, 0.0)
         out = F.scaled_dot_product_attention(
             q.view(b, 1, hq, d).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
@@ -122,6 +127,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     elif lq == lk:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=gqa)
     else:  # a chunk of a prompt whose earlier part is cached: causal mask aligned bottom-right
-        mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.transpose(0, 1)
