@@ -123,9 +123,10 @@ class LlamaCppRunner:
         from kvserve.model.registry import resolve
 
         path = resolve(cfg.model).path
-        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=cfg.prompt_tokens + cfg.decode_tokens + 16,
-                                   n_threads=cfg.threads, n_threads_batch=cfg.threads,
-                                   n_batch=max(512, cfg.prompt_tokens), verbose=False)
+        n_ctx = cfg.prompt_tokens + cfg.decode_tokens + 16
+        # n_batch = n_ctx: llama-cpp-python keeps n_batch rows of scores and indexes them by position
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=512,
+                                   n_threads=cfg.threads, n_threads_batch=cfg.threads, verbose=False)
         self.vocab_size = self.llm.n_vocab()
         self.detail = f"llama-cpp-python {llama_cpp.__version__}, {path.name}, {cfg.threads} threads"
 
