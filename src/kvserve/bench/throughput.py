@@ -274,6 +274,10 @@ def throughput(
                     task = prog.add_task(f"{info['engine']:>12}", total=info["total"])
                 elif kind == "advance" and task is not None:
                     prog.advance(task, info["n"])
+                elif kind == "done":     # each engine's numbers as soon as it finishes
+                    r = info["result"]
+                    console.print(f"{r.engine}: {r.requests_per_s:.2f} req/s, {r.total_tps:.1f} total tok/s, "
+                                  f"{r.output_tps:.1f} output tok/s ({r.elapsed_s:.1f} s)")
 
             results = run_throughput(cfg, on_event)
     except KVServeError as e:
