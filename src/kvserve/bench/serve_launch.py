@@ -190,7 +190,8 @@ def plan_server(name: str, model: str | None, threads: int, concurrency: int, ct
            "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads),
            "--n_ctx", str(ctx_per_request), "--model_alias", src.name]
     return LaunchedServer(name, cmd + extra, "llama-cpp", port,
-                          note="llama-cpp-python server: one request at a time (no llama-server binary found)")
+                          note="llama-cpp-python server: one request at a time, ignores ignore_eos "
+                               "(no llama-server binary found)")
 
 
 # ---- one target end to end, and the report ---------------------------------------------------------
