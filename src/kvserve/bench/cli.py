@@ -27,6 +27,24 @@ def _progress() -> Progress:
                     console=console, transient=False)
 
 
+def _progress_events(prog: Progress, on_other=None):
+    """An `on_event(kind, **info)` callback that drives `prog` from a benchmark's load/start/
+    advance events; other kinds go to `on_other(kind, info)`."""
+    tasks: dict[str, object] = {}
+
+    def on_event(kind: str, **info) -> None:
+        if kind == "load":
+            console.print(f"loading {info['engine']}...")
+        elif kind == "start":
+            tasks["current"] = prog.add_task(f"{info['engine']:>12}", total=info["total"])
+        elif kind == "advance" and "current" in tasks:
+            prog.advance(tasks["current"], info["n"])
+        elif on_other is not None:
+            on_other(kind, info)
+
+    return on_event
+
+
 def _write_outputs(out_dir: Path, stem: str, table: str, data: list[dict]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.md").write_text(table + "\n")
@@ -50,19 +68,8 @@ def latency(
     cfg = LatencyConfig(model=model, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, repeats=repeats,
                         threads=threads, weight_format=weight_format, peers=list(peer or []))
     with _progress() as prog:
-        task = None
-
-        def on_event(kind: str, **info) -> None:
-            nonlocal task
-            if kind == "load":
-                console.print(f"loading {info['engine']}...")
-            elif kind == "start":
-                task = prog.add_task(f"{info['engine']:>12}", total=info["total"])
-            elif kind == "advance" and task is not None:
-                prog.advance(task, info["n"])
-
         try:
-            results = run_latency(cfg, on_event)
+            results = run_latency(cfg, _progress_events(prog))
         except KVServeError as e:
             console.print(f"error: {e.message}")
             raise typer.Exit(1) from None

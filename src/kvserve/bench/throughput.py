@@ -255,7 +255,7 @@ def throughput(
         "runs/bench"),
 ) -> None:
     """Offline throughput: N requests with random input/output lengths; requests/s, total and output tokens/s."""
-    from kvserve.bench.cli import _progress, _write_outputs, console
+    from kvserve.bench.cli import _progress, _progress_events, _write_outputs, console
 
     try:
         cfg = ThroughputConfig(model=model, num_prompts=num_prompts, input_min=input_min, input_max=input_max,
@@ -264,22 +264,14 @@ def throughput(
                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                peers=list(peer or []))
         with _progress() as prog:
-            task = None
 
-            def on_event(kind: str, **info) -> None:
-                nonlocal task
-                if kind == "load":
-                    console.print(f"loading {info['engine']}...")
-                elif kind == "start":
-                    task = prog.add_task(f"{info['engine']:>12}", total=info["total"])
-                elif kind == "advance" and task is not None:
-                    prog.advance(task, info["n"])
-                elif kind == "done":     # each engine's numbers as soon as it finishes
+            def on_done(kind: str, info: dict) -> None:
+                if kind == "done":     # each engine's numbers as soon as it finishes
                     r = info["result"]
                     console.print(f"{r.engine}: {r.requests_per_s:.2f} req/s, {r.total_tps:.1f} total tok/s, "
                                   f"{r.output_tps:.1f} output tok/s ({r.elapsed_s:.1f} s)")
 
-            results = run_throughput(cfg, on_event)
+            results = run_throughput(cfg, _progress_events(prog, on_done))
     except KVServeError as e:
         console.print(f"error: {e.message}")
         raise typer.Exit(1) from None
