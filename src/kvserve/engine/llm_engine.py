@@ -60,6 +60,7 @@ class LLMEngine:
             raise InvalidRequest(f"kv_cache_memory ({config.kv_cache_bytes()} bytes) holds fewer than 2 KV "
                                  f"blocks of {per_block} bytes: give it more memory", param="kv_cache_memory")
         # A sequence can never be longer than the pool: cap the context to what fits.
+        self.context_limited_by_kv = num_blocks * config.block_size < self.max_model_len
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.block_size = config.block_size
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -87,10 +88,12 @@ class LLMEngine:
                                  f"(0..{self.model_config.vocab_size - 1})", param="prompt")
         room = self.max_model_len - len(ids)
         if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
+            limit = (f"the KV cache (kv_cache_memory) holds at most {self.max_model_len} tokens per sequence"
+                     if self.context_limited_by_kv else
+                     f"this model's maximum context length is {self.max_model_len} tokens")
             raise ContextLengthExceeded(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(ids)} tokens and max_tokens asks for {params.max_tokens} more: shorten the prompt "
-                "or lower max_tokens", param="max_tokens" if room >= 1 else "prompt")
+                f"{limit}; the prompt has {len(ids)} tokens and max_tokens asks for {params.max_tokens} more: "
+                "shorten the prompt or lower max_tokens", param="max_tokens" if room >= 1 else "prompt")
         seqs: list[Sequence] = []
         arrival = next(self._arrival)
         for i in range(params.num_sequences):
