@@ -29,6 +29,7 @@
 
 #include <immintrin.h>
 #include <omp.h>
+
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,20 +37,11 @@
 
 #define KVS_QK 32
 
+#include "kvserve_kernels.h"
+
 extern "C" {
 
-struct kvs_weight {
-    int32_t qtype;  // 0 = Q4 (Q4_0/Q4_1 repacked), 1 = Q8_0
-    int32_t rows;   // out_features
-    int32_t cols;   // in_features (multiple of 32)
-    int32_t pad;
-    const uint8_t *qs;
-    const float *d;
-    const float *m;     // Q4 only
-    const float *bias;  // may be NULL
-};
-
-int kvs_version(void) { return 5; }
+int kvs_version(void) { return 6; }
 
 }  // extern "C"
 
@@ -83,6 +75,10 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 inline __m256i dot_s8s8(__m256i a, __m256i b) {
     return dot_u8s8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
 }
+
+}  // namespace
+
+namespace kvs {
 
 // Quantize one row of K floats to int8 blocks of 32. xs may be NULL.
 void quantize_row_q8(const float *x, int K, int8_t *xq, float *xd, float *xs) {
@@ -121,12 +117,18 @@ void quantize_row_q8(const float *x, int K, int8_t *xq, float *xd, float *xs) {
     }
 }
 
+}  // namespace kvs
+
+namespace {
+
+using kvs::quantize_row_q8;
+
 // ---------------------------------------------------------------------------------------------
 // micro-kernels: R weight rows x TT tokens, full K. y[t * ldy + r] = dot(w_r, x_t) (+ bias)
 
 template <int R, int TT>
 inline void q4_tile(const kvs_weight *w, int r0, const int8_t *xq, const float *xd, const float *xs,
-                    int t0, float *y, int ldy) {
+                    int t0, float *y, int ldy, bool add) {
     const int K = w->cols, nb = K / KVS_QK, np = (nb + 1) / 2;
     const __m256i mask = _mm256_set1_epi8(0x0F);
     __m256 acc[R][TT];
@@ -176,14 +178,15 @@ inline void q4_tile(const kvs_weight *w, int r0, const int8_t *xq, const float *
             float v = hsum_ps(_mm256_add_ps(acc[i][j], macc));
             for (; b < nb; b++) v += mrow[b] * srow[b];
             if (w->bias) v += w->bias[r0 + i];
-            y[(size_t)(t0 + j) * ldy + r0 + i] = v;
+            float *dst = y + (size_t)(t0 + j) * ldy + r0 + i;
+            *dst = add ? *dst + v : v;
         }
     }
 }
 
 template <int R, int TT>
 inline void q8_tile(const kvs_weight *w, int r0, const int8_t *xq, const float *xd, const float *,
-                    int t0, float *y, int ldy) {
+                    int t0, float *y, int ldy, bool add) {
     const int K = w->cols, nb = K / KVS_QK;
     __m256 acc[R][TT];
     for (int i = 0; i < R; i++)
@@ -207,12 +210,68 @@ inline void q8_tile(const kvs_weight *w, int r0, const int8_t *xq, const float *
         for (int j = 0; j < TT; j++) {
             float v = hsum_ps(acc[i][j]);
             if (w->bias) v += w->bias[r0 + i];
-            y[(size_t)(t0 + j) * ldy + r0 + i] = v;
+            float *dst = y + (size_t)(t0 + j) * ldy + r0 + i;
+            *dst = add ? *dst + v : v;
         }
 }
 
 // ---------------------------------------------------------------------------------------------
 // one linear call: quantize x (split over threads by token), then multiply (split over rows)
+
+#define KVS_DISPATCH_TT(KERNEL, R, ...)                               \
+    switch (tt) {                                                     \
+        case 4: KERNEL<R, 4>(__VA_ARGS__); break;                     \
+        case 3: KERNEL<R, 3>(__VA_ARGS__); break;                     \
+        case 2: KERNEL<R, 2>(__VA_ARGS__); break;                     \
+        default: KERNEL<R, 1>(__VA_ARGS__); break;                    \
+    }
+
+template <bool Q4>
+void run_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y, int ldy,
+              bool add, int rbeg, int rend) {
+    // Rows in tiles of 4 (decode: 4 independent accumulator chains), tokens in tiles of 4: a
+    // weight block is unpacked once and reused for 4 tokens, and each 4-row strip of weights
+    // (~1.4 KB for K=576) stays in L1 while all T tokens stream past it.
+    int r = rbeg;
+    for (; r + 4 <= rend; r += 4)
+        for (int t = 0; t < T; t += 4) {
+            const int tt = T - t < 4 ? T - t : 4;
+            if (Q4) {
+                KVS_DISPATCH_TT(q4_tile, 4, w, r, xq, xd, xs, t, y, ldy, add)
+            } else {
+                KVS_DISPATCH_TT(q8_tile, 4, w, r, xq, xd, xs, t, y, ldy, add)
+            }
+        }
+    for (; r < rend; r++)
+        for (int t = 0; t < T; t += 4) {
+            const int tt = T - t < 4 ? T - t : 4;
+            if (Q4) {
+                KVS_DISPATCH_TT(q4_tile, 1, w, r, xq, xd, xs, t, y, ldy, add)
+            } else {
+                KVS_DISPATCH_TT(q8_tile, 1, w, r, xq, xd, xs, t, y, ldy, add)
+            }
+        }
+}
+
+}  // namespace
+
+namespace kvs {
+
+void linear_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
+                 int ldy, bool add, int ith, int nth) {
+    const int rows = w->rows;
+    const int per = ((rows + nth - 1) / nth + 3) & ~3;
+    const int rbeg = ith * per < rows ? ith * per : rows;
+    const int rend = rbeg + per < rows ? rbeg + per : rows;
+    if (w->qtype == 0)
+        run_rows<true>(w, xq, xd, xs, T, y, ldy, add, rbeg, rend);
+    else
+        run_rows<false>(w, xq, xd, xs, T, y, ldy, add, rbeg, rend);
+}
+
+}  // namespace kvs
+
+namespace {
 
 struct LinearJob {
     const kvs_weight *w;
@@ -224,42 +283,6 @@ struct LinearJob {
     float *xs;
 };
 
-#define KVS_DISPATCH_TT(KERNEL, R, ...)                               \
-    switch (tt) {                                                     \
-        case 4: KERNEL<R, 4>(__VA_ARGS__); break;                     \
-        case 3: KERNEL<R, 3>(__VA_ARGS__); break;                     \
-        case 2: KERNEL<R, 2>(__VA_ARGS__); break;                     \
-        default: KERNEL<R, 1>(__VA_ARGS__); break;                    \
-    }
-
-template <bool Q4>
-void run_rows(const LinearJob *job, int rbeg, int rend) {
-    const kvs_weight *w = job->w;
-    const int T = job->T;
-    // Rows in tiles of 4 (decode: 4 independent accumulator chains), tokens in tiles of 4: a
-    // weight block is unpacked once and reused for 4 tokens, and each 4-row strip of weights
-    // (~1.4 KB for K=576) stays in L1 while all T tokens stream past it.
-    int r = rbeg;
-    for (; r + 4 <= rend; r += 4)
-        for (int t = 0; t < T; t += 4) {
-            const int tt = T - t < 4 ? T - t : 4;
-            if (Q4) {
-                KVS_DISPATCH_TT(q4_tile, 4, w, r, job->xq, job->xd, job->xs, t, job->y, w->rows)
-            } else {
-                KVS_DISPATCH_TT(q8_tile, 4, w, r, job->xq, job->xd, job->xs, t, job->y, w->rows)
-            }
-        }
-    for (; r < rend; r++)
-        for (int t = 0; t < T; t += 4) {
-            const int tt = T - t < 4 ? T - t : 4;
-            if (Q4) {
-                KVS_DISPATCH_TT(q4_tile, 1, w, r, job->xq, job->xd, job->xs, t, job->y, w->rows)
-            } else {
-                KVS_DISPATCH_TT(q8_tile, 1, w, r, job->xq, job->xd, job->xs, t, job->y, w->rows)
-            }
-        }
-}
-
 void linear_task(const LinearJob *job, int ith, int nth) {
     const kvs_weight *w = job->w;
     const int K = w->cols, nb = K / KVS_QK;
@@ -270,14 +293,7 @@ void linear_task(const LinearJob *job, int ith, int nth) {
                         q4 ? job->xs + (size_t)t * nb : nullptr);
 #pragma omp barrier
     // phase 2: this thread's rows, in multiples of 4
-    const int rows = w->rows;
-    const int per = ((rows + nth - 1) / nth + 3) & ~3;
-    const int rbeg = ith * per < rows ? ith * per : rows;
-    const int rend = rbeg + per < rows ? rbeg + per : rows;
-    if (q4)
-        run_rows<true>(job, rbeg, rend);
-    else
-        run_rows<false>(job, rbeg, rend);
+    kvs::linear_rows(w, job->xq, job->xd, job->xs, job->T, job->y, w->rows, false, ith, nth);
 }
 
 // GGUF's 16 bytes (element j low nibble, j+16 high nibble) -> element i at byte i of the pair,

@@ -237,10 +237,12 @@ def test_dense_linear(dtype, bound, T):
 
 
 @requires_kernels
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seq_lens", [[1], [37], [5, 16, 17, 130]])
-def test_paged_decode_attention_matches_torch_path(seq_lens):
-    """The C decode attention against the model's PyTorch paged attention (GQA 9:3, D=64)."""
-    from kvserve.model.attention import AttentionMetadata, paged_attention
+def test_paged_decode_attention_matches_torch(seq_lens, kv_dtype):
+    """The C decode attention against PyTorch SDPA over each sequence's gathered K/V (GQA 9:3,
+    D=64), for an fp32 and a bf16 cache (the reference reads the same bf16 values as fp32)."""
+    from kvserve.model.attention import AttentionMetadata, _gather, attend
     from kvserve.model.quant.attention import paged_decode_attention
 
     g = torch.Generator().manual_seed(len(seq_lens))
@@ -251,14 +253,18 @@ def test_paged_decode_attention_matches_torch_path(seq_lens):
     for n in need:
         tables.append(perm[i:i + n])
         i += n
-    kv_cache = torch.randn(2, len(perm), block_size, hkv, d, generator=g)
+    kv_cache = torch.randn(2, len(perm), block_size, hkv, d, generator=g).to(kv_dtype)
     q = torch.randn(len(seq_lens), hq, d, generator=g)
     meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size)
-    ref = paged_attention(q, kv_cache, meta, 0.125)
+    ref = []
+    for b, n in enumerate(seq_lens):
+        k, v = _gather(kv_cache.float(), meta.block_tables[b], n)
+        ref.append(attend(q[b:b + 1], k, v, 0.125))
+    ref = torch.cat(ref)
     out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
     assert out is not None and out.shape == ref.shape
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
-    assert paged_decode_attention(q, kv_cache.to(torch.bfloat16), meta.block_tables, seq_lens, 0.125) is None
+    assert paged_decode_attention(q, kv_cache.to(torch.float16), meta.block_tables, seq_lens, 0.125) is None
 
 
 @requires_kernels

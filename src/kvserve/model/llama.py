@@ -143,10 +143,24 @@ class LlamaForCausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(input_ids.shape[-1]).expand_as(input_ids)
         x = F.embedding(input_ids, self.embed_tokens).float()
+        if attn_metadata is not None and kv_caches is not None and not torch.is_grad_enabled():
+            fused = self.fused_forward()
+            out = None if fused is None else fused(x, positions, attn_metadata, kv_caches)
+            if out is not None:
+                return out
         cos, sin = self.rotary(positions)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_metadata, None if kv_caches is None else kv_caches[i])
         return self.norm(x)
+
+    def fused_forward(self):
+        """The one-call C forward of the layer stack (kvserve.model.quant.forward), built on first
+        use; None when this model's weights are not all packed GGUF quants."""
+        if not hasattr(self, "_fused"):
+            from kvserve.model.quant.forward import FusedForward
+
+            self._fused = FusedForward.build(self)
+        return self._fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         lead = hidden.shape[:-1]

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 CXX_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-pthread", "-std=c++17"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
-KERNEL_VERSION = 5  # must match kvs_version() in the source
+KERNEL_VERSION = 6  # must match kvs_version() in the source
 
 
 class KvsWeight(ctypes.Structure):
@@ -93,7 +93,7 @@ def build(force: bool = False) -> Path:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
     flags = cxx_flags()
     digest = hashlib.sha256(cxx.encode() + " ".join(flags).encode())
-    for src in sources:
+    for src in sources + sorted(source_dir().glob("*.h")):
         digest.update(src.name.encode() + src.read_bytes())
     key = digest.hexdigest()[:16]
     out = cache_dir() / f"libkvserve_kernels-{key}.so"
@@ -155,9 +155,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvs_repack.restype = i32
     lib.kvs_linear.argtypes = [vp, vp, i32, vp]
     lib.kvs_linear.restype = None
-    lib.kvs_paged_decode_attention.argtypes = [vp, vp, i32, i32, i32, i32, i32, vp, i32, vp, i32,
-                                               ctypes.c_float, vp, i32]
-    lib.kvs_paged_decode_attention.restype = None
+    lib.kvs_paged_attention.argtypes = [vp, vp, i32, i32, i32, i32, i32, i32, vp, i32, vp, vp, i32,
+                                        ctypes.c_float, vp, i32]
+    lib.kvs_paged_attention.restype = None
+    lib.kvs_forward.argtypes = [vp, i32, i32, i32, vp, i32, vp, vp, vp, vp, i32, vp, i32]
+    lib.kvs_forward.restype = i32
     lib.kvs_rms_norm.argtypes = [vp, vp, i32, i32, ctypes.c_float, vp]
     lib.kvs_rms_norm.restype = None
     lib.kvs_dequantize.argtypes = [vp, vp]

@@ -1,0 +1,168 @@
+// The Llama layer stack in one call, for steps of a few tokens (single-stream decode, small batches).
+//
+// Why: a decode step of the 30-layer default model is ~300 small operations when driven from Python
+// (norms, RoPE, KV write, attention, four projections, SwiGLU, residual adds per layer), and at
+// batch 1 their dispatch cost rivalled the matmuls. Here the whole stack runs inside one OpenMP
+// parallel region on the caller's (torch's) thread team, phases separated by barriers:
+//
+//   per layer:  RMSNorm + quantize x        (tokens over threads)
+//               QKV = W_qkv x (+ bias)      (rows over threads, int8 kernels of kvserve_kernels.cpp)
+//               RoPE on q, k; write k, v to their KV-cache slots
+//               attention per (token, head) through the block tables (kvserve_attention.cpp)
+//               quantize; x += W_o attn
+//               RMSNorm + quantize; [gate|up] = W_gu h; quantize silu(gate) * up; x += W_down act
+//   then the final RMSNorm into `out`.
+//
+// Numerics match the per-layer PyTorch path of the same weights: the same int8 activation
+// quantization and tiles, RoPE from the model's own cos/sin tables (every rope scaling), and K/V
+// rounded to the cache dtype before attention reads them back.
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+#include "kvserve_kernels.h"
+
+extern "C" {
+
+struct kvs_layer_desc {
+    const float *attn_norm;
+    const float *ffn_norm;
+    const kvs_weight *qkv;      // [Hq*D + 2*Hkv*D, H], optional bias
+    const kvs_weight *o;        // [H, Hq*D]
+    const kvs_weight *gate_up;  // [2*I, H]: gate rows then up rows
+    const kvs_weight *down;     // [H, I]
+    void *kv_cache;             // [2, num_blocks, block_size, Hkv, D], dtype per kvs_forward's kv_dtype
+};
+
+struct kvs_model_desc {
+    int32_t n_layers, hidden, n_heads, n_kv_heads, head_dim, inter;
+    float eps, scale;
+    const float *cos;  // [max_positions, head_dim], rotate-half layout
+    const float *sin;
+    const float *final_norm;
+    const kvs_layer_desc *layers;
+};
+
+}  // extern "C"
+
+namespace {
+
+inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// Rotate one head in place: HF's rotate-half layout, x' = x * cos + rotate_half(x) * sin.
+inline void rope_head(float *x, const float *cos, const float *sin, int D) {
+    const int half = D / 2;
+    for (int i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+// What the KV cache holds for v, read back as float (bf16 rounds, as the PyTorch path's .to() does).
+inline void store_kv(void *dst, int kv_dtype, const float *src, int n) {
+    if (kv_dtype == 1) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int i = 0; i < n; i++) d[i] = kvs::f32_to_bf16(src[i]);
+    } else {
+        memcpy(dst, src, n * sizeof(float));
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [T, hidden] (the embedded tokens) is updated in place through every layer; out [T, hidden]
+// receives the final-normed hidden states. Token t sits at positions[t] of sequence seq_of[t]
+// (a row of tables) and its K/V go to flat slot slots[t]. Returns 0, or -1 on bad shapes.
+int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block_size, float *x, int T,
+                const int64_t *positions, const int64_t *slots, const int64_t *seq_of, const int64_t *tables,
+                int max_blocks, float *out, int nth) {
+    const int H = m->hidden, Hq = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim, I = m->inter;
+    if (T <= 0 || Hkv <= 0 || Hq % Hkv || D % 2 || H % kvs::QK || I % kvs::QK || (Hq * D) % kvs::QK) return -1;
+    const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd, group = Hq / Hkv;
+    const int kmax = H > I ? (H > qd ? H : qd) : (I > qd ? I : qd);
+    int max_len = 0;
+    for (int t = 0; t < T; t++) max_len = positions[t] + 1 > max_len ? (int)positions[t] + 1 : max_len;
+
+    std::vector<int8_t> xq((size_t)T * kmax);
+    std::vector<float> xd((size_t)T * (kmax / kvs::QK)), xs((size_t)T * (kmax / kvs::QK));
+    std::vector<float> qkv((size_t)T * qkv_rows), attn((size_t)T * qd), gu((size_t)T * 2 * I);
+    const size_t tok_stride = (size_t)kvd, block_stride = (size_t)block_size * tok_stride;
+    const size_t esize = kv_dtype == 1 ? 2 : 4;
+    if (nth < 1) nth = 1;
+
+#pragma omp parallel num_threads(nth)
+    {
+        const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
+        std::vector<float> row((size_t)(H > I ? H : I)), scores((size_t)max_len);
+        // Quantize this thread's tokens of src [T, K] (row stride K) into xq/xd/xs.
+        auto quantize = [&](const float *src, int K, bool norm, const float *w) {
+            for (int t = ith; t < T; t += nt) {
+                const float *r = src + (size_t)t * K;
+                if (norm) {
+                    kvs::rms_norm_row(r, w, K, m->eps, row.data());
+                    r = row.data();
+                }
+                kvs::quantize_row_q8(r, K, xq.data() + (size_t)t * K, xd.data() + (size_t)t * (K / kvs::QK),
+                                     xs.data() + (size_t)t * (K / kvs::QK));
+            }
+        };
+        for (int l = 0; l < m->n_layers; l++) {
+            const kvs_layer_desc &L = m->layers[l];
+            char *Kc = (char *)L.kv_cache;
+            char *Vc = Kc + (size_t)num_blocks * block_stride * esize;
+            quantize(x, H, true, L.attn_norm);
+#pragma omp barrier
+            kvs::linear_rows(L.qkv, xq.data(), xd.data(), xs.data(), T, qkv.data(), qkv_rows, false, ith, nt);
+#pragma omp barrier
+            for (int t = ith; t < T; t += nt) {  // RoPE, then K/V into the cache
+                float *r = qkv.data() + (size_t)t * qkv_rows;
+                const float *c = m->cos + (size_t)positions[t] * D, *s = m->sin + (size_t)positions[t] * D;
+                for (int h = 0; h < Hq + Hkv; h++) rope_head(r + (size_t)h * D, c, s, D);
+                const size_t slot = (size_t)slots[t];
+                const size_t off = (slot / block_size) * block_stride + (slot % block_size) * tok_stride;
+                store_kv(Kc + off * esize, kv_dtype, r + qd, kvd);
+                store_kv(Vc + off * esize, kv_dtype, r + qd + kvd, kvd);
+            }
+#pragma omp barrier
+            for (int it = ith; it < T * Hq; it += nt) {
+                const int t = it / Hq, h = it % Hq;
+                kvs::attend_head(qkv.data() + (size_t)t * qkv_rows + (size_t)h * D, Kc, Vc, kv_dtype, block_stride,
+                                 tok_stride, (h / group) * D, tables + (size_t)seq_of[t] * max_blocks, block_size,
+                                 (int)positions[t] + 1, D, m->scale, scores.data(), attn.data() + (size_t)t * qd + h * D);
+            }
+#pragma omp barrier
+            quantize(attn.data(), qd, false, nullptr);
+#pragma omp barrier
+            kvs::linear_rows(L.o, xq.data(), xd.data(), xs.data(), T, x, H, true, ith, nt);
+#pragma omp barrier
+            quantize(x, H, true, L.ffn_norm);
+#pragma omp barrier
+            kvs::linear_rows(L.gate_up, xq.data(), xd.data(), xs.data(), T, gu.data(), 2 * I, false, ith, nt);
+#pragma omp barrier
+            for (int t = ith; t < T; t += nt) {
+                const float *g = gu.data() + (size_t)t * 2 * I;
+                for (int i = 0; i < I; i++) row[i] = silu(g[i]) * g[I + i];
+                kvs::quantize_row_q8(row.data(), I, xq.data() + (size_t)t * I, xd.data() + (size_t)t * (I / kvs::QK),
+                                     xs.data() + (size_t)t * (I / kvs::QK));
+            }
+#pragma omp barrier
+            kvs::linear_rows(L.down, xq.data(), xd.data(), xs.data(), T, x, H, true, ith, nt);
+#pragma omp barrier
+        }
+        for (int t = ith; t < T; t += nt)
+            if (m->final_norm)
+                kvs::rms_norm_row(x + (size_t)t * H, m->final_norm, H, m->eps, out + (size_t)t * H);
+            else
+                memcpy(out + (size_t)t * H, x + (size_t)t * H, H * sizeof(float));
+    }
+    return 0;
+}
+
+}  // extern "C"
