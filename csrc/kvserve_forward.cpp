@@ -8,7 +8,7 @@
 //   per layer:  RMSNorm + quantize x        (tokens over threads)
 //               QKV = W_qkv x (+ bias)      (rows over threads, int8 kernels of kvserve_kernels.cpp)
 //               RoPE on q, k; write k, v to their KV-cache slots
-//               attention per (token, head) through the block tables (kvserve_attention.cpp)
+//               attention per (token, kv head) through the block tables (kvserve_attention.cpp)
 //               quantize; x += W_o attn
 //               RMSNorm + quantize; [gate|up] = W_gu h; quantize silu(gate) * up; x += W_down act
 //   then the final RMSNorm into `out`.
@@ -50,8 +50,6 @@ struct kvs_model_desc {
 }  // extern "C"
 
 namespace {
-
-inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 // Rotate one head in place: HF's rotate-half layout, x' = x * cos + rotate_half(x) * sin.
 inline void rope_head(float *x, const float *cos, const float *sin, int D) {
@@ -100,7 +98,7 @@ int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block
 #pragma omp parallel num_threads(nth)
     {
         const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
-        std::vector<float> row((size_t)(H > I ? H : I)), scores((size_t)max_len);
+        std::vector<float> row((size_t)(H > I ? H : I)), scores((size_t)max_len * group);
         // Quantize this thread's tokens of src [T, K] (row stride K) into xq/xd/xs.
         auto quantize = [&](const float *src, int K, bool norm, const float *w) {
             for (int t = ith; t < T; t += nt) {
@@ -131,11 +129,12 @@ int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block
                 store_kv(Vc + off * esize, kv_dtype, r + qd + kvd, kvd);
             }
 #pragma omp barrier
-            for (int it = ith; it < T * Hq; it += nt) {
-                const int t = it / Hq, h = it % Hq;
-                kvs::attend_head(qkv.data() + (size_t)t * qkv_rows + (size_t)h * D, Kc, Vc, kv_dtype, block_stride,
-                                 tok_stride, (h / group) * D, tables + (size_t)seq_of[t] * max_blocks, block_size,
-                                 (int)positions[t] + 1, D, m->scale, scores.data(), attn.data() + (size_t)t * qd + h * D);
+            for (int it = ith; it < T * Hkv; it += nt) {   // (token, kv head): the group shares K/V reads
+                const int t = it / Hkv, h = it % Hkv;
+                kvs::attend_group(qkv.data() + (size_t)t * qkv_rows + (size_t)h * group * D, Kc, Vc, kv_dtype,
+                                  block_stride, tok_stride, h * D, tables + (size_t)seq_of[t] * max_blocks, block_size,
+                                  (int)positions[t] + 1, D, group, m->scale, scores.data(),
+                                  attn.data() + (size_t)t * qd + (size_t)h * group * D);
             }
 #pragma omp barrier
             quantize(attn.data(), qd, false, nullptr);
@@ -148,7 +147,7 @@ int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block
 #pragma omp barrier
             for (int t = ith; t < T; t += nt) {
                 const float *g = gu.data() + (size_t)t * 2 * I;
-                for (int i = 0; i < I; i++) row[i] = silu(g[i]) * g[I + i];
+                kvs::silu_mul_row(g, g + I, I, row.data());
                 kvs::quantize_row_q8(row.data(), I, xq.data() + (size_t)t * I, xd.data() + (size_t)t * (I / kvs::QK),
                                      xs.data() + (size_t)t * (I / kvs::QK));
             }
@@ -163,6 +162,69 @@ int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block
                 memcpy(out + (size_t)t * H, x + (size_t)t * H, H * sizeof(float));
     }
     return 0;
+}
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// Pieces of a layer for the steps too large for kvs_forward (batched decode, prompt chunks), where
+// the projections run elsewhere (oneDNN bf16/AMX, MKL fp32) and Python strings them together:
+// everything between the QKV and output projections is one call, SwiGLU another.
+
+extern "C" {
+
+// qkv [T, (Hq + 2 Hkv) D]: RoPE on q and k in place, k and v written to their cache slots, then
+// attention for every token with attend[t] != 0 into out [T, Hq D] (rows of other tokens are left
+// alone: the caller runs long prompt chunks through a GEMM-based attention instead).
+void kvs_rope_kv_attention(const kvs_model_desc *m, float *qkv, int T, const int64_t *positions,
+                           const int64_t *slots, const int64_t *seq_of, const int64_t *tables, int max_blocks,
+                           void *kv_cache, int kv_dtype, int num_blocks, int block_size, const uint8_t *attend,
+                           float *out, int nth) {
+    const int Hq = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim;
+    const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd, group = Hq / Hkv;
+    const size_t tok_stride = (size_t)kvd, block_stride = (size_t)block_size * tok_stride;
+    const size_t esize = kv_dtype == 1 ? 2 : 4;
+    char *Kc = (char *)kv_cache;
+    char *Vc = Kc + (size_t)num_blocks * block_stride * esize;
+    int max_len = 0;
+    for (int t = 0; t < T; t++)
+        if (attend[t] && positions[t] + 1 > max_len) max_len = (int)positions[t] + 1;
+    if (nth < 1) nth = 1;
+#pragma omp parallel num_threads(nth)
+    {
+        const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int t = ith; t < T; t += nt) {
+            float *r = qkv + (size_t)t * qkv_rows;
+            const float *c = m->cos + (size_t)positions[t] * D, *s = m->sin + (size_t)positions[t] * D;
+            for (int h = 0; h < Hq + Hkv; h++) rope_head(r + (size_t)h * D, c, s, D);
+            const size_t slot = (size_t)slots[t];
+            const size_t off = (slot / block_size) * block_stride + (slot % block_size) * tok_stride;
+            store_kv(Kc + off * esize, kv_dtype, r + qd, kvd);
+            store_kv(Vc + off * esize, kv_dtype, r + qd + kvd, kvd);
+        }
+#pragma omp barrier
+        std::vector<float> scores((size_t)max_len * group);
+#pragma omp for schedule(dynamic, 4)
+        for (int it = 0; it < T * Hkv; it++) {
+            const int t = it / Hkv, h = it % Hkv;
+            if (!attend[t]) continue;
+            kvs::attend_group(qkv + (size_t)t * qkv_rows + (size_t)h * group * D, Kc, Vc, kv_dtype, block_stride,
+                              tok_stride, h * D, tables + (size_t)seq_of[t] * max_blocks, block_size,
+                              (int)positions[t] + 1, D, group, m->scale, scores.data(),
+                              out + (size_t)t * qd + (size_t)h * group * D);
+        }
+    }
+}
+
+// gu [T, 2I] (gate | up) -> out [T, I] = silu(gate) * up
+void kvs_silu_mul(const float *gu, int T, int I, float *out, int nth) {
+    if (nth < 1) nth = 1;
+    if ((size_t)T * I < 32768) nth = 1;
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (size_t)t * 2 * I;
+        kvs::silu_mul_row(g, g + I, I, out + (size_t)t * I);
+    }
 }
 
 }  // extern "C"

@@ -6,6 +6,7 @@
 
 #pragma once
 
+#include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -39,11 +40,12 @@ void quantize_row_q8(const float *x, int K, int8_t *xq, float *xd, float *xs);
 void linear_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
                  int ldy, bool add, int ith, int nth);
 
-// One query head against its sequence's first L cached tokens, read through the block table.
-// kv_dtype 0 = float32, 1 = bfloat16 (stored as uint16). scores: scratch of L floats.
-void attend_head(const float *q, const void *K, const void *V, int kv_dtype, size_t block_stride,
-                 size_t tok_stride, int head_off, const int64_t *table, int block_size, int L, int D,
-                 float scale, float *scores, float *out);
+// The G query heads of one KV head (q and out: G rows of D floats) against a sequence's first L
+// cached tokens, read through the block table; head_off = kv head * D within a token's K/V row.
+// kv_dtype 0 = float32, 1 = bfloat16 (stored as uint16). scores: scratch of G * L floats.
+void attend_group(const float *q, const void *K, const void *V, int kv_dtype, size_t block_stride,
+                  size_t tok_stride, int head_off, const int64_t *table, int block_size, int L, int D, int G,
+                  float scale, float *scores, float *out);
 
 // y = x / sqrt(mean(x^2) + eps) * w over n floats.
 void rms_norm_row(const float *x, const float *w, int n, float eps, float *y);
@@ -55,6 +57,36 @@ inline uint16_t f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+// e^x, 8 lanes, x clamped to [-87, 88]: 2^(x log2 e) split into 2^n * 2^f with |f| <= 1/2, and 2^f
+// by its degree-6 Taylor polynomial (relative error ~1e-7, at fp32 rounding).
+inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.5403530e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// out[i] = silu(g[i]) * u[i] = g / (1 + e^-g) * u over n floats.
+inline void silu_mul_row(const float *g, const float *u, int n, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) out[i] = g[i] / (1.0f + __builtin_expf(-g[i])) * u[i];
 }
 
 }  // namespace kvs

@@ -242,7 +242,7 @@ def test_dense_linear(dtype, bound, T):
 def test_paged_decode_attention_matches_torch(seq_lens, kv_dtype):
     """The C decode attention against PyTorch SDPA over each sequence's gathered K/V (GQA 9:3,
     D=64), for an fp32 and a bf16 cache (the reference reads the same bf16 values as fp32)."""
-    from kvserve.model.attention import AttentionMetadata, _gather, attend
+    from kvserve.model.attention import AttentionMetadata, attend, gather_kv
     from kvserve.model.quant.attention import paged_decode_attention
 
     g = torch.Generator().manual_seed(len(seq_lens))
@@ -258,7 +258,7 @@ def test_paged_decode_attention_matches_torch(seq_lens, kv_dtype):
     meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size)
     ref = []
     for b, n in enumerate(seq_lens):
-        k, v = _gather(kv_cache.float(), meta.block_tables[b], n)
+        k, v = gather_kv(kv_cache.float(), meta.block_tables[b], n)
         ref.append(attend(q[b:b + 1], k, v, 0.125))
     ref = torch.cat(ref)
     out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, 0.125)

@@ -66,7 +66,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one sequence's first n tokens, [n, Hkv, D]."""
     bs = kv_cache.shape[2]
     blocks = block_table[: (n + bs - 1) // bs]
@@ -112,7 +112,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     for i in range(meta.num_seqs):
         s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         n = meta.seq_lens[i]
-        k, v = _gather(kv_cache, meta.block_tables[i], n)
+        k, v = gather_kv(kv_cache, meta.block_tables[i], n)
         outs.append(attend(q[s:e], k.to(dtype), v.to(dtype), scale))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
