@@ -34,12 +34,14 @@ inline float hsum(__m256 v) {
 }
 
 inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t *p) {  // bf16 -> fp32 is a 16-bit shift
+inline __m256 load8(const kvs::bf16 *p) {  // bf16 -> fp32 is a 16-bit shift
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+inline __m256 load8(const kvs::f16 *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 inline float load1(const float *p) { return *p; }
-inline float load1(const uint16_t *p) {
-    uint32_t u = (uint32_t)*p << 16;
+inline float load1(const kvs::f16 *p) { return _cvtsh_ss(p->bits); }
+inline float load1(const kvs::bf16 *p) {
+    uint32_t u = (uint32_t)p->bits << 16;
     float f;
     __builtin_memcpy(&f, &u, 4);
     return f;
@@ -177,7 +179,9 @@ void attend_group(const float *q, const void *K, const void *V, int kv_dtype, si
         default: attend_rows<KV, 0>(q, (const KV *)K, (const KV *)V, offs.data(), L, D, G, scale, scores, out); break; \
     }
     if (kv_dtype == 1) {
-        KVS_ROWS(uint16_t)
+        KVS_ROWS(bf16)
+    } else if (kv_dtype == 2) {
+        KVS_ROWS(f16)
     } else {
         KVS_ROWS(float)
     }
@@ -197,14 +201,15 @@ void rms_norm_row(const float *x, const float *w, int n, float eps, float *y) {
 
 extern "C" {
 
-// Paged attention for T query tokens (see the top of this file). kv_dtype: 0 float32, 1 bfloat16.
+// Paged attention for T query tokens (see the top of this file). kv_dtype: 0 float32, 1 bfloat16,
+// 2 float16.
 void kvs_paged_attention(const float *q, const void *kv_cache, int kv_dtype, int num_blocks, int block_size,
                          int Hq, int Hkv, int D, const int64_t *tables, int max_blocks, const int64_t *seq_of,
                          const int64_t *positions, int T, float scale, float *out, int nth) {
     const int group = Hq / Hkv;
     const size_t tok_stride = (size_t)Hkv * D;
     const size_t block_stride = (size_t)block_size * tok_stride;
-    const size_t esize = kv_dtype == 1 ? 2 : 4;
+    const size_t esize = kv_dtype ? 2 : 4;
     const char *K = (const char *)kv_cache;
     const char *V = K + (size_t)num_blocks * block_stride * esize;
     const int items = T * Hkv;

@@ -17,6 +17,7 @@
 // quantization and tiles, RoPE from the model's own cos/sin tables (every rope scaling), and K/V
 // rounded to the cache dtype before attention reads them back.
 
+#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -61,11 +62,18 @@ inline void rope_head(float *x, const float *cos, const float *sin, int D) {
     }
 }
 
-// What the KV cache holds for v, read back as float (bf16 rounds, as the PyTorch path's .to() does).
+// Write n floats to the cache in its dtype (0 float32, 1 bfloat16, 2 float16), rounding to nearest
+// even as the PyTorch path's .to() does.
 inline void store_kv(void *dst, int kv_dtype, const float *src, int n) {
     if (kv_dtype == 1) {
         uint16_t *d = (uint16_t *)dst;
         for (int i = 0; i < n; i++) d[i] = kvs::f32_to_bf16(src[i]);
+    } else if (kv_dtype == 2) {
+        uint16_t *d = (uint16_t *)dst;
+        int i = 0;
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+        for (; i < n; i++) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
     } else {
         memcpy(dst, src, n * sizeof(float));
     }
@@ -92,7 +100,7 @@ int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block
     std::vector<float> xd((size_t)T * (kmax / kvs::QK)), xs((size_t)T * (kmax / kvs::QK));
     std::vector<float> qkv((size_t)T * qkv_rows), attn((size_t)T * qd), gu((size_t)T * 2 * I);
     const size_t tok_stride = (size_t)kvd, block_stride = (size_t)block_size * tok_stride;
-    const size_t esize = kv_dtype == 1 ? 2 : 4;
+    const size_t esize = kv_dtype ? 2 : 4;
     if (nth < 1) nth = 1;
 
 #pragma omp parallel num_threads(nth)
@@ -183,7 +191,7 @@ void kvs_rope_kv_attention(const kvs_model_desc *m, float *qkv, int T, const int
     const int Hq = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim;
     const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd, group = Hq / Hkv;
     const size_t tok_stride = (size_t)kvd, block_stride = (size_t)block_size * tok_stride;
-    const size_t esize = kv_dtype == 1 ? 2 : 4;
+    const size_t esize = kv_dtype ? 2 : 4;
     char *Kc = (char *)kv_cache;
     char *Vc = Kc + (size_t)num_blocks * block_stride * esize;
     int max_len = 0;

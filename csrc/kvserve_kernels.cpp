@@ -354,27 +354,46 @@ int kvs_repack(int ggml_type, const uint8_t *raw, int rows, int cols, uint8_t *q
     return 0;
 }
 
+}  // extern "C"
+
+namespace {
+
+void dequantize_row(const kvs_weight *w, int r, float *o) {
+    const int K = w->cols, nb = K / KVS_QK, np = (nb + 1) / 2;
+    for (int b = 0; b < nb; b++) {
+        const float d = w->d[(size_t)r * nb + b];
+        if (w->qtype == 0) {
+            const float m = w->m[(size_t)r * nb + b];
+            const uint8_t *pair = w->qs + ((size_t)r * np + b / 2) * 32;
+            const int shift = (b % 2) * 4;
+            for (int i = 0; i < KVS_QK; i++) o[b * KVS_QK + i] = d * (float)((pair[i] >> shift) & 0x0F) + m;
+        } else {
+            const int8_t *q = (const int8_t *)w->qs + (size_t)r * K + b * KVS_QK;
+            for (int i = 0; i < KVS_QK; i++) o[b * KVS_QK + i] = d * (float)q[i];
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
 // W as float32 [rows, cols] into out (for large calls on CPUs without fast bf16: dequantize into a
 // scratch buffer once per call, then an fp32 GEMM). Split over the caller's OpenMP team.
 void kvs_dequantize(const kvs_weight *w, float *out) {
-    const int K = w->cols, nb = K / KVS_QK, np = (nb + 1) / 2;
     const int nth = g_nth < w->rows / 64 ? g_nth : (w->rows / 64 > 0 ? w->rows / 64 : 1);
 #pragma omp parallel for num_threads(nth) schedule(static)
-    for (int r = 0; r < w->rows; r++) {
-        float *o = out + (size_t)r * K;
-        for (int b = 0; b < nb; b++) {
-            const float d = w->d[(size_t)r * nb + b];
-            if (w->qtype == 0) {
-                const float m = w->m[(size_t)r * nb + b];
-                const uint8_t *pair = w->qs + ((size_t)r * np + b / 2) * 32;
-                const int shift = (b % 2) * 4;
-                for (int i = 0; i < KVS_QK; i++) o[b * KVS_QK + i] = d * (float)((pair[i] >> shift) & 0x0F) + m;
-            } else {
-                const int8_t *q = (const int8_t *)w->qs + (size_t)r * K + b * KVS_QK;
-                for (int i = 0; i < KVS_QK; i++) o[b * KVS_QK + i] = d * (float)q[i];
-            }
-        }
+    for (int r = 0; r < w->rows; r++) dequantize_row(w, r, out + (size_t)r * w->cols);
+}
+
+// Rows ids[0..n) of W as float32 [n, cols] (an embedding lookup from packed weights). Returns -1 if
+// an id is out of range (nothing written past it), else 0.
+int kvs_dequantize_rows(const kvs_weight *w, const int64_t *ids, int n, float *out) {
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= w->rows) return -1;
+        dequantize_row(w, (int)ids[i], out + (size_t)i * w->cols);
     }
+    return 0;
 }
 
 // y[T, rows] = x[T, cols] @ W^T (+ bias). x and y are contiguous float32.

@@ -29,6 +29,10 @@ namespace kvs {
 
 constexpr int QK = 32;
 
+// 16-bit KV-cache element types (distinct, so templates can tell them apart).
+struct bf16 { uint16_t bits; };
+struct f16 { uint16_t bits; };
+
 // Bytes of scratch the quantized activations of T rows of K floats need (see quantize_rows_q8).
 inline size_t q8_scratch_bytes(int T, int K) { return (size_t)T * K + 2 * (size_t)T * (K / QK) * sizeof(float); }
 
@@ -42,7 +46,7 @@ void linear_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const f
 
 // The G query heads of one KV head (q and out: G rows of D floats) against a sequence's first L
 // cached tokens, read through the block table; head_off = kv head * D within a token's K/V row.
-// kv_dtype 0 = float32, 1 = bfloat16 (stored as uint16). scores: scratch of G * L floats.
+// kv_dtype 0 = float32, 1 = bfloat16, 2 = float16. scores: scratch of G * L floats.
 void attend_group(const float *q, const void *K, const void *V, int kv_dtype, size_t block_stride,
                   size_t tok_stride, int head_off, const int64_t *table, int block_size, int L, int D, int G,
                   float scale, float *scores, float *out);

@@ -27,7 +27,7 @@ def test_model_context_limit(tiny):
 
 
 def test_kv_cache_limit(tiny):
-    per_block = 2 * 2 * 16 * 2 * 64 * 4            # layers * (K, V) * block * kv heads * head_dim * fp32
+    per_block = 2 * 2 * 16 * 2 * 64 * 2            # layers * (K, V) * block * kv heads * head_dim * fp16
     llm = LLM(str(tiny), kv_cache_memory=4 * per_block)
     assert llm.engine.max_model_len == 64
     with pytest.raises(ContextLengthExceeded, match="KV cache .* at most 64 tokens") as e:

@@ -36,6 +36,7 @@ def corpus_ids(loaded) -> list[int]:
 
 
 def make_llm(loaded: LoadedModel, **kw) -> LLM:
+    kw.setdefault("kv_cache_dtype", "fp32")   # exact checks against the cache-free model (16-bit K/V: ~1e-2)
     return LLM(loaded.model, tokenizer=loaded.tokenizer, **kw)
 
 

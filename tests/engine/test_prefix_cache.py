@@ -58,7 +58,7 @@ def assert_same_output(warm: RequestOutput, cold: RequestOutput) -> None:
 
 def test_shared_prefix_is_computed_once(loaded, prompts):
     first, second = prompts
-    llm = LLM(loaded.model, tokenizer=loaded.tokenizer, kv_cache_memory="512MiB")
+    llm = LLM(loaded.model, tokenizer=loaded.tokenizer, kv_cache_memory="512MiB", kv_cache_dtype="fp32")
     eng = llm.engine
     out1 = run(eng, "a", first)
     assert out1.num_cached_tokens == 0
@@ -72,7 +72,7 @@ def test_shared_prefix_is_computed_once(loaded, prompts):
     assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == len(second)
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == out2.num_cached_tokens
 
-    cold_llm = LLM(loaded.model, tokenizer=loaded.tokenizer, kv_cache_memory="512MiB",
+    cold_llm = LLM(loaded.model, tokenizer=loaded.tokenizer, kv_cache_memory="512MiB", kv_cache_dtype="fp32",
                    enable_prefix_caching=False)
     cold = run(cold_llm.engine, "cold", second)
     assert cold.num_cached_tokens == 0

@@ -99,6 +99,21 @@ def test_repack_is_exact(qtype):
 
 
 @requires_kernels
+@pytest.mark.parametrize("qtype", [*FORMATS, Q.Q4_K], ids=lambda q: q.name)
+def test_embedding_rows_from_packed_weights(qtype):
+    """rows(ids) is the exact dequantized row (the packed embedding lookup), any id shape."""
+    raw = random_q4_k(40, 256) if qtype == Q.Q4_K else make(qtype, 40, 256)[0]
+    layer = GGUFQuantLinear(raw, qtype, 256, 40, lookup_only=True)
+    assert layer.weight_bf16 is None                  # a lookup table needs no matmul copy
+    ids = torch.tensor([[0, 39, 7], [7, 1, 2]])
+    rows = layer.rows(ids)
+    assert rows.shape == (2, 3, 256) and rows.dtype == torch.float32
+    assert torch.equal(rows, layer.dequantized_weight()[ids])
+    with pytest.raises(IndexError, match="out of range"):
+        layer.rows(torch.tensor([3, 40]))
+
+
+@requires_kernels
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("T", BATCHES)
@@ -200,6 +215,7 @@ for qt in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
     raw = quantize(w, qt)
     layer = GGUFQuantLinear(raw, qt, 96, 48)
     assert layer.lib is None and layer.weight_f32 is not None
+    ok = ok and torch.equal(layer.rows(torch.tensor([3, 0])), layer.weight_f32[[3, 0]])
     x = torch.randn(7, 96)
     ref = x.double() @ torch.from_numpy(dequantize(raw, qt)).double().T
     err = float((layer(x).double() - ref).norm() / ref.norm())
@@ -237,11 +253,11 @@ def test_dense_linear(dtype, bound, T):
 
 
 @requires_kernels
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seq_lens", [[1], [37], [5, 16, 17, 130]])
 def test_paged_decode_attention_matches_torch(seq_lens, kv_dtype):
     """The C decode attention against PyTorch SDPA over each sequence's gathered K/V (GQA 9:3,
-    D=64), for an fp32 and a bf16 cache (the reference reads the same bf16 values as fp32)."""
+    D=64), for fp32, bf16 and fp16 caches (the reference reads the same 16-bit values as fp32)."""
     from kvserve.model.attention import AttentionMetadata, attend, gather_kv
     from kvserve.model.quant.attention import paged_decode_attention
 
@@ -264,7 +280,7 @@ def test_paged_decode_attention_matches_torch(seq_lens, kv_dtype):
     out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
     assert out is not None and out.shape == ref.shape
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
-    assert paged_decode_attention(q, kv_cache.to(torch.float16), meta.block_tables, seq_lens, 0.125) is None
+    assert paged_decode_attention(q, kv_cache.to(torch.float64), meta.block_tables, seq_lens, 0.125) is None
 
 
 @requires_kernels

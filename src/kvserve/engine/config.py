@@ -22,7 +22,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512      # token budget per step (chunked prefill size)
     enable_prefix_caching: bool = True
     max_model_len: int | None = None       # default: the model's context length
-    kv_cache_dtype: str = "fp32"
+    kv_cache_dtype: str = "fp16"           # fp16 (as llama.cpp), bf16 or fp32: the C attention reads all three
     weight_format: str = "auto"
     num_threads: int | None = None         # torch intra-op threads (default: all cores)
 

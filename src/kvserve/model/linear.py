@@ -76,10 +76,11 @@ class DenseLinear(nn.Module):
 
 
 def make_linear(weight: WeightSource, bias: torch.Tensor | None = None,
-                weight_format: str = "auto") -> nn.Module:
+                weight_format: str = "auto", lookup_only: bool = False) -> nn.Module:
     """Build the Linear variant for `weight` in the requested format.
 
     "auto" keeps GGUF block quants packed when a quantized kernel supports them, else fp32.
+    lookup_only: the packed variant will only serve row lookups (an untied embedding table).
     """
     if weight_format not in WEIGHT_FORMATS:
         raise InvalidRequest(f"unknown weight format {weight_format!r}; choose one of {WEIGHT_FORMATS}",
@@ -90,6 +91,7 @@ def make_linear(weight: WeightSource, bias: torch.Tensor | None = None,
         except ImportError:
             quant = None
         if quant is not None and quant.supports(weight.qtype):
-            return quant.GGUFQuantLinear(weight.raw, weight.qtype, weight.shape[1], weight.shape[0], bias)
+            return quant.GGUFQuantLinear(weight.raw, weight.qtype, weight.shape[1], weight.shape[0], bias,
+                                         lookup_only=lookup_only)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(weight_format, torch.float32)
     return DenseLinear(weight.dequantize().to(dtype), bias)

@@ -126,11 +126,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer],
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor | nn.Module, layers: list[DecoderLayer],
                  norm: RMSNorm, lm_head: nn.Module):
+        """embed: the fp32 table, or a packed GGUFQuantLinear whose rows() are the embeddings (the
+        lm_head itself when tied): no fp32 copy of a 49k x 576 table (113 MB) is then kept."""
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Parameter(embed, requires_grad=False)
+        if isinstance(embed, torch.Tensor):
+            self.embed_tokens = nn.Parameter(embed, requires_grad=False)
+            self.packed_embed = None
+        else:
+            self.register_parameter("embed_tokens", None)
+            self.packed_embed = embed if embed is not lm_head else None   # tied: reached as lm_head
+            self._embed_from_head = embed is lm_head
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.lm_head = lm_head
@@ -142,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm: [B, T, H] (dense) or [T, H] (paged)."""
         if positions is None:
             positions = torch.arange(input_ids.shape[-1]).expand_as(input_ids)
-        x = F.embedding(input_ids, self.embed_tokens).float()
+        x = self.embed(input_ids)
         if attn_metadata is not None and kv_caches is not None and not torch.is_grad_enabled():
             fused = self.fused_forward()
             out = None if fused is None else fused(x, positions, attn_metadata, kv_caches)
@@ -152,6 +160,13 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_metadata, None if kv_caches is None else kv_caches[i])
         return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings, float32 [*input_ids.shape, hidden]."""
+        if self.embed_tokens is not None:
+            return F.embedding(input_ids, self.embed_tokens).float()
+        table = self.lm_head if self._embed_from_head else self.packed_embed
+        return table.rows(input_ids)
 
     def fused_forward(self):
         """The one-call C forward of the layer stack (kvserve.model.quant.forward), built on first
@@ -194,11 +209,24 @@ class LlamaForCausalLM(nn.Module):
                 "down_proj": lin([p + "mlp.down_proj.weight"]),
             }))
         emb_src = w["model.embed_tokens.weight"]
-        embed = emb_src.dequantize() if isinstance(emb_src, WeightSource) else emb_src.float()
         head_src = w.get("lm_head.weight")
-        if head_src is None or cfg.tie_word_embeddings:
-            head_src = emb_src if isinstance(emb_src, WeightSource) else WeightSource(tuple(embed.shape), embed)
-        lm_head = make_linear(head_src, None, weight_format)
+        tied = head_src is None or cfg.tie_word_embeddings
+        embed: torch.Tensor | nn.Module | None = None
+        if isinstance(emb_src, WeightSource) and emb_src.raw is not None and weight_format in ("auto", "gguf"):
+            # Packed GGUF embedding: look rows up from the packed weights where a kernel holds them.
+            packed = make_linear(emb_src, None, weight_format, lookup_only=not tied)
+            if hasattr(packed, "rows"):
+                embed = packed
+        if embed is None:
+            embed = emb_src.dequantize() if isinstance(emb_src, WeightSource) else emb_src.float()
+        if tied:
+            if isinstance(embed, nn.Module):
+                lm_head = embed
+            else:
+                head_src = emb_src if isinstance(emb_src, WeightSource) else WeightSource(tuple(embed.shape), embed)
+                lm_head = make_linear(head_src, None, weight_format)
+        else:
+            lm_head = make_linear(head_src, None, weight_format)
         norm = RMSNorm(w["model.norm.weight"], cfg.rms_norm_eps)
         model = cls(cfg, embed, layers, norm, lm_head)
         if isinstance(lm_head, DenseLinear) and lm_head.weight.dtype == torch.float32 and (

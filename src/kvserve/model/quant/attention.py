@@ -1,4 +1,4 @@
-"""Fused CPU ops from csrc/kvserve_attention.cpp: paged decode attention (fp32 or bf16 KV) and RMSNorm.
+"""Fused CPU ops from csrc/kvserve_attention.cpp: paged decode attention (fp32, bf16 or fp16 KV) and RMSNorm.
 
 Each returns None when it does not apply (kernels unavailable, tensors not contiguous fp32 on CPU,
 a step that is not all single-token queries) and the caller keeps its PyTorch path. The decode
@@ -12,13 +12,13 @@ import torch
 
 from kvserve.model.quant.build import load_kernels
 
-KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}   # what the C kernels read (kv_dtype argument)
+KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # what the C kernels read (kv_dtype argument)
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: list[int] | torch.Tensor, scale: float) -> torch.Tensor | None:
     """q [B, Hq, D] float32 (one query token per sequence, at position seq_lens[i] - 1), kv_cache
-    [2, num_blocks, block_size, Hkv, D] float32 or bfloat16, block_tables [B, max_blocks] int64,
+    [2, num_blocks, block_size, Hkv, D] float32, bfloat16 or float16, block_tables [B, max_blocks] int64,
     seq_lens B ints -> [B, Hq, D], or None."""
     lib = load_kernels()
     if (lib is None or q.dtype != torch.float32 or kv_cache.dtype not in KV_DTYPE_CODES or q.device.type != "cpu"

@@ -168,6 +168,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvs_rms_norm.restype = None
     lib.kvs_dequantize.argtypes = [vp, vp]
     lib.kvs_dequantize.restype = None
+    lib.kvs_dequantize_rows.argtypes = [vp, vp, i32, vp]
+    lib.kvs_dequantize_rows.restype = i32
     lib.kvs_set_num_threads.argtypes = [i32]
     lib.kvs_set_num_threads.restype = None
     lib.kvs_get_num_threads.restype = i32

@@ -12,7 +12,7 @@
   prompt chunks (more than ATTN_C_MAX_QUERY tokens of one sequence) take PyTorch's SDPA instead,
   which is faster there (a GEMM per head).
 
-Anything unsupported (fp16 KV cache, no compiled kernels, autograd) returns None and the caller
+Anything unsupported (a KV cache other than fp32/bf16/fp16, no compiled kernels, autograd) returns None and the caller
 runs the PyTorch layers, which stay the reference the tests compare against.
 """
 

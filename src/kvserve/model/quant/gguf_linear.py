@@ -135,7 +135,10 @@ class GGUFQuantLinear(torch.nn.Module):
         in_features: int,
         out_features: int,
         bias: torch.Tensor | None = None,
+        lookup_only: bool = False,
     ) -> None:
+        """lookup_only: the weight serves only `rows()` (an untied embedding table), so no bf16
+        copy for large matmuls is made."""
         super().__init__()
         qtype = GGMLQuantizationType(qtype)
         if not supports(qtype):
@@ -157,8 +160,8 @@ class GGUFQuantLinear(torch.nn.Module):
         self.lib = load_kernels()
         self.weight_bf16: Bf16Weight | None = None
         self.weight_f32: torch.Tensor | None = None
-        self.bf16_min_tokens = get_config().bf16_min_tokens
-        self.f32_min_tokens = get_config().f32_min_tokens
+        self.bf16_min_tokens = None if lookup_only else get_config().bf16_min_tokens
+        self.f32_min_tokens = None if lookup_only else get_config().f32_min_tokens
         if self.lib is None:
             self.weight_f32 = reference.dequantize(raw_t, qtype, in_features)
             self.bf16_min_tokens = self.f32_min_tokens = None
@@ -215,6 +218,19 @@ class GGUFQuantLinear(torch.nn.Module):
             y = torch.empty(T, self.out_features, dtype=torch.float32)
             self._linear(self._desc_ptr, x.data_ptr(), T, y.data_ptr())
         return y if len(shape) == 2 else y.reshape(*shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape) of W as float32 [*ids.shape, in_features]: an embedding lookup
+        straight from the packed weights (a tied embedding needs no fp32 table of its own)."""
+        flat = ids.reshape(-1).to(torch.int64)
+        if self.weight_f32 is not None:
+            out = self.weight_f32[flat]
+        else:
+            flat = flat.contiguous()
+            out = torch.empty(flat.numel(), self.in_features, dtype=torch.float32)
+            if self.lib.kvs_dequantize_rows(self._desc_ptr, flat.data_ptr(), flat.numel(), out.data_ptr()) != 0:
+                raise IndexError(f"token id out of range [0, {self.out_features})")
+        return out.view(*ids.shape, self.in_features)
 
     def dequantized_weight(self) -> torch.Tensor:
         """fp32 [out, in], for tests and tools."""
