@@ -32,6 +32,21 @@ def test_weight_formats_score_the_same_tokens(heldout):
     assert table.splitlines()[2].startswith("| fp32 |") and "+0.00%" in table
 
 
+def test_serving_path_scores_like_the_cache_free_pass(heldout):
+    """--paged-chunk: the same windows through the paged KV cache, token by token (the decode path)
+    and in chunks; with fp32 weights and an fp32 cache it is the cache-free number to fp32 rounding
+    (different GEMM shapes per pass), a
+    16-bit cache stays within a fraction of a percent."""
+    ref = perplexity(None, heldout, seq_len=32, max_windows=2, weight_format="fp32")
+    for chunk, kv, tol in ((1, "fp32", 5e-4), (7, "fp32", 5e-4), (1, "fp16", 5e-3), (5, "bf16", 1e-2)):
+        r = perplexity(None, heldout, seq_len=32, max_windows=2, weight_format="fp32", paged_chunk=chunk,
+                       kv_cache_dtype=kv)
+        assert (r.tokens, r.bytes) == (ref.tokens, ref.bytes)
+        assert abs(r.perplexity / ref.perplexity - 1) < tol, (chunk, kv, r.perplexity, ref.perplexity)
+    auto = perplexity(None, heldout, seq_len=32, max_windows=2, weight_format="auto", paged_chunk=1)
+    assert abs(auto.perplexity / ref.perplexity - 1) < 0.05
+
+
 def test_unknown_weight_format_is_a_clean_error():
     p = subprocess.run([sys.executable, "-m", "kvserve.cli", "eval", "perplexity", "--max-windows", "1",
                         "--seq-len", "16", "--weight-format", "int3"],

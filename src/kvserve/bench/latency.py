@@ -66,6 +66,7 @@ class KvserveRunner:
     name = "kvserve"
 
     def __init__(self, cfg: LatencyConfig):
+        from kvserve.engine.config import EngineConfig
         from kvserve.model.loader import load_model
         from kvserve.model.quant import load_kernels
 
@@ -76,10 +77,12 @@ class KvserveRunner:
         c = self.loaded.config
         self.block_size = 16
         n_blocks = (cfg.prompt_tokens + cfg.decode_tokens + self.block_size) // self.block_size + 1
-        self.kv_caches = [torch.zeros(2, n_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        kv_dtype = EngineConfig().torch_kv_dtype    # the engine's default KV cache (fp16)
+        self.kv_caches = [torch.zeros(2, n_blocks, self.block_size, c.num_key_value_heads, c.head_dim, dtype=kv_dtype)
                           for _ in range(c.num_hidden_layers)]
         self.block_table = list(range(n_blocks))
-        self.detail = f"{self.loaded.source.name} ({cfg.weight_format}), {cfg.threads} threads"
+        self.detail = (f"{self.loaded.source.name} ({cfg.weight_format}, {str(kv_dtype).removeprefix('torch.')} "
+                       f"KV cache), {cfg.threads} threads")
 
     @property
     def vocab_size(self) -> int:

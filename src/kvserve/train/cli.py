@@ -195,6 +195,10 @@ def perplexity_cmd(
         "repeatable: one table row each.")] = None,
     peer: Annotated[list[str] | None, typer.Option(
         "--peer", help="Also score the same token windows with: llama-cpp.")] = None,
+    paged_chunk: int = typer.Option(None, "--paged-chunk", min=1, help="Score through the serving path: the "
+                                    "paged KV cache, this many tokens per forward pass (1 = every token decoded)."),
+    kv_cache_dtype: Annotated[list[str] | None, typer.Option(
+        "--kv-cache-dtype", help="With --paged-chunk: fp16 (default), bf16, fp32; repeatable.")] = None,
 ) -> None:
     """Perplexity and bits per byte of a model on a text (a table when several formats or peers)."""
     from kvserve.errors import InvalidRequest
@@ -209,8 +213,14 @@ def perplexity_cmd(
             raise InvalidRequest(f"unknown peer in {peer}: the one peer is llama-cpp", param="peer")
         body = Path(text).read_text(errors="replace") if text else "\n\n".join(split_documents(load_corpus())[1])
         for fmt in weight_format:
-            rows.append((f"kvserve {fmt}", perplexity(model, body, seq_len=seq_len, max_windows=max_windows,
-                                                      weight_format=fmt)))
+            if not paged_chunk:
+                rows.append((f"kvserve {fmt}", perplexity(model, body, seq_len=seq_len, max_windows=max_windows,
+                                                          weight_format=fmt)))
+                continue
+            for kv in kv_cache_dtype or ["fp16"]:
+                rows.append((f"kvserve {fmt}, {kv} KV cache, {paged_chunk}-token passes",
+                             perplexity(model, body, seq_len=seq_len, max_windows=max_windows, weight_format=fmt,
+                                        paged_chunk=paged_chunk, kv_cache_dtype=kv)))
         for _ in peer:
             rows.append(("llama.cpp", llama_cpp_perplexity(model, body, seq_len=seq_len, max_windows=max_windows,
                                                            threads=threads)))

@@ -45,15 +45,48 @@ class EvalResult:
 
 
 @torch.no_grad()
+def paged_logits(model: LlamaForCausalLM, ids: torch.Tensor, chunk: int, kv_dtype: torch.dtype,
+                 block_size: int = 16) -> torch.Tensor:
+    """Logits [len(ids), V] of one sequence computed the way the engine serves it: through the
+    paged KV cache (of `kv_dtype`), `chunk` tokens per forward pass (1: every token a decode step)."""
+    from kvserve.model.attention import AttentionMetadata
+
+    cfg = model.config
+    n = len(ids)
+    blocks = (n + block_size - 1) // block_size
+    kv = [torch.zeros(2, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=kv_dtype)
+          for _ in range(cfg.num_hidden_layers)]
+    table = list(range(blocks))
+    out = []
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        meta = AttentionMetadata.build([e - s], [e], [table], block_size)
+        out.append(model.compute_logits(model(ids[s:e], torch.arange(s, e), meta, kv)))
+    return torch.cat(out)
+
+
+@torch.no_grad()
 def evaluate_stream(model: LlamaForCausalLM, ids: torch.Tensor, token_bytes: torch.Tensor, seq_len: int,
-                    batch_size: int = 8, max_windows: int | None = None) -> EvalResult:
-    """Teacher-forced cross-entropy over consecutive non-overlapping windows of `ids`."""
+                    batch_size: int = 8, max_windows: int | None = None, paged_chunk: int | None = None,
+                    kv_cache_dtype: torch.dtype = torch.float16) -> EvalResult:
+    """Teacher-forced cross-entropy over consecutive non-overlapping windows of `ids`; with
+    `paged_chunk`, each window goes through the serving path (paged_logits) instead of one
+    cache-free forward pass."""
     was_training = model.training
     model.eval()
     n_win = max(1, (len(ids) - 1) // seq_len)
     if max_windows:
         n_win = min(n_win, max_windows)
     nats, tokens, nbytes = 0.0, 0, 0
+    if paged_chunk:
+        for w in range(n_win):
+            x = ids[w * seq_len: w * seq_len + seq_len + 1]
+            logits = paged_logits(model, x[:-1], paged_chunk, kv_cache_dtype)
+            nats += float(F.cross_entropy(logits.float(), x[1:], reduction="sum"))
+            tokens += len(x) - 1
+            nbytes += int(token_bytes[x[1:]].sum())
+        model.train(was_training)
+        return EvalResult(nats / max(tokens, 1), nats / math.log(2) / max(nbytes, 1), tokens, nbytes)
     for start in range(0, n_win, batch_size):
         rows = []
         for w in range(start, min(n_win, start + batch_size)):
@@ -81,16 +114,22 @@ def unigram_bits_per_byte(train_ids: torch.Tensor, eval_ids: torch.Tensor, token
 
 
 def perplexity(model_dir: str | Path | None, text: str, seq_len: int | None = None, batch_size: int = 4,
-               max_windows: int | None = None, weight_format: str = "fp32") -> EvalResult:
+               max_windows: int | None = None, weight_format: str = "fp32", paged_chunk: int | None = None,
+               kv_cache_dtype: str = "fp16") -> EvalResult:
     """Perplexity and bits per byte of a model directory (or GGUF, or built-in name; None is the
-    default model) on a text, with its weights in `weight_format` (fp32, bf16, fp16, auto, gguf)."""
+    default model) on a text, with its weights in `weight_format` (fp32, bf16, fp16, auto, gguf);
+    with `paged_chunk`, through the paged KV cache (`kv_cache_dtype`) that many tokens a pass."""
+    from kvserve.engine.config import EngineConfig
+
     from kvserve.model.loader import load_model
 
     lm = load_model(str(model_dir) if model_dir else None, weight_format=weight_format)
     tok = lm.tokenizer
     ids = torch.tensor(tok.encode(text, add_special_tokens=True), dtype=torch.long)
     seq_len = min(seq_len or 512, lm.config.max_position_embeddings - 1)
-    return evaluate_stream(lm.model, ids, token_byte_lengths(tok), seq_len, batch_size, max_windows)
+    kv_dtype = EngineConfig(kv_cache_dtype=kv_cache_dtype).torch_kv_dtype
+    return evaluate_stream(lm.model, ids, token_byte_lengths(tok), seq_len, batch_size, max_windows,
+                           paged_chunk, kv_dtype)
 
 
 def llama_cpp_perplexity(model: str | Path | None, text: str, seq_len: int | None = 512,
