@@ -120,7 +120,6 @@ def perplexity(model_dir: str | Path | None, text: str, seq_len: int | None = No
     default model) on a text, with its weights in `weight_format` (fp32, bf16, fp16, auto, gguf);
     with `paged_chunk`, through the paged KV cache (`kv_cache_dtype`) that many tokens a pass."""
     from kvserve.engine.config import EngineConfig
-
     from kvserve.model.loader import load_model
 
     lm = load_model(str(model_dir) if model_dir else None, weight_format=weight_format)
