@@ -79,6 +79,18 @@ inline void store_kv(void *dst, int kv_dtype, const float *src, int n) {
     }
 }
 
+// One token's qkv row: RoPE on its q and k heads in place, then k and v into the cache at `slot`.
+void rope_and_store(const kvs_model_desc *m, float *r, int64_t position, int64_t slot, char *Kc, char *Vc,
+                    int kv_dtype, int block_size) {
+    const int Hq = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim, qd = Hq * D, kvd = Hkv * D;
+    const float *c = m->cos + (size_t)position * D, *s = m->sin + (size_t)position * D;
+    for (int h = 0; h < Hq + Hkv; h++) rope_head(r + (size_t)h * D, c, s, D);
+    const size_t esize = kv_dtype ? 2 : 4;
+    const size_t off = ((size_t)slot / block_size) * block_size * kvd + ((size_t)slot % block_size) * kvd;
+    store_kv(Kc + off * esize, kv_dtype, r + qd, kvd);
+    store_kv(Vc + off * esize, kv_dtype, r + qd + kvd, kvd);
+}
+
 }  // namespace
 
 extern "C" {
@@ -127,15 +139,9 @@ int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block
 #pragma omp barrier
             kvs::linear_rows(L.qkv, xq.data(), xd.data(), xs.data(), T, qkv.data(), qkv_rows, false, ith, nt);
 #pragma omp barrier
-            for (int t = ith; t < T; t += nt) {  // RoPE, then K/V into the cache
-                float *r = qkv.data() + (size_t)t * qkv_rows;
-                const float *c = m->cos + (size_t)positions[t] * D, *s = m->sin + (size_t)positions[t] * D;
-                for (int h = 0; h < Hq + Hkv; h++) rope_head(r + (size_t)h * D, c, s, D);
-                const size_t slot = (size_t)slots[t];
-                const size_t off = (slot / block_size) * block_stride + (slot % block_size) * tok_stride;
-                store_kv(Kc + off * esize, kv_dtype, r + qd, kvd);
-                store_kv(Vc + off * esize, kv_dtype, r + qd + kvd, kvd);
-            }
+            for (int t = ith; t < T; t += nt)
+                rope_and_store(m, qkv.data() + (size_t)t * qkv_rows, positions[t], slots[t], Kc, Vc, kv_dtype,
+                               block_size);
 #pragma omp barrier
             for (int it = ith; it < T * Hkv; it += nt) {   // (token, kv head): the group shares K/V reads
                 const int t = it / Hkv, h = it % Hkv;
@@ -201,15 +207,8 @@ void kvs_rope_kv_attention(const kvs_model_desc *m, float *qkv, int T, const int
 #pragma omp parallel num_threads(nth)
     {
         const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
-        for (int t = ith; t < T; t += nt) {
-            float *r = qkv + (size_t)t * qkv_rows;
-            const float *c = m->cos + (size_t)positions[t] * D, *s = m->sin + (size_t)positions[t] * D;
-            for (int h = 0; h < Hq + Hkv; h++) rope_head(r + (size_t)h * D, c, s, D);
-            const size_t slot = (size_t)slots[t];
-            const size_t off = (slot / block_size) * block_stride + (slot % block_size) * tok_stride;
-            store_kv(Kc + off * esize, kv_dtype, r + qd, kvd);
-            store_kv(Vc + off * esize, kv_dtype, r + qd + kvd, kvd);
-        }
+        for (int t = ith; t < T; t += nt)
+            rope_and_store(m, qkv + (size_t)t * qkv_rows, positions[t], slots[t], Kc, Vc, kv_dtype, block_size);
 #pragma omp barrier
         std::vector<float> scores((size_t)max_len * group);
 #pragma omp for schedule(dynamic, 4)
