@@ -11,7 +11,7 @@ import json
 from datetime import datetime
 from functools import lru_cache
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kvserve.errors import InvalidRequest
@@ -27,15 +27,29 @@ def _raise(msg: str):
     raise InvalidRequest(f"chat template error: {msg}", param="messages")
 
 
-@lru_cache(maxsize=16)
-def _compile(template: str):
+@lru_cache(maxsize=1)
+def _env() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
         x, indent=indent, ensure_ascii=ensure_ascii)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
+    return env
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str):
+    return _env().from_string(template)
+
+
+@lru_cache(maxsize=16)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a template reads from its context (e.g. "tools" for tool-aware templates)."""
+    try:
+        return frozenset(meta.find_undeclared_variables(_env().parse(template)))
+    except TemplateError:
+        return frozenset()   # rendering will report the error
 
 
 def flatten_content(content) -> str:
@@ -57,10 +71,13 @@ def flatten_content(content) -> str:
 
 
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
-                         **kwargs) -> str:
+                         tools: list[dict] | None = None, **kwargs) -> str:
+    """Render `messages`; `tools` (OpenAI tool definitions) is passed as the template's `tools`
+    variable, as transformers does; templates that do not read it ignore it."""
     msgs = [{**m, "content": flatten_content(m.get("content"))} for m in messages]
     try:
-        return _compile(template).render(messages=msgs, add_generation_prompt=add_generation_prompt, **kwargs)
+        return _compile(template).render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                         tools=tools, **kwargs)
     except InvalidRequest:
         raise
     except TemplateError as e:

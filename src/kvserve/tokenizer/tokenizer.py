@@ -16,7 +16,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from kvserve.errors import ModelLoadError
-from kvserve.tokenizer.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat_template
+from kvserve.tokenizer.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat_template, template_variables
 
 # Tokens that end an assistant turn in common chat formats; any present in the vocabulary
 # also stops generation.
@@ -137,10 +137,16 @@ class Tokenizer:
         """The text one token stands for on its own (may be a partial UTF-8 character: '�')."""
         return self.hf.decode([int(token_id)], skip_special_tokens=False)
 
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tool definitions itself (reads a `tools` variable)."""
+        return "tools" in template_variables(self.chat_template)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False, **kwargs) -> str | list[int]:
+                            tokenize: bool = False, tools: list[dict] | None = None,
+                            **kwargs) -> str | list[int]:
         text = render_chat_template(
-            self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+            self.chat_template, messages, add_generation_prompt=add_generation_prompt, tools=tools,
             bos_token=self.hf.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
             eos_token=self.hf.id_to_token(self.eos_token_id) if self.eos_token_id is not None else "",
             **kwargs)
