@@ -9,10 +9,10 @@ import sys
 import time
 
 
-def _start() -> subprocess.Popen:
+def _start(max_tokens: int = 48) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "kvserve.cli", "chat", "--temperature", "0",
-                             "--max-tokens", "48", "--stats"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             "--max-tokens", str(max_tokens), "--stats"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -37,7 +37,8 @@ def test_chat_commands_and_history():
 
 
 def test_ctrl_c_stops_the_answer_not_the_program():
-    p = _start()
+    # Room for a long answer: at ~200 tokens/s a 48-token answer could end before Ctrl-C lands.
+    p = _start(max_tokens=1500)
     p.stdin.write("Write a very long story about a dragon.\n")
     p.stdin.flush()
     # Wait until the answer has started streaming, then press Ctrl-C.

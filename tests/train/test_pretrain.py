@@ -32,7 +32,8 @@ def test_run_writes_an_hf_directory_logs_and_curve(base_run, tmp_path):
 
 def _engine_logits(model, tokenizer, ids: list[int]) -> torch.Tensor:
     """The logits the serving engine computes for every prompt position (paged KV, chunked prefill)."""
-    llm = LLM(model, tokenizer=tokenizer, kv_cache_memory="16MiB", max_num_batched_tokens=16)
+    llm = LLM(model, tokenizer=tokenizer, kv_cache_memory="16MiB", max_num_batched_tokens=16,
+              kv_cache_dtype="fp32")   # the default fp16 cache moves logits by ~1e-3
     rows: list[torch.Tensor] = []
     hook = llm.engine.runner.model.lm_head.register_forward_hook(lambda m, i, o: rows.append(o.detach().clone()))
     try:
