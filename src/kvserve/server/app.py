@@ -168,9 +168,11 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequest("Send exactly one of prompt or messages.", param="prompt")
         if req.messages is not None:
-            from kvserve.server.context import message_dicts
+            from kvserve.server.context import template_messages
+            from kvserve.server.tools import make_plan
 
-            text = await asyncio.to_thread(tok.apply_chat_template, message_dicts(req.messages),
+            msgs, tools = template_messages(tok, req.messages, make_plan(req.tools, "auto", None))
+            text = await asyncio.to_thread(tok.apply_chat_template, msgs, tools=tools,
                                            add_generation_prompt=req.add_generation_prompt)
             ids = await asyncio.to_thread(tok.encode, text, add_special_tokens=False)
         else:

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvserve.errors import ContextLengthExceeded, InvalidRequest
 from kvserve.server.protocol import ChatMessage
+from kvserve.server.tools import ToolPlan, add_tools_to_system, fold_history, native_history
 
 
 @dataclass
@@ -22,35 +23,59 @@ class Prompt:
     token_ids: list[int]
     text: str | None = None
     dropped_messages: int = 0
+    forced_prefix: str = ""   # text after the generation prompt that the answer continues (tools)
     notes: list[str] = field(default_factory=list)
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation as the dicts chat templates take, tool turns in OpenAI's shape."""
     out = []
     for m in messages:
         role = "system" if m.role == "developer" else m.role
         d: dict[str, Any] = {"role": role, "content": m.text()}
         if m.tool_calls:
-            d["tool_calls"] = m.tool_calls
+            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
         if m.tool_call_id:
             d["tool_call_id"] = m.tool_call_id
+        if m.name and role == "tool":
+            d["name"] = m.name
         out.append(d)
     return out
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[int]]:
+def template_messages(tokenizer, messages: list[ChatMessage],
+                      plan: ToolPlan | None) -> tuple[list[dict[str, Any]], list[dict] | None]:
+    """(messages, tools) to render: the tools go to a template that reads them, or into the
+    system prompt of one that does not, whose tool turns are folded into text (tools.py)."""
+    msgs = message_dicts(messages)
+    native = tokenizer.supports_tools
+    msgs = native_history(msgs) if native else fold_history(msgs)
+    if plan is None or not plan.active:
+        return msgs, None
+    if native:
+        return msgs, plan.tools
+    return add_tools_to_system(msgs, plan), None
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
+            suffix: str) -> tuple[str, list[int]]:
     # The tokenizer's sandboxed template raises InvalidRequest(param="messages") itself.
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    text += suffix
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
 def build_chat_prompt(tokenizer, messages: list[ChatMessage], *, max_model_len: int,
                       max_tokens: int | None, truncate: str | None,
-                      add_generation_prompt: bool = True) -> Prompt:
-    """Render and tokenize a conversation so that prompt + max_tokens (or + 1) fits the window."""
-    msgs = message_dicts(messages)
+                      add_generation_prompt: bool = True, tools: ToolPlan | None = None) -> Prompt:
+    """Render and tokenize a conversation so that prompt + max_tokens (or + 1) fits the window.
+
+    With a tool plan the tools are rendered (unless tool_choice is "none") and a forced
+    tool_choice appends the opening of a call after the generation prompt."""
+    msgs, tool_defs = template_messages(tokenizer, messages, tools)
+    suffix = tools.forcing_prefix if tools is not None and add_generation_prompt else ""
     reserve = max_tokens if max_tokens is not None else 1
-    text, ids = _render(tokenizer, msgs, add_generation_prompt)
+    text, ids = _render(tokenizer, msgs, add_generation_prompt, tool_defs, suffix)
     dropped = 0
     while len(ids) + reserve > max_model_len and truncate == "oldest":
         victim = next((i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"), None)
@@ -58,14 +83,14 @@ def build_chat_prompt(tokenizer, messages: list[ChatMessage], *, max_model_len: 
             break
         del msgs[victim]
         dropped += 1
-        text, ids = _render(tokenizer, msgs, add_generation_prompt)
+        text, ids = _render(tokenizer, msgs, add_generation_prompt, tool_defs, suffix)
     if len(ids) + reserve > max_model_len:
         what = f"{len(ids)} prompt tokens" + (f" + max_tokens {max_tokens}" if max_tokens else "")
         hint = ("shorten the messages or lower max_tokens" if truncate == "oldest" else
                 'shorten the messages, lower max_tokens, or send "truncate": "oldest" to drop old turns')
         raise ContextLengthExceeded(f"This model's maximum context length is {max_model_len} tokens, but "
                                     f"the request needs {what}. Please {hint}.", param="messages")
-    return Prompt(token_ids=ids, text=text, dropped_messages=dropped)
+    return Prompt(token_ids=ids, text=text, dropped_messages=dropped, forced_prefix=suffix)
 
 
 def build_completion_prompts(tokenizer, prompt: str | list, *, vocab_size: int | None) -> list[Prompt]:

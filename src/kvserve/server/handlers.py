@@ -26,6 +26,7 @@ from kvserve.server.protocol import (
     to_sampling_params,
 )
 from kvserve.server.serving import ClientGone, Job, engine_priority, sse, until_disconnected
+from kvserve.server.tools import make_plan, parse_output, stream_delta
 
 logger = logging.getLogger("kvserve.server")
 CAP_HEADER = "x-kvserve-max-tokens-capped"
@@ -62,10 +63,11 @@ async def _prepare(server, request: Request, kind: str) -> tuple[Job, object, di
         requested = decision.max_tokens_cap
         headers[CAP_HEADER] = str(requested)
     tok, max_len = engine.tokenizer, engine.max_model_len
+    plan = make_plan(req.tools, req.tool_choice, req.parallel_tool_calls) if kind == "chat" else None
     if kind == "chat":
         prompt = await asyncio.to_thread(build_chat_prompt, tok, req.messages, max_model_len=max_len,
                                          max_tokens=requested, truncate=req.truncate,
-                                         add_generation_prompt=req.add_generation_prompt)
+                                         add_generation_prompt=req.add_generation_prompt, tools=plan)
         if prompt.dropped_messages:
             headers["x-kvserve-truncated-messages"] = str(prompt.dropped_messages)
         prompts = [prompt]
@@ -86,13 +88,14 @@ async def _prepare(server, request: Request, kind: str) -> tuple[Job, object, di
         client_top = req.logprobs
         prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
     engine_top = max(client_top or 0, 5) if req.kvserve_trace else client_top
-    params = to_sampling_params(req, max_tokens, logprobs=engine_top, prompt_logprobs=prompt_lp)
+    params = to_sampling_params(req, max_tokens, logprobs=engine_top, prompt_logprobs=prompt_lp,
+                                extra_stop=plan.stop if plan is not None else None)
     if req.stream and params.best_of is not None and params.best_of > params.n:
         raise InvalidRequest("best_of > n cannot be streamed; drop best_of or stream=false.", param="best_of")
     marks["client_top"] = client_top
     job = Job(server, request, kind=kind, prompts=prompts, params=params,
               priority=engine_priority(tier, req.priority), cache_salt=req.cache_salt, marks=marks,
-              trace=req.kvserve_trace, model_name=model_name)
+              trace=req.kvserve_trace, model_name=model_name, tools=plan)
     reserve = sum(len(p.token_ids) + max_tokens * params.num_sequences for p in prompts)
     job.reserved_tokens = server.limiter.reserve_tokens(request.state.key_name, key.tpm if key else None,
                                                         reserve)
@@ -140,10 +143,15 @@ def _chat_body(job: Job, req: ChatCompletionRequest) -> dict:
     for i, ch in enumerate(ps.choices):
         lp = (chat_logprobs(ch.token_ids, ch.logprobs, job.marks["client_top"] or 0, job.decode)
               if req.logprobs else None)
-        choices.append({"index": i, "message": {"role": "assistant", "content": ch.text, "refusal": None,
-                                                "tool_calls": []},
-                        "logprobs": lp, "finish_reason": finish_reason(ch.finish_reason),
-                        "stop_reason": ch.stop_reason})
+        content: str | None = ch.text
+        fr = finish_reason(ch.finish_reason)
+        if job.tools is not None:
+            content, ch.tool_calls = parse_output(job.tools, ps.prompt.forced_prefix, ch.text)
+            if ch.tool_calls:
+                fr = "tool_calls"
+        choices.append({"index": i, "message": {"role": "assistant", "content": content, "refusal": None,
+                                                "tool_calls": [c.to_dict() for c in ch.tool_calls]},
+                        "logprobs": lp, "finish_reason": fr, "stop_reason": ch.stop_reason})
     body = {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model_name,
             "choices": choices, "usage": usage(*job.usage_counts()), "system_fingerprint": None}
     if job.trace:
@@ -199,10 +207,17 @@ async def _stream(job: Job, req, include_usage: bool):
             c["usage"] = None
         return c
 
+    # Tool calls: one parser per choice; the answer continues the prompt's forcing prefix.
+    parsers = [job.tools.parser() for _ in range(n)] if chat and job.tools is not None else None
     try:
         if chat:
             yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(n)]))
+            prefix = job.prompts[0].prompt.forced_prefix
+            if parsers is not None and prefix:
+                for i, p in enumerate(parsers):
+                    if delta := stream_delta(p.feed(prefix)):
+                        yield sse(chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
         elif req.echo:
             for pi, ps in enumerate(job.prompts):
                 text = _echo_text(job, ps)
@@ -223,7 +238,16 @@ async def _stream(job: Job, req, include_usage: bool):
                     lp = (chat_logprobs(c.token_ids_delta, c.logprobs_delta, top, job.decode) if chat else
                           completion_logprobs(c.token_ids_delta, c.logprobs_delta, top, job.decode))
                 fr = finish_reason(c.finish_reason)
-                if chat:
+                if parsers is not None:
+                    p = parsers[c.index]
+                    delta = stream_delta(p.feed(c.text_delta) + (p.finish() if done else []))
+                    if not delta and lp is None and not done:
+                        continue   # text held back: it may be the start of a tool call
+                    if done and p.calls:
+                        fr = "tool_calls"
+                        ps.choices[c.index].tool_calls = p.calls
+                    choice = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": fr}
+                elif chat:
                     delta = {"content": c.text_delta} if c.text_delta or not done else {}
                     choice = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": fr}
                 else:

@@ -2,8 +2,10 @@
 
 Unknown fields are rejected everywhere (400, `param` names the field), so a typo such as
 `max_token` fails loudly instead of being silently ignored. A short list of OpenAI fields that
-cannot change the output here (`store`, `metadata`, `service_tier`, `parallel_tool_calls`,
-`user`; on messages `name`, `refusal`, `annotations`) is accepted and ignored.
+cannot change the output here (`store`, `metadata`, `service_tier`, `user`; on messages `name`,
+`refusal`, `annotations`) is accepted and ignored. Tool calling (`tools`, `tool_choice`,
+`parallel_tool_calls`, assistant `tool_calls`, `tool` messages) is checked here and carried out
+by kvserve.server.tools.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvserve.errors import InvalidRequest
 from kvserve.sampling_params import RepetitionGuard, SamplingParams
 from kvserve.server.settings import ServerSettings
+from kvserve.server.tools import MAX_TOOLS
+from kvserve.server.tools import NAME_RE as TOOL_NAME_RE
 
 
 class _Strict(BaseModel):
@@ -27,11 +31,45 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class ToolCall(_Strict):
+    """A call the assistant made earlier in the conversation (arguments: a JSON string)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
     annotations: list[Any] | None = None
@@ -97,8 +135,9 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None   # checked in check_tools (clearer errors)
     parallel_tool_calls: bool | None = None
-    tool_choice: Literal["none", "auto"] | None = None
     response_format: dict[str, Any] | None = None
     truncate: Literal["oldest"] | None = None
     add_generation_prompt: bool = True
@@ -122,6 +161,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -187,6 +227,7 @@ def check_caps(req: _Common, settings: ServerSettings) -> None:
         if req.response_format is not None and req.response_format.get("type") != "text":
             raise InvalidRequest("Only response_format {\"type\": \"text\"} is supported.",
                                  param="response_format")
+        check_tools(req)
     else:
         assert isinstance(req, CompletionRequest)
         if req.logprobs is not None and not 0 <= req.logprobs <= settings.max_top_logprobs:
@@ -203,13 +244,98 @@ def check_caps(req: _Common, settings: ServerSettings) -> None:
             raise InvalidRequest(f"{name} must be at least 1.", param=name)
 
 
+def _validation_error(e: ValidationError, prefix: str) -> InvalidRequest:
+    err = e.errors()[0]
+    param = prefix + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return InvalidRequest(f"Unrecognized request argument supplied: {param}.", param=param)
+    if err["type"] == "missing":
+        return InvalidRequest(f"Missing required parameter: {param}.", param=param)
+    return InvalidRequest(f"Invalid value for {param}: {err['msg']}.", param=param)
+
+
+def check_tools(req: ChatCompletionRequest, max_tools: int = MAX_TOOLS) -> None:
+    """tools / tool_choice / parallel_tool_calls and the tool turns of the conversation."""
+    names: list[str] = []
+    if req.tools is not None:
+        if not req.tools:
+            raise InvalidRequest("tools must hold at least one tool; omit it for none.", param="tools")
+        if len(req.tools) > max_tools:
+            raise InvalidRequest(f"At most {max_tools} tools are allowed.", param="tools")
+        for i, tool in enumerate(req.tools):
+            name = tool.function.name
+            if not TOOL_NAME_RE.fullmatch(name):
+                raise InvalidRequest(f"Invalid tools[{i}].function.name {name!r}: function names are 1-64 "
+                                     "characters of a-z, A-Z, 0-9, underscores and dashes.",
+                                     param=f"tools[{i}].function.name")
+            if name in names:
+                raise InvalidRequest(f"Duplicate function name {name!r} in tools[{i}]; tool names must be "
+                                     "unique.", param=f"tools[{i}].function.name")
+            names.append(name)
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        try:
+            named = NamedToolChoice.model_validate(choice)
+        except ValidationError as e:
+            raise _validation_error(e, "tool_choice") from None
+        if not names:
+            raise InvalidRequest("tool_choice names a function but no tools were given.", param="tool_choice")
+        if named.function.name not in names:
+            raise InvalidRequest(f"tool_choice names function {named.function.name!r}, which is not in tools "
+                                 f"({', '.join(names)}).", param="tool_choice")
+    elif choice is not None:
+        if choice not in ("none", "auto", "required"):
+            raise InvalidRequest(f"Invalid value for tool_choice: {choice!r}. Use \"none\", \"auto\", "
+                                 "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}.",
+                                 param="tool_choice")
+        if choice == "required" and not names:
+            raise InvalidRequest('tool_choice "required" needs tools.', param="tool_choice")
+    if req.parallel_tool_calls is not None and not names:
+        raise InvalidRequest("parallel_tool_calls is only allowed when tools are given.",
+                             param="parallel_tool_calls")
+    forced = isinstance(choice, dict) or choice == "required"
+    if forced and not req.add_generation_prompt:
+        raise InvalidRequest("A forced tool_choice needs add_generation_prompt: true.", param="tool_choice")
+    open_ids: set[str] = set()   # ids of the calls the latest assistant turn made
+    for i, m in enumerate(req.messages):
+        if m.tool_calls is not None and m.role != "assistant":
+            raise InvalidRequest("Only assistant messages can have tool_calls.", param=f"messages[{i}].tool_calls")
+        if m.tool_call_id is not None and m.role != "tool":
+            raise InvalidRequest("Only tool messages can have tool_call_id.", param=f"messages[{i}].tool_call_id")
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise InvalidRequest("A tool message needs the tool_call_id of the call it answers.",
+                                     param=f"messages[{i}].tool_call_id")
+            if m.tool_call_id not in open_ids:
+                raise InvalidRequest("Messages with role 'tool' must answer a preceding assistant message "
+                                     f"with tool_calls; no such call has id {m.tool_call_id!r}.",
+                                     param=f"messages[{i}].tool_call_id")
+            if m.content is None:
+                raise InvalidRequest("A tool message needs content.", param=f"messages[{i}].content")
+        elif m.role == "assistant" and m.tool_calls:
+            open_ids = {c.id for c in m.tool_calls}
+            for j, c in enumerate(m.tool_calls):
+                if not c.function.name:
+                    raise InvalidRequest("A tool call needs a function name.",
+                                         param=f"messages[{i}].tool_calls[{j}].function.name")
+        else:
+            open_ids = set()
+
+
 def to_sampling_params(req: _Common, max_tokens: int, *, logprobs: int | None,
-                       prompt_logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams for one request; its __post_init__ raises InvalidRequest(param=...)."""
+                       prompt_logprobs: int | None = None, extra_stop: list[str] | None = None
+                       ) -> SamplingParams:
+    """SamplingParams for one request; its __post_init__ raises InvalidRequest(param=...).
+
+    `extra_stop` holds the server's own stop strings (the end of a single forced tool call)."""
+    stop = req.stop
+    if extra_stop:
+        mine = [stop] if isinstance(stop, str) else list(stop or [])
+        stop = mine + [s for s in extra_stop if s not in mine]
     kwargs: dict[str, Any] = {
         "n": req.n, "best_of": req.best_of, "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty, "logit_bias": req.logit_bias, "seed": req.seed,
-        "max_tokens": max_tokens, "min_tokens": min(req.min_tokens, max_tokens), "stop": req.stop,
+        "max_tokens": max_tokens, "min_tokens": min(req.min_tokens, max_tokens), "stop": stop,
         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
         "include_stop_str_in_output": req.include_stop_str_in_output, "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs, "skip_special_tokens": req.skip_special_tokens}

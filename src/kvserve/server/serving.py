@@ -29,6 +29,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.server.admission import TIER_PRIORITY, Ticket
 from kvserve.server.context import Prompt, token_texts
 from kvserve.server.formatting import build_trace
+from kvserve.server.tools import ToolPlan
 
 logger = logging.getLogger("kvserve.server")
 
@@ -79,6 +80,7 @@ class Choice:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    tool_calls: list = field(default_factory=list)   # parsed tool calls (see tools.py)
 
 
 @dataclass
@@ -104,7 +106,8 @@ class Job:
     """Everything one HTTP generation request holds, and the bookkeeping to release it."""
 
     def __init__(self, server, request, *, kind: str, prompts: list[Prompt], params: SamplingParams,
-                 priority: int, cache_salt: str | None, marks: dict, trace: bool, model_name: str):
+                 priority: int, cache_salt: str | None, marks: dict, trace: bool, model_name: str,
+                 tools: ToolPlan | None = None):
         self.server = server
         self.state = request.state
         self.kind = kind
@@ -116,6 +119,7 @@ class Job:
         self.marks = marks
         self.trace = trace
         self.model_name = model_name
+        self.tools = tools if tools is not None and tools.active else None   # parse tool calls?
         self.prompts = [PromptState(p, f"{self.id}-{i}", [Choice() for _ in range(params.n)])
                         for i, p in enumerate(prompts)]
         self.ticket: Ticket | None = None
@@ -228,9 +232,13 @@ class Job:
         log = self.state.log
         ps = self.prompts[0]
         m = ps.metrics
+        first = ps.choices[0]
         log.update(model=self.model_name, completion_id=self.id, prompt_tokens=prompt,
                    completion_tokens=completion, cached_tokens=cached,
-                   finish_reason=ps.choices[0].finish_reason, request_status=status)
+                   finish_reason="tool_calls" if first.tool_calls else first.finish_reason,
+                   request_status=status)
+        if first.tool_calls:
+            log["tool_calls"] = len(first.tool_calls)
         if error:
             log["error"] = error
         if m is not None and m.first_token_time is not None:
