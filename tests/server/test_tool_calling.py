@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import gguf
 import httpx
@@ -338,6 +339,25 @@ def test_named_tool_choice_streaming(srv):
     assert sum(len(ch["logprobs"]["content"]) for c in chunks for ch in c["choices"] if ch["logprobs"]) \
         == chunks[-1]["usage"]["completion_tokens"]
     assert any("kvserve_trace" in c for c in chunks)
+
+
+def test_named_n2_each_choice_parsed_and_logged(srv):
+    rid = "tool-calls-n2"
+    r = HTTP.post(srv.base_url + "/v1/chat/completions", headers={"x-request-id": rid},
+                  json={"messages": ASK, "tools": TOOLS, "tool_choice": NAMED, "n": 2, "temperature": 0.8,
+                        "seed": 7, "max_tokens": 16})
+    body = ChatCompletion.model_validate(r.json())
+    ids = set()
+    for ch in body.choices:
+        (call,) = ch.message.tool_calls
+        assert ch.finish_reason == "tool_calls" and call.function.name == "get_weather"
+        ids.add(call.id)
+    assert len(ids) == 2
+    deadline = time.monotonic() + 30   # the log line is written right after the response
+    while not (lines := [json.loads(x) for x in srv.access_log() if rid in x]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (line,) = lines
+    assert line["status"] == 200 and line["finish_reason"] == "tool_calls" and line["tool_calls"] == 1
 
 
 def test_required_tool_choice(srv):
