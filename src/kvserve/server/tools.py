@@ -186,18 +186,8 @@ def _find_end(body: str) -> tuple[int, str] | None:
         i, j = body.find(CLOSE), body.find(OPEN)
         hits = [(k, tag) for k, tag in ((i, CLOSE), (j, OPEN)) if k >= 0]
         return min(hits) if hits else None
-    in_str = esc = False
-    for k, ch in enumerate(body):
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch == "<":
+    for k, ch in _outside_strings(body):
+        if ch == "<":
             if body.startswith(CLOSE, k):
                 return k, CLOSE
             if body.startswith(OPEN, k):
@@ -205,9 +195,11 @@ def _find_end(body: str) -> tuple[int, str] | None:
     return None
 
 
-def _brace_balance(text: str) -> int:
-    depth, in_str, esc = 0, False, False
-    for ch in text:
+def _outside_strings(text: str):
+    """(index, char) of every character of `text` that is not inside a JSON string (quotes included
+    in neither)."""
+    in_str = esc = False
+    for k, ch in enumerate(text):
         if in_str:
             if esc:
                 esc = False
@@ -217,7 +209,14 @@ def _brace_balance(text: str) -> int:
                 in_str = False
         elif ch == '"':
             in_str = True
-        elif ch in "{[":
+        else:
+            yield k, ch
+
+
+def _brace_balance(text: str) -> int:
+    depth = 0
+    for _, ch in _outside_strings(text):
+        if ch in "{[":
             depth += 1
         elif ch in "}]":
             depth -= 1
