@@ -137,8 +137,7 @@ class LlamaForCausalLM(nn.Module):
             self.packed_embed = None
         else:
             self.register_parameter("embed_tokens", None)
-            self.packed_embed = embed if embed is not lm_head else None   # tied: reached as lm_head
-            self._embed_from_head = embed is lm_head
+            self.packed_embed = embed if embed is not lm_head else None   # None: tied, read lm_head
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.lm_head = lm_head
@@ -165,8 +164,7 @@ class LlamaForCausalLM(nn.Module):
         """Token embeddings, float32 [*input_ids.shape, hidden]."""
         if self.embed_tokens is not None:
             return F.embedding(input_ids, self.embed_tokens).float()
-        table = self.lm_head if self._embed_from_head else self.packed_embed
-        return table.rows(input_ids)
+        return (self.lm_head if self.packed_embed is None else self.packed_embed).rows(input_ids)
 
     def fused_forward(self):
         """The one-call C forward of the layer stack (kvserve.model.quant.forward), built on first

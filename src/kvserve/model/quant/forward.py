@@ -81,8 +81,7 @@ class FusedForward:
         else:
             self.max_tokens = 0
         first = model.layers[0]
-        self.hidden = cfg.hidden_size
-        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self.num_heads, self.head_dim = first.num_heads, first.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.scale = first.scale
         # Keep every tensor the descriptors point into alive for the model's lifetime.
