@@ -20,36 +20,32 @@ def _fail(e: KVServeError) -> None:
     raise typer.Exit(1)
 
 
-def _load_engine(model: str | None, weight_format: str, max_model_len: int | None = None):
+def _load_llm(model: str | None, weight_format: str, max_model_len: int | None = None):
     from rich.console import Console
 
-    from kvserve.engine.config import EngineConfig
-    from kvserve.engine.llm_engine import LLMEngine
-    from kvserve.model.loader import load_model
+    from kvserve.engine.llm import LLM
 
     with Console(stderr=True).status(f"Loading {model or 'the default model'}..."):
-        loaded = load_model(model, weight_format=weight_format)
-        cfg = EngineConfig(weight_format=weight_format, kv_cache_memory="256MiB", max_model_len=max_model_len)
-        return LLMEngine(loaded.model, loaded.tokenizer, cfg, model_name=loaded.source.name)
+        return LLM(model, weight_format=weight_format, kv_cache_memory="256MiB", max_model_len=max_model_len)
 
 
-def _stream(engine, prompt_ids: list[int], params, request_id: str, stats: bool = False) -> str:
-    """Generate and print the answer as it comes; Ctrl-C stops the answer (engine.abort).
+def _stream(llm, prompt_ids: list[int], params, stats: bool = False) -> str:
+    """Generate and print the answer as it comes; Ctrl-C stops the answer (the request is aborted).
     With `stats`, a line of counts and speed follows on stderr."""
-    engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
     text = []
     last = None
+    outputs = llm.stream({"prompt_token_ids": prompt_ids}, params)
     try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                last = out
-                delta = out.outputs[0].text_delta
-                if delta:
-                    sys.stdout.write(delta)
-                    sys.stdout.flush()
-                    text.append(delta)
+        for out in outputs:
+            last = out
+            delta = out.outputs[0].text_delta
+            if delta:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+                text.append(delta)
     except KeyboardInterrupt:
-        last = engine.abort(request_id) or last
+        outputs.close()                 # aborts the request
+        last = llm.last_aborted or last
         sys.stdout.write(" [stopped]")
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -88,14 +84,14 @@ def run(
         prompt = sys.stdin.read()
     try:
         params = _params(temperature, top_p, max_tokens, seed)
-        engine = _load_engine(model, weight_format)
-        tok = engine.tokenizer
+        llm = _load_llm(model, weight_format)
+        tok = llm.get_tokenizer()
         if raw:
             ids = tok.encode(prompt)
         else:
             msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             ids = tok.apply_chat_template(msgs, tokenize=True)
-        _stream(engine, ids, params, "run", stats)
+        _stream(llm, ids, params, stats)
     except KVServeError as e:
         _fail(e)
 
@@ -117,13 +113,12 @@ def chat(
         pass
     try:
         params = _params(temperature, top_p, max_tokens, None)
-        engine = _load_engine(model, weight_format)
+        llm = _load_llm(model, weight_format)
     except KVServeError as e:
         _fail(e)
-    tok = engine.tokenizer
+    tok = llm.get_tokenizer()
     history: list[dict] = []
-    turn = 0
-    typer.echo(f"kvserve chat with {engine.model_name}. /reset clears, /system TEXT sets the system prompt, "
+    typer.echo(f"kvserve chat with {llm.engine.model_name}. /reset clears, /system TEXT sets the system prompt, "
                "/exit quits; Ctrl-C stops an answer.", err=True)
     while True:
         try:
@@ -149,29 +144,27 @@ def chat(
             continue
         history.append({"role": "user", "content": line})
         try:
-            ids = _fit(tok, system, history, engine.max_model_len - max_tokens)
-            answer = _stream(engine, ids, params, f"chat-{turn}", stats)
+            ids = _fit(tok, system, history, llm.engine.max_model_len - max_tokens)
+            answer = _stream(llm, ids, params, stats)
         except KVServeError as e:
             history.pop()
             typer.echo(f"error: {e.message}", err=True)
             continue
-        turn += 1
         history.append({"role": "assistant", "content": answer})
 
 
 def _fit(tok, system: str | None, history: list[dict], budget: int) -> list[int]:
-    """Render the conversation, dropping the oldest turns until it fits in `budget` tokens."""
+    """Render the conversation in `budget` tokens, dropping the oldest turns (from `history` too)."""
     from kvserve.errors import ContextLengthExceeded
+    from kvserve.tokenizer.chat_template import fit_chat
 
-    while True:
-        msgs = ([{"role": "system", "content": system}] if system else []) + history
-        ids = tok.apply_chat_template(msgs, tokenize=True)
-        if len(ids) <= budget:
-            return ids
-        if len(history) <= 1:
-            raise ContextLengthExceeded(f"the message is {len(ids)} tokens, more than the {budget} that fit; "
-                                        "shorten it or lower --max-tokens")
-        del history[:2]   # the oldest user turn and its answer
+    sys_msgs = [{"role": "system", "content": system}] if system else []
+    fitted = fit_chat(tok, sys_msgs + history, budget)
+    del history[:fitted.dropped_messages]
+    if not fitted.fits:
+        raise ContextLengthExceeded(f"the message is {len(fitted.token_ids)} tokens, more than the {budget} "
+                                    "that fit; shorten it or lower --max-tokens")
+    return fitted.token_ids
 
 
 @app.command()

@@ -1,4 +1,5 @@
-"""What the engine hands back: vLLM-shaped request outputs, plus the deltas a stream needs.
+"""What the engine hands back: vLLM-shaped request outputs, plus the deltas a stream needs
+(the one outputs module; kvserve.engine.processing builds them).
 
 A `RequestOutput` is cumulative (`text`, `token_ids` hold everything so far) and also carries
 what is new since the previous output of the same request (`text_delta`, `token_ids_delta`,
@@ -31,14 +32,11 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None      # "stop" | "length" | "abort" | "repetition"
+    finish_reason: str | None = None      # "stop" | "length" | "abort" | "repetition" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     text_delta: str = ""
     token_ids_delta: list[int] = field(default_factory=list)
     logprobs_delta: list[PositionLogprobs] | None = None
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -68,3 +66,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
+    error: str | None = None          # set when the engine failed this request

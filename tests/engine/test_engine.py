@@ -81,8 +81,8 @@ def assert_pool_idle(llm: LLM) -> None:
     s = llm.stats()
     assert s["num_requests_running"] == 0 and s["num_requests_waiting"] == 0
     assert s["kv_blocks_free"] == s["kv_blocks_total"]
-    assert all(c == 0 for c in llm.engine.kv.ref_cnt)
-    assert llm.engine.requests == {}
+    assert all(c == 0 for c in llm.engine.core.kv.ref_cnt)
+    assert llm.engine.outputs.requests == {} and llm.engine.core.scheduler.requests == {}
 
 
 @pytest.mark.parametrize("n, lo, hi, budget", [
@@ -133,11 +133,11 @@ def test_chunked_prefill_does_not_stall_decodes(loaded, corpus_ids, long_len, bu
     short = mixed_prompts(corpus_ids, 8, 10, 40, seed=3)
     for i, p in enumerate(short):
         eng.add_request(f"d{i}", p, decode)
-    seqs = [eng.requests[f"d{i}"].seqs[0] for i in range(8)]
+    seqs = [eng.core.scheduler.requests[f"d{i}"] for i in range(8)]
     while not all(s.output_token_ids for s in seqs):
         eng.step()
     eng.add_request("long", corpus_ids[:long_len], SamplingParams(temperature=0, max_tokens=1))
-    long_seq = eng.requests["long"].seqs[0]
+    long_seq = eng.core.scheduler.requests["long"]
     steps = 0
     while long_seq.num_computed_tokens < long_len:
         before = [len(s.output_token_ids) for s in seqs]
@@ -175,7 +175,7 @@ def test_random_aborts_leave_the_pool_free(loaded, corpus_ids):
             assert out is not None and out.finished
             assert all(c.finish_reason in ("abort", "length", "stop") for c in out.outputs)
             aborted += 1
-        assert eng.kv.num_used_blocks <= eng.kv.num_blocks
+        assert eng.core.kv.num_used_blocks <= eng.core.kv.num_blocks
     assert aborted > 3 and finished
     assert eng.abort("no-such-request") is None
     assert_pool_idle(llm)
@@ -191,7 +191,7 @@ def test_unwritten_kv_slots_do_not_reach_the_output(loaded, corpus_ids, kv_cache
     runs = []
     for fill in (0.0, float("nan")):
         llm = make_llm(loaded, kv_cache_memory="32MiB", kv_cache_dtype=kv_cache_dtype)
-        for cache in llm.engine.runner.kv_caches:
+        for cache in llm.engine.core.runner.kv_caches:
             cache.fill_(fill)
         runs.append(llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(4), use_tqdm=False))
         assert_pool_idle(llm)

@@ -9,7 +9,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.request import Sequence
+from kvserve.engine.request import Request
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.outputs import RequestOutput
 from kvserve.train.data import load_corpus
@@ -83,13 +83,13 @@ def test_shared_prefix_is_computed_once(loaded, prompts):
     out3 = run(eng, "c", second, cache_salt="tenant-2")
     assert out3.num_cached_tokens == 0
     # What a hit reuses is the KV a cold prefill of the same tokens writes (the salted run's blocks).
-    plain = eng.kv.get_computed_blocks(_probe_seq(eng, second))[:shared_blocks]   # "a" computed these
-    salted = eng.kv.get_computed_blocks(_probe_seq(eng, second, "tenant-2"))
+    plain = eng.core.kv.get_computed_blocks(_probe_seq(eng, second))[:shared_blocks]   # "a" computed these
+    salted = eng.core.kv.get_computed_blocks(_probe_seq(eng, second, "tenant-2"))
     assert len(plain) == shared_blocks and len(salted) == (len(second) - 1) // eng.block_size
     assert not set(plain) & set(salted)
     with torch.inference_mode():
-        for layer in (0, len(eng.runner.kv_caches) - 1):
-            kv = eng.runner.kv_caches[layer]
+        for layer in (0, len(eng.core.runner.kv_caches) - 1):
+            kv = eng.core.runner.kv_caches[layer]
             assert (kv[:, plain] - kv[:, salted[:shared_blocks]]).abs().max().item() < 1e-4
     out4 = run(eng, "d", second, cache_salt="tenant-2")
     assert out4.num_cached_tokens == (len(second) - 1) // eng.block_size * eng.block_size
@@ -97,7 +97,6 @@ def test_shared_prefix_is_computed_once(loaded, prompts):
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
 
-def _probe_seq(eng: LLMEngine, prompt: list[int], cache_salt: str | None = None) -> Sequence:
-    seq = Sequence("probe", 0, prompt, SamplingParams(), 0, cache_salt=cache_salt)
-    eng.kv._update_hashes(seq, seq.num_tokens)
+def _probe_seq(eng: LLMEngine, prompt: list[int], cache_salt: str | None = None) -> Request:
+    seq = Request(f"probe-{cache_salt}", prompt, SamplingParams(), 0, cache_salt=cache_salt)
     return seq

@@ -38,16 +38,16 @@ def _peak_blocks(llm, prompts, params) -> int:
     peak = 0
     while eng.has_unfinished_requests():
         eng.step()
-        peak = max(peak, eng.kv.num_used_blocks)
+        peak = max(peak, eng.core.kv.num_used_blocks)
     return peak
 
 
 def test_n4_shares_prompt_blocks(llm):
     prompt = _chat(llm, "Write a detailed paragraph about the history of bread. " * 8)
-    llm.engine.kv.reset_prefix_cache()
+    llm.engine.core.kv.reset_prefix_cache()
     sp = SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=8, ignore_eos=True)
     shared = _peak_blocks(llm, [prompt], [sp])
-    llm.engine.kv.reset_prefix_cache()
+    llm.engine.core.kv.reset_prefix_cache()
     single = [SamplingParams(temperature=1.0, seed=i, max_tokens=8, ignore_eos=True) for i in range(4)]
     separate = _peak_blocks(llm, [prompt] * 4, single)
     assert shared < separate

@@ -1,4 +1,4 @@
-"""Scheduler on synthetic sequences (no model): token budget, chunked prefill mixed with
+"""Scheduler on synthetic requests (no model): token budget, chunked prefill mixed with
 decodes, max_num_seqs, priority/FCFS admission, prefix-cache hits at admission, preemption
 by recompute, and finish/abort freeing blocks."""
 
@@ -7,17 +7,19 @@ from __future__ import annotations
 import itertools
 
 from kvserve.engine.kv_cache_manager import KVCacheManager
-from kvserve.engine.request import Sequence, Status
-from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprob
+from kvserve.engine.request import Request, Status
+from kvserve.engine.scheduler import Scheduler
 from kvserve.sampling_params import SamplingParams
 
 BS = 4
 _arrival = itertools.count()
 
 
-def make_seq(n_prompt: int, rid: str, max_tokens: int = 4, priority: int = 0, base: int = 0) -> Sequence:
-    return Sequence(rid, 0, [base + i for i in range(n_prompt)], SamplingParams(max_tokens=max_tokens),
-                    next(_arrival), priority=priority)
+def make_seq(n_prompt: int, rid: str, max_tokens: int = 4, priority: int = 0, base: int = 0,
+             wait_for: str | None = None) -> Request:
+    return Request(rid, [base + i for i in range(n_prompt)], SamplingParams(max_tokens=max_tokens),
+                   next(_arrival), priority=priority, wait_for=wait_for, max_tokens=max_tokens)
 
 
 def make_sched(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 16) -> Scheduler:
@@ -25,21 +27,22 @@ def make_sched(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 16) ->
 
 
 def run_step(s: Scheduler) -> SchedulerOutput:
-    """One engine step without a model: advance computed tokens, 'sample' token 7 for every
-    sequence that caught up, finish those that reached max_tokens."""
+    """One engine step with a stand-in for the model runner: every request that catches up with
+    its tokens 'samples' token 7; the scheduler applies the result (and the max_tokens stop)."""
     out = s.schedule()
-    for seq, n in zip(out.seqs, out.num_new_tokens):
-        seq.num_computed_tokens += n
-        s.kv.cache_full_blocks(seq)
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.output_token_ids.append(7)
-            if len(seq.output_token_ids) >= seq.params.max_tokens:
-                s.finish(seq)
+    sampled = [e.request.request_id for e in out.scheduled
+               if e.num_computed_tokens + e.num_new_tokens == e.request.num_tokens]
+    s.update_from_output(out, ModelRunnerOutput(req_ids=sampled, sampled_token_ids=[[7] for _ in sampled],
+                                                logprobs=[[TokenLogprob(7, -0.5, 1)] for _ in sampled]))
     return out
 
 
 def new_tokens(out: SchedulerOutput) -> dict[str, int]:
-    return {seq.request_id: n for seq, n in zip(out.seqs, out.num_new_tokens)}
+    return {e.request.request_id: e.num_new_tokens for e in out.scheduled}
+
+
+def scheduled(out: SchedulerOutput) -> list[Request]:
+    return [e.request for e in out.scheduled]
 
 
 def test_long_prompt_is_chunked_and_decodes_keep_going():
@@ -81,7 +84,7 @@ def test_priority_then_arrival_order():
     s.add(make_seq(4, "c"))
     order = []
     while s.has_work():
-        for q in run_step(s).seqs:
+        for q in scheduled(run_step(s)):
             if q.request_id not in order:
                 order.append(q.request_id)
     assert order == ["b", "a", "c"]
@@ -114,13 +117,13 @@ def test_preemption_by_recompute_when_blocks_run_out():
         assert s.kv.num_used_blocks <= 6
         if any(q.status == Status.WAITING and q.output_token_ids for q in seqs):
             victim = next(q for q in seqs if q.status == Status.WAITING and q.output_token_ids)
-            assert victim.num_computed_tokens == 0 and victim.block_table == []
+            assert victim.num_computed_tokens == 0 and s.kv.block_ids(victim.request_id) == []
             preempted_seen = True
         assert steps < 200
     assert preempted_seen and s.num_preemptions > 0
     assert all(q.is_finished and len(q.output_token_ids) == 8 for q in seqs)
     # The victim is always the last in (priority, arrival) order: r0 is never preempted.
-    assert seqs[0].metrics.num_preemptions == 0
+    assert seqs[0].num_preemptions == 0
     assert s.kv.num_free_blocks == 6
 
 
@@ -131,24 +134,39 @@ def test_finish_frees_a_waiting_or_running_sequence():
     s.add(b)
     run_step(s)
     assert a.status == Status.RUNNING and b.status == Status.WAITING and s.kv.num_used_blocks == 3
-    s.finish(b)
-    s.finish(a)
+    s.finish(b, "abort")
+    s.finish(a, "abort")
     assert not s.has_work() and s.kv.num_free_blocks == 8
     assert a.is_finished and b.is_finished
 
 
 def test_sibling_waits_for_the_prompt_then_hits_the_cache():
     s = make_sched(budget=8)
-    parent = make_seq(20, "r", max_tokens=5)
-    sib = Sequence("r", 1, parent.prompt_token_ids, parent.params, parent.arrival_seq, wait_for=parent)
+    parent = make_seq(20, "r#0", max_tokens=5)
+    sib = make_seq(20, "r#1", max_tokens=5, wait_for="r#0")
     s.add(parent)
     s.add(sib)
     out = run_step(s)
-    assert out.seqs == [parent]                           # the sibling waits for the prompt
+    assert scheduled(out) == [parent]                      # the sibling waits for the prompt
     while parent.num_computed_tokens < parent.num_prompt_tokens:
-        assert sib not in run_step(s).seqs
+        assert sib not in scheduled(run_step(s))
     out = run_step(s)
-    assert out.seqs == [parent, sib]
+    assert scheduled(out) == [parent, sib]
     assert sib.num_cached_tokens == 16                      # 4 full blocks of the 20-token prompt
-    assert out.num_new_tokens == [1, 4]                     # parent decodes, sibling computes the rest
-    assert sib.block_table[:4] == parent.block_table[:4]
+    assert [e.num_new_tokens for e in out.scheduled] == [1, 4]   # parent decodes, sibling computes the rest
+    assert s.kv.block_ids("r#1")[:4] == s.kv.block_ids("r#0")[:4]
+
+
+def test_update_from_output_stops_and_reports():
+    s = make_sched(budget=64)
+    r = make_seq(5, "x", max_tokens=3)
+    s.add(r)
+    outs = []
+    while s.has_work():
+        out = s.schedule()
+        res = ModelRunnerOutput(req_ids=["x"], sampled_token_ids=[[9]], logprobs=[[TokenLogprob(9, -1.0, 2)]])
+        outs += s.update_from_output(out, res)
+    assert [o.new_token_ids for o in outs] == [[9], [9], [9]]
+    assert outs[-1].finish_reason == "length" and outs[-1].cumulative_logprob == -3.0
+    assert outs[0].new_logprobs is None                     # not asked for: only the cumulative sum
+    assert r.is_finished and s.kv.num_free_blocks == 64 and "x" not in s.requests

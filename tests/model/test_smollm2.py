@@ -29,7 +29,7 @@ def _chat_ids(llm, text):
 
 
 def test_last_position_logits_match(hf_model, llm):
-    model = llm.engine.runner.model
+    model = llm.engine.core.runner.model
     for text in PROMPTS:
         ids = _chat_ids(llm, text)
         with torch.no_grad():

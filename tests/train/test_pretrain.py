@@ -35,7 +35,7 @@ def _engine_logits(model, tokenizer, ids: list[int]) -> torch.Tensor:
     llm = LLM(model, tokenizer=tokenizer, kv_cache_memory="16MiB", max_num_batched_tokens=16,
               kv_cache_dtype="fp32")   # the default fp16 cache moves logits by ~1e-3
     rows: list[torch.Tensor] = []
-    hook = llm.engine.runner.model.lm_head.register_forward_hook(lambda m, i, o: rows.append(o.detach().clone()))
+    hook = llm.engine.core.runner.model.lm_head.register_forward_hook(lambda m, i, o: rows.append(o.detach().clone()))
     try:
         llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
                      use_tqdm=False)

@@ -1,4 +1,4 @@
-"""Engine options (the keyword arguments of `LLM` and `AsyncEngine.from_model`)."""
+"""Engine options (the keyword arguments of `LLM` and `make_engine_client`)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ class EngineConfig:
     kv_cache_dtype: str = "fp16"           # fp16 (as llama.cpp), bf16 or fp32: the C attention reads all three
     weight_format: str = "auto"
     num_threads: int | None = None         # torch intra-op threads (default: all cores)
+    # Where the KV cache and the step's tensors live: "cpu", "cuda[:N]", or "auto" (cuda when torch
+    # sees a GPU). The model must be loaded on the same device.
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -33,6 +36,14 @@ class EngineConfig:
                 raise InvalidRequest(f"{name} must be a positive integer, got {v!r}", param=name)
         if self.kv_cache_dtype not in _DTYPES:
             raise InvalidRequest(f"kv_cache_dtype must be one of {sorted(_DTYPES)}", param="kv_cache_dtype")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise InvalidRequest(f"device must be cpu, cuda[:N] or auto, got {self.device!r}", param="device") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise InvalidRequest("device cuda was asked for but torch sees no GPU", param="device")
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:

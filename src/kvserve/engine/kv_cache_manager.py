@@ -11,8 +11,11 @@ first k blocks map to the same k blocks:
 Blocks are reference-counted. A block whose count drops to zero goes to the back of the free
 queue but keeps its hash, so a later prompt can still hit it; allocation takes blocks from the
 front of the queue (least recently freed) and only then forgets their hash (LRU eviction).
-A sequence frees its blocks tail first, so its last blocks, the least likely to be shared,
+A request frees its blocks tail first, so its last blocks, the least likely to be shared,
 are evicted before its first ones.
+
+The manager owns request -> blocks (`block_ids(request_id)`) and the requests' block hashes; it
+reads a request's tokens and computed count and never writes request state.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from kvserve.engine.request import Sequence
+from kvserve.engine.request import Request
 
 
 class KVCacheManager:
@@ -33,6 +36,8 @@ class KVCacheManager:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}                  # hash -> block id
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.req_blocks: dict[str, list[int]] = {}          # request id -> block table
+        self.req_hashes: dict[str, list[bytes]] = {}        # request id -> hashes of its full blocks
         self.prefix_cache_queries = 0                       # prompt tokens looked up
         self.prefix_cache_hits = 0                          # prompt tokens found
 
@@ -56,24 +61,29 @@ class KVCacheManager:
             h.update(b"\x00salt\x00" + salt.encode())
         return h.digest()
 
-    def _update_hashes(self, seq: Sequence, num_tokens: int) -> None:
-        """Extend seq.block_hashes to cover every full block among its first num_tokens tokens."""
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.req_blocks.get(request_id, [])
+
+    def block_hashes(self, req: Request, num_tokens: int) -> list[bytes]:
+        """Hashes of every full block among req's first num_tokens tokens (extended as needed)."""
+        hashes = self.req_hashes.setdefault(req.request_id, [])
         bs = self.block_size
-        while (len(seq.block_hashes) + 1) * bs <= num_tokens:
-            i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(self._hash(parent, seq.token_ids_slice(i * bs, (i + 1) * bs), seq.cache_salt))
+        while (len(hashes) + 1) * bs <= num_tokens:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(self._hash(parent, req.token_ids_slice(i * bs, (i + 1) * bs), req.cache_salt))
+        return hashes
 
     # ---- prefix cache -----------------------------------------------------------------
-    def get_computed_blocks(self, seq: Sequence) -> list[int]:
-        """Blocks of seq's prompt already in the cache (not yet claimed). At least one prompt
+    def get_computed_blocks(self, req: Request) -> list[int]:
+        """Blocks of req's prompt already in the cache (not yet claimed). At least one prompt
         token is always left to compute, so the step that follows produces the logits."""
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or req.want_prompt_logprobs:
             return []
-        self._update_hashes(seq, seq.num_tokens)
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hashes = self.block_hashes(req, req.num_tokens)
+        max_blocks = (req.num_tokens - 1) // self.block_size
         hits = []
-        for h in seq.block_hashes[:max_blocks]:
+        for h in hashes[:max_blocks]:
             b = self.cached.get(h)
             if b is None:
                 break
@@ -85,58 +95,63 @@ class KVCacheManager:
         self.prefix_cache_hits += num_hit_tokens
 
     # ---- allocation -------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, computed: list[int] = ()) -> bool:
-        need = self._blocks_needed(seq, num_new_tokens, len(computed))
+    def can_allocate(self, req: Request, num_new_tokens: int, computed: list[int] = ()) -> bool:
+        need = self._blocks_needed(req, num_new_tokens, len(computed))
         reusable_free = sum(1 for b in computed if self.ref_cnt[b] == 0)
         return need <= self.num_free_blocks - reusable_free
 
-    def _blocks_needed(self, seq: Sequence, num_new_tokens: int, num_computed_blocks: int) -> int:
-        have = len(seq.block_table) + num_computed_blocks
-        total = seq.num_computed_tokens + num_computed_blocks * self.block_size + num_new_tokens
+    def _blocks_needed(self, req: Request, num_new_tokens: int, num_computed_blocks: int) -> int:
+        have = len(self.block_ids(req.request_id)) + num_computed_blocks
+        total = req.num_computed_tokens + num_computed_blocks * self.block_size + num_new_tokens
         return max(0, -(-total // self.block_size) - have)
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed: list[int] = ()) -> bool:
-        """Give seq room for num_new_tokens more tokens after its computed ones, claiming the
-        prefix-cache blocks `computed` first. False (and no change) if the pool is short."""
-        if not self.can_allocate(seq, num_new_tokens, computed):
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[int] = ()) -> bool:
+        """Give req room for num_new_tokens more tokens after its computed ones and the prefix-cache
+        blocks `computed` (claimed first, in front of them). False (and no change) if the pool is
+        short. The caller counts the claimed blocks' tokens as computed."""
+        if not self.can_allocate(req, num_new_tokens, computed):
             return False
+        table = self.req_blocks.setdefault(req.request_id, [])
         for b in computed:
             if self.ref_cnt[b] == 0:
                 del self.free_queue[b]
             self.ref_cnt[b] += 1
-            seq.block_table.append(b)
-        if computed:
-            seq.num_computed_tokens += len(computed) * self.block_size
-        for _ in range(self._blocks_needed(seq, num_new_tokens, 0)):
+            table.append(b)
+        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        for _ in range(max(0, -(-total // self.block_size) - len(table))):
             b, _ = self.free_queue.popitem(last=False)
             if self.block_hash[b] is not None:            # evict its old contents from the cache
                 if self.cached.get(self.block_hash[b]) == b:
                     del self.cached[self.block_hash[b]]
                 self.block_hash[b] = None
             self.ref_cnt[b] = 1
-            seq.block_table.append(b)
+            table.append(b)
         return True
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register seq's newly full, computed blocks in the prefix cache."""
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register req's newly full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        self._update_hashes(seq, seq.num_computed_tokens)
-        n_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        table = self.block_ids(req.request_id)
+        hashes = self.block_hashes(req, req.num_computed_tokens)
+        n_full = min(req.num_computed_tokens // self.block_size, len(table))
         for i in range(n_full):
-            b = seq.block_table[i]
+            b = table[i]
             if self.block_hash[b] is not None:
                 continue
-            h = seq.block_hashes[i]
+            h = hashes[i]
             self.block_hash[b] = h
             self.cached.setdefault(h, b)
 
-    def free(self, seq: Sequence) -> None:
-        for b in reversed(seq.block_table):
+    def free(self, request_id: str, *, forget_hashes: bool = True) -> None:
+        """Release the request's blocks (tail first); forget_hashes=False keeps its block hashes
+        for a preempted request that will be recomputed."""
+        for b in reversed(self.req_blocks.pop(request_id, [])):
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
                 self.free_queue[b] = None
-        seq.block_table = []
+        if forget_hashes:
+            self.req_hashes.pop(request_id, None)
 
     def reset_prefix_cache(self) -> None:
         self.cached.clear()

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -39,6 +40,7 @@ class LLM:
             net, tok, name = loaded.model, loaded.tokenizer, loaded.source.name
         self.engine = LLMEngine(net, tok, cfg, model_name=name)
         self._ids = itertools.count()
+        self.last_aborted: RequestOutput | None = None
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
@@ -55,6 +57,8 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         params = self._per_prompt(sampling_params, len(prompts))
+        if any(p.use_beam_search for p in params):
+            return self._beam_search(prompts, params)
         ids = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             rid = str(next(self._ids))
@@ -81,19 +85,58 @@ class LLM:
             raise InvalidRequest(f"got {len(sp)} SamplingParams for {n} prompts", param="sampling_params")
         return sp
 
+    def stream(self, prompt, sampling_params: SamplingParams | None = None, *,
+               request_id: str | None = None) -> Iterator[RequestOutput]:
+        """Generate for one prompt, yielding each RequestOutput as the engine produces it (read
+        `outputs[i].text_delta` for the new text). Closing the iterator early (or Ctrl-C while
+        iterating) aborts the request; its last output is then `self.last_aborted`."""
+        rid = request_id or str(next(self._ids))
+        self.engine.add_request(rid, prompt, sampling_params or SamplingParams())
+        yield from self._drive([rid])
+
+    def _drive(self, ids: list[str]) -> Iterator[RequestOutput]:
+        """The one loop over engine steps: yields outputs of `ids` until all are finished; on any
+        exit before that (an error, Ctrl-C, the consumer closing) the unfinished ones are aborted."""
+        pending = set(ids)
+        self.last_aborted: RequestOutput | None = None
+        try:
+            while pending and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out
+        finally:
+            for rid in pending:             # Ctrl-C, an error or an early close: leave the engine clean
+                self.last_aborted = self.engine.abort(rid) or self.last_aborted
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2)
-        try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
-        except BaseException:
-            for rid in ids:                 # Ctrl-C or an error: leave the engine clean
-                self.engine.abort(rid)
-            raise
-        finally:
-            bar.close()
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2) as bar:
+            for out in self._drive(ids):
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
         return [done[r] for r in ids]
+
+    def _beam_search(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
+        """SamplingParams(use_beam_search=True): width best_of (or n), n best beams returned."""
+        from kvserve.engine.beam_search import BeamSearchParams, beam_search
+        from kvserve.outputs import CompletionOutput
+
+        if any(p != params[0] for p in params):
+            raise InvalidRequest("beam search takes one SamplingParams for all prompts", param="use_beam_search")
+        p = params[0]
+        ids = [self.engine.inputs.prompt_ids(x)[1] for x in prompts]
+        bsp = BeamSearchParams.from_sampling_params(p, self.engine.max_model_len - max(map(len, ids)))
+        results = beam_search(self, [{"prompt_token_ids": i} for i in ids], bsp)
+        outs = []
+        for x, r in zip(prompts, results):
+            text = x if isinstance(x, str) else (x.get("prompt") if isinstance(x, dict) else None)
+            comps = [CompletionOutput(index=j, text=s.text, token_ids=s.token_ids,
+                                      cumulative_logprob=s.cumulative_logprob, finish_reason=s.finish_reason,
+                                      logprobs=s.logprobs if p.logprobs is not None else None)
+                     for j, s in enumerate(r.sequences[:p.n])]
+            outs.append(RequestOutput(request_id=str(next(self._ids)), prompt=text,
+                                      prompt_token_ids=r.prompt_token_ids, outputs=comps, finished=True))
+        return outs

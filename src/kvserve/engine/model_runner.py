@@ -1,45 +1,47 @@
 """ModelRunner: owns the model and the KV cache tensors; turns a SchedulerOutput into one
-forward pass over the flattened batch, then samples for the sequences that caught up.
+forward pass over the flattened batch, then samples for the requests that caught up.
 
-Packing, for sequences A (prefill chunk of 3 from position 0) and B (decode at position 7):
+Packing, for requests A (prefill chunk of 3 from position 0) and B (decode at position 7):
     input_ids  = [a0 a1 a2 | b7]        positions = [0 1 2 | 7]
     query_start_loc = [0, 3, 4]         seq_lens = [3, 8]
     slot_mapping = slot of each new token through its block table
-Only the rows whose logits are needed (the last token of each sequence that will sample, and
+Only the rows whose logits are needed (the last token of each request that will sample, and
 every prompt position of a request that asked for prompt_logprobs) go through the lm_head.
+
+The runner reads request state (tokens, sampling params, the seeded generator) and never writes
+it: what it produced goes back to the scheduler as a ModelRunnerOutput.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from kvserve.engine.request import Sequence
-from kvserve.engine.sampler import Sampler, SamplerOutput, SamplingRequest, compute_logprobs
-from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.engine.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprob
+from kvserve.engine.sampler import Sampler, SamplingRequest, compute_logprobs
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.llama import LlamaForCausalLM
 
 
-@dataclass
-class StepResult:
-    sampled_seqs: list[Sequence]
-    sampler_output: SamplerOutput | None
-    # per sequence with prompt_logprobs in this step: (seq, first prompt position, logprobs, ranks, top ids, top lps)
-    prompt_logprobs: list[tuple]
+def _entries(token_ids: list[int], lps: torch.Tensor, ranks: torch.Tensor, top_ids: torch.Tensor | None,
+             top_lps: torch.Tensor | None, k: int) -> list[TokenLogprob]:
+    lps, ranks = lps.tolist(), ranks.tolist()
+    if not k or top_ids is None:
+        return [TokenLogprob(t, lp, r) for t, lp, r in zip(token_ids, lps, ranks)]
+    ti, tl = top_ids[:, :k].tolist(), top_lps[:, :k].tolist()
+    return [TokenLogprob(*row) for row in zip(token_ids, lps, ranks, ti, tl)]
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 eos_token_ids: list[int], device: str = "cpu"):
+                 eos_token_ids: list[int], device: str | torch.device = "cpu"):
         cfg = model.config
         self.model = model
         self.block_size = block_size
-        self.device = device
+        self.device = torch.device(device)
         shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # torch.empty: pages become resident only when a block is first written.
-        self.kv_caches = [torch.empty(shape, dtype=kv_dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.kv_caches = [torch.empty(shape, dtype=kv_dtype, device=self.device)
+                          for _ in range(cfg.num_hidden_layers)]
         self.sampler = Sampler(eos_token_ids)
 
     @staticmethod
@@ -49,46 +51,58 @@ class ModelRunner:
         return 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize * cfg.num_hidden_layers
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepResult:
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         ids: list[int] = []
         pos: list[int] = []
         query_lens, seq_lens, tables = [], [], []
         logit_rows: list[int] = []
-        sampled: list[Sequence] = []
+        sampled = []                          # requests that sample this step
         sample_rows: list[int] = []
-        prompt_lp: list[tuple[Sequence, int, int, int]] = []   # seq, row offset, first pos, count
-        for seq, n in zip(sched.seqs, sched.num_new_tokens):
-            start = seq.num_computed_tokens
+        prompt_lp = []                        # (request, row offset in logit_rows, first position, count)
+        for s in sched.scheduled:
+            req, start, n = s.request, s.num_computed_tokens, s.num_new_tokens
             row0 = len(ids)
-            ids += seq.token_ids_slice(start, start + n)
+            ids += req.token_ids_slice(start, start + n)
             pos += range(start, start + n)
             query_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(seq.block_table)
-            p = seq.num_prompt_tokens
-            if seq.params.prompt_logprobs is not None and start < p - 1 and seq.prompt_logprobs is not None:
+            tables.append(s.block_ids)
+            p = req.num_prompt_tokens
+            if req.want_prompt_logprobs and start < p - 1:
                 cnt = min(start + n, p - 1) - start     # positions whose next token is a prompt token
-                prompt_lp.append((seq, len(logit_rows), start, cnt))
+                prompt_lp.append((req, len(logit_rows), start, cnt))
                 logit_rows += range(row0, row0 + cnt)
-            if start + n == seq.num_tokens:
-                sampled.append(seq)
+            if start + n == req.num_tokens:
+                sampled.append(req)
                 sample_rows.append(len(logit_rows))
                 logit_rows.append(row0 + n - 1)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        out = ModelRunnerOutput()
         if not logit_rows:
-            return StepResult([], None, [])
+            return out
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
-        prompt_results = []
-        for seq, off, first, cnt in prompt_lp:
-            targets = torch.tensor(seq.prompt_token_ids[first + 1:first + 1 + cnt], device=self.device)
-            prompt_results.append((seq, first, *compute_logprobs(logits[off:off + cnt], targets,
-                                                                 seq.params.prompt_logprobs)))
-        out = None
+        for req, off, first, cnt in prompt_lp:
+            targets = req.prompt_token_ids[first + 1:first + 1 + cnt]
+            k = req.params.prompt_logprobs or 0
+            res = compute_logprobs(logits[off:off + cnt], torch.tensor(targets, device=self.device), k)
+            out.prompt_logprobs[req.request_id] = (first, _entries(targets, *res, k))
         if sampled:
-            rows = logits if len(sample_rows) == len(logit_rows) else logits[torch.tensor(sample_rows)]
-            reqs = [SamplingRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in sampled]
-            out = self.sampler(rows, reqs)
-        return StepResult(sampled, out, prompt_results)
+            rows = logits if len(sample_rows) == len(logit_rows) else logits[torch.tensor(sample_rows,
+                                                                                           device=self.device)]
+            reqs = [SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in sampled]
+            so = self.sampler(rows, reqs)
+            token_ids = so.token_ids.tolist()
+            out.req_ids = [r.request_id for r in sampled]
+            out.sampled_token_ids = [[t] for t in token_ids]
+            k = max((r.params.logprobs or 0 for r in sampled), default=0)
+            entries = _entries(token_ids, so.logprobs, so.ranks, so.top_token_ids, so.top_logprobs, k)
+            out.logprobs = [[e] for e in entries]
+            if k:   # trim each request's alternatives to the number it asked for
+                for r, (e,) in zip(sampled, out.logprobs):
+                    kr = r.params.logprobs or 0
+                    if kr < k:
+                        e.top_token_ids, e.top_logprobs = e.top_token_ids[:kr], e.top_logprobs[:kr]
+        return out

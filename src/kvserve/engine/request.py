@@ -1,14 +1,19 @@
-"""A request as the engine tracks it: one sequence of tokens and how much of it is computed."""
+"""A request as the engine core tracks it: one sequence of tokens and how much of it is computed.
+
+`num_computed_tokens` catches up with `num_tokens` under the scheduler's token budget: prompt
+chunks, prefix-cache hits and decode steps are all the same rule. The scheduler owns this state
+(it is the only writer); the KV cache manager owns the request's blocks; the model runner reads.
+"""
 
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.outputs import PositionLogprobs, RequestMetrics
+from kvserve.engine.messages import EngineCoreRequest
+from kvserve.engine.sampler import make_generator
 from kvserve.sampling_params import SamplingParams
 
 
@@ -19,41 +24,38 @@ class Status(enum.Enum):
 
 
 @dataclass(eq=False)
-class Sequence:
-    """One generated sequence. A request with n > 1 has n of these (siblings); sibling 0
-    prefills the prompt and the others start once that is done, so they find the prompt's
-    full blocks in the prefix cache instead of computing them again.
-
-    `num_computed_tokens` catches up with `num_tokens` under the scheduler's token budget:
-    prompt chunks, cache hits and decode steps are all the same rule."""
-
+class Request:
     request_id: str
-    index: int
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_seq: int
+    arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
     generator: torch.Generator | None = None
-    wait_for: Sequence | None = None            # sibling whose prompt must be computed first
+    wait_for: str | None = None                 # request whose prompt must be computed first
+    want_prompt_logprobs: bool = False
+    max_tokens: int | None = None               # smaller of params.max_tokens and the room in the window
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1                 # prompt tokens found in the prefix cache (set once)
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
-    logprobs: list[PositionLogprobs] | None = None
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    detokenizer: object = None
-    text: str = ""
-    # what the last output carried, to build deltas
-    sent_text_len: int = 0
-    sent_tokens: int = 0
-    sent_logprobs: int = 0
-    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
+    num_preemptions: int = 0
+    num_kv_blocks: int = 0                      # most KV blocks held at once
+    first_scheduled_time: float | None = None
+
+    @classmethod
+    def from_core_request(cls, req: EngineCoreRequest, arrival_seq: int, max_model_len: int,
+                          device: torch.device | str = "cpu") -> Request:
+        room = max_model_len - len(req.prompt_token_ids)
+        p = req.sampling_params
+        return cls(req.request_id, list(req.prompt_token_ids), p, arrival_seq, req.arrival_time, req.priority,
+                   req.cache_salt, make_generator(req.seed, device), req.wait_for, req.want_prompt_logprobs,
+                   room if p.max_tokens is None else min(room, p.max_tokens))
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +76,6 @@ class Sequence:
         return self.status == Status.FINISHED
 
     @property
-    def sort_key(self) -> tuple[int, int, int]:
-        """Scheduling order: smaller priority value first, then arrival (FCFS), then sibling."""
-        return (self.priority, self.arrival_seq, self.index)
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: smaller priority value first, then arrival (FCFS)."""
+        return (self.priority, self.arrival_seq)

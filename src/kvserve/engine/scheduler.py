@@ -1,119 +1,174 @@
-"""Scheduler: which sequences run in the next step, and with how many new tokens each.
+"""Scheduler: which requests run in the next step, with how many new tokens each, and what the
+step's results do to them.
 
-There is no "prefill phase" and no "decode phase". Every sequence has `num_computed_tokens`
+There is no "prefill phase" and no "decode phase". Every request has `num_computed_tokens`
 catching up with `num_tokens` (prompt + generated). Each step hands out a token budget
-(`max_num_batched_tokens`): running sequences first (a decoding one needs 1 token, a
-prefilling one takes what is left, so long prompts are prefilled in chunks that share steps
-with other sequences' decodes), then waiting ones in (priority, arrival) order, whose prompt
-may be partly found in the prefix cache. When the block pool runs dry, the running sequence
-that comes last in that order is preempted: its blocks are freed and it goes back to waiting
-to be recomputed later (its computed blocks are usually still in the prefix cache).
+(`max_num_batched_tokens`): running requests first (a decoding one needs 1 token, a prefilling
+one takes what is left, so long prompts are prefilled in chunks that share steps with other
+requests' decodes), then waiting ones in (priority, arrival) order, whose prompt may be partly
+found in the prefix cache. When the block pool runs dry, the running request that comes last in
+that order is preempted: its blocks are freed and it goes back to waiting to be recomputed later
+(its computed blocks are usually still in the prefix cache).
+
+The scheduler is the only writer of request state: `update_from_output` advances the computed
+counts, appends sampled tokens, applies the token-level stops (EOS, stop tokens, length, the
+repetition guard) and frees finished requests. Stop strings are the client's (only text knows
+where they begin): the client aborts a request whose text hit one.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from kvserve.engine.kv_cache_manager import KVCacheManager
-from kvserve.engine.request import Sequence, Status
-
-
-@dataclass
-class SchedulerOutput:
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def __bool__(self) -> bool:
-        return bool(self.seqs)
+from kvserve.engine.messages import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvserve.engine.request import Request, Status
+from kvserve.engine.stop import check_stop
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 eos_token_ids: list[int] | tuple[int, ...] = ()):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ---- schedule ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         preempted = False
-        self.running.sort(key=lambda s: s.sort_key)
+        self.running.sort(key=lambda r: r.sort_key)
         i = 0
         while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(seq, n):
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()            # last in priority/arrival order
                 self._preempt(victim)
                 preempted = True
-                if victim is seq:
+                out.num_preempted += 1
+                if victim is req:
                     break
             else:
-                out.seqs.append(seq)
-                out.num_new_tokens.append(n)
+                out.scheduled.append(self._entry(req, n))
                 budget -= n
                 i += 1
         if not preempted:
             self._admit_waiting(out, budget)
         return out
 
+    def _entry(self, req: Request, n: int) -> ScheduledRequest:
+        return ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id))
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        self.waiting.sort(key=lambda s: s.sort_key)
+        self.waiting.sort(key=lambda r: r.sort_key)
         admitted = []
-        for seq in self.waiting:
+        for req in self.waiting:
             if budget <= 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
                 break
-            if seq.wait_for is not None:
-                parent = seq.wait_for
-                if parent.status != Status.FINISHED and parent.num_computed_tokens < parent.num_prompt_tokens:
+            if req.wait_for is not None:
+                parent = self.requests.get(req.wait_for)
+                if parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens:
                     continue
-                seq.wait_for = None
-            computed = self.kv.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else []
-            n = min(seq.num_tokens - seq.num_computed_tokens - len(computed) * self.kv.block_size, budget)
-            if not self.kv.allocate_slots(seq, n, computed):
+                req.wait_for = None
+            computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
+            n = min(req.num_tokens - req.num_computed_tokens - len(computed) * self.kv.block_size, budget)
+            if not self.kv.allocate_slots(req, n, computed):
                 break                                   # strict order: no overtaking when full
-            if seq.num_cached_tokens < 0:               # first admission: count the cache lookup
-                seq.num_cached_tokens = len(computed) * self.kv.block_size
-                self.kv.record_query(seq.num_prompt_tokens, seq.num_cached_tokens)
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = time.monotonic()
-            seq.status = Status.RUNNING
-            admitted.append(seq)
-            out.seqs.append(seq)
-            out.num_new_tokens.append(n)
+            req.num_computed_tokens += len(computed) * self.kv.block_size
+            if req.num_cached_tokens < 0:               # first admission: count the cache lookup
+                req.num_cached_tokens = len(computed) * self.kv.block_size
+                self.kv.record_query(req.num_prompt_tokens, req.num_cached_tokens)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            req.status = Status.RUNNING
+            admitted.append(req)
+            out.scheduled.append(self._entry(req, n))
             budget -= n
-        for seq in admitted:
-            self.waiting.remove(seq)
-            self.running.append(seq)
+        for req in admitted:
+            self.waiting.remove(req)
+            self.running.append(req)
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.kv.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = Status.WAITING
-        seq.metrics.num_preemptions += 1
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id, forget_hashes=False)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.append(seq)
+        self.waiting.append(req)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a sequence wherever it is and free its blocks (finish or abort)."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.kv.free(seq)
-        seq.status = Status.FINISHED
+    # ---- results ----------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance every scheduled request by its computed tokens, then append what was sampled."""
+        outputs: dict[str, EngineCoreOutput] = {}
+        for s in sched.scheduled:
+            req = s.request
+            if req.is_finished:
+                continue
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.prompt_tokens_total += min(s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
+            req.num_computed_tokens += s.num_new_tokens
+            req.num_kv_blocks = max(req.num_kv_blocks, len(self.kv.block_ids(req.request_id)))
+            self.kv.cache_full_blocks(req)
+        for rid, (start, entries) in result.prompt_logprobs.items():
+            outputs[rid] = self.make_output(self.requests[rid], [], prompt_logprobs=(start, entries))
+        for row, rid in enumerate(result.req_ids):
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            new_ids: list[int] = []
+            for j, tok in enumerate(result.sampled_token_ids[row]):
+                req.output_token_ids.append(tok)
+                new_ids.append(tok)
+                self.generation_tokens_total += 1
+                if result.logprobs:
+                    req.cumulative_logprob += result.logprobs[row][j].logprob
+                stop = check_stop(req.params, req.output_token_ids, self.eos_token_ids, req.max_tokens)
+                if stop is not None:
+                    req.finish_reason, req.stop_reason = stop
+                    break
+            o = outputs.get(rid)
+            lps = result.logprobs[row][:len(new_ids)] if req.params.logprobs is not None else None
+            if o is None:
+                outputs[rid] = self.make_output(req, new_ids, lps)
+            else:
+                o.new_token_ids, o.new_logprobs, o.cumulative_logprob = new_ids, lps, req.cumulative_logprob
+            if req.finish_reason is not None:
+                self.finish(req, req.finish_reason, req.stop_reason)
+                outputs[rid].finish_reason, outputs[rid].stop_reason = req.finish_reason, req.stop_reason
+        return list(outputs.values())
+
+    def make_output(self, req: Request, new_ids: list[int], logprobs=None, prompt_logprobs=None) -> EngineCoreOutput:
+        o = EngineCoreOutput(req.request_id, new_ids, req.cumulative_logprob, logprobs,
+                             num_cached_tokens=max(req.num_cached_tokens, 0), num_kv_blocks=req.num_kv_blocks,
+                             num_preemptions=req.num_preemptions, first_scheduled_time=req.first_scheduled_time)
+        if prompt_logprobs is not None:
+            o.prompt_logprobs_start, o.new_prompt_logprobs = prompt_logprobs
+        return o
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """Remove a request wherever it is and free its blocks (finish or abort)."""
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        elif req.status == Status.WAITING:
+            self.waiting.remove(req)
+        self.kv.free(req.request_id)
+        req.status = Status.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        self.requests.pop(req.request_id, None)

@@ -67,10 +67,10 @@ class ServerState:
 
     def load(self) -> None:
         """Runs in a background thread: build the engine (blocking), then start its loop."""
-        from kvserve.engine.async_engine import AsyncEngine
+        from kvserve.engine.client import make_engine_client
 
         try:
-            engine = AsyncEngine.from_model(self.settings.model, **self.settings.engine_kwargs)
+            engine = make_engine_client(self.settings.model, **self.settings.engine_kwargs)
         except Exception as e:
             logger.exception("model load failed")
             self.load_error = str(e)

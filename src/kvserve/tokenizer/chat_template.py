@@ -8,6 +8,7 @@ text parts (OpenAI's `[{"type": "text", "text": ...}]`) is joined into one strin
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 
@@ -82,3 +83,36 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
         raise
     except TemplateError as e:
         raise InvalidRequest(f"the model's chat template failed to render: {e}", param="messages") from None
+
+
+@dataclass
+class FittedChat:
+    text: str
+    token_ids: list[int]
+    dropped_messages: int   # oldest non-system messages removed to fit
+    fits: bool
+
+
+def fit_chat(tokenizer, messages: list[dict], budget: int, *, drop_oldest: bool = True,
+             add_generation_prompt: bool = True, tools: list[dict] | None = None, suffix: str = "") -> FittedChat:
+    """Render and tokenize a conversation to at most `budget` tokens. With `drop_oldest`, the oldest
+    non-system messages go one at a time until it fits; the system prompt(s) and the last message
+    always stay. `suffix` is text appended after the rendered template (a forced answer opening).
+    The caller decides what to say when it still does not fit (`fits` is False)."""
+    msgs = list(messages)
+
+    def render() -> tuple[str, list[int]]:
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools)
+        text += suffix
+        return text, tokenizer.encode(text, add_special_tokens=False)
+
+    text, ids = render()
+    dropped = 0
+    while len(ids) > budget and drop_oldest:
+        victim = next((i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"), None)
+        if victim is None:
+            break
+        del msgs[victim]
+        dropped += 1
+        text, ids = render()
+    return FittedChat(text, ids, dropped, len(ids) <= budget)

@@ -1,0 +1,161 @@
+"""EngineCore: the one loop that runs the model. Every driver (LLM.generate, the CLI, the server's
+in-process thread and the separate engine process) calls `step()` here and nothing else.
+
+    step():  SchedulerOutput   = scheduler.schedule()
+             ModelRunnerOutput = runner.execute(scheduler_output)
+             EngineCoreOutputs = scheduler.update_from_output(scheduler_output, runner_output)
+
+The core speaks token ids only: requests come in as EngineCoreRequests (already tokenized and
+validated by the client's input processing) and leave as EngineCoreOutputs (new token ids,
+logprob numbers, finish reasons). Text, stop strings, n/best_of and the output objects users see
+are the client's (kvserve.engine.processing). `run_busy_loop` is the server's driver, shared by
+the in-process thread and the engine process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.messages import (
+    AbortRequests,
+    CoreInput,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Shutdown,
+)
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.request import Request
+from kvserve.engine.scheduler import Scheduler
+from kvserve.errors import InvalidRequest
+from kvserve.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger("kvserve.engine")
+
+
+class EngineCore:
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, eos_token_ids: list[int]):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        cfg = model.config
+        self.model_config = cfg
+        self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
+        per_block = ModelRunner.bytes_per_block(model, config.block_size, config.torch_kv_dtype)
+        num_blocks = config.kv_cache_bytes() // per_block
+        if num_blocks < 2:
+            raise InvalidRequest(f"kv_cache_memory ({config.kv_cache_bytes()} bytes) holds fewer than 2 KV "
+                                 f"blocks of {per_block} bytes: give it more memory", param="kv_cache_memory")
+        # A sequence can never be longer than the pool: cap the context to what fits.
+        self.context_limited_by_kv = num_blocks * config.block_size < self.max_model_len
+        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
+        self.block_size = config.block_size
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, eos_token_ids)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.torch_kv_dtype, eos_token_ids,
+                                  device=config.device)
+        self._arrival = itertools.count()
+        self.num_steps = 0
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a validated request (kvserve.engine.processing checked ids, vocabulary, window)."""
+        if req.request_id in self.scheduler.requests:
+            raise InvalidRequest(f"request id {req.request_id!r} is already in use", param="request_id")
+        self.scheduler.add(Request.from_core_request(req, next(self._arrival), self.max_model_len,
+                                                     self.runner.device))
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """Stop these requests wherever they are and free their blocks; unknown ids are ignored."""
+        outs = []
+        for rid in request_ids:
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                self.scheduler.finish(req, "abort")
+                outs.append(self.scheduler.make_output(req, []))
+                outs[-1].finish_reason = "abort"
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return EngineCoreOutputs(time.monotonic())
+        self.num_steps += 1
+        result = self.runner.execute(sched)
+        outputs = self.scheduler.update_from_output(sched, result)
+        return EngineCoreOutputs(time.monotonic(), outputs)
+
+    def fail_all(self, message: str) -> EngineCoreOutputs:
+        """A step raised: end every request with an error (the server stays up)."""
+        outs = self.abort_requests(list(self.scheduler.requests))
+        for o in outs:
+            o.finish_reason, o.error = "error", message
+        return EngineCoreOutputs(time.monotonic(), outs, self.stats())
+
+    # ---- the server's driver ------------------------------------------------------------------
+    def handle(self, msg: CoreInput) -> list[EngineCoreOutput]:
+        """Apply one client message; errors become an "error" output for that request."""
+        if isinstance(msg, EngineCoreRequest):
+            try:
+                self.add_request(msg)
+            except Exception as e:  # noqa: BLE001 - reported to the request's caller
+                return [EngineCoreOutput(msg.request_id, [], finish_reason="error", error=str(e))]
+            return []
+        if isinstance(msg, AbortRequests):
+            return self.abort_requests(msg.request_ids)
+        return []
+
+    def run_busy_loop(self, poll: Callable[[float], list[CoreInput]],
+                      emit: Callable[[EngineCoreOutputs], None]) -> None:
+        """poll(timeout) -> pending client messages (waits up to timeout when idle); emit(outputs)
+        hands each step's outputs (with a stats snapshot) back. Returns on a Shutdown message."""
+        while True:
+            msgs = poll(0.0 if self.has_unfinished_requests() else 0.5)
+            immediate: list[EngineCoreOutput] = []
+            for msg in msgs:
+                if isinstance(msg, Shutdown):
+                    return
+                immediate += self.handle(msg)
+            if immediate or (msgs and not self.has_unfinished_requests()):
+                emit(EngineCoreOutputs(time.monotonic(), immediate, self.stats()))
+            if not self.has_unfinished_requests():
+                continue
+            try:
+                out = self.step()
+            except Exception as e:
+                logger.exception("engine step failed")
+                emit(self.fail_all(f"the engine failed while running this request: {e!r}"))
+                continue
+            out.stats = self.stats()
+            emit(out)
+
+    # ---- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        kv, s = self.kv, self.scheduler
+        return {
+            "num_requests_running": len(s.running),
+            "num_requests_waiting": len(s.waiting),
+            "kv_blocks_used": kv.num_used_blocks,
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_free": kv.num_free_blocks,
+            "kv_cache_usage_perc": kv.usage(),
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_preemptions": s.num_preemptions,
+            "prompt_tokens": s.prompt_tokens_total,
+            "generation_tokens": s.generation_tokens_total,
+            "num_steps": self.num_steps,
+            "block_size": self.block_size,
+        }

@@ -1,0 +1,98 @@
+"""`python -m kvserve.engine.process SPEC`: an EngineCore in a process of its own (MPClient's peer).
+
+SPEC is a JSON object: model, weight_format, engine_kwargs, the two ZMQ addresses to connect to
+(input: the client's PUSH, output: the client's PULL) and the parent's pid. The process loads the
+model, sends EngineReady (with the tokenizer, so the client does not load the model again) or
+EngineFailed, then runs the core's busy loop until Shutdown, or until its parent is gone.
+Every message is msgpack (kvserve.engine.messages); nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+
+from kvserve.engine.messages import CoreInput, EngineFailed, EngineReady, Shutdown, decode_input, encode
+
+
+def tokenizer_spec(tok) -> dict:
+    """What rebuilds the same Tokenizer in another process."""
+    return {"json": tok.hf.to_str(), "bos_token_id": tok.bos_token_id, "eos_token_ids": list(tok.eos_token_ids),
+            "add_bos": tok.add_bos, "chat_template": tok.chat_template if tok.has_chat_template else None}
+
+
+def tokenizer_from_spec(spec: dict):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from kvserve.tokenizer import Tokenizer
+
+    return Tokenizer(HFTokenizer.from_str(spec["json"]), bos_token_id=spec["bos_token_id"],
+                     eos_token_ids=spec["eos_token_ids"], add_bos=spec["add_bos"],
+                     chat_template=spec["chat_template"])
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the parent dies (PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: list[str]) -> int:
+    import zmq
+
+    spec = json.loads(argv[1])
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C goes to the server, which shuts us down
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(spec["input"])
+    push.connect(spec["output"])
+    parent = spec["parent_pid"]
+    try:
+        from kvserve.engine.config import EngineConfig
+        from kvserve.engine.core import EngineCore
+        from kvserve.model.loader import load_model
+
+        cfg = EngineConfig(weight_format=spec["weight_format"], **spec["engine_kwargs"])
+        loaded = load_model(spec["model"], weight_format=spec["weight_format"])
+        core = EngineCore(loaded.model, cfg, loaded.tokenizer.eos_token_ids)
+    except Exception as e:  # noqa: BLE001 - reported to the client, which raises it
+        push.send(encode(EngineFailed(str(e))))
+        return 1
+    push.send(encode(EngineReady(
+        model_name=loaded.source.name, max_model_len=core.max_model_len, block_size=core.block_size,
+        vocab_size=loaded.model.config.vocab_size, kv_cache_limited=core.context_limited_by_kv,
+        enable_prefix_caching=cfg.enable_prefix_caching, tokenizer=tokenizer_spec(loaded.tokenizer))))
+
+    def poll(timeout: float) -> list[CoreInput]:
+        if os.getppid() != parent:
+            return [Shutdown()]
+        msgs: list[CoreInput] = []
+        if pull.poll(int(timeout * 1000)):
+            while True:
+                try:
+                    msgs.append(decode_input(pull.recv(zmq.NOBLOCK)))
+                except zmq.Again:
+                    break
+                except msgspec.DecodeError as e:   # not a message of ours: drop it, keep serving
+                    logging.getLogger("kvserve.engine").error("dropped an undecodable message: %s", e)
+        return msgs
+
+    core.run_busy_loop(poll, lambda outs: push.send(encode(outs)))
+    push.close(linger=1000)
+    pull.close()
+    ctx.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
