@@ -18,6 +18,7 @@ core: EngineCoreRequest / AbortRequests in, EngineCoreOutputs back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
 import shutil
@@ -138,6 +139,13 @@ class EngineClient:
             if q is not None:
                 q.put_nowait(r if r.error is None else EngineDeadError(r.error))
 
+    def _call_soon(self, fn: Callable, *args) -> None:
+        """From the engine's thread: run fn on the event loop the client was last started on."""
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):   # the loop closed under us: nobody is listening
+                loop.call_soon_threadsafe(fn, *args)
+
     def _fail_all(self, message: str) -> None:
         """On the event loop: the engine is gone; every waiting request gets the error."""
         self._dead = message
@@ -177,8 +185,7 @@ class InprocClient(EngineClient):
             self._inbox.put(m)
 
     def _run(self) -> None:
-        loop = self._loop
-        self.core.run_busy_loop(self._poll, lambda outs: loop.call_soon_threadsafe(self._on_outputs, outs))
+        self.core.run_busy_loop(self._poll, lambda outs: self._call_soon(self._on_outputs, outs))
 
     def _poll(self, timeout: float) -> list[CoreInput]:
         msgs = []
@@ -245,8 +252,7 @@ class MPClient(EngineClient):
     async def start(self) -> None:
         await super().start()
         if self._reader is None:
-            loop = self._loop
-            self._reader = threading.Thread(target=self._read, args=(loop.call_soon_threadsafe,),
+            self._reader = threading.Thread(target=self._read, args=(self._call_soon,),
                                             name="kvserve-engine-reader", daemon=True)
             self._reader.start()
 
