@@ -21,7 +21,10 @@ def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 def test_run_answers_capital_of_france():
-    r = run_cli("run", "--temperature", "0", "--max-tokens", "32", "What is the capital of France?")
+    # "What is the capital of France?" is a near tie for this model's first token ("The" vs "L",
+    # 0.05-0.08 nats apart), which kernel rounding flips on some CPUs; this wording has a clear
+    # margin (0.7-0.9 nats in fp32 and the default format).
+    r = run_cli("run", "--temperature", "0", "--max-tokens", "32", "Name the capital city of France.")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
 
