@@ -76,3 +76,14 @@ def test_eos_finishes_a_beam_and_params_from_sampling_params(llm):
         assert (s.finish_reason == "stop") == (s.token_ids[-1] in eos)
         assert not any(t in eos for t in s.token_ids[:-1])
     assert any(s.finish_reason == "stop" for s in out.sequences)
+
+
+def test_use_beam_search_in_generate_runs_beam_search(llm):
+    params = SamplingParams(n=2, best_of=3, use_beam_search=True, max_tokens=4, ignore_eos=True, logprobs=0)
+    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    beams = beam_search(llm, PROMPTS[:2], BeamSearchParams.from_sampling_params(params, max_tokens=4))
+    for out, b in zip(outs, beams):
+        assert out.finished and len(out.outputs) == 2
+        assert [c.token_ids for c in out.outputs] == [s.token_ids for s in b.sequences[:2]]
+        assert [c.text for c in out.outputs] == [s.text for s in b.sequences[:2]]
+        assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
