@@ -41,6 +41,12 @@ def ladder_decision(queue_len: int, tier: str, settings: ServerSettings) -> Ladd
     return LadderDecision()
 
 
+def engine_priority(tier: str, requested: int) -> int:
+    """The engine's priority for a request: lower runs first; the tier decides, the request's own
+    `priority` orders within a tier."""
+    return TIER_PRIORITY.get(tier, 1) * 1_000_000 + max(-100_000, min(100_000, requested))
+
+
 class Admission:
     def __init__(self, settings: ServerSettings):
         self.settings = settings

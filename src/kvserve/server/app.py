@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kvserve
 from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound, Overloaded
 from kvserve.server.admission import Admission
-from kvserve.server.handlers import generate, read_body
+from kvserve.server.handlers import mount, read_body
 from kvserve.server.keys import KeyStore
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GatewayMiddleware
@@ -66,11 +66,14 @@ class ServerState:
         return self.engine, name
 
     def load(self) -> None:
-        """Runs in a background thread: build the engine (blocking), then start its loop."""
+        """Runs in a background thread: build the engine client (blocking), then start it. The
+        client is the only handle on the engine: in this process or in its own (--engine-process)."""
         from kvserve.engine.client import make_engine_client
 
+        s = self.settings
         try:
-            engine = make_engine_client(self.settings.model, **self.settings.engine_kwargs)
+            engine = make_engine_client(s.model, engine_process=s.engine_process, weight_format=s.weight_format,
+                                        **s.engine_kwargs)
         except Exception as e:
             logger.exception("model load failed")
             self.load_error = str(e)
@@ -128,13 +131,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         return JSONResponse({"error": {"message": "Internal server error.", "type": "server_error",
                                        "param": None, "code": "internal_error"}}, status_code=500)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await generate(state, request, "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await generate(state, request, "completion")
+    mount(app, state)   # /v1/chat/completions, /v1/completions
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -149,7 +146,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         if state.engine is None:
             body = {"status": "error", "error": state.load_error} if state.load_error else {"status": "loading"}
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
-        return JSONResponse({"status": "ok", "model": state.model_name})
+        return JSONResponse({"status": "ok", "model": state.model_name,
+                             "engine": getattr(state.engine, "kind", None)})
 
     @app.get("/version")
     async def version() -> dict:

@@ -43,6 +43,10 @@ def serve(
     ladder_reject_free_at: int = typer.Option(96, help="Queue length at which free-tier keys get 503."),
     default_max_tokens: int = typer.Option(512, help="max_tokens when a chat request sends none."),
     max_model_len: int = typer.Option(None, help="Context window to serve (default: the model's)."),
+    engine_process: bool = typer.Option(False, "--engine-process",
+                                        help="Run the engine in its own process (msgpack over a local ZMQ "
+                                             "socket), so the HTTP process stays responsive while the model "
+                                             "computes."),
 ) -> None:
     """Serve the OpenAI-compatible API (and the web chat page) with one model."""
     import uvicorn
@@ -55,7 +59,7 @@ def serve(
         model=model, served_model_name=served_model_name, data_dir=data_dir or default_data_dir(),
         api_key=api_key, max_running=max_running, max_waiting=max_waiting, ladder_cap_at=ladder_cap_at,
         ladder_cap_max_tokens=ladder_cap_max_tokens, ladder_reject_free_at=ladder_reject_free_at,
-        default_max_tokens=default_max_tokens, engine_kwargs=engine_kwargs)
+        default_max_tokens=default_max_tokens, engine_process=engine_process, engine_kwargs=engine_kwargs)
     try:
         app = create_app(None, settings)
     except KVServeError as e:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.errors import ContextLengthExceeded, InvalidRequest
-from kvserve.server.protocol import ChatMessage
+from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from kvserve.server.tools import ToolPlan, add_tools_to_system, fold_history, native_history
 
 
@@ -117,6 +117,20 @@ def build_completion_prompts(tokenizer, prompt: str | list, *, vocab_size: int |
         if not out[-1].token_ids:
             raise InvalidRequest("The prompt is empty after tokenization; send some text.", param="prompt")
     return out
+
+
+def build_prompts(tokenizer, req: ChatCompletionRequest | CompletionRequest, *, max_model_len: int,
+                  max_tokens: int | None, tools: ToolPlan | None = None) -> list[Prompt]:
+    """The engine's prompts for a validated request: one for chat, one per entry for completions;
+    raises ContextLengthExceeded when a prompt + max_tokens does not fit the window."""
+    if isinstance(req, ChatCompletionRequest):
+        return [build_chat_prompt(tokenizer, req.messages, max_model_len=max_model_len, max_tokens=max_tokens,
+                                  truncate=req.truncate, add_generation_prompt=req.add_generation_prompt,
+                                  tools=tools)]
+    prompts = build_completion_prompts(tokenizer, req.prompt, vocab_size=getattr(tokenizer, "vocab_size", None))
+    for p in prompts:
+        check_fits(p, max_tokens, max_model_len)
+    return prompts
 
 
 def check_fits(prompt: Prompt, max_tokens: int | None, max_model_len: int, param: str = "prompt") -> None:

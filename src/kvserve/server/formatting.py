@@ -1,12 +1,21 @@
-"""OpenAI-shaped pieces built from engine outputs: logprobs (chat and legacy), usage, the trace."""
+"""The end of the stage list: OpenAI-shaped answers from what the stages let through.
+
+JSON bodies (`chat_body`, `completion_body`), SSE chunks (`ChunkWriter`: `data: {chunk}\\n\\n`
+... `data: [DONE]\\n\\n`), and the pieces both use: logprobs (chat and legacy), usage, the trace.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.outputs import PositionLogprobs, RequestMetrics
+
+if TYPE_CHECKING:
+    from kvserve.server.records import Generation, PromptState, Timings
+    from kvserve.server.stages import ChoiceDelta
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "repetition": "stop", "abort": "stop"}
 
@@ -78,25 +87,23 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def build_trace(*, request_id: str, prompt_text: str | None, prompt_ids: list[int], num_cached: int,
-                prompt_token_texts: list[str], timings: dict[str, float], metrics: RequestMetrics | None,
+                prompt_token_texts: list[str], timings: Timings, metrics: RequestMetrics | None,
                 output_ids: list[int], output_positions: list[PositionLogprobs] | None, decode,
                 kv_blocks: int, block_size: int) -> dict:
     """The `kvserve_trace` object (see docs/api.md) for one request, from what the server measured.
 
-    `timings` holds the gateway's own marks in time.monotonic() seconds: t0 (request arrived),
-    auth (auth done), parsed (body validated), tokenized (template + tokenize done) and
-    gateway_wait_s (time spent in the admission queue)."""
+    `timings` holds the gateway's own marks (records.Timings)."""
     now = time.monotonic()
-    t0 = timings["t0"]
-    ms = {"validation_auth": (timings["parsed"] - t0) * 1000,
-          "template_tokenize": (timings["tokenized"] - timings["parsed"]) * 1000}
+    t0 = timings.t0
+    ms = {"validation_auth": (timings.parsed - t0) * 1000,
+          "template_tokenize": (timings.tokenized - timings.parsed) * 1000}
     m = metrics
     decode_s = 0.0
     if m is not None:
         sched = m.first_scheduled_time or m.arrival_time
         first = m.first_token_time or now
         end = m.finished_time or m.last_token_time or now
-        ms["queue"] = (timings.get("gateway_wait_s", 0.0) + max(0.0, sched - m.arrival_time)) * 1000
+        ms["queue"] = (timings.gateway_wait_s + max(0.0, sched - m.arrival_time)) * 1000
         ms["prefill"] = max(0.0, first - sched) * 1000
         ms["ttft"] = max(0.0, first - t0) * 1000
         decode_s = max(0.0, end - first)
@@ -132,3 +139,145 @@ def build_trace(*, request_id: str, prompt_text: str | None, prompt_ids: list[in
         "completion_token_count": n_out,
         "output_tokens": out_tokens,
     }
+
+
+# ---- from a request's state ---------------------------------------------------------------------
+
+class TokenTexts:
+    """Each token's own text, decoded once per request (logprobs and traces ask repeatedly)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+def trace(gen: Generation, ps: PromptState, decode, block_size: int) -> dict:
+    m = ps.metrics
+    ch = ps.choices[0]
+    return build_trace(
+        request_id=gen.id, prompt_text=ps.prompt.text, prompt_ids=ps.prompt.token_ids, num_cached=ps.num_cached,
+        prompt_token_texts=gen.prompt_token_texts, timings=gen.timings, metrics=m, output_ids=ch.token_ids,
+        output_positions=ch.logprobs, decode=decode, kv_blocks=m.num_kv_blocks if m else 0, block_size=block_size)
+
+
+def echo_text(tokenizer, ps: PromptState) -> str:
+    if ps.prompt.text is not None:
+        return ps.prompt.text
+    return tokenizer.decode(ps.prompt.token_ids, skip_special_tokens=False)
+
+
+def _body(gen: Generation, obj: str, choices: list[dict], decode, block_size: int) -> dict:
+    body = {"id": gen.id, "object": obj, "created": gen.created, "model": gen.model_name,
+            "choices": choices, "usage": usage(*gen.usage_counts()), "system_fingerprint": None}
+    if gen.trace:
+        body["kvserve_trace"] = trace(gen, gen.prompts[0], decode, block_size)
+    return body
+
+
+def chat_body(gen: Generation, decode, block_size: int) -> dict:
+    """A `chat.completion` from the accumulated choices."""
+    choices = []
+    for i, ch in enumerate(gen.prompts[0].choices):
+        lp = (chat_logprobs(ch.token_ids, ch.logprobs, gen.top_logprobs, decode)
+              if gen.top_logprobs is not None else None)
+        content = (ch.content or None) if ch.calls else ch.content
+        choices.append({"index": i, "message": {"role": "assistant", "content": content, "refusal": None,
+                                                "tool_calls": [c.to_dict() for c in ch.calls]},
+                        "logprobs": lp, "finish_reason": "tool_calls" if ch.calls else finish_reason(ch.finish_reason),
+                        "stop_reason": ch.stop_reason})
+    return _body(gen, "chat.completion", choices, decode, block_size)
+
+
+def completion_body(gen: Generation, echo: list[str] | None, decode, block_size: int) -> dict:
+    """A `text_completion`; `echo` holds each prompt's text when the request echoes it."""
+    choices = []
+    n, top = gen.params.n, gen.top_logprobs
+    for pi, ps in enumerate(gen.prompts):
+        for ci, ch in enumerate(ps.choices):
+            lp = None
+            if top is not None:
+                ids, positions = list(ch.token_ids), list(ch.logprobs)
+                if echo is not None:
+                    ids = list(ps.prompt.token_ids) + ids
+                    positions = list(ps.prompt_logprobs or [None] * len(ps.prompt.token_ids)) + positions
+                lp = completion_logprobs(ids, positions, top, decode)
+            choices.append({"index": pi * n + ci, "text": (echo[pi] if echo is not None else "") + ch.content,
+                            "logprobs": lp, "finish_reason": finish_reason(ch.finish_reason),
+                            "stop_reason": ch.stop_reason})
+    return _body(gen, "text_completion", choices, decode, block_size)
+
+
+def sse(obj: dict | str) -> str:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+class ChunkWriter:
+    """The SSE events of one streamed answer (`chat.completion.chunk` or `text_completion`)."""
+
+    def __init__(self, gen: Generation, include_usage: bool, decode):
+        self.gen = gen
+        self.chat = gen.kind == "chat"
+        self.include_usage = include_usage
+        self.decode = decode
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        g = self.gen
+        c = {"id": g.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+             "created": g.created, "model": g.model_name, "choices": choices}
+        if self.include_usage:
+            c["usage"] = None
+        return c
+
+    def roles(self, n: int) -> str:
+        """The chat stream's first event: every choice's role."""
+        return sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None} for i in range(n)]))
+
+    def echo(self, first_index: int, n: int, text: str) -> str:
+        return sse(self._chunk([{"index": first_index + i, "text": text, "logprobs": None, "finish_reason": None}
+                                for i in range(n)]))
+
+    def choice(self, index: int, d: ChoiceDelta, trace: dict | None = None) -> str | None:
+        """One choice's step as an event; None when a stage held everything back."""
+        top = self.gen.top_logprobs
+        lp = None
+        if top is not None and d.logprobs:
+            lp = (chat_logprobs if self.chat else completion_logprobs)(d.token_ids, d.logprobs, top, self.decode)
+        if d.filtered and not d.text and not d.tool_calls and lp is None and not d.done:
+            return None
+        fr = "tool_calls" if d.calls else finish_reason(d.finish_reason)
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if d.text or not (d.filtered or d.done):
+                delta["content"] = d.text
+            if d.tool_calls:
+                delta["tool_calls"] = d.tool_calls
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": fr}
+        else:
+            choice = {"index": index, "text": d.text, "logprobs": lp, "finish_reason": fr}
+        if d.done:
+            choice["stop_reason"] = d.stop_reason
+        body = self._chunk([choice])
+        if trace is not None:
+            body["kvserve_trace"] = trace
+        return sse(body)
+
+    def usage(self) -> str:
+        final = self._chunk([])
+        final["usage"] = usage(*self.gen.usage_counts())
+        return sse(final)
+
+    @staticmethod
+    def error(err: dict) -> str:
+        return sse(err)
+
+    @staticmethod
+    def done() -> str:
+        return sse("[DONE]")

@@ -1,23 +1,38 @@
-"""The two generation endpoints: /v1/chat/completions and /v1/completions.
+"""The generation endpoints, /v1/chat/completions and /v1/completions: one handler, read top to bottom.
 
-Both go through `_prepare` (the gates listed in serving.py) and then answer either as one JSON
-body or as SSE chunks in OpenAI's shapes: `data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`; an
-error after the stream started is sent as `data: {"error": {...}}` before [DONE].
+    parse + validate (400) → gates: model (404; 503 while loading), request bucket (429), ladder
+    (503, or a max_tokens cap) → prompt: template + tokenize in a thread (context.py; 400 when it
+    does not fit) → SamplingParams (400) → token reservation (429) → admission slot (waits; 503
+    when the queue is full) → engine.generate() → each choice's deltas through its stage list
+    (stages.py) → one JSON body or SSE events (formatting.py)
+
+Every gate is a call that returns or raises; nothing calls back into the handler. What the request
+holds (admission slot, token reservation, engine requests) is given back by `_release`, exactly
+once, whether the response completed, failed or the client hung up; it also writes the usage
+ledger and puts the request's fields on the access-log record the middleware made.
+
+A /v1/completions request with several prompts runs them as concurrent engine requests under one
+admission slot, their outputs merged into one stream (`_engine_outputs`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
-from fastapi import Request
+import anyio
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvserve.errors import InvalidRequest, KVServeError
-from kvserve.server.context import build_chat_prompt, build_completion_prompts, check_fits, token_texts
-from kvserve.server.formatting import chat_logprobs, completion_logprobs, finish_reason, usage
+from kvserve.outputs import RequestOutput
+from kvserve.server.admission import Ticket, engine_priority
+from kvserve.server.context import build_prompts, token_texts
+from kvserve.server.formatting import ChunkWriter, TokenTexts, chat_body, completion_body, echo_text, trace
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -25,12 +40,244 @@ from kvserve.server.protocol import (
     parse_body,
     to_sampling_params,
 )
-from kvserve.server.serving import ClientGone, Job, engine_priority, sse, until_disconnected
-from kvserve.server.tools import make_plan, parse_output, stream_delta
+from kvserve.server.records import Generation, RequestRecord, Timings
+from kvserve.server.stages import ChoiceDelta, build_stages, run_stages
+from kvserve.server.tools import make_plan
 
 logger = logging.getLogger("kvserve.server")
 CAP_HEADER = "x-kvserve-max-tokens-capped"
+TRUNCATED_HEADER = "x-kvserve-truncated-messages"
+INTERNAL_ERROR = {"error": {"message": "Internal error while generating; the response is incomplete.",
+                            "type": "server_error", "param": None, "code": "internal_error"}}
 
+
+def mount(app: FastAPI, server) -> None:
+    """Add the generation routes to `app`, serving from `server` (app.ServerState)."""
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(server, request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(server, request, "completion")
+
+
+async def generate(server, request: Request, kind: str) -> Response:
+    record: RequestRecord = request.state.record
+    settings, chat = server.settings, kind == "chat"
+
+    # 1. parse and validate
+    req = parse_body(await read_body(request, settings.max_body_bytes),
+                     ChatCompletionRequest if chat else CompletionRequest)
+    check_caps(req, settings)
+    timings = Timings(t0=record.t0, parsed=time.monotonic())
+
+    # 2. gates
+    engine, model_name = server.require_engine(req.model)
+    key = record.key
+    server.limiter.acquire_request(record.key_name, key.rpm if key else None)
+    headers: dict[str, str] = {}
+    max_tokens = req.requested_max_tokens()
+    cap = server.admission.check(record.key_tier).max_tokens_cap
+    if cap is not None and (max_tokens is None or max_tokens > cap):
+        max_tokens = cap
+        headers[CAP_HEADER] = str(cap)
+
+    # 3. the prompt(s)
+    plan = make_plan(req.tools, req.tool_choice, req.parallel_tool_calls) if chat else None
+    tok = engine.tokenizer
+    prompts = await asyncio.to_thread(build_prompts, tok, req, max_model_len=engine.max_model_len,
+                                      max_tokens=max_tokens, tools=plan)
+    if prompts[0].dropped_messages:
+        headers[TRUNCATED_HEADER] = str(prompts[0].dropped_messages)
+    texts = await asyncio.to_thread(token_texts, tok, prompts[0].token_ids) if req.kvserve_trace else []
+    timings.tokenized = time.monotonic()
+
+    # 4. sampling parameters
+    if max_tokens is None:
+        longest = max(len(p.token_ids) for p in prompts)
+        max_tokens = min(settings.default_max_tokens, engine.max_model_len - longest)
+    top = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
+    echo = not chat and req.echo
+    params = to_sampling_params(req, max_tokens, logprobs=max(top or 0, 5) if req.kvserve_trace else top,
+                                prompt_logprobs=req.logprobs if echo else None,
+                                extra_stop=plan.stop if plan is not None else None)
+    if req.stream and params.best_of is not None and params.best_of > params.n:
+        raise InvalidRequest("best_of > n cannot be streamed; drop best_of or stream=false.", param="best_of")
+    gen = Generation.create(kind, prompts, params, lambda: build_stages(plan), model_name=model_name,
+                            timings=timings, top_logprobs=top, trace=req.kvserve_trace, prompt_token_texts=texts,
+                            priority=engine_priority(record.key_tier, req.priority))
+
+    # 5. token reservation, then an admission slot
+    reserve = sum(len(p.token_ids) + max_tokens * params.num_sequences for p in prompts)
+    gen.reserved_tokens = server.limiter.reserve_tokens(record.key_name, key.tpm if key else None, reserve)
+    try:
+        gen.ticket = await until_disconnected(request.receive, server.admission.acquire(gen.priority))
+    except BaseException as e:
+        await _release(server, gen, record, e.status if isinstance(e, KVServeError) else 499)
+        raise
+    timings.gateway_wait_s = gen.ticket.waited_s
+
+    # 6. generate; answer as SSE events or as one JSON body
+    decode = TokenTexts(tok)
+    deltas = _deltas(server, gen, req.cache_salt)
+    echoes = [echo_text(tok, ps) for ps in gen.prompts] if echo else None
+    if req.stream:
+        writer = ChunkWriter(gen, bool(req.stream_options and req.stream_options.include_usage), decode)
+        return StreamingResponse(_events(server, gen, record, deltas, writer, echoes),
+                                 media_type="text/event-stream", headers=headers,
+                                 background=BackgroundTask(_release, server, gen, record, 499))
+    try:
+        await until_disconnected(request.receive, _drain(deltas))
+    except ClientGone:
+        await _release(server, gen, record, 499, "client disconnected")
+        return Response(status_code=499)
+    except KVServeError as e:
+        await _release(server, gen, record, e.status, e.message)
+        raise
+    except BaseException as e:
+        await _release(server, gen, record, 500, repr(e))
+        raise
+    body = (chat_body(gen, decode, engine.block_size) if chat else
+            completion_body(gen, echoes, decode, engine.block_size))
+    await _release(server, gen, record, 200)
+    return JSONResponse(body, headers=headers)
+
+
+# ---- engine outputs -> stage lists ------------------------------------------------------------
+
+async def _engine_outputs(server, gen: Generation, cache_salt: str | None
+                          ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from the engine, every prompt of the request merged into one stream."""
+    engine = server.engine
+    gen.streams = [engine.generate(ps.prompt.token_ids, gen.params, ps.request_id, priority=gen.priority,
+                                   cache_salt=cache_salt, prompt=ps.prompt.text) for ps in gen.prompts]
+    gen.started = True
+    if len(gen.streams) == 1:
+        async for out in gen.streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which maps it to an error body
+            await queue.put((i, e))
+            return
+        await queue.put((i, None))
+
+    gen.tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(gen.streams)]
+    pending = len(gen.tasks)
+    while pending:
+        i, item = await queue.get()
+        if item is None:
+            pending -= 1
+        elif isinstance(item, BaseException):
+            raise item
+        else:
+            yield i, item
+
+
+async def _deltas(server, gen: Generation, cache_salt: str | None) -> AsyncIterator[tuple[int, int, ChoiceDelta]]:
+    """(prompt index, choice index, delta after the choice's stages) for every step, each choice's
+    state accumulated. A forced tool call's opening (the prompt's last text, which the answer
+    continues) goes through the stages first."""
+    for pi, ps in enumerate(gen.prompts):
+        if ps.prompt.forced_prefix:
+            for ci, ch in enumerate(ps.choices):
+                yield pi, ci, ch.add(run_stages(ch.stages, ChoiceDelta(ci, ps.prompt.forced_prefix)))
+    async for pi, out in _engine_outputs(server, gen, cache_salt):
+        ps = gen.prompts[pi]
+        if out.prompt_logprobs is not None:
+            ps.prompt_logprobs = out.prompt_logprobs
+        if out.finished:
+            ps.final = out   # one metrics observation per engine request that finished
+            server.metrics.observe_request(out.metrics, out.outputs[0].finish_reason if out.outputs else None,
+                                           gateway_wait_s=gen.timings.gateway_wait_s)
+        for c in out.outputs:
+            if c.index >= len(ps.choices) or not (c.text_delta or c.token_ids_delta or c.finish_reason):
+                continue
+            ch = ps.choices[c.index]
+            yield pi, c.index, ch.add(run_stages(ch.stages, ChoiceDelta.from_output(c)))
+
+
+async def _drain(deltas: AsyncIterator) -> None:
+    async for _ in deltas:
+        pass
+
+
+async def _events(server, gen: Generation, record: RequestRecord, deltas: AsyncIterator,
+                  writer: ChunkWriter, echoes: list[str] | None) -> AsyncIterator[str]:
+    """The SSE body; an error after the stream started is sent as `data: {"error": ...}` before [DONE]."""
+    n = gen.params.n
+    status, error = 200, None
+    try:
+        if gen.kind == "chat":
+            yield writer.roles(n)
+        for pi, text in enumerate(echoes or []):
+            yield writer.echo(pi * n, n, text)
+        async for pi, ci, d in deltas:
+            tr = (trace(gen, gen.prompts[0], writer.decode, server.engine.block_size)
+                  if d.done and gen.trace and pi == ci == 0 else None)
+            if (event := writer.choice(pi * n + ci, d, tr)) is not None:
+                yield event
+        if writer.include_usage:
+            yield writer.usage()
+    except KVServeError as e:
+        status, error = e.status, e.message
+        yield writer.error(e.to_dict())
+    except Exception as e:
+        logger.exception("error while streaming %s", gen.id)
+        status, error = 500, repr(e)
+        yield writer.error(INTERNAL_ERROR)
+    except BaseException:
+        status, error = 499, "client disconnected"
+        raise
+    finally:
+        await _release(server, gen, record, status, error)
+    yield writer.done()
+
+
+# ---- the end of a request -------------------------------------------------------------------
+
+async def _release(server, gen: Generation, record: RequestRecord, status: int, error: str | None = None) -> None:
+    """Stop engine work, release the slot, refund unused tokens, write the ledger and the
+    access-log fields. Runs once; later calls return at once."""
+    if gen.released:
+        return
+    gen.released = True
+    with anyio.CancelScope(shield=True):
+        for t in gen.tasks:
+            t.cancel()
+        if gen.tasks:
+            await asyncio.gather(*gen.tasks, return_exceptions=True)
+        for stream in gen.streams:   # closing a suspended stream aborts its engine request
+            with contextlib.suppress(RuntimeError):
+                await stream.aclose()
+        if gen.started:
+            for ps in gen.prompts:
+                if ps.final is None:
+                    with contextlib.suppress(Exception):  # already gone is fine
+                        await server.engine.abort(ps.request_id)
+        if gen.ticket is not None:
+            gen.ticket.release()
+        prompt, completion, cached = gen.usage_counts()
+        key = record.key
+        if gen.reserved_tokens:
+            server.limiter.refund_tokens(record.key_name, key.tpm if key else None,
+                                         gen.reserved_tokens - prompt - completion)
+        if gen.started:
+            try:
+                await asyncio.to_thread(server.keystore.record_usage, record.key_name, prompt, completion, cached)
+            except Exception:
+                logger.exception("usage ledger write failed")
+    record.generation = gen.log(status, error)
+
+
+# ---- the request's body and connection ------------------------------------------------------
 
 async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
@@ -45,234 +292,33 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _prepare(server, request: Request, kind: str) -> tuple[Job, object, dict]:
-    """Run every gate; returns the job (holding its admission slot), the parsed body and headers."""
-    settings = server.settings
-    raw = await read_body(request, settings.max_body_bytes)
-    req = parse_body(raw, ChatCompletionRequest if kind == "chat" else CompletionRequest)
-    check_caps(req, settings)
-    marks = {"t0": request.state.t0, "parsed": time.monotonic()}
-    engine, model_name = server.require_engine(req.model)
-    key = request.state.key
-    server.limiter.acquire_request(request.state.key_name, key.rpm if key else None)
-    tier = request.state.key_tier
-    decision = server.admission.check(tier)
-    headers: dict[str, str] = {}
-    requested = req.requested_max_tokens()
-    if decision.max_tokens_cap is not None and (requested is None or requested > decision.max_tokens_cap):
-        requested = decision.max_tokens_cap
-        headers[CAP_HEADER] = str(requested)
-    tok, max_len = engine.tokenizer, engine.max_model_len
-    plan = make_plan(req.tools, req.tool_choice, req.parallel_tool_calls) if kind == "chat" else None
-    if kind == "chat":
-        prompt = await asyncio.to_thread(build_chat_prompt, tok, req.messages, max_model_len=max_len,
-                                         max_tokens=requested, truncate=req.truncate,
-                                         add_generation_prompt=req.add_generation_prompt, tools=plan)
-        if prompt.dropped_messages:
-            headers["x-kvserve-truncated-messages"] = str(prompt.dropped_messages)
-        prompts = [prompt]
-    else:
-        prompts = await asyncio.to_thread(build_completion_prompts, tok, req.prompt,
-                                          vocab_size=getattr(tok, "vocab_size", None))
-        for p in prompts:
-            check_fits(p, requested, max_len)
-    if req.kvserve_trace:
-        marks["prompt_token_texts"] = await asyncio.to_thread(token_texts, tok, prompts[0].token_ids)
-    marks["tokenized"] = time.monotonic()
-    longest = max(len(p.token_ids) for p in prompts)
-    max_tokens = requested if requested is not None else min(settings.default_max_tokens, max_len - longest)
-    if kind == "chat":
-        client_top = (req.top_logprobs or 0) if req.logprobs else None
-        prompt_lp = None
-    else:
-        client_top = req.logprobs
-        prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
-    engine_top = max(client_top or 0, 5) if req.kvserve_trace else client_top
-    params = to_sampling_params(req, max_tokens, logprobs=engine_top, prompt_logprobs=prompt_lp,
-                                extra_stop=plan.stop if plan is not None else None)
-    if req.stream and params.best_of is not None and params.best_of > params.n:
-        raise InvalidRequest("best_of > n cannot be streamed; drop best_of or stream=false.", param="best_of")
-    marks["client_top"] = client_top
-    job = Job(server, request, kind=kind, prompts=prompts, params=params,
-              priority=engine_priority(tier, req.priority), cache_salt=req.cache_salt, marks=marks,
-              trace=req.kvserve_trace, model_name=model_name, tools=plan)
-    reserve = sum(len(p.token_ids) + max_tokens * params.num_sequences for p in prompts)
-    job.reserved_tokens = server.limiter.reserve_tokens(request.state.key_name, key.tpm if key else None,
-                                                        reserve)
+class ClientGone(Exception):
+    """The client closed the connection before the response was complete."""
+
+
+async def until_disconnected(receive, aw):
+    """Await `aw`, cancelling it (and raising ClientGone) if the client disconnects first."""
+    task = asyncio.ensure_future(aw)
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        job.ticket = await until_disconnected(request.receive, server.admission.acquire(job.priority))
-    except BaseException:
-        await job.finish(499)
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
         raise
-    marks["gateway_wait_s"] = job.ticket.waited_s
-    return job, req, headers
-
-
-async def generate(server, request: Request, kind: str) -> Response:
-    job, req, headers = await _prepare(server, request, kind)
-    if req.stream:
-        opts = req.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        body = _stream(job, req, include_usage)
-        return StreamingResponse(body, media_type="text/event-stream", headers=headers,
-                                 background=BackgroundTask(job.finish, 499))
+    if task.done():
+        watcher.cancel()
+        return task.result()
+    task.cancel()
     try:
-        async def collect() -> None:
-            async for _ in job.outputs():
-                pass
-        await until_disconnected(request.receive, collect())
-    except ClientGone:
-        await job.finish(499, "client disconnected")
-        return Response(status_code=499)
-    except KVServeError as e:
-        await job.finish(e.status, e.message)
-        raise
-    except BaseException as e:
-        await job.finish(500, repr(e))
-        raise
-    body = _chat_body(job, req) if kind == "chat" else _completion_body(job, req)
-    await job.finish(200)
-    return JSONResponse(body, headers=headers)
-
-
-# ---- non-streaming bodies -------------------------------------------------------------------
-
-def _chat_body(job: Job, req: ChatCompletionRequest) -> dict:
-    ps = job.prompts[0]
-    choices = []
-    for i, ch in enumerate(ps.choices):
-        lp = (chat_logprobs(ch.token_ids, ch.logprobs, job.marks["client_top"] or 0, job.decode)
-              if req.logprobs else None)
-        content: str | None = ch.text
-        fr = finish_reason(ch.finish_reason)
-        if job.tools is not None:
-            content, ch.tool_calls = parse_output(job.tools, ps.prompt.forced_prefix, ch.text)
-            if ch.tool_calls:
-                fr = "tool_calls"
-        choices.append({"index": i, "message": {"role": "assistant", "content": content, "refusal": None,
-                                                "tool_calls": [c.to_dict() for c in ch.tool_calls]},
-                        "logprobs": lp, "finish_reason": fr, "stop_reason": ch.stop_reason})
-    body = {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model_name,
-            "choices": choices, "usage": usage(*job.usage_counts()), "system_fingerprint": None}
-    if job.trace:
-        body["kvserve_trace"] = job.trace_for(ps)
-    return body
-
-
-def _completion_choice_logprobs(job: Job, req: CompletionRequest, ps, ch) -> dict | None:
-    top = job.marks["client_top"]
-    if top is None:
-        return None
-    ids, positions = list(ch.token_ids), list(ch.logprobs)
-    if req.echo:
-        prompt_pos = ps.prompt_logprobs or [None] * len(ps.prompt.token_ids)
-        ids = list(ps.prompt.token_ids) + ids
-        positions = list(prompt_pos) + positions
-    return completion_logprobs(ids, positions, top, job.decode)
-
-
-def _completion_body(job: Job, req: CompletionRequest) -> dict:
-    choices = []
-    n = job.params.n
-    for pi, ps in enumerate(job.prompts):
-        prefix = _echo_text(job, ps) if req.echo else ""
-        for ci, ch in enumerate(ps.choices):
-            choices.append({"index": pi * n + ci, "text": prefix + ch.text,
-                            "logprobs": _completion_choice_logprobs(job, req, ps, ch),
-                            "finish_reason": finish_reason(ch.finish_reason), "stop_reason": ch.stop_reason})
-    body = {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model_name,
-            "choices": choices, "usage": usage(*job.usage_counts()), "system_fingerprint": None}
-    if job.trace:
-        body["kvserve_trace"] = job.trace_for(job.prompts[0])
-    return body
-
-
-def _echo_text(job: Job, ps) -> str:
-    if ps.prompt.text is not None:
-        return ps.prompt.text
-    return job.server.engine.tokenizer.decode(ps.prompt.token_ids, skip_special_tokens=False)
-
-
-# ---- streaming ------------------------------------------------------------------------------
-
-async def _stream(job: Job, req, include_usage: bool):
-    chat = job.kind == "chat"
-    n = job.params.n
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    status, error = 200, None
-
-    def chunk(choices: list[dict]) -> dict:
-        c = {"id": job.id, "object": obj, "created": job.created, "model": job.model_name, "choices": choices}
-        if include_usage:
-            c["usage"] = None
-        return c
-
-    # Tool calls: one parser per choice; the answer continues the prompt's forcing prefix.
-    parsers = [job.tools.parser() for _ in range(n)] if chat and job.tools is not None else None
-    try:
-        if chat:
-            yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(n)]))
-            prefix = job.prompts[0].prompt.forced_prefix
-            if parsers is not None and prefix:
-                for i, p in enumerate(parsers):
-                    if delta := stream_delta(p.feed(prefix)):
-                        yield sse(chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
-        elif req.echo:
-            for pi, ps in enumerate(job.prompts):
-                text = _echo_text(job, ps)
-                yield sse(chunk([{"index": pi * n + i, "text": text, "logprobs": None, "finish_reason": None}
-                                 for i in range(n)]))
-        top = job.marks["client_top"]
-        async for pi, out in job.outputs():
-            ps = job.prompts[pi]
-            for c in out.outputs:
-                if c.index >= n:
-                    continue
-                done = c.finish_reason is not None
-                if not c.text_delta and not c.token_ids_delta and not done:
-                    continue
-                idx = pi * n + c.index
-                lp = None
-                if top is not None and c.logprobs_delta:
-                    lp = (chat_logprobs(c.token_ids_delta, c.logprobs_delta, top, job.decode) if chat else
-                          completion_logprobs(c.token_ids_delta, c.logprobs_delta, top, job.decode))
-                fr = finish_reason(c.finish_reason)
-                if parsers is not None:
-                    p = parsers[c.index]
-                    delta = stream_delta(p.feed(c.text_delta) + (p.finish() if done else []))
-                    if not delta and lp is None and not done:
-                        continue   # text held back: it may be the start of a tool call
-                    if done and p.calls:
-                        fr = "tool_calls"
-                        ps.choices[c.index].tool_calls = p.calls
-                    choice = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": fr}
-                elif chat:
-                    delta = {"content": c.text_delta} if c.text_delta or not done else {}
-                    choice = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": fr}
-                else:
-                    choice = {"index": idx, "text": c.text_delta, "logprobs": lp, "finish_reason": fr}
-                if done:
-                    choice["stop_reason"] = c.stop_reason
-                body = chunk([choice])
-                if done and job.trace and idx == 0:
-                    body["kvserve_trace"] = job.trace_for(ps)
-                yield sse(body)
-        if include_usage:
-            final = chunk([])
-            final["usage"] = usage(*job.usage_counts())
-            yield sse(final)
-    except KVServeError as e:
-        status, error = e.status, e.message
-        yield sse(e.to_dict())
-    except Exception as e:
-        logger.exception("error while streaming %s", job.id)
-        status, error = 500, repr(e)
-        yield sse({"error": {"message": "Internal error while generating; the response is incomplete.",
-                             "type": "server_error", "param": None, "code": "internal_error"}})
-    except BaseException:
-        status, error = 499, "client disconnected"
-        raise
-    finally:
-        await job.finish(status, error)
-    yield sse("[DONE]")
+        result = await task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - we only need it stopped
+        result = None
+    if isinstance(result, Ticket):
+        result.release()
+    raise ClientGone()

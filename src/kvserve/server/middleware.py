@@ -4,8 +4,13 @@ Auth decides on `scope["path"]`, the path the router will match, exactly as the 
 it (percent-decoded by uvicorn, nothing rebuilt from Host or forwarding headers). Public means an
 exact match with a short list, or the `/static/` prefix, which only ever routes to the static
 file mount; anything else (`//v1/models`, `/health/../v1/models`, `/v1/models/`, `/%761/models`)
-needs a key. The key's name and tier go into `scope["state"]` (read by routes as
-`request.state.key_name` / `request.state.key_tier`) before any route runs.
+needs a key.
+
+Each request gets a `RequestRecord` (records.py) in `scope["state"]["record"]`: its id, arrival
+time and caller (key, name, tier), set before any route runs. Handlers read the caller from it
+and attach their own fields to it; the middleware writes it as the access-log line once the
+response is done. Routes that only need the caller's name (the web page's conversations) read
+`request.state.key_name`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import uuid
 
 from kvserve.errors import AuthenticationError, KVServeError
 from kvserve.server.keys import ApiKey, KeyStore
+from kvserve.server.records import RequestRecord
 
 access_log = logging.getLogger("kvserve.access")
 
@@ -75,37 +81,30 @@ class GatewayMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        t0 = time.monotonic()
         incoming = _header(scope, b"x-request-id")
-        request_id = incoming if incoming and _REQUEST_ID_OK.match(incoming) else uuid.uuid4().hex
+        record = RequestRecord(request_id=incoming if incoming and _REQUEST_ID_OK.match(incoming) else uuid.uuid4().hex,
+                               t0=time.monotonic(), method=scope.get("method"), path=scope["path"])
         state = scope.setdefault("state", {})
-        log: dict = {}
-        state.update(request_id=request_id, t0=t0, log=log, key_name=None, key_tier="paid", key=None)
-        status = {"code": 500}
-        rid_header = (b"x-request-id", request_id.encode())
+        state.update(record=record, key_name=None)
+        rid_header = (b"x-request-id", record.request_id.encode())
 
         async def send_wrapped(message):
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                record.status = message["status"]
                 message = dict(message)
                 message["headers"] = list(message.get("headers", [])) + [rid_header]
             await send(message)
 
-        path = scope["path"]
         try:
-            if not is_public(path):
+            if not is_public(record.path):
                 try:
                     key = self.authenticate(scope)
                 except AuthenticationError as err:
                     await send_error(send_wrapped, err)
                     return
                 if key is not None:
-                    state.update(key_name=key.name, key_tier=key.tier, key=key)
-            state["auth_done"] = time.monotonic()
+                    record.key, record.key_name, record.key_tier = key, key.name, key.tier
+                    state["key_name"] = key.name
             await self.app(scope, receive, send_wrapped)
         finally:
-            line = {"ts": round(time.time(), 3), "request_id": request_id, "method": scope.get("method"),
-                    "path": path, "status": status["code"], "key_name": state.get("key_name")}
-            line.update(log)
-            line["total_ms"] = round((time.monotonic() - t0) * 1000, 2)
-            access_log.info(json.dumps(line))
+            access_log.info(record.access_log_line())

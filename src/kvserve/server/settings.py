@@ -18,6 +18,8 @@ class ServerSettings:
     model: str | None = None
     served_model_name: str | None = None  # name clients send in "model"; defaults to the engine's name
     load_model: bool = True
+    engine_process: bool = False   # run the engine in its own process (msgpack over local ZMQ sockets)
+    weight_format: str = "auto"
     engine_kwargs: dict = field(default_factory=dict)
 
     data_dir: pathlib.Path = field(default_factory=default_data_dir)
