@@ -1,8 +1,13 @@
 """Real servers on 127.0.0.1 for the server tests.
 
 `gateway` runs the app in-process under uvicorn with no model (auth, validation, limits);
-`start_model_server` launches `python -m kvserve.server serve` as a subprocess with the real
+`model_server` launches `python -m kvserve.server serve` as a subprocess with the real
 default model, and waits for /health to turn 200.
+
+The model-server tests run once per engine client: a module-scoped fixture that takes
+`engine_kind` ("inproc": the engine core in a thread of the server; "process": the engine in its
+own process, `serve --engine-process`) is set up once per kind, and pytest runs all of a module's
+tests against one server before starting the next.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from kvserve.server.app import create_app
 from kvserve.server.settings import ServerSettings
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+ENGINE_CLIENTS = ("inproc", "process")
 
 
 def free_port() -> int:
@@ -71,9 +77,11 @@ def gateway(tmp_path_factory):
 class ModelServer:
     """`python -m kvserve.server serve` in a subprocess, with the real default model."""
 
-    def __init__(self, data_dir: pathlib.Path, *args: str):
+    def __init__(self, data_dir: pathlib.Path, *args: str, engine: str = "inproc"):
+        assert engine in ENGINE_CLIENTS, engine
         self.data_dir = data_dir
-        self.args = args
+        self.engine = engine
+        self.args = args + (("--engine-process",) if engine == "process" else ())
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -116,13 +124,20 @@ class ModelServer:
         return [line for line in self.log_path.read_text().splitlines() if line.startswith('{"ts"')]
 
 
+@pytest.fixture(scope="module", params=ENGINE_CLIENTS)
+def engine_kind(request) -> str:
+    """Which engine client a module's model server uses; every dependent test runs with each."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def model_server():
-    """Factory: `model_server(data_dir, *cli_args)` starts a ModelServer; all are stopped at the end."""
+    """Factory: `model_server(data_dir, *cli_args, engine="inproc"|"process")` starts a ModelServer;
+    all are stopped at the end."""
     started: list[ModelServer] = []
 
-    def make(data_dir: pathlib.Path, *args: str) -> ModelServer:
-        server = ModelServer(data_dir, *args)
+    def make(data_dir: pathlib.Path, *args: str, engine: str = "inproc") -> ModelServer:
+        server = ModelServer(data_dir, *args, engine=engine)
         started.append(server)
         return server.start()
 

@@ -1,7 +1,8 @@
 """The OpenAI-compatible API against a real server with the real default model.
 
-One server for the module (`python -m kvserve.server serve` on a free port, context window
-capped at 512 so the truncation test stays cheap); keys are created before it starts.
+One server for the module per engine client (`python -m kvserve.server serve` on a free port,
+context window capped at 512 so the truncation test stays cheap; once in-process, once with
+`--engine-process`); keys are created before it starts.
 Small max_tokens everywhere: this module must stay within a few minutes on 2 cores.
 """
 
@@ -26,13 +27,13 @@ HTTP = httpx.Client(timeout=300)  # the CPU is shared: generous timeouts, never 
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory, model_server):
-    data_dir = tmp_path_factory.mktemp("api")
+def srv(tmp_path_factory, model_server, engine_kind):
+    data_dir = tmp_path_factory.mktemp(f"api-{engine_kind}")
     store = KeyStore(data_dir / "kvserve.db")
     keys = {"alice": store.create("alice"), "tiny": store.create("tiny", rpm=2),
             "tokens": store.create("tokens", tpm=1000)}
     store.close()
-    server = model_server(data_dir, "--max-model-len", "512", "--max-running", "64")
+    server = model_server(data_dir, "--max-model-len", "512", "--max-running", "64", engine=engine_kind)
     server.keys = keys
     global MODEL
     MODEL = HTTP.get(server.base_url + "/v1/models", headers={"Authorization": f"Bearer {keys['alice']}"}
@@ -57,6 +58,12 @@ def metrics(srv) -> dict[str, float]:
         for s in fam.samples:
             out[s.name] = out.get(s.name, 0.0) + s.value
     return out
+
+
+def test_health_names_the_engine_client(srv):
+    """`serve --engine-process` reaches make_engine_client: /health says which client serves."""
+    body = HTTP.get(srv.base_url + "/health").json()
+    assert body["status"] == "ok" and body["engine"] == srv.engine
 
 
 def test_models_tokenize_detokenize(srv, client):

@@ -2,7 +2,7 @@
 
 The server runs one request at a time (`--max-running 1`) with a queue of 3 and a degradation
 ladder that caps max_tokens from one waiting request and refuses the free tier from two.
-Then it is SIGKILLed under load and restarted on the same data dir.
+Then it is SIGKILLed under load and restarted on the same data dir. Both with each engine client.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ ARGS = ("--max-model-len", "512", "--max-running", "1", "--max-waiting", "3", "-
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, model_server):
-    data_dir = tmp_path_factory.mktemp("overload")
+def setup(tmp_path_factory, model_server, engine_kind):
+    data_dir = tmp_path_factory.mktemp(f"overload-{engine_kind}")
     store = KeyStore(data_dir / "kvserve.db")
     keys = {"paid": store.create("paid"), "free": store.create("free", tier="free")}
     store.close()
-    return data_dir, keys, model_server(data_dir, *ARGS)
+    server = model_server(data_dir, *ARGS, engine=engine_kind)
+    yield data_dir, keys, server
+    server.stop()
 
 
 def hdr(key: str) -> dict:
@@ -96,7 +98,7 @@ def test_sigkill_under_load_keeps_keys_and_ledger(setup, model_server):
     pool.shutdown(wait=True)
     with sqlite3.connect(data_dir / "kvserve.db") as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    restarted = model_server(data_dir, *ARGS)
+    restarted = model_server(data_dir, *ARGS, engine=srv.engine)   # stopped by the factory if this fails
     r = httpx.get(restarted.base_url + "/v1/models", headers=hdr(keys["paid"]), timeout=60)
     assert r.status_code == 200
     assert httpx.get(restarted.base_url + "/v1/models", timeout=60).status_code == 401
@@ -108,3 +110,4 @@ def test_sigkill_under_load_keeps_keys_and_ledger(setup, model_server):
     assert r.status_code == 200
     with sqlite3.connect(data_dir / "kvserve.db") as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    restarted.stop()

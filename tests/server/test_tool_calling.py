@@ -264,8 +264,9 @@ def test_valid_tool_requests():
 # ---- the real server with the real default model --------------------------------------------
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory, model_server):
-    server = model_server(tmp_path_factory.mktemp("tools"), "--max-model-len", "1024")
+def srv(tmp_path_factory, model_server, engine_kind):
+    server = model_server(tmp_path_factory.mktemp(f"tools-{engine_kind}"), "--max-model-len", "1024",
+                          engine=engine_kind)
     yield server
     server.stop()
 

@@ -146,8 +146,13 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         if state.engine is None:
             body = {"status": "error", "error": state.load_error} if state.load_error else {"status": "loading"}
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
-        return JSONResponse({"status": "ok", "model": state.model_name,
-                             "engine": getattr(state.engine, "kind", None)})
+        kind = getattr(state.engine, "kind", None)   # which engine client: "inproc" or "process"
+        try:
+            if hasattr(state.engine, "health"):
+                state.engine.health()   # raises when the engine (process) is gone
+        except KVServeError as e:
+            return JSONResponse({"status": "error", "error": e.message, "engine": kind}, status_code=503)
+        return JSONResponse({"status": "ok", "model": state.model_name, "engine": kind})
 
     @app.get("/version")
     async def version() -> dict:

@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -153,8 +153,9 @@ class Generation:
     released: bool = False
 
     @classmethod
-    def create(cls, kind: str, prompts: list[Prompt], params: SamplingParams, stages, **kw) -> Generation:
-        """`stages()` makes one choice's stage list."""
+    def create(cls, kind: str, prompts: list[Prompt], params: SamplingParams,
+               stages: Callable[[], list[Stage]], **kw: Any) -> Generation:
+        """A new request with `params.n` choices per prompt; `stages()` makes one choice's stage list."""
         gid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         states = [PromptState(p, f"{gid}-{i}", [ChoiceState(stages()) for _ in range(params.n)])
                   for i, p in enumerate(prompts)]
