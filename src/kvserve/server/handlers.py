@@ -64,6 +64,7 @@ def mount(app: FastAPI, server) -> None:
 
 
 async def generate(server, request: Request, kind: str) -> Response:
+    """One generation request ("chat" or "completion"), from raw body to response, in order."""
     record: RequestRecord = request.state.record
     settings, chat = server.settings, kind == "chat"
 
