@@ -3,13 +3,14 @@
 SPEC is a JSON object: model, weight_format, engine_kwargs, the two ZMQ addresses to connect to
 (input: the client's PUSH, output: the client's PULL) and the parent's pid. The process loads the
 model, sends EngineReady (with the tokenizer, so the client does not load the model again) or
-EngineFailed, then runs the core's busy loop until Shutdown, or until its parent is gone.
+EngineFailed, then runs the core's busy loop until Shutdown, or until its parent is gone (checked
+at every poll; PR_SET_PDEATHSIG would fire when the *thread* that started us ends, and the server
+starts us from its model-loading thread).
 Every message is msgpack (kvserve.engine.messages); nothing is pickled.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -37,19 +38,10 @@ def tokenizer_from_spec(spec: dict):
                      chat_template=spec["chat_template"])
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the parent dies (PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-
-
 def main(argv: list[str]) -> int:
     import zmq
 
     spec = json.loads(argv[1])
-    _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C goes to the server, which shuts us down
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     ctx = zmq.Context()
