@@ -98,9 +98,12 @@ class ModelServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.log_path.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                r = httpx.get(self.base_url + "/health", timeout=2)
+                if r.status_code == 200:
                     return self
+                if r.json().get("status") == "error":   # the model failed to load, or the engine died
+                    raise RuntimeError(f"server unhealthy: {r.text}: {self.log_path.read_text()[-3000:]}")
             time.sleep(0.25)
         raise RuntimeError(f"server not healthy in {timeout}s: {self.log_path.read_text()[-3000:]}")
 
