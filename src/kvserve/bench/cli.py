@@ -1,54 +1,23 @@
 """`kvserve bench ...`: benchmarks with progress bars, a markdown table and a PNG chart.
 
-This module holds the `latency` and `kernels` commands; other benchmarks register their own
-commands on `app` from their modules.
+This module holds the `latency` and `kernels` commands and registers the others (serve,
+throughput) from their modules; the helpers they share are in `kvserve.bench.common`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvserve.bench.common import OUT_DIR, console, progress, progress_events, write_outputs
+from kvserve.bench.serve_launch import serve_command
+from kvserve.bench.throughput import throughput
 from kvserve.errors import KVServeError
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks: latency (prefill/decode), kernels; peers side by side.")
-console = Console(stderr=True)
-OUT_DIR = Path("runs/bench")
-
-
-def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=False)
-
-
-def _progress_events(prog: Progress, on_other=None):
-    """An `on_event(kind, **info)` callback that drives `prog` from a benchmark's load/start/
-    advance events; other kinds go to `on_other(kind, info)`."""
-    tasks: dict[str, object] = {}
-
-    def on_event(kind: str, **info) -> None:
-        if kind == "load":
-            console.print(f"loading {info['engine']}...")
-        elif kind == "start":
-            tasks["current"] = prog.add_task(f"{info['engine']:>12}", total=info["total"])
-        elif kind == "advance" and "current" in tasks:
-            prog.advance(tasks["current"], info["n"])
-        elif on_other is not None:
-            on_other(kind, info)
-
-    return on_event
-
-
-def _write_outputs(out_dir: Path, stem: str, table: str, data: list[dict]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.md").write_text(table + "\n")
-    (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
 
 
 @app.command()
@@ -67,9 +36,9 @@ def latency(
 
     cfg = LatencyConfig(model=model, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, repeats=repeats,
                         threads=threads, weight_format=weight_format, peers=list(peer or []))
-    with _progress() as prog:
+    with progress() as prog:
         try:
-            results = run_latency(cfg, _progress_events(prog))
+            results = run_latency(cfg, progress_events(prog))
         except KVServeError as e:
             console.print(f"error: {e.message}")
             raise typer.Exit(1) from None
@@ -78,7 +47,7 @@ def latency(
           f"load average {os.getloadavg()[0]:.1f}\n")
     print(table)
     data = [{**r.__dict__, "prefill_tps": r.prefill_tps, "decode_tps": r.decode_tps} for r in results]
-    _write_outputs(out_dir, "latency", table, data)
+    write_outputs(out_dir, "latency", table, data)
     save_chart(results, str(out_dir / "latency.png"))
     console.print(f"wrote {out_dir}/latency.md, latency.json, latency.png")
 
@@ -93,21 +62,16 @@ def kernels(
     from kvserve.bench.latency import MODEL_SHAPES, kernel_latency, kernel_table
 
     tokens = list(tokens or [1, 7, 64, 512])
-    with _progress() as prog:
+    with progress() as prog:
         task = prog.add_task("kernels", total=len(MODEL_SHAPES) * len(tokens))
         rows = kernel_latency(tokens, threads=threads, progress=lambda n: prog.advance(task, n))
     table = kernel_table(rows)
     print(f"{threads} threads, median µs per call, load average {os.getloadavg()[0]:.1f}\n")
     print(table)
-    _write_outputs(out_dir, "kernels", table, rows)
+    write_outputs(out_dir, "kernels", table, rows)
 
 
-# `kvserve bench serve` lives in its own module (the HTTP load generator); registered here.
-from kvserve.bench.serve import serve_command
-
+# `kvserve bench serve` (the HTTP load generator) and `kvserve bench throughput` (offline, many
+# requests at once) live in their own modules; registered here.
 app.command("serve")(serve_command)
-
-# `kvserve bench throughput` (offline, many requests at once) lives in its own module too.
-from kvserve.bench.throughput import throughput
-
 app.command("throughput")(throughput)

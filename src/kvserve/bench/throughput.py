@@ -29,6 +29,7 @@ from typing import Annotated
 import torch
 import typer
 
+from kvserve.bench.common import console, progress, progress_events, write_outputs
 from kvserve.errors import InvalidRequest, KVServeError
 
 Emit = Callable[..., None]
@@ -121,7 +122,7 @@ def run_kvserve(cfg: ThroughputConfig, emit: Emit) -> tuple[ThroughputResult, Wo
     llm = LLM(cfg.model, weight_format=cfg.weight_format, kv_cache_memory=cfg.kv_cache_memory,
               max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens)
     eng = llm.engine
-    wl = make_workload(cfg, eng.model_config.vocab_size)
+    wl = make_workload(cfg, eng.info.vocab_size)
     if max(len(p) for p in wl.prompts) + cfg.output_max > eng.max_model_len:
         raise InvalidRequest(f"input_max + output_max exceeds the context ({eng.max_model_len} tokens)",
                              param="input_max")
@@ -255,15 +256,13 @@ def throughput(
         "runs/bench"),
 ) -> None:
     """Offline throughput: N requests with random input/output lengths; requests/s, total and output tokens/s."""
-    from kvserve.bench.cli import _progress, _progress_events, _write_outputs, console
-
     try:
         cfg = ThroughputConfig(model=model, num_prompts=num_prompts, input_min=input_min, input_max=input_max,
                                output_min=output_min, output_max=output_max, seed=seed, threads=threads,
                                weight_format=weight_format, kv_cache_memory=kv_cache_memory,
                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                peers=list(peer or []))
-        with _progress() as prog:
+        with progress() as prog:
 
             def on_done(kind: str, info: dict) -> None:
                 if kind == "done":     # each engine's numbers as soon as it finishes
@@ -271,7 +270,7 @@ def throughput(
                     console.print(f"{r.engine}: {r.requests_per_s:.2f} req/s, {r.total_tps:.1f} total tok/s, "
                                   f"{r.output_tps:.1f} output tok/s ({r.elapsed_s:.1f} s)")
 
-            results = run_throughput(cfg, _progress_events(prog, on_done))
+            results = run_throughput(cfg, progress_events(prog, on_done))
     except KVServeError as e:
         console.print(f"error: {e.message}")
         raise typer.Exit(1) from None
@@ -280,6 +279,6 @@ def throughput(
     table = markdown_table(results)
     print(head + "\n")
     print(table)
-    _write_outputs(out_dir, "throughput", table, [r.as_dict() for r in results])
+    write_outputs(out_dir, "throughput", table, [r.as_dict() for r in results])
     save_chart(results, out_dir / "throughput.png", head)
     console.print(f"wrote {out_dir}/throughput.md, throughput.json, throughput.png")

@@ -1,0 +1,43 @@
+"""What every `kvserve bench` command shares: the stderr console, progress bars driven by a
+benchmark's events, and the table/JSON writer. The command modules import it; it imports none
+of them (so the import graph inside bench/ stays acyclic)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+console = Console(stderr=True)
+OUT_DIR = Path("runs/bench")
+
+
+def progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=False)
+
+
+def progress_events(prog: Progress, on_other=None):
+    """An `on_event(kind, **info)` callback that drives `prog` from a benchmark's load/start/
+    advance events; other kinds go to `on_other(kind, info)`."""
+    tasks: dict[str, object] = {}
+
+    def on_event(kind: str, **info) -> None:
+        if kind == "load":
+            console.print(f"loading {info['engine']}...")
+        elif kind == "start":
+            tasks["current"] = prog.add_task(f"{info['engine']:>12}", total=info["total"])
+        elif kind == "advance" and "current" in tasks:
+            prog.advance(tasks["current"], info["n"])
+        elif on_other is not None:
+            on_other(kind, info)
+
+    return on_event
+
+
+def write_outputs(out_dir: Path, stem: str, table: str, data: list[dict]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.md").write_text(table + "\n")
+    (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
