@@ -121,3 +121,24 @@ def test_engine_process_death_is_reported():
         await c.shutdown()
 
     asyncio.run(body())
+
+
+def test_engine_process_outlives_the_thread_that_started_it():
+    """The server loads the model in a short-lived thread: the engine process must not die with it."""
+    import threading
+
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("c", make_engine_client(
+        None, engine_process=True, kv_cache_memory="64MiB")))
+    t.start()
+    t.join()
+    c = box["c"]
+
+    async def body():
+        await c.start()
+        outs = await collect(c, c.tokenizer.encode("Hello"), SamplingParams(temperature=0, max_tokens=3), "t")
+        await c.shutdown()
+        return outs
+
+    assert asyncio.run(body())[-1].finished
+    assert c.proc.returncode == 0
