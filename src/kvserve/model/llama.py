@@ -10,6 +10,9 @@ matmul each. Two ways in:
     for training and for checking against a reference implementation;
   * `forward(input_ids [T], positions [T], attn_metadata, kv_caches)`: a flattened batch of
     many sequences' new tokens, reading and writing the paged KV cache (see attention.py).
+The model holds the KernelBackend it was built with; the layer math between projections comes
+from `backend.layer_ops(model)` (C on CPUs with the kernels) or PyTorch (autograd, dense calls,
+steps the C code does not handle).
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.errors import ModelLoadError
-from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvserve.model.attention import AttentionMetadata
 from kvserve.model.config import ModelConfig
-from kvserve.model.linear import DenseLinear, WeightSource, make_linear
+from kvserve.model.kernels.backend import KernelBackend
+from kvserve.model.linear import DenseLinear, Linear, WeightSource, make_linear
+from kvserve.model.ops import Step, TorchOps
 
 
 class RMSNorm(nn.Module):
@@ -77,14 +82,10 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions], self.sin[positions]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, H, D]; cos/sin [..., T, D]."""
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(-2) + rot * sin.unsqueeze(-2)
-
-
 class DecoderLayer(nn.Module):
+    """One block: RMSNorm -> attention -> +residual, RMSNorm -> SwiGLU MLP -> +residual. The math
+    between the projections is the `ops` object's (model/ops.py): PyTorch, or the C kernels."""
+
     def __init__(self, cfg: ModelConfig, w: dict[str, nn.Module]):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -100,38 +101,27 @@ class DecoderLayer(nn.Module):
         self.down_proj = w["down_proj"]
         self.intermediate_size = self.gate_up_proj.out_features // 2
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata | None, kv_cache: torch.Tensor | None) -> torch.Tensor:
-        lead = x.shape[:-1]                              # [T] or [B, T]
-        h = self.input_layernorm(x)
-        qkv = self.qkv_proj(h.reshape(-1, h.shape[-1])).view(*lead, -1)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(*lead, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(*lead, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(*lead, self.num_kv_heads, self.head_dim)
-        if meta is None:   # dense causal attention over [B, T] (training, reference checks)
-            rep = self.num_heads // self.num_kv_heads  # K/V expanded to every head: the fused kernel
-            kt = k.transpose(1, 2).repeat_interleave(rep, dim=1)   # also runs under autograd
-            vt = v.transpose(1, 2).repeat_interleave(rep, dim=1)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, is_causal=True,
-                                               scale=self.scale).transpose(1, 2)
-        else:
-            write_kv(kv_cache, k, v, meta.slot_mapping)
-            o = paged_attention(q, kv_cache, meta, self.scale)
+    def forward(self, x: torch.Tensor, step: Step, kv_cache: torch.Tensor | None, ops: TorchOps) -> torch.Tensor:
+        """x [T, H] (paged) or [B, T, H] (dense) -> the same shape."""
+        lead, hidden = x.shape[:-1], x.shape[-1]               # [T] or [B, T]
+        h = ops.rms_norm(x, self.input_layernorm).reshape(-1, hidden)
+        qkv = self.qkv_proj(h).view(*lead, -1)
+        o = ops.attention(qkv, self, step, kv_cache)
         x = x + self.o_proj(o.reshape(-1, self.q_size)).view(*lead, -1)
-        h = self.post_attention_layernorm(x)
-        gu = self.gate_up_proj(h.reshape(-1, h.shape[-1]))
-        gate, up = gu.split(self.intermediate_size, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up).view(*lead, -1)
+        h = ops.rms_norm(x, self.post_attention_layernorm).reshape(-1, hidden)
+        return x + self.down_proj(ops.silu_mul(self.gate_up_proj(h))).view(*lead, -1)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor | nn.Module, layers: list[DecoderLayer],
-                 norm: RMSNorm, lm_head: nn.Module):
-        """embed: the fp32 table, or a packed GGUFQuantLinear whose rows() are the embeddings (the
-        lm_head itself when tied): no fp32 copy of a 49k x 576 table (113 MB) is then kept."""
+                 norm: RMSNorm, lm_head: nn.Module, backend: KernelBackend | None = None):
+        """embed: the fp32 table, or a packed Linear whose rows() are the embeddings (the lm_head
+        itself when tied): no fp32 copy of a 49k x 576 table (113 MB) is then kept.
+        backend: the kernel choices the projections were built with (default: PyTorch only)."""
         super().__init__()
         self.config = cfg
+        self.backend = backend or KernelBackend.pytorch()
+        self._ops: tuple[KernelBackend, TorchOps] | None = None   # layer ops, built for self.backend
         if isinstance(embed, torch.Tensor):
             self.embed_tokens = nn.Parameter(embed, requires_grad=False)
             self.packed_embed = None
@@ -148,17 +138,24 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states after the final norm: [B, T, H] (dense) or [T, H] (paged)."""
         if positions is None:
-            positions = torch.arange(input_ids.shape[-1]).expand_as(input_ids)
+            positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
         x = self.embed(input_ids)
+        reference = TorchOps(self.rotary, self.backend)
+        ops, step = reference, None
         if attn_metadata is not None and kv_caches is not None and not torch.is_grad_enabled():
-            fused = self.fused_forward()
-            out = None if fused is None else fused(x, positions, attn_metadata, kv_caches)
-            if out is not None:
-                return out
-        cos, sin = self.rotary(positions)
+            ops = self.layer_ops()
+            step = ops.prepare(x, positions, attn_metadata, kv_caches)
+            if step is None:
+                ops = reference
+            else:
+                out = ops.forward_stack(x, step, kv_caches)
+                if out is not None:
+                    return out
+        if step is None:
+            step = ops.prepare(x, positions, attn_metadata, kv_caches)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn_metadata, None if kv_caches is None else kv_caches[i])
-        return self.norm(x)
+            x = layer(x, step, None if kv_caches is None else kv_caches[i], ops)
+        return ops.rms_norm(x, self.norm)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings, float32 [*input_ids.shape, hidden]."""
@@ -166,14 +163,12 @@ class LlamaForCausalLM(nn.Module):
             return F.embedding(input_ids, self.embed_tokens).float()
         return (self.lm_head if self.packed_embed is None else self.packed_embed).rows(input_ids)
 
-    def fused_forward(self):
-        """The one-call C forward of the layer stack (kvserve.model.quant.forward), built on first
-        use; None when this model's weights are not all packed GGUF quants."""
-        if not hasattr(self, "_fused"):
-            from kvserve.model.quant.forward import FusedForward
-
-            self._fused = FusedForward.build(self)
-        return self._fused
+    def layer_ops(self) -> TorchOps:
+        """The ops between projections for paged inference steps, built on first use for the
+        current `self.backend` (assigning another backend, as tests do, rebuilds them)."""
+        if self._ops is None or self._ops[0] is not self.backend:
+            self._ops = (self.backend, self.backend.layer_ops(self))
+        return self._ops[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         lead = hidden.shape[:-1]
@@ -182,16 +177,18 @@ class LlamaForCausalLM(nn.Module):
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_weights(cls, cfg: ModelConfig, w: dict[str, WeightSource | torch.Tensor],
-                     weight_format: str = "auto") -> LlamaForCausalLM:
+                     weight_format: str = "auto", backend: KernelBackend | None = None) -> LlamaForCausalLM:
         """Build from HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...); 1-D
-        tensors (norms, biases) are plain tensors, projections are WeightSources."""
+        tensors (norms, biases) are plain tensors, projections are WeightSources. `backend`
+        (default: PyTorch only) decides the kernels; load_model passes the detected one."""
+        backend = backend or KernelBackend.pytorch()
 
-        def lin(names: list[str], bias_names: list[str] | None = None) -> nn.Module:
+        def lin(names: list[str], bias_names: list[str] | None = None) -> Linear:
             src = WeightSource.concat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
             bias = None
             if bias_names and all(b in w for b in bias_names):
                 bias = torch.cat([w[b].float() for b in bias_names])
-            return make_linear(src, bias, weight_format)
+            return make_linear(src, bias, weight_format, backend=backend)
 
         layers = []
         for i in range(cfg.num_hidden_layers):
@@ -209,11 +206,11 @@ class LlamaForCausalLM(nn.Module):
         emb_src = w["model.embed_tokens.weight"]
         head_src = w.get("lm_head.weight")
         tied = head_src is None or cfg.tie_word_embeddings
-        embed: torch.Tensor | nn.Module | None = None
+        embed: torch.Tensor | Linear | None = None
         if isinstance(emb_src, WeightSource) and emb_src.raw is not None and weight_format in ("auto", "gguf"):
-            # Packed GGUF embedding: look rows up from the packed weights where a kernel holds them.
-            packed = make_linear(emb_src, None, weight_format, lookup_only=not tied)
-            if hasattr(packed, "rows"):
+            # Packed GGUF embedding: look rows up from the packed weights where a variant holds them.
+            packed = make_linear(emb_src, None, weight_format, lookup_only=not tied, backend=backend)
+            if packed.supports_rows:
                 embed = packed
         if embed is None:
             embed = emb_src.dequantize() if isinstance(emb_src, WeightSource) else emb_src.float()
@@ -222,11 +219,11 @@ class LlamaForCausalLM(nn.Module):
                 lm_head = embed
             else:
                 head_src = emb_src if isinstance(emb_src, WeightSource) else WeightSource(tuple(embed.shape), embed)
-                lm_head = make_linear(head_src, None, weight_format)
+                lm_head = make_linear(head_src, None, weight_format, backend=backend)
         else:
-            lm_head = make_linear(head_src, None, weight_format)
+            lm_head = make_linear(head_src, None, weight_format, backend=backend)
         norm = RMSNorm(w["model.norm.weight"], cfg.rms_norm_eps)
-        model = cls(cfg, embed, layers, norm, lm_head)
+        model = cls(cfg, embed, layers, norm, lm_head, backend)
         if isinstance(lm_head, DenseLinear) and lm_head.weight.dtype == torch.float32 and (
                 cfg.tie_word_embeddings or "lm_head.weight" not in w):
             model.lm_head.weight = model.embed_tokens   # tied: one parameter, not a copy

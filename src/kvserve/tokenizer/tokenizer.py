@@ -63,27 +63,36 @@ class Tokenizer:
     # ---- constructors -------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, reader) -> Tokenizer:
-        from kvserve.model.gguf_loader import field
+        """From the tokenizer.ggml.* metadata of a gguf.GGUFReader."""
 
-        kind = field(reader, "tokenizer.ggml.model")
+        def field(key: str, default=None):
+            f = reader.fields.get(key)
+            if f is None:
+                return default
+            try:
+                return f.contents()
+            except Exception:  # noqa: BLE001 - any decoding failure means a corrupt field
+                raise ModelLoadError(f"GGUF metadata field {key} is corrupt") from None
+
+        kind = field("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r}: kvserve reads byte-level BPE "
                                  "('gpt2') tokenizers from GGUF; use the model's tokenizer.json instead")
-        tokens = field(reader, "tokenizer.ggml.tokens")
-        types = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges") or []]
+        tokens = field("tokenizer.ggml.tokens")
+        types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges") or []]
         vocab = {t: i for i, t in enumerate(tokens)}
         hf = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-        hf.pre_tokenizer = _pre_tokenizer(field(reader, "tokenizer.ggml.pre"))
+        hf.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre"))
         hf.decoder = decoders.ByteLevel()
         special = [AddedToken(tokens[i], special=True, normalized=False)
                    for i, ty in enumerate(types) if ty in (3, 4)]   # CONTROL, USER_DEFINED
         hf.add_special_tokens(special)
-        eos = field(reader, "tokenizer.ggml.eos_token_id")
-        return cls(hf, bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+        eos = field("tokenizer.ggml.eos_token_id")
+        return cls(hf, bos_token_id=field("tokenizer.ggml.bos_token_id"),
                    eos_token_ids=[] if eos is None else [int(eos)],
-                   add_bos=bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
-                   chat_template=field(reader, "tokenizer.chat_template"))
+                   add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=field("tokenizer.chat_template"))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:

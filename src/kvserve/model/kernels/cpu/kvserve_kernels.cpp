@@ -1,6 +1,6 @@
 // kvserve CPU kernels: GGUF block-quantized matmul (Q4_0, Q4_1, Q8_0) with AVX2 integer dot products.
 //
-// Built by kvserve.model.quant.build with: g++ -O3 -mavx2 -mfma -mf16c -fPIC -shared -pthread
+// Built by kvserve.model.kernels.build with: g++ -O3 -mavx2 -mfma -mf16c -fPIC -shared -pthread
 // (plus -mavxvnni where the CPU has AVX-VNNI) and called through ctypes. Explicit AVX2 flags (not -march=native) so the same binary is valid on
 // every AVX2 host the team runs on.
 //

@@ -1,11 +1,13 @@
-"""Linear layers over GGUF block-quantized weights, kept packed (Q4_0, Q4_1, Q4_K, Q8_0)."""
+"""Linear layers over GGUF block-quantized weights, kept packed (Q4_0, Q4_1, Q4_K, Q8_0).
+
+GGUFQuantLinear follows model/linear.py's Linear protocol and adds row lookups (`rows`), so a
+packed embedding table needs no fp32 copy. Which path a call takes is the KernelBackend's choice.
+"""
 
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
-from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
@@ -13,8 +15,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from kvserve.errors import ModelLoadError
-from kvserve.model.quant import reference
-from kvserve.model.quant.build import KvsWeight, cpu_flags, load_kernels
+from kvserve.model.kernels import reference
+from kvserve.model.kernels.build import KvsWeight
+
+if TYPE_CHECKING:
+    from kvserve.model.kernels.backend import KernelBackend
 
 _KERNEL_QTYPE = {
     GGMLQuantizationType.Q4_0: 0,
@@ -36,11 +41,12 @@ def _mkldnn_prepack() -> bool:
 
 class Bf16Weight:
     """A bf16 weight for torch's oneDNN matmul, prepacked once into oneDNN's blocked layout when
-    torch exposes that (halves the time of small and medium calls: no per-call weight reorder)."""
+    torch exposes that and the CPU supports it (halves the time of small and medium calls: no
+    per-call weight reorder); otherwise a plain bf16 matmul."""
 
-    def __init__(self, w: torch.Tensor) -> None:
+    def __init__(self, w: torch.Tensor, prepack: bool = True) -> None:
         w = w.to(torch.bfloat16).contiguous()
-        self.prepacked = _mkldnn_prepack()
+        self.prepacked = prepack and _mkldnn_prepack()
         self.w = torch.ops.mkldnn._reorder_linear_weight(w, None) if self.prepacked else w
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,60 +54,6 @@ class Bf16Weight:
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.w, None, "none", [], "").float()
         return torch.nn.functional.linear(x, self.w).float()
-
-
-@dataclass
-class QuantLinearConfig:
-    """How GGUFQuantLinear picks a path per call.
-
-    bf16_min_tokens: calls with at least this many tokens use a bf16 copy of the dequantized weights
-    and torch's oneDNN matmul (AMX tiles where the CPU has them: ~1.3 TFLOP/s on ONE core, against
-    ~0.1 for the int8 AVX2 kernel, which wins only at T=1-2 where reading 4-bit weights is what
-    counts). None disables the copy (saves 2 bytes/weight of memory).
-    Default: 3 if the CPU has amx_bf16 (crossover measured at T=2-4 on every model shape, see
-    BENCHMARKS.md), else None. Env KVSERVE_BF16_MIN_TOKENS overrides (0 = off).
-    f32_min_tokens: where the bf16 path is off, calls with at least this many tokens dequantize W
-    into a shared fp32 scratch (~0.1 ms per MB of packed weights) and run torch's fp32 GEMM (MKL),
-    which beats the int8 kernel by ~3x at T=512. Default: 32 without the bf16 path, else None.
-    Env KVSERVE_F32_MIN_TOKENS overrides (0 = off).
-    """
-
-    bf16_min_tokens: int | None = None
-    f32_min_tokens: int | None = None
-
-    @classmethod
-    def detect(cls) -> QuantLinearConfig:
-        bf16 = os.environ.get("KVSERVE_BF16_MIN_TOKENS")
-        bf16_min = (int(bf16) or None) if bf16 is not None else (3 if "amx_bf16" in cpu_flags() else None)
-        f32 = os.environ.get("KVSERVE_F32_MIN_TOKENS")
-        f32_min = (int(f32) or None) if f32 is not None else (32 if bf16_min is None else None)
-        return cls(bf16_min_tokens=bf16_min, f32_min_tokens=f32_min)
-
-
-_config: QuantLinearConfig | None = None
-_scratch_lock = threading.Lock()
-_scratch = torch.empty(0)
-
-
-def _f32_scratch(n: int) -> torch.Tensor:
-    """A reused fp32 buffer of at least n elements (hold _scratch_lock while using it)."""
-    global _scratch
-    if _scratch.numel() < n:
-        _scratch = torch.empty(n, dtype=torch.float32)
-    return _scratch[:n]
-
-
-def get_config() -> QuantLinearConfig:
-    global _config
-    if _config is None:
-        _config = QuantLinearConfig.detect()
-    return _config
-
-
-def set_config(config: QuantLinearConfig) -> None:
-    """Applies to GGUFQuantLinear layers built afterwards."""
-    global _config
-    _config = config
 
 
 def repack_q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -121,12 +73,15 @@ class GGUFQuantLinear(torch.nn.Module):
     """y = x @ W^T (+ bias) with W in GGUF block-quantized form.
 
     The weights stay 4- or 8-bit: at load they are split into packed quants and float32 block
-    scales (csrc/kvserve_kernels.cpp draws the layout) and every call quantizes x to int8 per
+    scales (cpu/kvserve_kernels.cpp draws the layout) and every call quantizes x to int8 per
     32-block and runs AVX2 integer dot products, so a decode step reads ~0.6 bytes per Q4 weight.
-    Large calls (prefill, big batches) go instead to a bf16 copy and torch's matmul when the
-    config says that is faster on this CPU. Without the compiled kernels, the layer holds the
-    dequantized fp32 weights and calls torch (the fallback; load_kernels() warned once).
+    Large calls (prefill, big batches) go instead to a bf16 copy and oneDNN, or to an fp32
+    dequantization and MKL, from the token counts the backend sets for this CPU. With a backend
+    without the C library (another device, no compiler), the layer holds the dequantized fp32
+    weights and calls torch.
     """
+
+    supports_rows: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -135,6 +90,8 @@ class GGUFQuantLinear(torch.nn.Module):
         in_features: int,
         out_features: int,
         bias: torch.Tensor | None = None,
+        *,
+        backend: KernelBackend,
         lookup_only: bool = False,
     ) -> None:
         """lookup_only: the weight serves only `rows()` (an untied embedding table), so no bf16
@@ -156,15 +113,16 @@ class GGUFQuantLinear(torch.nn.Module):
         self.qtype = qtype
         self.in_features = in_features
         self.out_features = out_features
-        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
-        self.lib = load_kernels()
+        self.backend = backend
+        self.lib = backend.lib
+        # Buffers, so that a model moved to another device (PyTorch path) takes them along.
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous(),
+                             persistent=False)
+        self.register_buffer("weight_f32", None, persistent=False)
         self.weight_bf16: Bf16Weight | None = None
-        self.weight_f32: torch.Tensor | None = None
-        self.bf16_min_tokens = None if lookup_only else get_config().bf16_min_tokens
-        self.f32_min_tokens = None if lookup_only else get_config().f32_min_tokens
+        self.desc: KvsWeight | None = None    # what the C kernels read; None on the PyTorch path
         if self.lib is None:
             self.weight_f32 = reference.dequantize(raw_t, qtype, in_features)
-            self.bf16_min_tokens = self.f32_min_tokens = None
             return
         nb = in_features // reference.QK
         q4 = _KERNEL_QTYPE[qtype] == 0
@@ -184,15 +142,15 @@ class GGUFQuantLinear(torch.nn.Module):
             )  # fmt: skip
         if rc != 0:
             raise ModelLoadError(f"kernel repack failed for {qtype.name}")
-        self._desc = KvsWeight(
+        self.desc = KvsWeight(
             _KERNEL_QTYPE[qtype], out_features, in_features, 0,
             self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr() if q4 else None,
             None if self.bias is None else self.bias.data_ptr(),
         )  # fmt: skip
-        self._desc_ptr = ctypes.addressof(self._desc)
+        self._desc_ptr = ctypes.addressof(self.desc)
         self._linear = self.lib.kvs_linear
-        if self.bf16_min_tokens is not None:
-            self.weight_bf16 = Bf16Weight(reference.dequantize(raw_t, qtype, in_features))
+        if backend.bf16_min_tokens is not None and not lookup_only:
+            self.weight_bf16 = Bf16Weight(reference.dequantize(raw_t, qtype, in_features), backend.bf16_prepack)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -201,15 +159,16 @@ class GGUFQuantLinear(torch.nn.Module):
         if x.dtype != torch.float32:
             x = x.float()
         T = x.shape[0]
+        b = self.backend
         if self.weight_f32 is not None:
             y = torch.nn.functional.linear(x, self.weight_f32, self.bias)
-        elif self.weight_bf16 is not None and self.bf16_min_tokens is not None and T >= self.bf16_min_tokens:
+        elif self.weight_bf16 is not None and T >= b.bf16_min_tokens:
             y = self.weight_bf16(x)
             if self.bias is not None:
                 y += self.bias
-        elif self.f32_min_tokens is not None and T >= self.f32_min_tokens:
-            with _scratch_lock:
-                w = _f32_scratch(self.out_features * self.in_features).view(self.out_features, self.in_features)
+        elif b.f32_min_tokens is not None and T >= b.f32_min_tokens:
+            with b.f32_scratch(self.out_features * self.in_features) as w:
+                w = w.view(self.out_features, self.in_features)
                 self.lib.kvs_dequantize(self._desc_ptr, w.data_ptr())
                 y = torch.nn.functional.linear(x, w, self.bias)
         else:
@@ -249,7 +208,7 @@ class GGUFQuantLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         path = "torch-fallback" if self.lib is None else "avx2-int8"
         if self.weight_bf16 is not None:
-            path += f", bf16 for T>={self.bf16_min_tokens}"
-        elif self.f32_min_tokens is not None and self.lib is not None:
-            path += f", fp32 GEMM for T>={self.f32_min_tokens}"
+            path += f", bf16 for T>={self.backend.bf16_min_tokens}"
+        elif self.backend.f32_min_tokens is not None and self.lib is not None:
+            path += f", fp32 GEMM for T>={self.backend.f32_min_tokens}"
         return f"in={self.in_features}, out={self.out_features}, qtype={self.qtype.name}, {path}"

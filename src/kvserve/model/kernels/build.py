@@ -1,13 +1,13 @@
-"""Build and load the C++ kernels (csrc/*.cpp) as one plain shared library, called via ctypes.
+"""Compile the CPU kernels (kernels/cpu/*.cpp, shipped as package data) and load them via ctypes.
 
 The library is compiled from source on this machine, once, into a cache directory keyed by the
-source hash, compiler and flags: at `make setup` time (`python -m kvserve.model.quant`) or on
-first use. With no compiler, or a CPU without AVX2/FMA/F16C, `load_kernels()` returns None and the
-Linear variants fall back to dequantize-and-matmul in PyTorch (one warning).
+source hash, compiler and flags: at `make setup` time (`python -m kvserve.model.kernels`) or on
+first use. This module only builds and loads; which kernels a model runs is decided once, at load,
+by the KernelBackend (backend.py), which is also where the reasons for running without them go.
 
 Why ctypes and not a torch C++ op: a ctypes call with four arguments costs about a microsecond,
 less than the torch dispatcher, and the build needs no torch headers (seconds, not a minute).
-Threads: -fopenmp, loaded after torch so the kernels run on torch's own OpenMP team (see csrc).
+Threads: -fopenmp, loaded after torch so the kernels run on torch's own OpenMP team (see cpu/).
 Why explicit -mavx2 -mfma -mf16c and not -march=native: the result is valid on every AVX2 host,
 so a cache shared between machines, or a CPU that advertises more than it runs, cannot crash us.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import logging
 import os
 import shutil
 import subprocess
@@ -25,15 +24,13 @@ import tempfile
 import threading
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
-
 CXX_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-pthread", "-std=c++17"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 KERNEL_VERSION = 6  # must match kvs_version() in the source
 
 
 class KvsWeight(ctypes.Structure):
-    """Mirror of `struct kvs_weight` in csrc/kvserve_kernels.cpp."""
+    """Mirror of `struct kvs_weight` in cpu/kvserve_kernels.h."""
 
     _fields_ = [
         ("qtype", ctypes.c_int32),
@@ -48,8 +45,8 @@ class KvsWeight(ctypes.Structure):
 
 
 def source_dir() -> Path:
-    """csrc/ lives at the repository root, next to src/ (editable install)."""
-    return Path(__file__).resolve().parents[4] / "csrc"
+    """The C++ sources, inside the installed package (kvserve/model/kernels/cpu/)."""
+    return Path(__file__).resolve().parent / "cpu"
 
 
 def cache_dir() -> Path:
@@ -59,11 +56,8 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def cpu_supported() -> bool:
-    return all(flag in cpu_flags() for flag in REQUIRED_CPU_FLAGS)
-
-
 def cpu_flags() -> set[str]:
+    """The feature flags this CPU advertises (/proc/cpuinfo; empty where that is not readable)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -74,29 +68,30 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def cxx_flags() -> list[str]:
-    """Baseline AVX2 flags, plus AVX-VNNI (one-instruction u8 x s8 dot) when this CPU has it."""
-    return CXX_FLAGS + (["-mavxvnni"] if "avx_vnni" in cpu_flags() else [])
+def cxx_flags(features: set[str] | frozenset[str]) -> list[str]:
+    """Baseline AVX2 flags, plus AVX-VNNI (one-instruction u8 x s8 dot) when `features` has it."""
+    return CXX_FLAGS + (["-mavxvnni"] if "avx_vnni" in features else [])
 
 
 def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
-def build(force: bool = False) -> Path:
-    """Compile the library if needed and return its path. Raises RuntimeError on failure."""
-    sources = sorted(source_dir().glob("*.cpp"))
+def build(features: set[str] | frozenset[str], force: bool = False) -> Path:
+    """Compile the library for a CPU with `features` if needed and return its path.
+    Raises RuntimeError on failure."""
+    src = source_dir()
+    sources = sorted(src.glob("*.cpp"))
     if not sources:
-        raise RuntimeError(f"kernel sources not found in {source_dir()}")
+        raise RuntimeError(f"kernel sources not found in {src}")
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
-    flags = cxx_flags()
+    flags = cxx_flags(features)
     digest = hashlib.sha256(cxx.encode() + " ".join(flags).encode())
-    for src in sources + sorted(source_dir().glob("*.h")):
-        digest.update(src.name.encode() + src.read_bytes())
-    key = digest.hexdigest()[:16]
-    out = cache_dir() / f"libkvserve_kernels-{key}.so"
+    for path in sources + sorted(src.glob("*.h")):
+        digest.update(path.name.encode() + path.read_bytes())
+    out = cache_dir() / f"libkvserve_kernels-{digest.hexdigest()[:16]}.so"
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -111,42 +106,27 @@ def build(force: bool = False) -> Path:
     return out
 
 
+# One loaded library per built file: a process that loads several models (or several backends in
+# tests) dlopens each build once. Only the library lives here; every choice lives in a backend.
+_loaded: dict[Path, ctypes.CDLL] = {}
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-_reason = ""
 
 
-def load_kernels() -> ctypes.CDLL | None:
-    """The loaded library, or None (with one warning) when it cannot be built or used here."""
-    global _lib, _tried, _reason
-    if _tried:
-        return _lib
+def load(features: set[str] | frozenset[str]) -> ctypes.CDLL:
+    """Build (if needed) and load the library for `features`. Raises RuntimeError on failure."""
+    path = build(features)
     with _lock:
-        if _tried:
-            return _lib
-        try:
-            if os.environ.get("KVSERVE_NO_KERNELS"):
-                raise RuntimeError("disabled by KVSERVE_NO_KERNELS")
-            if not cpu_supported():
-                raise RuntimeError(f"CPU lacks one of {', '.join(REQUIRED_CPU_FLAGS)}")
+        lib = _loaded.get(path)
+        if lib is None:
             import torch  # first: our libgomp.so.1 must resolve to torch's, so both share one thread team
 
-            lib = ctypes.CDLL(str(build()))
+            lib = ctypes.CDLL(str(path))
             if lib.kvs_version() != KERNEL_VERSION:
                 raise RuntimeError("kernel library version mismatch; rebuild with `make setup`")
             _declare(lib)
             lib.kvs_set_num_threads(max(1, torch.get_num_threads()))
-            _lib = lib
-        except Exception as e:  # noqa: BLE001 - any failure means: use the fallback
-            _reason = str(e).splitlines()[0]
-            logger.warning("kvserve: fast CPU kernels unavailable (%s); using slower PyTorch matmul", _reason)
-        _tried = True
-    return _lib
-
-
-def unavailable_reason() -> str:
-    return _reason
+            _loaded[path] = lib
+    return lib
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -176,16 +156,13 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def main() -> int:
-    """`python -m kvserve.model.quant`: build at setup time; never fails setup."""
+    """`python -m kvserve.model.kernels`: build at setup time; never fails setup."""
+    features = cpu_flags()
     try:
-        if not cpu_supported():
+        if not all(f in features for f in REQUIRED_CPU_FLAGS):
             print(f"kvserve kernels: skipped, CPU lacks one of {REQUIRED_CPU_FLAGS}", file=sys.stderr)
             return 0
-        print(f"kvserve kernels: {build()}")
+        print(f"kvserve kernels: {build(features)}")
     except RuntimeError as e:
         print(f"kvserve kernels: not built ({e}); the PyTorch fallback will be used", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

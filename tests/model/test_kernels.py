@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -25,8 +26,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from kvserve.errors import ModelLoadError
-from kvserve.model.quant import DenseLinear, GGUFQuantLinear, load_kernels, reference, supports
-from kvserve.model.quant.gguf_linear import Bf16Weight
+from kvserve.model.kernels import build, reference
+from kvserve.model.kernels.backend import KernelBackend
+from kvserve.model.kernels.gguf_linear import GGUFQuantLinear, supports
+from kvserve.model.linear import DenseLinear
 
 FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 SHAPES = [(192, 576), (37, 96), (576, 1536)]   # (out, in); 37 rows, 3 blocks: odd tile and pair counts
@@ -34,7 +37,9 @@ BATCHES = [1, 7, 64]
 INT8_BOUND = 0.02
 BF16_BOUND = 0.01
 
-requires_kernels = pytest.mark.skipif(load_kernels() is None, reason="compiled kernels unavailable here")
+BACKEND = KernelBackend.detect()     # this machine's (or KVSERVE_ISA's) choice, made once
+INT8 = replace(BACKEND, bf16_min_tokens=None, f32_min_tokens=None)   # every call on the int8 kernel
+requires_kernels = pytest.mark.skipif(BACKEND.lib is None, reason="compiled kernels unavailable here")
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -51,9 +56,7 @@ def make(qtype: Q, out_f: int, in_f: int, seed: int = 0, bias: bool = False):
 
 
 def kernel_layer(raw, qtype, in_f, out_f, bias=None) -> GGUFQuantLinear:
-    layer = GGUFQuantLinear(raw, qtype, in_f, out_f, bias)
-    layer.bf16_min_tokens = layer.f32_min_tokens = None   # force the int8 kernel
-    return layer
+    return GGUFQuantLinear(raw, qtype, in_f, out_f, bias, backend=INT8)
 
 
 def random_q4_k(out_f: int, in_f: int, seed: int = 0) -> np.ndarray:
@@ -94,7 +97,7 @@ def test_reference_dequantize_matches_gguf(qtype):
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_repack_is_exact(qtype):
     raw, ref_w, _ = make(qtype, 37, 160)
-    layer = GGUFQuantLinear(raw, qtype, 160, 37)
+    layer = GGUFQuantLinear(raw, qtype, 160, 37, backend=BACKEND)
     assert torch.equal(layer.dequantized_weight().double(), ref_w)
 
 
@@ -103,7 +106,7 @@ def test_repack_is_exact(qtype):
 def test_embedding_rows_from_packed_weights(qtype):
     """rows(ids) is the exact dequantized row (the packed embedding lookup), any id shape."""
     raw = random_q4_k(40, 256) if qtype == Q.Q4_K else make(qtype, 40, 256)[0]
-    layer = GGUFQuantLinear(raw, qtype, 256, 40, lookup_only=True)
+    layer = GGUFQuantLinear(raw, qtype, 256, 40, backend=replace(BACKEND, bf16_min_tokens=3), lookup_only=True)
     assert layer.weight_bf16 is None                  # a lookup table needs no matmul copy
     ids = torch.tensor([[0, 39, 7], [7, 1, 2]])
     rows = layer.rows(ids)
@@ -140,7 +143,7 @@ def test_bias_and_leading_dims(qtype):
 
 @requires_kernels
 def test_thread_counts_give_identical_results():
-    lib = load_kernels()
+    lib = BACKEND.lib
     raw, _, _ = make(Q.Q4_1, 576, 576)
     layer = kernel_layer(raw, Q.Q4_1, 576, 576)
     x = torch.randn(7, 576)
@@ -158,21 +161,24 @@ def test_thread_counts_give_identical_results():
 @requires_kernels
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_bf16_path_for_large_batches(qtype):
+    """The bf16 copy as this backend makes it: oneDNN-prepacked from avx512 up, a plain bf16
+    matmul on avx2 (oneDNN refuses to prepack bf16 there)."""
     raw, ref_w, b = make(qtype, 192, 576, bias=True)
-    layer = GGUFQuantLinear(raw, qtype, 576, 192, b)
-    if layer.weight_bf16 is None:
-        layer.weight_bf16 = Bf16Weight(reference.dequantize(raw, qtype, 576))
-    layer.bf16_min_tokens = 16
+    layer = GGUFQuantLinear(raw, qtype, 576, 192, b, backend=replace(BACKEND, bf16_min_tokens=16))
+    assert layer.weight_bf16 is not None
+    if BACKEND.isa == "avx2":
+        assert not layer.weight_bf16.prepacked
     x = torch.randn(64, 576)
     assert rel_err(layer(x), x.double() @ ref_w.T + b.double()) < BF16_BOUND
+    assert rel_err(layer(x[:7]), x[:7].double() @ ref_w.T + b.double()) < INT8_BOUND   # below 16: int8
 
 
 @requires_kernels
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_f32_gemm_path_for_large_batches(qtype):
     raw, ref_w, b = make(qtype, 192, 96, bias=True)   # 3 blocks per row: odd pair count
-    layer = GGUFQuantLinear(raw, qtype, 96, 192, b)
-    layer.bf16_min_tokens, layer.f32_min_tokens = None, 32
+    layer = GGUFQuantLinear(raw, qtype, 96, 192, b, backend=replace(BACKEND, bf16_min_tokens=None, f32_min_tokens=32))
+    assert layer.weight_bf16 is None
     x = torch.randn(64, 96)
     assert rel_err(layer(x), x.double() @ ref_w.T + b.double()) < 1e-5
 
@@ -197,9 +203,9 @@ def test_real_model_tensor():
 def test_rejects_bad_input():
     raw, _, _ = make(Q.Q4_1, 8, 64)
     with pytest.raises(ModelLoadError):
-        GGUFQuantLinear(raw, Q.Q4_1, 64, 9)          # byte shape does not match out_features
+        GGUFQuantLinear(raw, Q.Q4_1, 64, 9, backend=BACKEND)   # byte shape does not match out_features
     with pytest.raises(ModelLoadError):
-        GGUFQuantLinear(np.zeros((4, 210), np.uint8), Q.Q6_K, 256, 4)   # no packed Q6_K kernel (yet)
+        GGUFQuantLinear(np.zeros((4, 210), np.uint8), Q.Q6_K, 256, 4, backend=BACKEND)   # no packed Q6_K kernel
 
 
 def test_fallback_without_kernels(tmp_path):
@@ -208,12 +214,15 @@ def test_fallback_without_kernels(tmp_path):
 import numpy as np, torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
-from kvserve.model.quant import GGUFQuantLinear
+from kvserve.model.kernels.backend import KernelBackend
+from kvserve.model.kernels.gguf_linear import GGUFQuantLinear
+backend = KernelBackend.detect()
+assert backend.lib is None and backend.isa == "torch"
 w = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
 ok = True
 for qt in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
     raw = quantize(w, qt)
-    layer = GGUFQuantLinear(raw, qt, 96, 48)
+    layer = GGUFQuantLinear(raw, qt, 96, 48, backend=backend)
     assert layer.lib is None and layer.weight_f32 is not None
     ok = ok and torch.equal(layer.rows(torch.tensor([3, 0])), layer.weight_f32[[3, 0]])
     x = torch.randn(7, 96)
@@ -230,14 +239,13 @@ print("OK" if ok else "BAD")
     assert proc.stderr.count("fast CPU kernels unavailable") == 1
 
 
-@pytest.mark.skipif(load_kernels() is None, reason="no compiler or CPU support")
+@requires_kernels
 def test_builds_from_source_into_cache(tmp_path, monkeypatch):
-    from kvserve.model.quant import build
-
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
-    path = build.build()
+    path = build.build(BACKEND.features)
     assert path.is_file() and path.parent == tmp_path / "kernels"
-    assert build.build() == path                     # cached: same file, no rebuild
+    assert build.build(BACKEND.features) == path         # cached: same file, no rebuild
+    assert build.source_dir().as_posix().endswith("kvserve/model/kernels/cpu")   # sources ship in the package
 
 
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-6), (torch.bfloat16, BF16_BOUND)])
@@ -259,7 +267,6 @@ def test_paged_decode_attention_matches_torch(seq_lens, kv_dtype):
     """The C decode attention against PyTorch SDPA over each sequence's gathered K/V (GQA 9:3,
     D=64), for fp32, bf16 and fp16 caches (the reference reads the same 16-bit values as fp32)."""
     from kvserve.model.attention import AttentionMetadata, attend, gather_kv
-    from kvserve.model.quant.attention import paged_decode_attention
 
     g = torch.Generator().manual_seed(len(seq_lens))
     block_size, hq, hkv, d = 16, 9, 3, 64
@@ -277,19 +284,18 @@ def test_paged_decode_attention_matches_torch(seq_lens, kv_dtype):
         k, v = gather_kv(kv_cache.float(), meta.block_tables[b], n)
         ref.append(attend(q[b:b + 1], k, v, 0.125))
     ref = torch.cat(ref)
-    out = paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
+    out = BACKEND.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
     assert out is not None and out.shape == ref.shape
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
-    assert paged_decode_attention(q, kv_cache.to(torch.float64), meta.block_tables, seq_lens, 0.125) is None
+    assert BACKEND.paged_decode_attention(q, kv_cache.to(torch.float64), meta.block_tables, seq_lens, 0.125) is None
+    assert KernelBackend.pytorch().paged_decode_attention(q, kv_cache, meta.block_tables, seq_lens, 0.125) is None
 
 
 @requires_kernels
-@pytest.mark.parametrize("shape", [(1, 576), (7, 576), (3, 5, 100)])
-def test_fused_rms_norm_matches_torch(shape):
-    from kvserve.model.quant.attention import rms_norm
-
-    x, w = torch.randn(*shape), torch.randn(shape[-1])
-    y = rms_norm(x, w, 1e-5)
-    assert y is not None and y.shape == x.shape
-    assert torch.allclose(y, torch.nn.functional.rms_norm(x, (shape[-1],), w, 1e-5), atol=1e-5, rtol=1e-5)
-    assert rms_norm(x.double(), w, 1e-5) is None
+@pytest.mark.parametrize("rows", [1, 7, 15])
+def test_c_rms_norm_matches_torch(rows):
+    """kvs_rms_norm, the norm of the C layer glue."""
+    x, w = torch.randn(rows, 576), torch.randn(576)
+    y = torch.empty_like(x)
+    BACKEND.lib.kvs_rms_norm(x.data_ptr(), w.data_ptr(), rows, 576, 1e-5, y.data_ptr())
+    assert torch.allclose(y, torch.nn.functional.rms_norm(x, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,219 @@
+"""KernelBackend: which kernels a model runs, decided once when it is loaded.
+
+`KernelBackend.detect()` reads the CPU's features and the `KVSERVE_*` switches (the only place
+they are read), compiles or finds the C library, and logs one line saying what it chose:
+
+    kvserve kernels: isa=avx512 (avx2 fma f16c avx_vnni avx512f ...), int8 kernels below 32 tokens,
+    fp32 MKL GEMM from 32, whole-stack C forward up to 31 tokens
+
+The backend is then handed to everything that picks a path per call (every GGUFQuantLinear, the
+model and its layer ops, paged attention), so no module keeps a global kernel setting and nothing
+below load time looks at the environment. Tests make variants with `dataclasses.replace`.
+
+ISA levels, lowest first, and what each adds for us:
+  torch   no C kernels (another device, no compiler, a CPU without AVX2, KVSERVE_NO_KERNELS)
+  avx2    the int8 kernels (avx2 fma f16c); large calls dequantize into fp32 and use MKL
+  avx512  what oneDNN needs for bf16 matmuls (avx512f/bw/vl/dq); our kernels stay AVX2 builds
+  amx     AMX bf16 tiles: large calls use a prepacked bf16 copy through oneDNN (~10x the int8
+          kernel at T>=3 on one core)
+KVSERVE_ISA=avx2|avx512|amx forces a lower level than the CPU's: its features are then cut to
+that level's baseline, so the build and every path are those of a CPU that has only that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvserve.model.kernels import build
+
+if TYPE_CHECKING:
+    from kvserve.model.ops import TorchOps
+
+logger = logging.getLogger(__name__)
+
+ISA_LEVELS = ("torch", "avx2", "avx512", "amx")
+# Flags each level needs on top of the one below, and the optional ones it may bring along.
+_REQUIRED = {"torch": (), "avx2": build.REQUIRED_CPU_FLAGS,
+             "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"), "amx": ("amx_tile", "amx_bf16")}
+_OPTIONAL = {"torch": (), "avx2": (), "avx512": ("avx_vnni", "avx512_vnni", "avx512_bf16"), "amx": ("amx_int8",)}
+_SHOWN = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+          "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+# Without a bf16/fp32 GEMM switch point, steps up to this many tokens still take the one-call forward.
+DEFAULT_FUSED_MAX_TOKENS = 16
+
+
+def isa_of(features: set[str] | frozenset[str]) -> str:
+    """The highest ISA level whose flags (and every lower level's) are all in `features`."""
+    level = "torch"
+    for name in ISA_LEVELS[1:]:
+        if not all(f in features for f in _REQUIRED[name]):
+            break
+        level = name
+    return level
+
+
+def features_up_to(isa: str, features: set[str] | frozenset[str]) -> frozenset[str]:
+    """`features` cut to what a CPU of level `isa` has (its levels' required and optional flags)."""
+    keep: set[str] = set()
+    for name in ISA_LEVELS[: ISA_LEVELS.index(isa) + 1]:
+        keep.update(_REQUIRED[name], _OPTIONAL[name])
+    return frozenset(f for f in features if f in keep)
+
+
+def _env_tokens(name: str, default: int | None) -> int | None:
+    """An optional token-count switch: unset = default, 0 = off."""
+    value = os.environ.get(name)
+    return default if value is None else (int(value) or None)
+
+
+@dataclass
+class KernelBackend:
+    """The kernel choices of one loaded model. Fields:
+
+    isa, features: the ISA level in use and the CPU flags it may rely on.
+    device: where the model runs (a torch device string); anything but the CPU runs PyTorch only.
+    lib: the loaded C library, or None (then `reason` says why) and every layer runs PyTorch.
+    bf16_min_tokens: GGUFQuantLinear calls with at least this many tokens use a bf16 copy of the
+      dequantized weights and oneDNN (AMX); None = no copy. Default 3 on amx (the crossover
+      measured at T=2-4 on every model shape, BENCHMARKS.md), else None.
+    f32_min_tokens: where there is no bf16 copy, calls with at least this many tokens dequantize
+      into this backend's fp32 scratch (~0.1 ms per MB of packed weights) and run torch's fp32
+      GEMM (MKL), ~3x the int8 kernel at T=512. Default 32 without the bf16 path, else None.
+    fused_forward: the layers' glue (norms, RoPE + KV write + attention, SwiGLU) runs in C, and
+      steps of up to `max_fused_tokens` run the whole layer stack in one C call.
+    fused_max_tokens: overrides that bound (None: just below the projections' GEMM switch).
+    """
+
+    isa: str = "torch"
+    features: frozenset[str] = frozenset()
+    device: str = "cpu"
+    lib: ctypes.CDLL | None = None
+    reason: str = "PyTorch only"
+    bf16_min_tokens: int | None = None
+    f32_min_tokens: int | None = None
+    fused_forward: bool = False
+    fused_max_tokens: int | None = None
+    _scratch: torch.Tensor = field(init=False, repr=False, compare=False)
+    _scratch_lock: threading.Lock = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._scratch = torch.empty(0, dtype=torch.float32)
+        self._scratch_lock = threading.Lock()
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def pytorch(cls, device: str | torch.device = "cpu") -> KernelBackend:
+        """No C kernels: every path is PyTorch (the reference, and any non-CPU device)."""
+        return cls(device=str(torch.device(device)))
+
+    @classmethod
+    def detect(cls, device: str | torch.device = "cpu", isa: str | None = None) -> KernelBackend:
+        """The backend for this machine: CPU features, the C library, and the KVSERVE_* switches
+        (KVSERVE_ISA, KVSERVE_NO_KERNELS, KVSERVE_BF16_MIN_TOKENS, KVSERVE_F32_MIN_TOKENS,
+        KVSERVE_FUSED_FORWARD), read here and nowhere else. `isa` overrides KVSERVE_ISA.
+        Logs one INFO line describing the choice."""
+        device = str(torch.device(device))
+        if torch.device(device).type != "cpu":
+            backend = cls(device=device, reason=f"device {device}")
+            logger.info("%s", backend.describe())
+            return backend
+        detected = frozenset(build.cpu_flags())
+        level = isa_of(detected)
+        features = detected
+        wanted = isa or os.environ.get("KVSERVE_ISA") or None
+        if wanted is not None:
+            wanted = wanted.lower()
+            if wanted not in ISA_LEVELS:
+                raise ValueError(f"KVSERVE_ISA={wanted!r} is not one of {', '.join(ISA_LEVELS)}")
+            if ISA_LEVELS.index(wanted) > ISA_LEVELS.index(level):
+                logger.warning("kvserve kernels: isa=%s requested but this CPU is %s; using %s", wanted, level, level)
+            else:
+                level, features = wanted, features_up_to(wanted, detected)
+        lib, reason = None, ""
+        if os.environ.get("KVSERVE_NO_KERNELS"):
+            reason = "disabled by KVSERVE_NO_KERNELS"
+        elif level == "torch":
+            reason = "isa=torch requested" if wanted == "torch" else (
+                f"CPU lacks one of {', '.join(build.REQUIRED_CPU_FLAGS)}")
+        else:
+            try:
+                lib = build.load(features)
+            except Exception as e:  # noqa: BLE001 - any failure means: run the PyTorch paths
+                reason = str(e).splitlines()[0]
+        if lib is None:
+            logger.warning("kvserve: fast CPU kernels unavailable (%s); using slower PyTorch matmul", reason)
+            backend = cls(isa="torch", features=features, reason=reason)
+        else:
+            bf16 = _env_tokens("KVSERVE_BF16_MIN_TOKENS", 3 if level == "amx" else None)
+            f32 = _env_tokens("KVSERVE_F32_MIN_TOKENS", 32 if bf16 is None else None)
+            fused = os.environ.get("KVSERVE_FUSED_FORWARD", "1") != "0"
+            backend = cls(isa=level, features=features, lib=lib, reason="", bf16_min_tokens=bf16,
+                          f32_min_tokens=f32, fused_forward=fused)
+        logger.info("%s", backend.describe())
+        return backend
+
+    # ---- what it does -------------------------------------------------------------------
+    @property
+    def bf16_prepack(self) -> bool:
+        """oneDNN can prepack bf16 weights here (it refuses on AVX2-only CPUs)."""
+        return ISA_LEVELS.index(self.isa) >= ISA_LEVELS.index("avx512")
+
+    @property
+    def max_fused_tokens(self) -> int:
+        """Steps of up to this many tokens run the whole layer stack in one C call (packed weights)."""
+        if not self.fused_forward or self.lib is None:
+            return 0
+        if self.fused_max_tokens is not None:
+            return self.fused_max_tokens
+        points = [p for p in (self.bf16_min_tokens, self.f32_min_tokens) if p is not None]
+        return min(points) - 1 if points else DEFAULT_FUSED_MAX_TOKENS
+
+    def describe(self) -> str:
+        """The one log line: ISA, features, and which path serves which step size."""
+        shown = " ".join(f for f in _SHOWN if f in self.features)
+        head = f"kvserve kernels: isa={self.isa}" + (f" ({shown})" if shown else "")
+        if self.lib is None:
+            return f"{head}, PyTorch only on {self.device} ({self.reason})"
+        big = ("bf16 oneDNN", self.bf16_min_tokens) if self.bf16_min_tokens else ("fp32 MKL GEMM", self.f32_min_tokens)
+        paths = f"int8 kernels below {big[1]} tokens, {big[0]} from {big[1]}" if big[1] else "int8 kernels"
+        fused = (f", whole-stack C forward up to {self.max_fused_tokens} tokens, C glue above"
+                 if self.fused_forward else ", PyTorch glue between projections")
+        return head + ", " + paths + fused
+
+    @contextmanager
+    def f32_scratch(self, n: int) -> Iterator[torch.Tensor]:
+        """This backend's reused fp32 buffer of n elements, held under its lock for the block."""
+        with self._scratch_lock:
+            if self._scratch.numel() < n:
+                self._scratch = torch.empty(n, dtype=torch.float32)
+            yield self._scratch[:n]
+
+    def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                               seq_lens: list[int], scale: float) -> torch.Tensor | None:
+        """The C decode attention (see cpu_ops.paged_decode_attention), or None where it does not apply."""
+        if self.lib is None:
+            return None
+        from kvserve.model.kernels.cpu_ops import paged_decode_attention
+
+        return paged_decode_attention(self.lib, q, kv_cache, block_tables, seq_lens, scale)
+
+    def layer_ops(self, model: torch.nn.Module) -> TorchOps:
+        """The ops between a model's projections: the C glue when this backend has it and the
+        model's shapes suit it, else PyTorch."""
+        from kvserve.model.ops import TorchOps
+
+        if self.fused_forward and self.lib is not None and len(model.layers):
+            from kvserve.model.kernels.cpu_ops import CpuOps
+
+            if CpuOps.suits(model):
+                return CpuOps(model, self)
+        return TorchOps(model.rotary, self)

@@ -1,0 +1,210 @@
+"""The layer ops in C (cpu/kvserve_forward.cpp, cpu/kvserve_attention.cpp), for one model.
+
+`CpuOps` implements model/ops.py's interface with the compiled kernels, two ways:
+
+* `forward_stack`: one C call for the whole layer stack (`kvs_forward`), for steps of a few
+  tokens (single-stream decode, a handful of sequences). There the per-layer path spends as long
+  dispatching its small operations as the matmuls take; the C forward runs every layer inside one
+  OpenMP region. It applies when every projection is a GGUFQuantLinear on the int8 kernels and the
+  step is below the size where those layers switch to their bf16/fp32 GEMM paths, so the numerics
+  are those of the per-layer path over the same weights.
+* the per-layer ops for larger steps (batched decode, prompt chunks), any weight format: the
+  decoder layer calls its own projections (oneDNN bf16 with AMX, MKL fp32, ...) and these ops in
+  between: RMSNorm; RoPE + KV-cache write + paged attention in one call; SwiGLU. A sequence with
+  more than ATTN_C_MAX_QUERY query tokens in the step takes PyTorch's SDPA instead, which is faster
+  there (a GEMM per head).
+
+`prepare` returns None for what the C code does not handle (a KV cache other than fp32/bf16/fp16,
+non-contiguous caches, positions past the RoPE table, autograd), and the model runs its TorchOps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.model.attention import AttentionMetadata, attend, gather_kv
+from kvserve.model.kernels.build import KvsWeight
+from kvserve.model.kernels.gguf_linear import GGUFQuantLinear
+from kvserve.model.ops import Step, TorchOps
+
+KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # the kernels' kv_dtype argument
+# A sequence contributing more query tokens than this to a step gets its attention from SDPA.
+ATTN_C_MAX_QUERY = 16
+
+
+class KvsLayerDesc(ctypes.Structure):
+    """Mirror of `struct kvs_layer_desc` in cpu/kvserve_forward.cpp."""
+
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
+                ("qkv", ctypes.POINTER(KvsWeight)), ("o", ctypes.POINTER(KvsWeight)),
+                ("gate_up", ctypes.POINTER(KvsWeight)), ("down", ctypes.POINTER(KvsWeight)),
+                ("kv_cache", ctypes.c_void_p)]
+
+
+class KvsModelDesc(ctypes.Structure):
+    """Mirror of `struct kvs_model_desc` in cpu/kvserve_forward.cpp."""
+
+    _fields_ = [("n_layers", ctypes.c_int32), ("hidden", ctypes.c_int32), ("n_heads", ctypes.c_int32),
+                ("n_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
+                ("layers", ctypes.POINTER(KvsLayerDesc))]
+
+
+@dataclass
+class CpuStep(Step):
+    """A step as the C kernels read it: int64 index tensors and the cache layout."""
+
+    slots: torch.Tensor | None = None
+    seq_of: torch.Tensor | None = None        # [T] the sequence of each token
+    tables: torch.Tensor | None = None
+    kv_dtype: int = 0
+    num_blocks: int = 0
+    block_size: int = 0
+    attend: torch.Tensor | None = None        # [T] uint8: 1 = attention in C, 0 = by SDPA (long chunks)
+    long_seqs: tuple[tuple[int, int, int], ...] = ()
+
+
+def _int8(lin: torch.nn.Module) -> bool:
+    return isinstance(lin, GGUFQuantLinear) and lin.desc is not None
+
+
+def _projections(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    return layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
+
+
+class CpuOps(TorchOps):
+    """The C layer ops over one model (its descriptors point into the model's weights)."""
+
+    @staticmethod
+    def suits(model: torch.nn.Module) -> bool:
+        """The C glue handles this model's shapes (whole GQA groups, even head_dim)."""
+        return all(layer.num_heads % layer.num_kv_heads == 0 and layer.head_dim % 2 == 0
+                   for layer in model.layers)
+
+    def __init__(self, model: torch.nn.Module, backend) -> None:
+        super().__init__(model.rotary, backend)
+        self.lib = backend.lib
+        first = model.layers[0]
+        # Every projection on the int8 kernels: the one-call forward is available.
+        self.packed = all(_int8(lin) for layer in model.layers for lin in _projections(layer))
+        self.max_tokens = backend.max_fused_tokens if self.packed else 0
+        self.q_size, self.num_heads, self.head_dim = first.q_size, first.num_heads, first.head_dim
+        self.scale = first.scale
+        self.eps = model.norm.eps
+        # Keep every tensor the descriptors point into alive for the model's lifetime.
+        self._keep = [model.rotary.cos.contiguous(), model.rotary.sin.contiguous(), model.norm.weight]
+        self.max_positions = self._keep[0].shape[0]
+        self.layers = (KvsLayerDesc * len(model.layers))()
+        for d, layer in zip(self.layers, model.layers):
+            d.attn_norm = layer.input_layernorm.weight.data_ptr()
+            d.ffn_norm = layer.post_attention_layernorm.weight.data_ptr()
+            if self.packed:
+                d.qkv, d.o, d.gate_up, d.down = (ctypes.pointer(lin.desc) for lin in _projections(layer))
+        self.desc = KvsModelDesc(len(model.layers), model.config.hidden_size, first.num_heads,
+                                 first.num_kv_heads, first.head_dim, first.intermediate_size, self.eps,
+                                 first.scale, self._keep[0].data_ptr(), self._keep[1].data_ptr(),
+                                 self._keep[2].data_ptr(), self.layers)
+        self._cache_ptrs: tuple[int, ...] = ()
+
+    def prepare(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None,
+                kv_caches: list[torch.Tensor] | None) -> CpuStep | None:
+        if meta is None or not kv_caches or x.dim() != 2 or x.dtype != torch.float32 or x.requires_grad:
+            return None
+        T, cache = x.shape[0], kv_caches[0]
+        if T == 0 or cache.dtype not in KV_DTYPE_CODES or x.device.type != "cpu":
+            return None
+        if int(positions.max()) >= self.max_positions:
+            return None   # let the PyTorch path raise its own error
+        ptrs = tuple(c.data_ptr() for c in kv_caches)
+        if ptrs != self._cache_ptrs:
+            if not all(c.is_contiguous() and c.dtype == cache.dtype and c.shape == cache.shape for c in kv_caches):
+                return None
+            for d, p in zip(self.layers, ptrs):
+                d.kv_cache = p
+            self._cache_ptrs = ptrs
+        qsl = meta.query_start_loc
+        q_lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+        if meta.is_all_decode:
+            seq_of = torch.arange(T, dtype=torch.int64)
+        else:
+            seq_of = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+        long_seqs = tuple((i, qsl[i], qsl[i + 1]) for i, n in enumerate(q_lens) if n > ATTN_C_MAX_QUERY)
+        attend_mask = torch.ones(T, dtype=torch.uint8)
+        for _, s, e in long_seqs:
+            attend_mask[s:e] = 0
+        _, num_blocks, block_size, _, _ = cache.shape
+        return CpuStep(positions.to(torch.int64).contiguous(), meta, slots=meta.slot_mapping.to(torch.int64).contiguous(),
+                       seq_of=seq_of, tables=meta.block_tables.to(torch.int64).contiguous(),
+                       kv_dtype=KV_DTYPE_CODES[cache.dtype], num_blocks=num_blocks, block_size=block_size,
+                       attend=attend_mask, long_seqs=long_seqs)
+
+    def forward_stack(self, x: torch.Tensor, step: CpuStep, kv_caches: list[torch.Tensor] | None
+                      ) -> torch.Tensor | None:
+        T = x.shape[0]
+        if T > self.max_tokens:
+            return None
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        rc = self.lib.kvs_forward(ctypes.byref(self.desc), step.kv_dtype, step.num_blocks, step.block_size,
+                                  x.data_ptr(), T, step.positions.data_ptr(), step.slots.data_ptr(),
+                                  step.seq_of.data_ptr(), step.tables.data_ptr(), step.tables.shape[1],
+                                  out.data_ptr(), self.lib.kvs_get_num_threads())
+        return out if rc == 0 else None
+
+    def rms_norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        self.lib.kvs_rms_norm(x.data_ptr(), norm.weight.data_ptr(), x.shape[0], x.shape[1], norm.eps, y.data_ptr())
+        return y
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        gu = gu.contiguous()
+        out = torch.empty(gu.shape[0], gu.shape[1] // 2)
+        self.lib.kvs_silu_mul(gu.data_ptr(), gu.shape[0], out.shape[1], out.data_ptr(), self.lib.kvs_get_num_threads())
+        return out
+
+    def attention(self, qkv: torch.Tensor, layer: torch.nn.Module, step: CpuStep,
+                  kv_cache: torch.Tensor | None) -> torch.Tensor:
+        """RoPE on q and k in place, K/V written to the cache, attention of every token whose
+        sequence is short in this step; long chunks then attend with SDPA over the cache."""
+        T = qkv.shape[0]
+        qkv = qkv.contiguous()
+        out = torch.empty(T, self.q_size)
+        self.lib.kvs_rope_kv_attention(
+            ctypes.byref(self.desc), qkv.data_ptr(), T, step.positions.data_ptr(), step.slots.data_ptr(),
+            step.seq_of.data_ptr(), step.tables.data_ptr(), step.tables.shape[1], kv_cache.data_ptr(),
+            step.kv_dtype, step.num_blocks, step.block_size, step.attend.data_ptr(), out.data_ptr(),
+            self.lib.kvs_get_num_threads())
+        for i, s, e in step.long_seqs:   # rotated q of the chunk, K/V (already written) from the cache
+            q = qkv[s:e, :self.q_size].view(e - s, self.num_heads, self.head_dim)
+            k, v = gather_kv(kv_cache, step.tables[i], step.meta.seq_lens[i])
+            out[s:e] = attend(q, k.float(), v.float(), self.scale).reshape(e - s, self.q_size)
+        return out
+
+
+def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: list[int] | torch.Tensor, scale: float) -> torch.Tensor | None:
+    """The C decode attention, reading K/V in place through the block tables (no gather copy, no
+    GQA repeat). q [B, Hq, D] float32 (one query per sequence, at position seq_lens[i] - 1),
+    kv_cache [2, num_blocks, block_size, Hkv, D] fp32/bf16/fp16, block_tables [B, max_blocks]
+    -> [B, Hq, D], or None where it does not apply."""
+    if (q.dtype != torch.float32 or kv_cache.dtype not in KV_DTYPE_CODES or q.device.type != "cpu"
+            or not kv_cache.is_contiguous() or q.dim() != 3):
+        return None
+    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    b, hq, _ = q.shape
+    if hq % hkv or block_tables.shape[0] != b:
+        return None
+    q = q.contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
+    positions = torch.as_tensor(seq_lens, dtype=torch.int64) - 1
+    seq_of = torch.arange(b, dtype=torch.int64)
+    out = torch.empty_like(q)
+    lib.kvs_paged_attention(q.data_ptr(), kv_cache.data_ptr(), KV_DTYPE_CODES[kv_cache.dtype], num_blocks,
+                            block_size, hq, hkv, d, tables.data_ptr(), tables.shape[1], seq_of.data_ptr(),
+                            positions.data_ptr(), b, scale, out.data_ptr(), lib.kvs_get_num_threads())
+    return out

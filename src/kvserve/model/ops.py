@@ -1,0 +1,92 @@
+"""The math between a decoder layer's projections, behind one small interface.
+
+A decoder layer (llama.py) is written once, as calls to its projections and to an ops object:
+
+    h = ops.rms_norm(x, input_layernorm);  qkv = qkv_proj(h)
+    o = ops.attention(qkv, layer, step, kv_cache)       # RoPE, KV-cache write, attention
+    x = x + o_proj(o);  h = ops.rms_norm(x, post_attention_layernorm)
+    x = x + down_proj(ops.silu_mul(gate_up_proj(h)))
+
+`TorchOps` below is that math in PyTorch: the reference, the path under autograd and on any
+device. The CPU kernels' `CpuOps` (kernels/cpu_ops.py) implements the same methods in C and may
+also run a whole small step in one call (`forward_stack`). `prepare` turns a step's positions and
+attention metadata into what every layer shares (a `Step`), once per forward; an ops object that
+cannot serve the step returns None and the model falls back to its TorchOps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
+
+if TYPE_CHECKING:
+    from kvserve.model.kernels.backend import KernelBackend
+
+
+@dataclass
+class Step:
+    """What every layer of one forward pass shares."""
+
+    positions: torch.Tensor                  # [T] or [B, T]
+    meta: AttentionMetadata | None           # None: dense causal attention over [B, T]
+    cos: torch.Tensor | None = None          # [*positions.shape, head_dim] (PyTorch RoPE)
+    sin: torch.Tensor | None = None
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, H, D]; cos/sin [..., T, D] (Hugging Face's rotate-half layout)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(-2) + rot * sin.unsqueeze(-2)
+
+
+class TorchOps:
+    """The layer ops in PyTorch. `rotary` maps positions to cos/sin tables; `backend` (optional)
+    lends paged attention its C decode kernel where it has one."""
+
+    def __init__(self, rotary: torch.nn.Module, backend: KernelBackend | None = None) -> None:
+        self.rotary = rotary
+        self.backend = backend
+
+    def prepare(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None,
+                kv_caches: list[torch.Tensor] | None) -> Step | None:
+        cos, sin = self.rotary(positions)
+        return Step(positions, meta, cos, sin)
+
+    def forward_stack(self, x: torch.Tensor, step: Step, kv_caches: list[torch.Tensor] | None
+                      ) -> torch.Tensor | None:
+        """The whole layer stack and final norm in one call, or None: run the layers one by one."""
+        return None
+
+    def rms_norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+        return norm(x)
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: gu [..., 2I] (gate then up) -> silu(gate) * up [..., I]."""
+        gate, up = gu.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def attention(self, qkv: torch.Tensor, layer: torch.nn.Module, step: Step,
+                  kv_cache: torch.Tensor | None) -> torch.Tensor:
+        """qkv [*lead, q + 2 kv] -> attention output [*lead, q]; with metadata, the new K/V are
+        written to the paged cache first and attention reads the cache."""
+        lead = qkv.shape[:-1]
+        q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+        q = apply_rope(q.view(*lead, layer.num_heads, layer.head_dim), step.cos, step.sin)
+        k = apply_rope(k.view(*lead, layer.num_kv_heads, layer.head_dim), step.cos, step.sin)
+        v = v.view(*lead, layer.num_kv_heads, layer.head_dim)
+        if step.meta is None:   # dense causal attention over [B, T] (training, reference checks)
+            rep = layer.num_heads // layer.num_kv_heads   # K/V expanded to every head: the fused
+            kt = k.transpose(1, 2).repeat_interleave(rep, dim=1)   # SDPA kernel also runs under autograd
+            vt = v.transpose(1, 2).repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, is_causal=True,
+                                               scale=layer.scale).transpose(1, 2)
+        else:
+            write_kv(kv_cache, k, v, step.meta.slot_mapping)
+            o = paged_attention(q, kv_cache, step.meta, layer.scale, self.backend)
+        return o.reshape(*lead, layer.q_size)
