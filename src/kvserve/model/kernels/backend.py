@@ -75,6 +75,16 @@ def _env_tokens(name: str, default: int | None) -> int | None:
     return default if value is None else (int(value) or None)
 
 
+def _torch_prepacks_bf16() -> bool:
+    """This torch build has oneDNN's weight prepacking ops (torch.ops.mkldnn, CPU builds)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight  # noqa: B018 - resolving the op is the check
+        torch.ops.mkldnn._linear_pointwise  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
 @dataclass
 class KernelBackend:
     """The kernel choices of one loaded model. Fields:
@@ -91,6 +101,8 @@ class KernelBackend:
     fused_forward: the layers' glue (norms, RoPE + KV write + attention, SwiGLU) runs in C, and
       steps of up to `max_fused_tokens` run the whole layer stack in one C call.
     fused_max_tokens: overrides that bound (None: just below the projections' GEMM switch).
+    bf16_prepack: bf16 copies are prepacked for oneDNN (torch has the ops and the ISA level is
+      avx512 or up; oneDNN refuses bf16 prepacking on AVX2-only CPUs).
     """
 
     isa: str = "torch"
@@ -102,6 +114,7 @@ class KernelBackend:
     f32_min_tokens: int | None = None
     fused_forward: bool = False
     fused_max_tokens: int | None = None
+    bf16_prepack: bool = False
     _scratch: torch.Tensor = field(init=False, repr=False, compare=False)
     _scratch_lock: threading.Lock = field(init=False, repr=False, compare=False)
 
@@ -156,17 +169,13 @@ class KernelBackend:
             bf16 = _env_tokens("KVSERVE_BF16_MIN_TOKENS", 3 if level == "amx" else None)
             f32 = _env_tokens("KVSERVE_F32_MIN_TOKENS", 32 if bf16 is None else None)
             fused = os.environ.get("KVSERVE_FUSED_FORWARD", "1") != "0"
+            prepack = ISA_LEVELS.index(level) >= ISA_LEVELS.index("avx512") and _torch_prepacks_bf16()
             backend = cls(isa=level, features=features, lib=lib, reason="", bf16_min_tokens=bf16,
-                          f32_min_tokens=f32, fused_forward=fused)
+                          f32_min_tokens=f32, fused_forward=fused, bf16_prepack=prepack)
         logger.info("%s", backend.describe())
         return backend
 
     # ---- what it does -------------------------------------------------------------------
-    @property
-    def bf16_prepack(self) -> bool:
-        """oneDNN can prepack bf16 weights here (it refuses on AVX2-only CPUs)."""
-        return ISA_LEVELS.index(self.isa) >= ISA_LEVELS.index("avx512")
-
     @property
     def max_fused_tokens(self) -> int:
         """Steps of up to this many tokens run the whole layer stack in one C call (packed weights)."""

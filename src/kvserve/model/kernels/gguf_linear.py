@@ -34,19 +34,14 @@ def supports(qtype: GGMLQuantizationType) -> bool:
     return qtype in _KERNEL_QTYPE
 
 
-def _mkldnn_prepack() -> bool:
-    ops = torch.ops.mkldnn
-    return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
-
-
 class Bf16Weight:
     """A bf16 weight for torch's oneDNN matmul, prepacked once into oneDNN's blocked layout when
-    torch exposes that and the CPU supports it (halves the time of small and medium calls: no
+    the backend says torch and the CPU can (halves the time of small and medium calls: no
     per-call weight reorder); otherwise a plain bf16 matmul."""
 
-    def __init__(self, w: torch.Tensor, prepack: bool = True) -> None:
+    def __init__(self, w: torch.Tensor, prepack: bool) -> None:
         w = w.to(torch.bfloat16).contiguous()
-        self.prepacked = prepack and _mkldnn_prepack()
+        self.prepacked = prepack
         self.w = torch.ops.mkldnn._reorder_linear_weight(w, None) if self.prepacked else w
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
