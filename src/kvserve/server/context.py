@@ -16,6 +16,7 @@ from typing import Any
 from kvserve.errors import ContextLengthExceeded, InvalidRequest
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from kvserve.server.tools import ToolPlan, add_tools_to_system, fold_history, native_history
+from kvserve.tokenizer.chat_template import fit_chat
 
 
 @dataclass
@@ -57,14 +58,6 @@ def template_messages(tokenizer, messages: list[ChatMessage],
     return add_tools_to_system(msgs, plan), None
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
-            suffix: str) -> tuple[str, list[int]]:
-    # The tokenizer's sandboxed template raises InvalidRequest(param="messages") itself.
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
-    text += suffix
-    return text, tokenizer.encode(text, add_special_tokens=False)
-
-
 def build_chat_prompt(tokenizer, messages: list[ChatMessage], *, max_model_len: int,
                       max_tokens: int | None, truncate: str | None,
                       add_generation_prompt: bool = True, tools: ToolPlan | None = None) -> Prompt:
@@ -75,16 +68,11 @@ def build_chat_prompt(tokenizer, messages: list[ChatMessage], *, max_model_len: 
     msgs, tool_defs = template_messages(tokenizer, messages, tools)
     suffix = tools.forcing_prefix if tools is not None and add_generation_prompt else ""
     reserve = max_tokens if max_tokens is not None else 1
-    text, ids = _render(tokenizer, msgs, add_generation_prompt, tool_defs, suffix)
-    dropped = 0
-    while len(ids) + reserve > max_model_len and truncate == "oldest":
-        victim = next((i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"), None)
-        if victim is None:
-            break
-        del msgs[victim]
-        dropped += 1
-        text, ids = _render(tokenizer, msgs, add_generation_prompt, tool_defs, suffix)
-    if len(ids) + reserve > max_model_len:
+    # The tokenizer's sandboxed template raises InvalidRequest(param="messages") itself.
+    fitted = fit_chat(tokenizer, msgs, max_model_len - reserve, drop_oldest=truncate == "oldest",
+                      add_generation_prompt=add_generation_prompt, tools=tool_defs, suffix=suffix)
+    text, ids, dropped = fitted.text, fitted.token_ids, fitted.dropped_messages
+    if not fitted.fits:
         what = f"{len(ids)} prompt tokens" + (f" + max_tokens {max_tokens}" if max_tokens else "")
         hint = ("shorten the messages or lower max_tokens" if truncate == "oldest" else
                 'shorten the messages, lower max_tokens, or send "truncate": "oldest" to drop old turns')
