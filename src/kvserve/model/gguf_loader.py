@@ -17,6 +17,7 @@ import torch
 from kvserve.errors import ModelLoadError, ModelNotFound
 from kvserve.model.config import ModelConfig
 from kvserve.model.linear import WeightSource
+from kvserve.tokenizer.tokenizer import gguf_field as field
 
 GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
@@ -70,16 +71,6 @@ def open_gguf(path: str | os.PathLike):
             raise ModelLoadError(f"{path} is truncated or corrupt: tensor {t.name} ({t.n_bytes} bytes at "
                                  f"offset {t.data_offset}) extends beyond the end of the file ({size} bytes)")
     return reader
-
-
-def field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    try:
-        return f.contents()
-    except Exception:  # noqa: BLE001 - any decoding failure means a corrupt field
-        raise ModelLoadError(f"GGUF metadata field {key} is corrupt") from None
 
 
 def config_from_gguf(reader, name: str = "") -> ModelConfig:

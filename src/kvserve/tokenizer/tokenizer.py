@@ -41,6 +41,17 @@ def _pre_tokenizer(pre: str | None):
     return byte_level   # "gpt2", "default" and unknown: GPT-2's regex
 
 
+def gguf_field(reader, key: str, default=None):
+    """One metadata value of a gguf.GGUFReader (the model loader reads its fields with this too)."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    try:
+        return f.contents()
+    except Exception:  # noqa: BLE001 - any decoding failure means a corrupt field
+        raise ModelLoadError(f"GGUF metadata field {key} is corrupt") from None
+
+
 class Tokenizer:
     def __init__(self, hf: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: Sequence[int],
                  add_bos: bool = False, chat_template: str | None = None):
@@ -66,13 +77,7 @@ class Tokenizer:
         """From the tokenizer.ggml.* metadata of a gguf.GGUFReader."""
 
         def field(key: str, default=None):
-            f = reader.fields.get(key)
-            if f is None:
-                return default
-            try:
-                return f.contents()
-            except Exception:  # noqa: BLE001 - any decoding failure means a corrupt field
-                raise ModelLoadError(f"GGUF metadata field {key} is corrupt") from None
+            return gguf_field(reader, key, default)
 
         kind = field("tokenizer.ggml.model")
         if kind != "gpt2":
