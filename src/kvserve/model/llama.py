@@ -163,6 +163,11 @@ class LlamaForCausalLM(nn.Module):
             return F.embedding(input_ids, self.embed_tokens).float()
         return (self.lm_head if self.packed_embed is None else self.packed_embed).rows(input_ids)
 
+    def __getstate__(self) -> dict:
+        """Copies (copy.deepcopy for a DPO/GRPO reference model) rebuild their layer ops on first
+        use: the C ops hold pointers into this model's own tensors."""
+        return {**self.__dict__, "_ops": None}
+
     def layer_ops(self) -> TorchOps:
         """The ops between projections for paged inference steps, built on first use for the
         current `self.backend` (assigning another backend, as tests do, rebuilds them)."""

@@ -186,6 +186,10 @@ class KernelBackend:
         points = [p for p in (self.bf16_min_tokens, self.f32_min_tokens) if p is not None]
         return min(points) - 1 if points else DEFAULT_FUSED_MAX_TOKENS
 
+    def __deepcopy__(self, memo: dict) -> KernelBackend:
+        """Shared, not copied: a copied model (a DPO/GRPO reference) runs on the same kernels."""
+        return self
+
     def describe(self) -> str:
         """The one log line: ISA, features, and which path serves which step size."""
         shown = " ".join(f for f in _SHOWN if f in self.features)
