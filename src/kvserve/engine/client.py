@@ -33,7 +33,6 @@ from kvserve.engine.messages import (
     AbortRequests,
     CoreInput,
     EngineCoreOutputs,
-    EngineCoreRequest,
     EngineFailed,
     EngineReady,
     Shutdown,
@@ -61,9 +60,6 @@ class EngineClient:
     def __init__(self, tokenizer, info: EngineInfo, enable_prefix_caching: bool = True):
         self.tokenizer = tokenizer
         self.info = info
-        self.model_name = info.model_name
-        self.max_model_len = info.max_model_len
-        self.block_size = info.block_size
         self.inputs = InputProcessor(tokenizer, info, enable_prefix_caching)
         self.outputs = OutputProcessor(tokenizer)
         self._queues: dict[str, asyncio.Queue] = {}
@@ -72,6 +68,18 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- the interface ----------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        return self.info.block_size
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
 
@@ -185,7 +193,8 @@ class InprocClient(EngineClient):
             self._inbox.put(m)
 
     def _run(self) -> None:
-        self.core.run_busy_loop(self._poll, lambda outs: self._call_soon(self._on_outputs, outs))
+        # stats() reads the core directly: no per-step snapshot needed on this path
+        self.core.run_busy_loop(self._poll, lambda outs: self._call_soon(self._on_outputs, outs), with_stats=False)
 
     def _poll(self, timeout: float) -> list[CoreInput]:
         msgs = []
@@ -313,4 +322,3 @@ def make_engine_client(model: str | None = None, *, engine_process: bool = False
     return InprocClient(core, loaded.tokenizer, loaded.source.name)
 
 
-__all__ = ["EngineClient", "EngineCoreRequest", "EngineDeadError", "InprocClient", "MPClient", "make_engine_client"]

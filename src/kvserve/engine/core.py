@@ -118,9 +118,10 @@ class EngineCore:
         return []
 
     def run_busy_loop(self, poll: Callable[[float], list[CoreInput]],
-                      emit: Callable[[EngineCoreOutputs], None]) -> None:
+                      emit: Callable[[EngineCoreOutputs], None], with_stats: bool = True) -> None:
         """poll(timeout) -> pending client messages (waits up to timeout when idle); emit(outputs)
-        hands each step's outputs (with a stats snapshot) back. Returns on a Shutdown message."""
+        hands each step's outputs back, with a stats snapshot when `with_stats` (a client in
+        another process cannot read the core). Returns on a Shutdown message."""
         while True:
             msgs = poll(0.0 if self.has_unfinished_requests() else 0.5)
             immediate: list[EngineCoreOutput] = []
@@ -129,7 +130,7 @@ class EngineCore:
                     return
                 immediate += self.handle(msg)
             if immediate or (msgs and not self.has_unfinished_requests()):
-                emit(EngineCoreOutputs(time.monotonic(), immediate, self.stats()))
+                emit(EngineCoreOutputs(time.monotonic(), immediate, self.stats() if with_stats else None))
             if not self.has_unfinished_requests():
                 continue
             try:
@@ -138,7 +139,8 @@ class EngineCore:
                 logger.exception("engine step failed")
                 emit(self.fail_all(f"the engine failed while running this request: {e!r}"))
                 continue
-            out.stats = self.stats()
+            if with_stats:
+                out.stats = self.stats()
             emit(out)
 
     # ---- introspection ----------------------------------------------------------------------

@@ -23,11 +23,14 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.core = EngineCore(model, config, tokenizer.eos_token_ids)
         self.tokenizer = tokenizer
-        self.model_name = model_name or model.config.name
-        self.info = EngineInfo(self.model_name, self.core.max_model_len, config.block_size,
+        self.info = EngineInfo(model_name or model.config.name, self.core.max_model_len, config.block_size,
                                model.config.vocab_size, self.core.context_limited_by_kv)
         self.inputs = InputProcessor(tokenizer, self.info, config.enable_prefix_caching)
         self.outputs = OutputProcessor(tokenizer)
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name
 
     @property
     def max_model_len(self) -> int:

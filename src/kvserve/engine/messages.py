@@ -106,7 +106,6 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True, kw_only=True):
     kv_cache_limited: bool
     enable_prefix_caching: bool
     tokenizer: dict          # kvserve.engine.process.tokenizer_spec
-    backend: str = ""
 
 
 class EngineFailed(msgspec.Struct, tag="failed", array_like=True):

@@ -39,7 +39,6 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1                 # prompt tokens found in the prefix cache (set once)
-    spec_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
