@@ -3,8 +3,16 @@
 `KernelBackend.detect()` reads the CPU's features and the `KVSERVE_*` switches (the only place
 they are read), compiles or finds the C library, and logs one line saying what it chose:
 
-    kvserve kernels: isa=avx512 (avx2 fma f16c avx_vnni avx512f ...), int8 kernels below 32 tokens,
-    fp32 MKL GEMM from 32, whole-stack C forward up to 31 tokens
+    kvserve kernels: isa=avx512 (avx2 fma avx512f ...), batch-invariant: int8 kernels for every
+    step size, C attention for every query, whole-stack C forward up to 16 tokens
+
+Batch invariance (the default, KVSERVE_BATCH_INVARIANT=1): a request's logits are bitwise the
+same whatever else is in its step, however its prompt was chunked and whether it hit the prefix
+cache. Every packed projection then runs the int8 kernels for every token count (their arithmetic
+for one output never depends on the others: see cpu/kvserve_kernels.cpp) and every query token
+attends in C over its own prefix. KVSERVE_BATCH_INVARIANT=0 restores the switch points below
+(bf16 oneDNN or fp32 MKL for large calls, PyTorch SDPA for long prompt chunks), whose numbers
+depend on the step's size.
 
 The backend is then handed to everything that picks a path per call (every GGUFQuantLinear, the
 model and its layer ops, paged attention), so no module keeps a global kernel setting and nothing
@@ -49,6 +57,8 @@ _SHOWN = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", 
           "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 # Without a bf16/fp32 GEMM switch point, steps up to this many tokens still take the one-call forward.
 DEFAULT_FUSED_MAX_TOKENS = 16
+# With batch invariance off, a sequence with more query tokens than this in a step attends by SDPA.
+ATTN_C_MAX_QUERY = 16
 
 
 def isa_of(features: set[str] | frozenset[str]) -> str:
@@ -103,6 +113,9 @@ class KernelBackend:
     fused_max_tokens: overrides that bound (None: just below the projections' GEMM switch).
     bf16_prepack: bf16 copies are prepacked for oneDNN (torch has the ops and the ISA level is
       avx512 or up; oneDNN refuses bf16 prepacking on AVX2-only CPUs).
+    attn_c_max_query: a sequence with more query tokens than this in a step attends through
+      PyTorch's SDPA (a GEMM per head, faster for long chunks, but its numbers depend on the
+      chunk); None = every query token attends in C (batch-invariant).
     """
 
     isa: str = "torch"
@@ -115,6 +128,7 @@ class KernelBackend:
     fused_forward: bool = False
     fused_max_tokens: int | None = None
     bf16_prepack: bool = False
+    attn_c_max_query: int | None = None
     _scratch: torch.Tensor = field(init=False, repr=False, compare=False)
     _scratch_lock: threading.Lock = field(init=False, repr=False, compare=False)
 
@@ -131,8 +145,8 @@ class KernelBackend:
     @classmethod
     def detect(cls, device: str | torch.device = "cpu", isa: str | None = None) -> KernelBackend:
         """The backend for this machine: CPU features, the C library, and the KVSERVE_* switches
-        (KVSERVE_ISA, KVSERVE_NO_KERNELS, KVSERVE_BF16_MIN_TOKENS, KVSERVE_F32_MIN_TOKENS,
-        KVSERVE_FUSED_FORWARD), read here and nowhere else. `isa` overrides KVSERVE_ISA.
+        (KVSERVE_ISA, KVSERVE_NO_KERNELS, KVSERVE_BATCH_INVARIANT, KVSERVE_BF16_MIN_TOKENS,
+        KVSERVE_F32_MIN_TOKENS, KVSERVE_FUSED_FORWARD), read here and nowhere else. `isa` overrides KVSERVE_ISA.
         Logs one INFO line describing the choice."""
         device = str(torch.device(device))
         if torch.device(device).type != "cpu":
@@ -166,16 +180,26 @@ class KernelBackend:
             logger.warning("kvserve: fast CPU kernels unavailable (%s); using slower PyTorch matmul", reason)
             backend = cls(isa="torch", features=features, reason=reason)
         else:
-            bf16 = _env_tokens("KVSERVE_BF16_MIN_TOKENS", 3 if level == "amx" else None)
-            f32 = _env_tokens("KVSERVE_F32_MIN_TOKENS", 32 if bf16 is None else None)
+            invariant = os.environ.get("KVSERVE_BATCH_INVARIANT", "1") != "0"
+            bf16 = _env_tokens("KVSERVE_BF16_MIN_TOKENS", None if invariant or level != "amx" else 3)
+            f32 = _env_tokens("KVSERVE_F32_MIN_TOKENS", None if invariant or bf16 is not None else 32)
             fused = os.environ.get("KVSERVE_FUSED_FORWARD", "1") != "0"
             prepack = ISA_LEVELS.index(level) >= ISA_LEVELS.index("avx512") and _torch_prepacks_bf16()
             backend = cls(isa=level, features=features, lib=lib, reason="", bf16_min_tokens=bf16,
-                          f32_min_tokens=f32, fused_forward=fused, bf16_prepack=prepack)
+                          f32_min_tokens=f32, fused_forward=fused, bf16_prepack=prepack,
+                          attn_c_max_query=None if invariant else ATTN_C_MAX_QUERY)
         logger.info("%s", backend.describe())
         return backend
 
     # ---- what it does -------------------------------------------------------------------
+    @property
+    def batch_invariant(self) -> bool:
+        """Every step size and chunking gives a request the same numbers (one kernel per call
+        size, C attention for every query). PyTorch-only backends are not: torch's matmul picks
+        its kernel by shape."""
+        return (self.lib is not None and self.bf16_min_tokens is None and self.f32_min_tokens is None
+                and self.attn_c_max_query is None)
+
     @property
     def max_fused_tokens(self) -> int:
         """Steps of up to this many tokens run the whole layer stack in one C call (packed weights)."""
@@ -197,10 +221,14 @@ class KernelBackend:
         if self.lib is None:
             return f"{head}, PyTorch only on {self.device} ({self.reason})"
         big = ("bf16 oneDNN", self.bf16_min_tokens) if self.bf16_min_tokens else ("fp32 MKL GEMM", self.f32_min_tokens)
-        paths = f"int8 kernels below {big[1]} tokens, {big[0]} from {big[1]}" if big[1] else "int8 kernels"
+        paths = (f"int8 kernels below {big[1]} tokens, {big[0]} from {big[1]}" if big[1]
+                 else "int8 kernels for every step size")
+        attn = ("C attention for every query" if self.attn_c_max_query is None
+                else f"C attention up to {self.attn_c_max_query} query tokens, SDPA above")
         fused = (f", whole-stack C forward up to {self.max_fused_tokens} tokens, C glue above"
                  if self.fused_forward else ", PyTorch glue between projections")
-        return head + ", " + paths + fused
+        mode = "batch-invariant" if self.batch_invariant else "batch-dependent numerics"
+        return f"{head}, {mode}: {paths}, {attn}{fused}"
 
     @contextmanager
     def f32_scratch(self, n: int) -> Iterator[torch.Tensor]:

@@ -10,9 +10,10 @@
   are those of the per-layer path over the same weights.
 * the per-layer ops for larger steps (batched decode, prompt chunks), any weight format: the
   decoder layer calls its own projections (oneDNN bf16 with AMX, MKL fp32, ...) and these ops in
-  between: RMSNorm; RoPE + KV-cache write + paged attention in one call; SwiGLU. A sequence with
-  more than ATTN_C_MAX_QUERY query tokens in the step takes PyTorch's SDPA instead, which is faster
-  there (a GEMM per head).
+  between: RMSNorm; RoPE + KV-cache write + paged attention in one call; SwiGLU. Every query
+  token attends in C over its own prefix, so its numbers do not depend on how its prompt was
+  chunked; with batch invariance off (backend.attn_c_max_query), a sequence with more query
+  tokens than that in the step takes PyTorch's SDPA instead (a GEMM per head).
 
 `prepare` returns None for what the C code does not handle (a KV cache other than fp32/bf16/fp16,
 non-contiguous caches, positions past the RoPE table, autograd), and the model runs its TorchOps.
@@ -31,8 +32,6 @@ from kvserve.model.kernels.gguf_linear import GGUFQuantLinear
 from kvserve.model.ops import Step, TorchOps
 
 KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # the kernels' kv_dtype argument
-# A sequence contributing more query tokens than this to a step gets its attention from SDPA.
-ATTN_C_MAX_QUERY = 16
 
 
 class KvsLayerDesc(ctypes.Structure):
@@ -132,7 +131,9 @@ class CpuOps(TorchOps):
             seq_of = torch.arange(T, dtype=torch.int64)
         else:
             seq_of = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
-        long_seqs = tuple((i, qsl[i], qsl[i + 1]) for i, n in enumerate(q_lens) if n > ATTN_C_MAX_QUERY)
+        limit = self.backend.attn_c_max_query
+        long_seqs = () if limit is None else tuple(
+            (i, qsl[i], qsl[i + 1]) for i, n in enumerate(q_lens) if n > limit)
         attend_mask = torch.ones(T, dtype=torch.uint8)
         for _, s, e in long_seqs:
             attend_mask[s:e] = 0
