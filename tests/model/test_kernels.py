@@ -158,16 +158,73 @@ def test_thread_counts_give_identical_results():
     assert torch.equal(y1, y2)
 
 
+def _int8_arithmetic(layer: GGUFQuantLinear, x: torch.Tensor) -> torch.Tensor:
+    """The kernels' definition, written out (cpu/kvserve_kernels.cpp): x quantized per 32-block to
+    int8, exact integer block sums, then per output one fp32 fma per block in block order
+    (emulated in float64: a product of two floats is exact there, one rounding to fp32 follows)."""
+    K, nb = layer.in_features, layer.in_features // 32
+    xb = x.view(-1, nb, 32)
+    amax = xb.abs().amax(-1)
+    xd = amax / 127
+    xq = torch.round(xb * torch.where(amax > 0, 127 / amax, 0.0)[..., None]).to(torch.int32)
+    xs = xd * xq.sum(-1).float()
+    w = layer.dequantized_weight()
+    q4 = layer.m.numel() > 0
+    d = layer.d.view(-1, nb, 16).transpose(1, 2).reshape(-1, nb)[: layer.out_features]
+    m = layer.m.view(-1, nb, 16).transpose(1, 2).reshape(-1, nb)[: layer.out_features] if q4 else None
+    q = torch.round((w.view(-1, nb, 32) - (m[..., None] if q4 else 0)) / torch.where(d == 0, 1, d)[..., None])
+    isum = torch.einsum("tbk,rbk->trb", xq.double(), q.double())                   # exact integers
+    acc = torch.zeros(x.shape[0], layer.out_features, dtype=torch.float32)
+    for b in range(nb):
+        scale = (d[:, b][None, :] * xd[:, b][:, None]).float()                     # one fp32 rounding
+        acc = (isum[:, :, b] * scale.double() + acc.double()).float()
+        if q4:
+            acc = (m[:, b][None, :].double() * xs[:, b][:, None].double() + acc.double()).float()
+    return acc + (0 if layer.bias is None else layer.bias)
+
+
+@requires_kernels
+@pytest.mark.parametrize("qtype", FORMATS + [Q.Q4_K], ids=lambda q: q.name)
+def test_every_batch_size_gives_a_token_the_same_bits(qtype):
+    """Batch invariance at the kernel: a token's outputs are bitwise the same whatever the call's
+    token count and its place in the call, and equal to the written-out arithmetic."""
+    out_f, in_f = (37, 256) if qtype == Q.Q4_K else (37, 96)     # 37 rows: a padded 16-row group
+    raw = random_q4_k(out_f, in_f) if qtype == Q.Q4_K else make(qtype, out_f, in_f)[0]
+    layer = kernel_layer(raw, qtype, in_f, out_f)
+    x = torch.randn(70, in_f, generator=torch.Generator().manual_seed(1))
+    full = layer(x)
+    for T in (1, 2, 3, 4, 5, 6, 7, 13, 64):
+        assert torch.equal(layer(x[:T]), full[:T]), T
+    perm = torch.randperm(70, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(layer(x[perm]), full[perm])
+    # bit for bit: fma emulated in fp64 could only differ on a double-rounding tie (~2^-29 per op)
+    assert torch.equal(full, _int8_arithmetic(layer, x))
+
+
+@requires_kernels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_avx2_and_avx512_tiles_give_the_same_bits(qtype):
+    """The AVX-512 VNNI tiles are only a faster way to the AVX2 tiles' numbers."""
+    if not BACKEND.gemm_isa:
+        pytest.skip(f"this CPU (or KVSERVE_ISA) has no AVX-512 VNNI: isa={BACKEND.isa}")
+    raw, _, b = make(qtype, 200, 576, bias=True)
+    layer = GGUFQuantLinear(raw, qtype, 576, 200, b, backend=INT8)
+    x = torch.randn(33, 576)
+    y512 = layer(x)
+    layer.desc.isa = 0
+    assert torch.equal(layer(x), y512)
+
+
 @requires_kernels
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_bf16_path_for_large_batches(qtype):
-    """The bf16 copy as this backend makes it: oneDNN-prepacked from avx512 up, a plain bf16
-    matmul on avx2 (oneDNN refuses to prepack bf16 there)."""
+    """The bf16 copy (batch invariance off, KVSERVE_BF16_MIN_TOKENS) as this backend makes it:
+    oneDNN-prepacked from avx512 up."""
+    if BACKEND.isa not in ("avx512", "amx"):
+        pytest.skip(f"oneDNN's bf16 matmul needs avx512bw/vl/dq or AVX-NE-CONVERT; isa={BACKEND.isa}")
     raw, ref_w, b = make(qtype, 192, 576, bias=True)
     layer = GGUFQuantLinear(raw, qtype, 576, 192, b, backend=replace(BACKEND, bf16_min_tokens=16))
     assert layer.weight_bf16 is not None
-    if BACKEND.isa == "avx2":
-        assert not layer.weight_bf16.prepacked
     x = torch.randn(64, 576)
     assert rel_err(layer(x), x.double() @ ref_w.T + b.double()) < BF16_BOUND
     assert rel_err(layer(x[:7]), x[:7].double() @ ref_w.T + b.double()) < INT8_BOUND   # below 16: int8

@@ -201,6 +201,12 @@ class KernelBackend:
                 and self.attn_c_max_query is None)
 
     @property
+    def gemm_isa(self) -> int:
+        """The int8 tiles packed weights run (their descriptors' isa): 1 = AVX-512 VNNI where this
+        backend's level and features allow it, else 0 = AVX2. Both give identical results."""
+        return int(ISA_LEVELS.index(self.isa) >= ISA_LEVELS.index("avx512") and "avx512_vnni" in self.features)
+
+    @property
     def max_fused_tokens(self) -> int:
         """Steps of up to this many tokens run the whole layer stack in one C call (packed weights)."""
         if not self.fused_forward or self.lib is None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 CXX_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-pthread", "-std=c++17"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
-KERNEL_VERSION = 6  # must match kvs_version() in the source
+KERNEL_VERSION = 7  # must match kvs_version() in the source
 
 
 class KvsWeight(ctypes.Structure):
@@ -36,7 +36,7 @@ class KvsWeight(ctypes.Structure):
         ("qtype", ctypes.c_int32),
         ("rows", ctypes.c_int32),
         ("cols", ctypes.c_int32),
-        ("pad", ctypes.c_int32),
+        ("isa", ctypes.c_int32),     # 0: AVX2 tiles, 1: AVX-512 VNNI tiles (same results)
         ("qs", ctypes.c_void_p),
         ("d", ctypes.c_void_p),
         ("m", ctypes.c_void_p),
@@ -133,6 +133,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     vp, i32 = ctypes.c_void_p, ctypes.c_int
     lib.kvs_repack.argtypes = [i32, vp, i32, i32, vp, vp, vp]
     lib.kvs_repack.restype = i32
+    lib.kvs_pack_q4.argtypes = [i32, i32, vp, vp, vp, vp, vp, vp]
+    lib.kvs_pack_q4.restype = None
+    lib.kvs_packed_qs_bytes.argtypes = [i32, i32, i32]
+    lib.kvs_packed_qs_bytes.restype = ctypes.c_size_t
+    lib.kvs_packed_scales.argtypes = [i32, i32]
+    lib.kvs_packed_scales.restype = ctypes.c_size_t
     lib.kvs_linear.argtypes = [vp, vp, i32, vp]
     lib.kvs_linear.restype = None
     lib.kvs_paged_attention.argtypes = [vp, vp, i32, i32, i32, i32, i32, i32, vp, i32, vp, vp, i32,

@@ -51,29 +51,33 @@ class Bf16Weight:
         return torch.nn.functional.linear(x, self.w).float()
 
 
-def repack_q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def unpack_q4_k(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_K super-blocks (256 values: fp16 d, dmin, 6-bit scales/mins of 8 sub-blocks, 128 bytes of
-    nibbles) -> the kernels' Q4 layout. Each 32-value sub-block becomes a Q4 block with scale d*sc and
-    minimum -dmin*m (exact in fp32), and Q4_K already stores nibbles in sub-block pairs, as we do."""
+    nibbles) -> plain values q [rows, cols] (0..15) and per-32-value block scale d*sc and minimum
+    -dmin*m [rows, cols/32] (exact in fp32): Q4 blocks for the kernels' layout (kvs_pack_q4)."""
     blocks = raw.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K][1])
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     sc, mn = gguf_quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
     scale = d * sc.astype(np.float32)
     minimum = -(dmin * mn.astype(np.float32))
-    return np.ascontiguousarray(blocks[:, 16:]).reshape(-1), scale.reshape(-1), minimum.reshape(-1)
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32)    # 64-value chunks: sub-block 2c low nibbles, 2c+1 high
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)
+    return (np.ascontiguousarray(q).reshape(rows, -1), np.ascontiguousarray(scale).reshape(rows, -1),
+            np.ascontiguousarray(minimum).reshape(rows, -1))
 
 
 class GGUFQuantLinear(torch.nn.Module):
     """y = x @ W^T (+ bias) with W in GGUF block-quantized form.
 
-    The weights stay 4- or 8-bit: at load they are split into packed quants and float32 block
+    The weights stay 4- or 8-bit: at load they are repacked into 16-row groups with float32 block
     scales (cpu/kvserve_kernels.cpp draws the layout) and every call quantizes x to int8 per
-    32-block and runs AVX2 integer dot products, so a decode step reads ~0.6 bytes per Q4 weight.
-    Large calls (prefill, big batches) go instead to a bf16 copy and oneDNN, or to an fp32
-    dequantization and MKL, from the token counts the backend sets for this CPU. With a backend
-    without the C library (another device, no compiler), the layer holds the dequantized fp32
-    weights and calls torch.
+    32-block and runs integer dot products (AVX2, or AVX-512 VNNI where the backend has it, with
+    identical results), for one token or five hundred: the same arithmetic for every call size is
+    what makes inference batch-invariant. Only with batch invariance off do large calls go to a
+    bf16 copy and oneDNN, or to an fp32 dequantization and MKL, from the token counts the backend
+    sets. With a backend without the C library (another device, no compiler), the layer holds the
+    dequantized fp32 weights and calls torch.
     """
 
     supports_rows: ClassVar[bool] = True
@@ -119,26 +123,27 @@ class GGUFQuantLinear(torch.nn.Module):
         if self.lib is None:
             self.weight_f32 = reference.dequantize(raw_t, qtype, in_features)
             return
-        nb = in_features // reference.QK
         q4 = _KERNEL_QTYPE[qtype] == 0
-        self.qs = torch.empty(out_features * ((nb + 1) // 2 * 32 if q4 else in_features), dtype=torch.uint8)
-        self.d = torch.empty(out_features * nb, dtype=torch.float32)
-        self.m = torch.empty(out_features * nb if q4 else 0, dtype=torch.float32)
+        lib = self.lib
+        self.qs = torch.empty(lib.kvs_packed_qs_bytes(_KERNEL_QTYPE[qtype], out_features, in_features),
+                              dtype=torch.uint8)
+        n_scales = lib.kvs_packed_scales(out_features, in_features)
+        self.d = torch.empty(n_scales, dtype=torch.float32)
+        self.m = torch.empty(n_scales if q4 else 0, dtype=torch.float32)
         if qtype == GGMLQuantizationType.Q4_K:
-            qs, d, m = repack_q4_k(raw)
-            self.qs.copy_(torch.from_numpy(qs))
-            self.d.copy_(torch.from_numpy(d))
-            self.m.copy_(torch.from_numpy(m))
+            q, d, m = unpack_q4_k(raw, out_features)
+            lib.kvs_pack_q4(out_features, in_features, q.ctypes.data, d.ctypes.data, m.ctypes.data,
+                            self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr())
             rc = 0
         else:
-            rc = self.lib.kvs_repack(
+            rc = lib.kvs_repack(
                 int(qtype), raw_t.data_ptr(), out_features, in_features,
                 self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr() if q4 else None,
             )  # fmt: skip
         if rc != 0:
             raise ModelLoadError(f"kernel repack failed for {qtype.name}")
         self.desc = KvsWeight(
-            _KERNEL_QTYPE[qtype], out_features, in_features, 0,
+            _KERNEL_QTYPE[qtype], out_features, in_features, backend.gemm_isa,
             self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr() if q4 else None,
             None if self.bias is None else self.bias.data_ptr(),
         )  # fmt: skip
@@ -190,18 +195,12 @@ class GGUFQuantLinear(torch.nn.Module):
         """fp32 [out, in], for tests and tools."""
         if self.weight_f32 is not None:
             return self.weight_f32
-        nb = self.in_features // reference.QK
-        d = self.d.view(self.out_features, nb, 1)
-        if _KERNEL_QTYPE[self.qtype] == 0:   # block pairs: 32 bytes = block 2p (low nibbles), 2p+1 (high)
-            qs = self.qs.view(self.out_features, -1, 1, 32)
-            q = torch.cat([qs & 0x0F, qs >> 4], dim=2).view(self.out_features, -1, 32)[:, :nb].float()
-            w = q * d + self.m.view(self.out_features, nb, 1)
-        else:
-            w = self.qs.view(torch.int8).view(self.out_features, nb, 32).float() * d
-        return w.reshape(self.out_features, self.in_features)
+        w = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        self.lib.kvs_dequantize(self._desc_ptr, w.data_ptr())
+        return w
 
     def extra_repr(self) -> str:
-        path = "torch-fallback" if self.lib is None else "avx2-int8"
+        path = "torch-fallback" if self.lib is None else ("avx512-vnni-int8" if self.desc.isa else "avx2-int8")
         if self.weight_bf16 is not None:
             path += f", bf16 for T>={self.backend.bf16_min_tokens}"
         elif self.backend.f32_min_tokens is not None and self.lib is not None:

@@ -1,26 +1,37 @@
-// kvserve CPU kernels: GGUF block-quantized matmul (Q4_0, Q4_1, Q8_0) with AVX2 integer dot products.
+// kvserve CPU kernels: GGUF block-quantized matmul (Q4_0, Q4_1, Q4_K, Q8_0) on int8 activations.
 //
 // Built by kvserve.model.kernels.build with: g++ -O3 -mavx2 -mfma -mf16c -fPIC -shared -pthread
-// (plus -mavxvnni where the CPU has AVX-VNNI) and called through ctypes. Explicit AVX2 flags (not -march=native) so the same binary is valid on
-// every AVX2 host the team runs on.
+// (plus -mavxvnni where the CPU has AVX-VNNI) and called through ctypes. Explicit AVX2 flags (not
+// -march=native) so the same binary is valid on every AVX2 host; the AVX-512 VNNI variant of the
+// tiles lives in kvserve_gemm_avx512.cpp, compiled for that target and chosen per weight (isa).
 //
-// Weight layout after repacking (done once at load by kvs_repack):
+// One arithmetic for every call size, every ISA variant and every thread count. For output row r
+// and token t, with weights w = d * q + m per block of 32 (m = 0 for Q8_0) and the activations
+// quantized per block to int8 (xq, scale xd, xs = xd * sum(xq)):
 //
-//   Q4 (Q4_0 and Q4_1 share it; Q4_0 becomes Q4_1 with m = -8 d):
-//     qs [rows][ceil(nb/2)][32] uint8   blocks in pairs: byte i of pair p holds element i of block 2p
-//                               (low nibble) and element i of block 2p+1 (high nibble), so one 32-byte
-//                               load, an AND and a shift+AND give two blocks in element order
-//                               (GGUF's own order, j and j+16 in one byte, needs a lane insert per block)
-//     d  [rows][nb] float32     block scale
-//     m  [rows][nb] float32     block minimum:  w = d * q + m,  q in 0..15
-//   Q8_0:
-//     qs [rows][K] int8, d [rows][nb] float32:  w = d * q
+//     acc = 0
+//     for each block b, in order:  isum = sum_k q[r][k] * xq[t][k]          (exact int32)
+//                                  acc = fma(float(isum), d[r][b] * xd[t][b], acc)
+//                                  acc = fma(m[r][b], xs[t][b], acc)       (Q4 only)
+//     y[t][r] = acc (+ bias[r])
 //
-// Activations are quantized per 32-element block to int8 (like llama.cpp's q8_1):
-//     xq [T][K] int8, xd [T][nb] float32 scale, xs [T][nb] float32 = xd * sum(xq of block)
-// so that for one block   sum_i w_i x_i  ~=  d * xd * sum_i q_i xq_i  +  m * xs.
-// The integer sum uses vpmaddubsw (u8 x s8 -> s16 pairs) + vpmaddwd (-> s32), which is what makes
-// llama.cpp fast on AVX2.
+// The integer sums are exact however they are formed (vpmaddubsw + vpmaddwd on AVX2, vpdpbusd on
+// VNNI, 8 or 16 rows per register) and the float chain of one output is the same sequence of
+// roundings everywhere: a request's numbers do not depend on the batch it shares, on how its
+// prompt was chunked, on the thread count, or on which x86-64 CPU runs it. SIMD lanes run across
+// output rows, never across K, which is what lets a tile of tokens reuse each weight load (a GEMM
+// for prefill and batched decode) without changing any output's reduction order.
+//
+// Weight layout after repacking (kvs_repack / kvs_pack_q4, once at load); rows in groups of 16
+// (the last group zero-padded), per group g and block b:
+//
+//   Q4 (Q4_0, Q4_1, Q4_K):  qs [g][b][i = 0..3][16 rows][4 bytes]: byte j of row r holds
+//                           q[r][32b + 4i + j] (low nibble) and q[r][32b + 16 + 4i + j] (high)
+//                           so one 64-byte load gives 16 rows x 8 values, an AND and a shift+AND
+//                           two u8 vectors whose lanes (4 bytes = 1 int32 lane) are rows.
+//                           d, m [g][b][16 rows] float32: w = d * q + m, q in 0..15
+//   Q8_0:                   qs [g][b][i = 0..7][16 rows][4 bytes] int8 q[r][32b + 4i + j],
+//                           d [g][b][16 rows] float32: w = d * q
 //
 // Threads: OpenMP, and the library is loaded after torch, so `libgomp.so.1` resolves to the copy
 // torch already loaded: the kernels run on torch's own thread team. A private pool measured
@@ -41,7 +52,7 @@
 
 extern "C" {
 
-int kvs_version(void) { return 6; }
+int kvs_version(void) { return 7; }
 
 }  // extern "C"
 
@@ -124,131 +135,126 @@ namespace {
 using kvs::quantize_row_q8;
 
 // ---------------------------------------------------------------------------------------------
-// micro-kernels: R weight rows x TT tokens, full K. y[t * ldy + r] = dot(w_r, x_t) (+ bias)
+// AVX2 tiles: 8 rows (half h of a 16-row group) x TT tokens, every block of K.
 
-template <int R, int TT>
-inline void q4_tile(const kvs_weight *w, int r0, const int8_t *xq, const float *xd, const float *xs,
-                    int t0, float *y, int ldy, bool add) {
-    const int K = w->cols, nb = K / KVS_QK, np = (nb + 1) / 2;
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    __m256 acc[R][TT];
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps();
-    for (int p = 0; p < np; p++) {
-        const int b = 2 * p;
-        const bool pair = b + 1 < nb;
-        __m256i x0[TT], x1[TT];
-        __m256 xd0[TT], xd1[TT];
-        for (int j = 0; j < TT; j++) {
-            const int8_t *xr = xq + (size_t)(t0 + j) * K + b * KVS_QK;
-            const float *dr = xd + (size_t)(t0 + j) * nb + b;
-            x0[j] = _mm256_loadu_si256((const __m256i *)xr);
-            xd0[j] = _mm256_broadcast_ss(dr);
-            if (pair) {
-                x1[j] = _mm256_loadu_si256((const __m256i *)(xr + KVS_QK));
-                xd1[j] = _mm256_broadcast_ss(dr + 1);
-            }
-        }
-        for (int i = 0; i < R; i++) {
-            const size_t row = (size_t)(r0 + i);
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(w->qs + (row * np + p) * 32));
-            const float *dw = w->d + row * nb + b;
-            const __m256i w0 = _mm256_and_si256(v, mask);
-            const __m256 dw0 = _mm256_broadcast_ss(dw);
-            for (int j = 0; j < TT; j++)
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w0, x0[j])), _mm256_mul_ps(dw0, xd0[j]),
-                                            acc[i][j]);
-            if (pair) {
-                const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-                const __m256 dw1 = _mm256_broadcast_ss(dw + 1);
-                for (int j = 0; j < TT; j++)
-                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(w1, x1[j])),
-                                                _mm256_mul_ps(dw1, xd1[j]), acc[i][j]);
-            }
-        }
-    }
-    for (int i = 0; i < R; i++) {
-        const float *mrow = w->m + (size_t)(r0 + i) * nb;
-        for (int j = 0; j < TT; j++) {
-            const float *srow = xs + (size_t)(t0 + j) * nb;
-            __m256 macc = _mm256_setzero_ps();
-            int b = 0;
-            for (; b + 8 <= nb; b += 8)
-                macc = _mm256_fmadd_ps(_mm256_loadu_ps(mrow + b), _mm256_loadu_ps(srow + b), macc);
-            float v = hsum_ps(_mm256_add_ps(acc[i][j], macc));
-            for (; b < nb; b++) v += mrow[b] * srow[b];
-            if (w->bias) v += w->bias[r0 + i];
-            float *dst = y + (size_t)(t0 + j) * ldy + r0 + i;
-            *dst = add ? *dst + v : v;
-        }
-    }
+inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
 }
 
-template <int R, int TT>
-inline void q8_tile(const kvs_weight *w, int r0, const int8_t *xq, const float *xd, const float *,
-                    int t0, float *y, int ldy, bool add) {
+// Store 8 row results of one token: the valid lanes only (the last group may be padding).
+inline void store_rows8(__m256 v, const float *bias, int row0, int nvalid, float *dst, bool add) {
+    if (bias) v = _mm256_add_ps(v, nvalid == 8 ? _mm256_loadu_ps(bias + row0) : [&] {
+        alignas(32) float b[8] = {0};
+        for (int i = 0; i < nvalid; i++) b[i] = bias[row0 + i];
+        return _mm256_load_ps(b);
+    }());
+    if (nvalid == 8) {
+        _mm256_storeu_ps(dst, add ? _mm256_add_ps(_mm256_loadu_ps(dst), v) : v);
+        return;
+    }
+    alignas(32) float o[8];
+    _mm256_store_ps(o, v);
+    for (int i = 0; i < nvalid; i++) dst[i] = add ? dst[i] + o[i] : o[i];
+}
+
+template <int TT>
+void q4_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
+              float *y, int ldy, bool add) {
     const int K = w->cols, nb = K / KVS_QK;
-    __m256 acc[R][TT];
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps();
+    const uint8_t *qg = w->qs + (size_t)g * nb * 256 + h * 32;
+    const float *dg = w->d + (size_t)g * nb * 16 + h * 8, *mg = w->m + (size_t)g * nb * 16 + h * 8;
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256 acc[TT];
+    for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m256i xv[TT];
-        for (int j = 0; j < TT; j++)
-            xv[j] = _mm256_loadu_si256((const __m256i *)(xq + (size_t)(t0 + j) * K + b * KVS_QK));
-        for (int i = 0; i < R; i++) {
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w->qs + (size_t)(r0 + i) * K + b * KVS_QK));
-            const __m256i wa = _mm256_sign_epi8(wv, wv);
-            const float dw = w->d[(size_t)(r0 + i) * nb + b];
+        const uint8_t *qb = qg + (size_t)b * 256;
+        __m256i is[TT];
+        for (int j = 0; j < TT; j++) is[j] = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qb + i * 64));
+            const __m256i lo = _mm256_and_si256(raw, mask);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
             for (int j = 0; j < TT; j++) {
-                const __m256i p32 = dot_u8s8(wa, _mm256_sign_epi8(xv[j], wv));
-                const __m256 s = _mm256_set1_ps(dw * xd[(size_t)(t0 + j) * nb + b]);
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), s, acc[i][j]);
+                const int8_t *xr = xq + (size_t)(t0 + j) * K + b * KVS_QK + 4 * i;
+#if defined(__AVXVNNI__)
+                is[j] = _mm256_dpbusd_avx_epi32(is[j], lo, bcast4(xr));
+                is[j] = _mm256_dpbusd_avx_epi32(is[j], hi, bcast4(xr + 16));
+#else
+                // int16 partial sums: 16 products of at most 15 * 127 each, no overflow
+                is[j] = _mm256_add_epi16(is[j], _mm256_maddubs_epi16(lo, bcast4(xr)));
+                is[j] = _mm256_add_epi16(is[j], _mm256_maddubs_epi16(hi, bcast4(xr + 16)));
+#endif
             }
         }
-    }
-    for (int i = 0; i < R; i++)
+        const __m256 d = _mm256_loadu_ps(dg + (size_t)b * 16), m = _mm256_loadu_ps(mg + (size_t)b * 16);
         for (int j = 0; j < TT; j++) {
-            float v = hsum_ps(acc[i][j]);
-            if (w->bias) v += w->bias[r0 + i];
-            float *dst = y + (size_t)(t0 + j) * ldy + r0 + i;
-            *dst = add ? *dst + v : v;
+#if defined(__AVXVNNI__)
+            const __m256i s32 = is[j];
+#else
+            const __m256i s32 = _mm256_madd_epi16(is[j], _mm256_set1_epi16(1));
+#endif
+            const size_t sb = (size_t)(t0 + j) * nb + b;
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(d, _mm256_set1_ps(xd[sb])), acc[j]);
+            acc[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[sb]), acc[j]);
         }
+    }
+    const int row0 = g * 16 + h * 8, nvalid = w->rows - row0 < 8 ? w->rows - row0 : 8;
+    for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
 }
 
-// ---------------------------------------------------------------------------------------------
-// one linear call: quantize x (split over threads by token), then multiply (split over rows)
-
-#define KVS_DISPATCH_TT(KERNEL, R, ...)                               \
-    switch (tt) {                                                     \
-        case 4: KERNEL<R, 4>(__VA_ARGS__); break;                     \
-        case 3: KERNEL<R, 3>(__VA_ARGS__); break;                     \
-        case 2: KERNEL<R, 2>(__VA_ARGS__); break;                     \
-        default: KERNEL<R, 1>(__VA_ARGS__); break;                    \
-    }
-
-template <bool Q4>
-void run_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y, int ldy,
-              bool add, int rbeg, int rend) {
-    // Rows in tiles of 4 (decode: 4 independent accumulator chains), tokens in tiles of 4: a
-    // weight block is unpacked once and reused for 4 tokens, and each 4-row strip of weights
-    // (~1.4 KB for K=576) stays in L1 while all T tokens stream past it.
-    int r = rbeg;
-    for (; r + 4 <= rend; r += 4)
-        for (int t = 0; t < T; t += 4) {
-            const int tt = T - t < 4 ? T - t : 4;
-            if (Q4) {
-                KVS_DISPATCH_TT(q4_tile, 4, w, r, xq, xd, xs, t, y, ldy, add)
-            } else {
-                KVS_DISPATCH_TT(q8_tile, 4, w, r, xq, xd, xs, t, y, ldy, add)
+template <int TT>
+void q8_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *, int t0,
+              float *y, int ldy, bool add) {
+    const int K = w->cols, nb = K / KVS_QK;
+    const uint8_t *qg = w->qs + (size_t)g * nb * 512 + h * 32;
+    const float *dg = w->d + (size_t)g * nb * 16 + h * 8;
+    __m256 acc[TT];
+    for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *qb = qg + (size_t)b * 512;
+        __m256i is[TT];
+        for (int j = 0; j < TT; j++) is[j] = _mm256_setzero_si256();
+        for (int i = 0; i < 8; i++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qb + i * 64));
+            const __m256i a = _mm256_sign_epi8(raw, raw);   // |q| as u8 (the sign goes onto x)
+            for (int j = 0; j < TT; j++) {
+                const __m256i sx = _mm256_sign_epi8(bcast4(xq + (size_t)(t0 + j) * K + b * KVS_QK + 4 * i), raw);
+#if defined(__AVXVNNI__)
+                is[j] = _mm256_dpbusd_avx_epi32(is[j], a, sx);
+#else
+                is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(_mm256_maddubs_epi16(a, sx), _mm256_set1_epi16(1)));
+#endif
             }
         }
-    for (; r < rend; r++)
-        for (int t = 0; t < T; t += 4) {
-            const int tt = T - t < 4 ? T - t : 4;
-            if (Q4) {
-                KVS_DISPATCH_TT(q4_tile, 1, w, r, xq, xd, xs, t, y, ldy, add)
-            } else {
-                KVS_DISPATCH_TT(q8_tile, 1, w, r, xq, xd, xs, t, y, ldy, add)
+        const __m256 d = _mm256_loadu_ps(dg + (size_t)b * 16);
+        for (int j = 0; j < TT; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[j]),
+                                     _mm256_mul_ps(d, _mm256_set1_ps(xd[(size_t)(t0 + j) * nb + b])), acc[j]);
+    }
+    const int row0 = g * 16 + h * 8, nvalid = w->rows - row0 < 8 ? w->rows - row0 : 8;
+    for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+}
+
+// Groups [gbeg, gend) of 16 rows for all T tokens: each half-group's weights (nb x 128 bytes for
+// Q4) stay in L1 while the token tiles stream past them.
+template <bool Q4>
+void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
+                     int ldy, bool add, int gbeg, int gend) {
+    for (int g = gbeg; g < gend; g++)
+        for (int h = 0; h < 2; h++) {
+            if (g * 16 + h * 8 >= w->rows) break;
+            int t = 0;
+            for (; t + 4 <= T; t += 4) {
+                if (Q4) q4_tile8<4>(w, g, h, xq, xd, xs, t, y, ldy, add);
+                else q8_tile8<4>(w, g, h, xq, xd, xs, t, y, ldy, add);
+            }
+            switch (T - t) {
+                case 3: if (Q4) q4_tile8<3>(w, g, h, xq, xd, xs, t, y, ldy, add); else q8_tile8<3>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
+                case 2: if (Q4) q4_tile8<2>(w, g, h, xq, xd, xs, t, y, ldy, add); else q8_tile8<2>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
+                case 1: if (Q4) q4_tile8<1>(w, g, h, xq, xd, xs, t, y, ldy, add); else q8_tile8<1>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
+                default: break;
             }
         }
 }
@@ -259,14 +265,16 @@ namespace kvs {
 
 void linear_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
                  int ldy, bool add, int ith, int nth) {
-    const int rows = w->rows;
-    const int per = ((rows + nth - 1) / nth + 3) & ~3;
-    const int rbeg = ith * per < rows ? ith * per : rows;
-    const int rend = rbeg + per < rows ? rbeg + per : rows;
+    const int ng = (w->rows + 15) / 16;
+    const int per = (ng + nth - 1) / nth;
+    const int gbeg = ith * per < ng ? ith * per : ng;
+    const int gend = gbeg + per < ng ? gbeg + per : ng;
+    if (gbeg >= gend) return;
+    if (w->isa == 1 && groups_avx512(w, xq, xd, xs, T, y, ldy, add, gbeg, gend)) return;
     if (w->qtype == 0)
-        run_rows<true>(w, xq, xd, xs, T, y, ldy, add, rbeg, rend);
+        run_groups_avx2<true>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else
-        run_rows<false>(w, xq, xd, xs, T, y, ldy, add, rbeg, rend);
+        run_groups_avx2<false>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
 }
 
 }  // namespace kvs
@@ -296,13 +304,19 @@ void linear_task(const LinearJob *job, int ith, int nth) {
     kvs::linear_rows(w, job->xq, job->xd, job->xs, job->T, job->y, w->rows, false, ith, nth);
 }
 
-// GGUF's 16 bytes (element j low nibble, j+16 high nibble) -> element i at byte i of the pair,
-// in the low nibble (first block of the pair) or the high nibble (second).
-void put_q4_block(uint8_t *pair, int second, const uint8_t *src) {
-    for (int i = 0; i < KVS_QK; i++) {
-        const uint8_t q = i < 16 ? (src[i] & 0x0F) : (src[i - 16] >> 4);
-        pair[i] |= second ? (uint8_t)(q << 4) : q;
-    }
+// Offsets into the repacked layout (see the top of this file).
+inline size_t q4_byte(int r, int k, int nb) {   // byte holding q[r][k]; the high nibble if (k % 32) >= 16
+    const int g = r / 16, b = k / KVS_QK, kk = k % KVS_QK, i = (kk % 16) / 4;
+    return (((size_t)g * nb + b) * 4 + i) * 64 + (r % 16) * 4 + kk % 4;
+}
+inline size_t q8_byte(int r, int k, int nb) {
+    const int g = r / 16, b = k / KVS_QK, kk = k % KVS_QK;
+    return (((size_t)g * nb + b) * 8 + kk / 4) * 64 + (r % 16) * 4 + kk % 4;
+}
+inline size_t scale_at(int r, int b, int nb) { return ((size_t)(r / 16) * nb + b) * 16 + r % 16; }
+
+inline void put_q4(uint8_t *qs, int r, int k, int nb, uint8_t q) {
+    qs[q4_byte(r, k, nb)] |= (k % KVS_QK) >= 16 ? (uint8_t)(q << 4) : q;
 }
 
 // scratch for quantized activations, grown as needed (calls are serialized)
@@ -318,40 +332,63 @@ void kvs_set_num_threads(int nth) { g_nth = nth < 1 ? 1 : nth; }
 
 int kvs_get_num_threads(void) { return g_nth; }
 
+// Bytes of the repacked arrays for a weight of rows x cols: qs, and d (and m, for Q4) in floats.
+size_t kvs_packed_qs_bytes(int qtype, int rows, int cols) {
+    return (size_t)((rows + 15) / 16) * (cols / KVS_QK) * (qtype == 0 ? 256 : 512);
+}
+size_t kvs_packed_scales(int rows, int cols) { return (size_t)((rows + 15) / 16) * 16 * (cols / KVS_QK); }
+
 // Repack GGUF blocks of `rows` rows of `cols` elements. ggml_type: 2 = Q4_0, 3 = Q4_1, 8 = Q8_0.
+// qs, d (and m for Q4) are sized by kvs_packed_qs_bytes / kvs_packed_scales; padding rows are 0.
 // Returns 0 on success, -1 on an unsupported type.
 int kvs_repack(int ggml_type, const uint8_t *raw, int rows, int cols, uint8_t *qs, float *d, float *m) {
-    const int nb = cols / KVS_QK, np = (nb + 1) / 2;
-    if (ggml_type == 2 || ggml_type == 3) memset(qs, 0, (size_t)rows * np * 32);
+    const int nb = cols / KVS_QK;
+    const int qtype = ggml_type == 8 ? 1 : 0;
+    if (ggml_type != 2 && ggml_type != 3 && ggml_type != 8) return -1;
+    memset(qs, 0, kvs_packed_qs_bytes(qtype, rows, cols));
+    memset(d, 0, kvs_packed_scales(rows, cols) * sizeof(float));
+    if (m) memset(m, 0, kvs_packed_scales(rows, cols) * sizeof(float));
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < nb; b++) {
-            const size_t blk = (size_t)r * nb + b;
-            if (ggml_type == 2) {  // Q4_0: fp16 d, 16 bytes
-                const uint8_t *p = raw + blk * 18;
-                uint16_t h;
-                memcpy(&h, p, 2);
-                d[blk] = _cvtsh_ss(h);
-                m[blk] = -8.0f * d[blk];
-                put_q4_block(qs + ((size_t)r * np + b / 2) * 32, b % 2, p + 2);
-            } else if (ggml_type == 3) {  // Q4_1: fp16 d, fp16 m, 16 bytes
-                const uint8_t *p = raw + blk * 20;
+            const size_t blk = (size_t)r * nb + b, at = scale_at(r, b, nb);
+            if (ggml_type == 2 || ggml_type == 3) {  // Q4_0: fp16 d, 16 bytes; Q4_1: fp16 d, fp16 m, 16 bytes
+                const uint8_t *p = raw + blk * (ggml_type == 2 ? 18 : 20);
                 uint16_t h0, h1;
                 memcpy(&h0, p, 2);
-                memcpy(&h1, p + 2, 2);
-                d[blk] = _cvtsh_ss(h0);
-                m[blk] = _cvtsh_ss(h1);
-                put_q4_block(qs + ((size_t)r * np + b / 2) * 32, b % 2, p + 4);
-            } else if (ggml_type == 8) {  // Q8_0: fp16 d, 32 int8
+                d[at] = _cvtsh_ss(h0);
+                if (ggml_type == 3) memcpy(&h1, p + 2, 2);
+                m[at] = ggml_type == 2 ? -8.0f * d[at] : _cvtsh_ss(h1);
+                const uint8_t *q = p + (ggml_type == 2 ? 2 : 4);   // element j low nibble, j + 16 high
+                for (int j = 0; j < 16; j++) {
+                    put_q4(qs, r, b * KVS_QK + j, nb, q[j] & 0x0F);
+                    put_q4(qs, r, b * KVS_QK + j + 16, nb, q[j] >> 4);
+                }
+            } else {  // Q8_0: fp16 d, 32 int8
                 const uint8_t *p = raw + blk * 34;
                 uint16_t h;
                 memcpy(&h, p, 2);
-                d[blk] = _cvtsh_ss(h);
-                memcpy(qs + (size_t)r * cols + b * KVS_QK, p + 2, KVS_QK);
-            } else {
-                return -1;
+                d[at] = _cvtsh_ss(h);
+                for (int j = 0; j < KVS_QK; j++) qs[q8_byte(r, b * KVS_QK + j, nb)] = p[2 + j];
             }
         }
     return 0;
+}
+
+// Pack plain Q4 values q [rows][cols] (0..15) with block scales and minima sd, sm [rows][cols/32]
+// (w = d * q + m; from Q4_K super-blocks, split into 32-value blocks) into the kernels' layout.
+void kvs_pack_q4(int rows, int cols, const uint8_t *q, const float *sd, const float *sm, uint8_t *qs, float *d,
+                 float *m) {
+    const int nb = cols / KVS_QK;
+    memset(qs, 0, kvs_packed_qs_bytes(0, rows, cols));
+    memset(d, 0, kvs_packed_scales(rows, cols) * sizeof(float));
+    memset(m, 0, kvs_packed_scales(rows, cols) * sizeof(float));
+    for (int r = 0; r < rows; r++) {
+        for (int k = 0; k < cols; k++) put_q4(qs, r, k, nb, q[(size_t)r * cols + k] & 0x0F);
+        for (int b = 0; b < nb; b++) {
+            d[scale_at(r, b, nb)] = sd[(size_t)r * nb + b];
+            m[scale_at(r, b, nb)] = sm[(size_t)r * nb + b];
+        }
+    }
 }
 
 }  // extern "C"
@@ -359,17 +396,19 @@ int kvs_repack(int ggml_type, const uint8_t *raw, int rows, int cols, uint8_t *q
 namespace {
 
 void dequantize_row(const kvs_weight *w, int r, float *o) {
-    const int K = w->cols, nb = K / KVS_QK, np = (nb + 1) / 2;
+    const int K = w->cols, nb = K / KVS_QK;
     for (int b = 0; b < nb; b++) {
-        const float d = w->d[(size_t)r * nb + b];
+        const size_t at = scale_at(r, b, nb);
+        const float d = w->d[at];
         if (w->qtype == 0) {
-            const float m = w->m[(size_t)r * nb + b];
-            const uint8_t *pair = w->qs + ((size_t)r * np + b / 2) * 32;
-            const int shift = (b % 2) * 4;
-            for (int i = 0; i < KVS_QK; i++) o[b * KVS_QK + i] = d * (float)((pair[i] >> shift) & 0x0F) + m;
+            const float m = w->m[at];
+            for (int i = 0; i < KVS_QK; i++) {
+                const int k = b * KVS_QK + i;
+                const uint8_t byte = w->qs[q4_byte(r, k, nb)];
+                o[k] = d * (float)(i >= 16 ? byte >> 4 : byte & 0x0F) + m;
+            }
         } else {
-            const int8_t *q = (const int8_t *)w->qs + (size_t)r * K + b * KVS_QK;
-            for (int i = 0; i < KVS_QK; i++) o[b * KVS_QK + i] = d * (float)q[i];
+            for (int i = 0; i < KVS_QK; i++) o[b * KVS_QK + i] = d * (float)(int8_t)w->qs[q8_byte(r, b * KVS_QK + i, nb)];
         }
     }
 }
@@ -415,7 +454,7 @@ void kvs_linear(const kvs_weight *w, const float *x, int T, float *y) {
     job.xd = (float *)g_scratch;
     job.xs = job.xd + (size_t)T * nb;
     job.xq = (int8_t *)(job.xs + (size_t)T * nb);
-    int nth = g_nth < w->rows / 64 ? g_nth : w->rows / 64;
+    int nth = g_nth < w->rows / 64 ? g_nth : w->rows / 64;   // at least 4 groups of 16 rows each
     if (nth <= 1) {
         linear_task(&job, 0, 1);
     } else {

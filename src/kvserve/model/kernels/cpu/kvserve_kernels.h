@@ -1,6 +1,7 @@
 // Shared declarations of the kvserve CPU kernels (one shared library, several translation units).
 //
 //   kvserve_kernels.cpp   packed GGUF weights: repack, activation quantization, int8 matmul tiles
+//   kvserve_gemm_avx512.cpp  the same tiles with AVX-512 VNNI (16 rows per register), same results
 //   kvserve_attention.cpp paged attention (fp32 or bf16 KV cache), RMSNorm
 //   kvserve_forward.cpp   a whole forward pass of the Llama layer stack in one call (small batches)
 
@@ -16,7 +17,7 @@ struct kvs_weight {
     int32_t qtype;  // 0 = Q4 (Q4_0/Q4_1/Q4_K repacked), 1 = Q8_0
     int32_t rows;   // out_features
     int32_t cols;   // in_features (multiple of 32)
-    int32_t pad;
+    int32_t isa;    // tiles to run: 0 = AVX2 (or AVX-VNNI builds), 1 = AVX-512 VNNI; identical results
     const uint8_t *qs;
     const float *d;
     const float *m;     // Q4 only
@@ -51,8 +52,20 @@ void attend_group(const float *q, const void *K, const void *V, int kv_dtype, si
                   size_t tok_stride, int head_off, const int64_t *table, int block_size, int L, int D, int G,
                   float scale, float *scores, float *out);
 
+// The AVX-512 VNNI tiles (kvserve_gemm_avx512.cpp) for groups [gbeg, gend) of 16 rows: the same
+// arithmetic as the AVX2 tiles in kvserve_kernels.cpp. Returns false if this build lacks them.
+bool groups_avx512(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
+                   int ldy, bool add, int gbeg, int gend);
+
 // y = x / sqrt(mean(x^2) + eps) * w over n floats.
 void rms_norm_row(const float *x, const float *w, int n, float eps, float *y);
+
+}  // namespace kvs
+
+// Inline helpers below are left out of translation units built for another target (the AVX-512
+// one): the linker keeps one copy of an inline function, and it must be the AVX2 build.
+#ifndef KVS_NO_INLINE_HELPERS
+namespace kvs {
 
 // float -> bfloat16, round to nearest even (what torch's .to(torch.bfloat16) does).
 inline uint16_t f32_to_bf16(float f) {
@@ -94,3 +107,4 @@ inline void silu_mul_row(const float *g, const float *u, int n, float *out) {
 }
 
 }  // namespace kvs
+#endif  // KVS_NO_INLINE_HELPERS

@@ -1,0 +1,140 @@
+// The int8 matmul tiles of kvserve_kernels.cpp with AVX-512 VNNI: 16 weight rows per register
+// (one 16-row group of the repacked layout) and vpdpbusd forming the exact int32 block sums in one
+// instruction. The arithmetic of every output is the one at the top of kvserve_kernels.cpp (exact
+// integer block sums, then one fma per block in block order), so these tiles give bit-for-bit the
+// AVX2 tiles' results: only speed depends on the CPU.
+//
+// This file alone is compiled for the AVX-512 target (the pragma below); it is only entered when
+// a weight's descriptor says isa = 1, which the Python backend sets only on CPUs that have
+// avx512f/bw/vl and avx512_vnni. It includes no inline helper of the shared header (see there).
+
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+
+#define KVS_NO_INLINE_HELPERS
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kvserve_kernels.h"
+
+namespace {
+
+constexpr int QK = 32;
+
+inline __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+inline void store_rows16(__m512 v, const float *bias, int row0, int nvalid, float *dst, bool add) {
+    const __mmask16 k = nvalid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nvalid) - 1);
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + row0));
+    if (add) v = _mm512_add_ps(_mm512_maskz_loadu_ps(k, dst), v);
+    _mm512_mask_storeu_ps(dst, k, v);
+}
+
+template <int TT>
+void q4_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
+               int ldy, bool add) {
+    const int K = w->cols, nb = K / QK;
+    const uint8_t *qg = w->qs + (size_t)g * nb * 256;
+    const float *dg = w->d + (size_t)g * nb * 16, *mg = w->m + (size_t)g * nb * 16;
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    __m512 acc[TT];
+    for (int j = 0; j < TT; j++) acc[j] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *qb = qg + (size_t)b * 256;
+        __m512i is[TT];
+        for (int j = 0; j < TT; j++) is[j] = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(qb + i * 64));
+            const __m512i lo = _mm512_and_si512(raw, mask);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+            for (int j = 0; j < TT; j++) {
+                const int8_t *xr = xq + (size_t)(t0 + j) * K + b * QK + 4 * i;
+                is[j] = _mm512_dpbusd_epi32(is[j], lo, bcast4(xr));
+                is[j] = _mm512_dpbusd_epi32(is[j], hi, bcast4(xr + 16));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(dg + (size_t)b * 16), m = _mm512_loadu_ps(mg + (size_t)b * 16);
+        for (int j = 0; j < TT; j++) {
+            const size_t sb = (size_t)(t0 + j) * nb + b;
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[j]), _mm512_mul_ps(d, _mm512_set1_ps(xd[sb])), acc[j]);
+            acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[sb]), acc[j]);
+        }
+    }
+    const int row0 = g * 16, nvalid = w->rows - row0;
+    for (int j = 0; j < TT; j++) store_rows16(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+}
+
+template <int TT>
+void q8_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *, int t0, float *y,
+               int ldy, bool add) {
+    const int K = w->cols, nb = K / QK;
+    const uint8_t *qg = w->qs + (size_t)g * nb * 512;
+    const float *dg = w->d + (size_t)g * nb * 16;
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[TT];
+    for (int j = 0; j < TT; j++) acc[j] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *qb = qg + (size_t)b * 512;
+        __m512i is[TT];
+        for (int j = 0; j < TT; j++) is[j] = _mm512_setzero_si512();
+        for (int i = 0; i < 8; i++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(qb + i * 64));
+            const __m512i a = _mm512_abs_epi8(raw);           // |q| as u8; the sign goes onto x
+            const __mmask64 neg = _mm512_movepi8_mask(raw);
+            for (int j = 0; j < TT; j++) {
+                const __m512i x = bcast4(xq + (size_t)(t0 + j) * K + b * QK + 4 * i);
+                is[j] = _mm512_dpbusd_epi32(is[j], a, _mm512_mask_sub_epi8(x, neg, zero, x));
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(dg + (size_t)b * 16);
+        for (int j = 0; j < TT; j++)
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[j]),
+                                     _mm512_mul_ps(d, _mm512_set1_ps(xd[(size_t)(t0 + j) * nb + b])), acc[j]);
+    }
+    const int row0 = g * 16, nvalid = w->rows - row0;
+    for (int j = 0; j < TT; j++) store_rows16(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+}
+
+template <bool Q4, int TT>
+inline void tile(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
+                 int ldy, bool add) {
+    if (Q4) q4_tile16<TT>(w, g, xq, xd, xs, t0, y, ldy, add);
+    else q8_tile16<TT>(w, g, xq, xd, xs, t0, y, ldy, add);
+}
+
+template <bool Q4>
+void run_groups(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y, int ldy,
+                bool add, int gbeg, int gend) {
+    constexpr int TT = 6;
+    for (int g = gbeg; g < gend; g++) {
+        int t = 0;
+        for (; t + TT <= T; t += TT) tile<Q4, TT>(w, g, xq, xd, xs, t, y, ldy, add);
+        switch (T - t) {
+            case 5: tile<Q4, 5>(w, g, xq, xd, xs, t, y, ldy, add); break;
+            case 4: tile<Q4, 4>(w, g, xq, xd, xs, t, y, ldy, add); break;
+            case 3: tile<Q4, 3>(w, g, xq, xd, xs, t, y, ldy, add); break;
+            case 2: tile<Q4, 2>(w, g, xq, xd, xs, t, y, ldy, add); break;
+            case 1: tile<Q4, 1>(w, g, xq, xd, xs, t, y, ldy, add); break;
+            default: break;
+        }
+    }
+}
+
+}  // namespace
+
+namespace kvs {
+
+bool groups_avx512(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
+                   int ldy, bool add, int gbeg, int gend) {
+    if (w->qtype == 0)
+        run_groups<true>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else
+        run_groups<false>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    return true;
+}
+
+}  // namespace kvs
