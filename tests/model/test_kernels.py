@@ -170,8 +170,8 @@ def _int8_arithmetic(layer: GGUFQuantLinear, x: torch.Tensor) -> torch.Tensor:
     xs = xd * xq.sum(-1).float()
     w = layer.dequantized_weight()
     q4 = layer.m.numel() > 0
-    d = layer.d.view(-1, nb, 16).transpose(1, 2).reshape(-1, nb)[: layer.out_features]
-    m = layer.m.view(-1, nb, 16).transpose(1, 2).reshape(-1, nb)[: layer.out_features] if q4 else None
+    d = layer.d.float().view(-1, nb, 16).transpose(1, 2).reshape(-1, nb)[: layer.out_features]
+    m = layer.m.float().view(-1, nb, 16).transpose(1, 2).reshape(-1, nb)[: layer.out_features] if q4 else None
     q = torch.round((w.view(-1, nb, 32) - (m[..., None] if q4 else 0)) / torch.where(d == 0, 1, d)[..., None])
     isum = torch.einsum("tbk,rbk->trb", xq.double(), q.double())                   # exact integers
     acc = torch.zeros(x.shape[0], layer.out_features, dtype=torch.float32)
@@ -356,3 +356,18 @@ def test_c_rms_norm_matches_torch(rows):
     y = torch.empty_like(x)
     BACKEND.lib.kvs_rms_norm(x.data_ptr(), w.data_ptr(), rows, 576, 1e-5, y.data_ptr())
     assert torch.allclose(y, torch.nn.functional.rms_norm(x, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+@requires_kernels
+def test_block_scales_kept_in_float16_where_exact():
+    """GGUF's float16 scales stay float16 (fewer bytes per decode step); a Q4_0 block whose minimum
+    -8 d overflows float16, and Q4_K's products, keep float32 scales; all exact."""
+    raw, ref_w, _ = make(Q.Q4_0, 32, 64)
+    assert kernel_layer(raw, Q.Q4_0, 64, 32).d.dtype == torch.float16
+    raw = raw.copy()
+    raw[0, 0:2] = np.array([10000.0], dtype=np.float16).view(np.uint8)   # -8 d = -80000: no float16
+    ref_w = torch.from_numpy(dequantize(raw, Q.Q4_0)).double()
+    layer = kernel_layer(raw, Q.Q4_0, 64, 32)
+    assert layer.d.dtype == torch.float32
+    assert torch.equal(layer.dequantized_weight().double(), ref_w)
+    assert kernel_layer(random_q4_k(16, 256), Q.Q4_K, 256, 16).d.dtype == torch.float32

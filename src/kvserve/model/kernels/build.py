@@ -37,6 +37,7 @@ class KvsWeight(ctypes.Structure):
         ("rows", ctypes.c_int32),
         ("cols", ctypes.c_int32),
         ("isa", ctypes.c_int32),     # 0: AVX2 tiles, 1: AVX-512 VNNI tiles (same results)
+        ("sdtype", ctypes.c_int32),  # block scales: 0 float32, 1 float16
         ("qs", ctypes.c_void_p),
         ("d", ctypes.c_void_p),
         ("m", ctypes.c_void_p),
@@ -131,7 +132,7 @@ def load(features: set[str] | frozenset[str]) -> ctypes.CDLL:
 
 def _declare(lib: ctypes.CDLL) -> None:
     vp, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.kvs_repack.argtypes = [i32, vp, i32, i32, vp, vp, vp]
+    lib.kvs_repack.argtypes = [i32, vp, i32, i32, vp, vp, vp, i32]
     lib.kvs_repack.restype = i32
     lib.kvs_pack_q4.argtypes = [i32, i32, vp, vp, vp, vp, vp, vp]
     lib.kvs_pack_q4.restype = None

@@ -128,22 +128,28 @@ class GGUFQuantLinear(torch.nn.Module):
         self.qs = torch.empty(lib.kvs_packed_qs_bytes(_KERNEL_QTYPE[qtype], out_features, in_features),
                               dtype=torch.uint8)
         n_scales = lib.kvs_packed_scales(out_features, in_features)
-        self.d = torch.empty(n_scales, dtype=torch.float32)
-        self.m = torch.empty(n_scales if q4 else 0, dtype=torch.float32)
-        if qtype == GGMLQuantizationType.Q4_K:
-            q, d, m = unpack_q4_k(raw, out_features)
-            lib.kvs_pack_q4(out_features, in_features, q.ctypes.data, d.ctypes.data, m.ctypes.data,
-                            self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr())
-            rc = 0
-        else:
-            rc = lib.kvs_repack(
-                int(qtype), raw_t.data_ptr(), out_features, in_features,
-                self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr() if q4 else None,
-            )  # fmt: skip
+        # Block scales stay float16 where GGUF stores them so (fewer bytes per decode step), float32
+        # for Q4_K's products d * sc (and a Q4_0 whose minimum -8 d does not fit a float16).
+        for sdtype in (0,) if qtype == GGMLQuantizationType.Q4_K else (1, 0):
+            dt = torch.float16 if sdtype else torch.float32
+            self.d = torch.empty(n_scales, dtype=dt)
+            self.m = torch.empty(n_scales if q4 else 0, dtype=dt)
+            if qtype == GGMLQuantizationType.Q4_K:
+                q, d, m = unpack_q4_k(raw, out_features)
+                lib.kvs_pack_q4(out_features, in_features, q.ctypes.data, d.ctypes.data, m.ctypes.data,
+                                self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr())
+                rc = 0
+            else:
+                rc = lib.kvs_repack(
+                    int(qtype), raw_t.data_ptr(), out_features, in_features,
+                    self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr() if q4 else None, sdtype,
+                )  # fmt: skip
+            if rc != 1:
+                break
         if rc != 0:
             raise ModelLoadError(f"kernel repack failed for {qtype.name}")
         self.desc = KvsWeight(
-            _KERNEL_QTYPE[qtype], out_features, in_features, backend.gemm_isa,
+            _KERNEL_QTYPE[qtype], out_features, in_features, backend.gemm_isa, sdtype,
             self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr() if q4 else None,
             None if self.bias is None else self.bias.data_ptr(),
         )  # fmt: skip

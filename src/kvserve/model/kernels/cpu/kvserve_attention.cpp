@@ -18,6 +18,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <vector>
 
@@ -186,6 +187,47 @@ void attend_group(const float *q, const void *K, const void *V, int kv_dtype, si
         KVS_ROWS(float)
     }
 #undef KVS_ROWS
+}
+
+void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, int kv_dtype, size_t block_stride,
+                 size_t tok_stride, int head_off, const int64_t *table, int block_size, int L0, int NQ, int D, int G,
+                 float scale, float *out, size_t out_stride) {
+    // The tile's keys 0..L0+NQ-2 as contiguous float32 rows (exact: bf16/f16 -> f32 loses nothing),
+    // then each query through the same attend_rows as a lone query reading the cache in place.
+    const int Lmax = L0 + NQ - 1;
+    thread_local std::vector<float> kf, vf, scores;
+    thread_local std::vector<size_t> offs;
+    kf.resize((size_t)Lmax * D);
+    vf.resize((size_t)Lmax * D);
+    scores.resize((size_t)Lmax * G);
+    offs.resize(Lmax);
+    for (int b = 0, t0 = 0; t0 < Lmax; b++, t0 += block_size) {
+        const size_t base = (size_t)table[b] * block_stride + head_off;
+        for (int i = 0; i < block_size && t0 + i < Lmax; i++) {
+            const size_t src = base + (size_t)i * tok_stride;
+            float *kd = kf.data() + (size_t)(t0 + i) * D, *vd = vf.data() + (size_t)(t0 + i) * D;
+            if (kv_dtype == 0) {
+                memcpy(kd, (const float *)K + src, D * sizeof(float));
+                memcpy(vd, (const float *)V + src, D * sizeof(float));
+            } else {
+                for (int d = 0; d < D; d++) {
+                    kd[d] = kv_dtype == 1 ? load1((const bf16 *)K + src + d) : load1((const f16 *)K + src + d);
+                    vd[d] = kv_dtype == 1 ? load1((const bf16 *)V + src + d) : load1((const f16 *)V + src + d);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < Lmax; t++) offs[t] = (size_t)t * D;
+    for (int i = 0; i < NQ; i++) {
+        const float *qi = q + (size_t)i * q_stride;
+        float *oi = out + (size_t)i * out_stride;
+        switch (D % 8 ? 0 : D / 8) {
+            case 4: attend_rows<float, 4>(qi, kf.data(), vf.data(), offs.data(), L0 + i, D, G, scale, scores.data(), oi); break;
+            case 8: attend_rows<float, 8>(qi, kf.data(), vf.data(), offs.data(), L0 + i, D, G, scale, scores.data(), oi); break;
+            case 16: attend_rows<float, 16>(qi, kf.data(), vf.data(), offs.data(), L0 + i, D, G, scale, scores.data(), oi); break;
+            default: attend_rows<float, 0>(qi, kf.data(), vf.data(), offs.data(), L0 + i, D, G, scale, scores.data(), oi); break;
+        }
+    }
 }
 
 void rms_norm_row(const float *x, const float *w, int n, float eps, float *y) {

@@ -200,9 +200,18 @@ void kvs_rope_kv_attention(const kvs_model_desc *m, float *qkv, int T, const int
     const size_t esize = kv_dtype ? 2 : 4;
     char *Kc = (char *)kv_cache;
     char *Vc = Kc + (size_t)num_blocks * block_stride * esize;
-    int max_len = 0;
-    for (int t = 0; t < T; t++)
-        if (attend[t] && positions[t] + 1 > max_len) max_len = (int)positions[t] + 1;
+    // Tiles of up to 16 consecutive query tokens of one sequence (a prompt chunk): they share one
+    // float32 copy of their keys and values per KV head (kvs::attend_tile); a decode is a tile of 1.
+    std::vector<int> tile_start;
+    for (int t = 0; t < T; t++) {
+        if (!attend[t]) continue;
+        const int s = tile_start.empty() ? -1 : tile_start.back();
+        const bool extend = s >= 0 && t - s < 16 && attend[t - 1] && seq_of[t - 1] == seq_of[t] &&
+                            positions[t - 1] + 1 == positions[t];
+        if (!extend) tile_start.push_back(t);
+    }
+    const int ntiles = (int)tile_start.size();
+    tile_start.push_back(T);
     if (nth < 1) nth = 1;
 #pragma omp parallel num_threads(nth)
     {
@@ -210,15 +219,25 @@ void kvs_rope_kv_attention(const kvs_model_desc *m, float *qkv, int T, const int
         for (int t = ith; t < T; t += nt)
             rope_and_store(m, qkv + (size_t)t * qkv_rows, positions[t], slots[t], Kc, Vc, kv_dtype, block_size);
 #pragma omp barrier
-        std::vector<float> scores((size_t)max_len * group);
-#pragma omp for schedule(dynamic, 4)
-        for (int it = 0; it < T * Hkv; it++) {
-            const int t = it / Hkv, h = it % Hkv;
-            if (!attend[t]) continue;
-            kvs::attend_group(qkv + (size_t)t * qkv_rows + (size_t)h * group * D, Kc, Vc, kv_dtype, block_stride,
-                              tok_stride, h * D, tables + (size_t)seq_of[t] * max_blocks, block_size,
-                              (int)positions[t] + 1, D, group, m->scale, scores.data(),
-                              out + (size_t)t * qd + (size_t)h * group * D);
+        std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+        for (int it = 0; it < ntiles * Hkv; it++) {
+            const int tile = ntiles - 1 - it / Hkv, h = it % Hkv;   // the longest (last) tiles first
+            const int t0 = tile_start[tile];
+            int n = 1;
+            while (t0 + n < tile_start[tile + 1] && attend[t0 + n]) n++;
+            const int L0 = (int)positions[t0] + 1;
+            const float *q = qkv + (size_t)t0 * qkv_rows + (size_t)h * group * D;
+            float *o = out + (size_t)t0 * qd + (size_t)h * group * D;
+            const int64_t *table = tables + (size_t)seq_of[t0] * max_blocks;
+            if (n == 1) {
+                scores.resize((size_t)L0 * group);
+                kvs::attend_group(q, Kc, Vc, kv_dtype, block_stride, tok_stride, h * D, table, block_size, L0, D,
+                                  group, m->scale, scores.data(), o);
+            } else {
+                kvs::attend_tile(q, qkv_rows, Kc, Vc, kv_dtype, block_stride, tok_stride, h * D, table, block_size, L0,
+                                 n, D, group, m->scale, o, qd);
+            }
         }
     }
 }

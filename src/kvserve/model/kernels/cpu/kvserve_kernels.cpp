@@ -29,9 +29,13 @@
 //                           q[r][32b + 4i + j] (low nibble) and q[r][32b + 16 + 4i + j] (high)
 //                           so one 64-byte load gives 16 rows x 8 values, an AND and a shift+AND
 //                           two u8 vectors whose lanes (4 bytes = 1 int32 lane) are rows.
-//                           d, m [g][b][16 rows] float32: w = d * q + m, q in 0..15
+//                           d, m [g][b][16 rows] float16 or float32: w = d * q + m, q in 0..15
 //   Q8_0:                   qs [g][b][i = 0..7][16 rows][4 bytes] int8 q[r][32b + 4i + j],
-//                           d [g][b][16 rows] float32: w = d * q
+//                           d [g][b][16 rows] float16 or float32: w = d * q
+//
+// Block scales stay float16 where GGUF stores them so (Q4_0, Q4_1, Q8_0: 20 bytes per 32 Q4
+// weights instead of 24, what a decode step reads) and float32 where they are products (Q4_K's
+// d * sc); either way the kernels widen them to float32 exactly before any arithmetic.
 //
 // Threads: OpenMP, and the library is loaded after torch, so `libgomp.so.1` resolves to the copy
 // torch already loaded: the kernels run on torch's own thread team. A private pool measured
@@ -159,12 +163,19 @@ inline void store_rows8(__m256 v, const float *bias, int row0, int nvalid, float
     for (int i = 0; i < nvalid; i++) dst[i] = add ? dst[i] + o[i] : o[i];
 }
 
-template <int TT>
+// 8 block scales (float16 or float32) at element idx, widened to float32 (exact).
+template <bool F16>
+inline __m256 scales8(const void *p, size_t idx) {
+    if (F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + idx)));
+    return _mm256_loadu_ps((const float *)p + idx);
+}
+
+template <int TT, bool F16>
 void q4_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
               float *y, int ldy, bool add) {
     const int K = w->cols, nb = K / KVS_QK;
     const uint8_t *qg = w->qs + (size_t)g * nb * 256 + h * 32;
-    const float *dg = w->d + (size_t)g * nb * 16 + h * 8, *mg = w->m + (size_t)g * nb * 16 + h * 8;
+    const size_t s0 = (size_t)g * nb * 16 + h * 8;
     const __m256i mask = _mm256_set1_epi8(0x0F);
     __m256 acc[TT];
     for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
@@ -188,7 +199,7 @@ void q4_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *
 #endif
             }
         }
-        const __m256 d = _mm256_loadu_ps(dg + (size_t)b * 16), m = _mm256_loadu_ps(mg + (size_t)b * 16);
+        const __m256 d = scales8<F16>(w->d, s0 + (size_t)b * 16), m = scales8<F16>(w->m, s0 + (size_t)b * 16);
         for (int j = 0; j < TT; j++) {
 #if defined(__AVXVNNI__)
             const __m256i s32 = is[j];
@@ -204,12 +215,12 @@ void q4_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *
     for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
 }
 
-template <int TT>
+template <int TT, bool F16>
 void q8_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *, int t0,
               float *y, int ldy, bool add) {
     const int K = w->cols, nb = K / KVS_QK;
     const uint8_t *qg = w->qs + (size_t)g * nb * 512 + h * 32;
-    const float *dg = w->d + (size_t)g * nb * 16 + h * 8;
+    const size_t s0 = (size_t)g * nb * 16 + h * 8;
     __m256 acc[TT];
     for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
@@ -228,7 +239,7 @@ void q8_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *
 #endif
             }
         }
-        const __m256 d = _mm256_loadu_ps(dg + (size_t)b * 16);
+        const __m256 d = scales8<F16>(w->d, s0 + (size_t)b * 16);
         for (int j = 0; j < TT; j++)
             acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[j]),
                                      _mm256_mul_ps(d, _mm256_set1_ps(xd[(size_t)(t0 + j) * nb + b])), acc[j]);
@@ -237,23 +248,27 @@ void q8_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *
     for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
 }
 
+template <bool Q4, bool F16, int TT>
+inline void tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
+                  float *y, int ldy, bool add) {
+    if (Q4) q4_tile8<TT, F16>(w, g, h, xq, xd, xs, t0, y, ldy, add);
+    else q8_tile8<TT, F16>(w, g, h, xq, xd, xs, t0, y, ldy, add);
+}
+
 // Groups [gbeg, gend) of 16 rows for all T tokens: each half-group's weights (nb x 128 bytes for
 // Q4) stay in L1 while the token tiles stream past them.
-template <bool Q4>
+template <bool Q4, bool F16>
 void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
                      int ldy, bool add, int gbeg, int gend) {
     for (int g = gbeg; g < gend; g++)
         for (int h = 0; h < 2; h++) {
             if (g * 16 + h * 8 >= w->rows) break;
             int t = 0;
-            for (; t + 4 <= T; t += 4) {
-                if (Q4) q4_tile8<4>(w, g, h, xq, xd, xs, t, y, ldy, add);
-                else q8_tile8<4>(w, g, h, xq, xd, xs, t, y, ldy, add);
-            }
+            for (; t + 4 <= T; t += 4) tile8<Q4, F16, 4>(w, g, h, xq, xd, xs, t, y, ldy, add);
             switch (T - t) {
-                case 3: if (Q4) q4_tile8<3>(w, g, h, xq, xd, xs, t, y, ldy, add); else q8_tile8<3>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
-                case 2: if (Q4) q4_tile8<2>(w, g, h, xq, xd, xs, t, y, ldy, add); else q8_tile8<2>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
-                case 1: if (Q4) q4_tile8<1>(w, g, h, xq, xd, xs, t, y, ldy, add); else q8_tile8<1>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
+                case 3: tile8<Q4, F16, 3>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
+                case 2: tile8<Q4, F16, 2>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
+                case 1: tile8<Q4, F16, 1>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
                 default: break;
             }
         }
@@ -271,10 +286,11 @@ void linear_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const f
     const int gend = gbeg + per < ng ? gbeg + per : ng;
     if (gbeg >= gend) return;
     if (w->isa == 1 && groups_avx512(w, xq, xd, xs, T, y, ldy, add, gbeg, gend)) return;
-    if (w->qtype == 0)
-        run_groups_avx2<true>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
-    else
-        run_groups_avx2<false>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    const bool q4 = w->qtype == 0, f16 = w->sdtype == 1;
+    if (q4 && f16) run_groups_avx2<true, true>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (q4) run_groups_avx2<true, false>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (f16) run_groups_avx2<false, true>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else run_groups_avx2<false, false>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
 }
 
 }  // namespace kvs
@@ -315,6 +331,10 @@ inline size_t q8_byte(int r, int k, int nb) {
 }
 inline size_t scale_at(int r, int b, int nb) { return ((size_t)(r / 16) * nb + b) * 16 + r % 16; }
 
+inline float scale_value(const void *p, size_t at, int sdtype) {
+    return sdtype ? _cvtsh_ss(((const uint16_t *)p)[at]) : ((const float *)p)[at];
+}
+
 inline void put_q4(uint8_t *qs, int r, int k, int nb, uint8_t q) {
     qs[q4_byte(r, k, nb)] |= (k % KVS_QK) >= 16 ? (uint8_t)(q << 4) : q;
 }
@@ -340,24 +360,37 @@ size_t kvs_packed_scales(int rows, int cols) { return (size_t)((rows + 15) / 16)
 
 // Repack GGUF blocks of `rows` rows of `cols` elements. ggml_type: 2 = Q4_0, 3 = Q4_1, 8 = Q8_0.
 // qs, d (and m for Q4) are sized by kvs_packed_qs_bytes / kvs_packed_scales; padding rows are 0.
-// Returns 0 on success, -1 on an unsupported type.
-int kvs_repack(int ggml_type, const uint8_t *raw, int rows, int cols, uint8_t *qs, float *d, float *m) {
+// sdtype 1 keeps the scales float16 (d, m are uint16 arrays), 0 widens them to float32.
+// Returns 0 on success, -1 on an unsupported type, 1 if a Q4_0 minimum (-8 d) is not a float16
+// (call again with sdtype 0).
+int kvs_repack(int ggml_type, const uint8_t *raw, int rows, int cols, uint8_t *qs, void *d, void *m, int sdtype) {
     const int nb = cols / KVS_QK;
     const int qtype = ggml_type == 8 ? 1 : 0;
+    const size_t esize = sdtype ? 2 : 4;
     if (ggml_type != 2 && ggml_type != 3 && ggml_type != 8) return -1;
     memset(qs, 0, kvs_packed_qs_bytes(qtype, rows, cols));
-    memset(d, 0, kvs_packed_scales(rows, cols) * sizeof(float));
-    if (m) memset(m, 0, kvs_packed_scales(rows, cols) * sizeof(float));
+    memset(d, 0, kvs_packed_scales(rows, cols) * esize);
+    if (m) memset(m, 0, kvs_packed_scales(rows, cols) * esize);
+    const auto put = [&](void *dst, size_t at, uint16_t h, float f) {
+        if (sdtype) ((uint16_t *)dst)[at] = h;
+        else ((float *)dst)[at] = f;
+    };
     for (int r = 0; r < rows; r++)
         for (int b = 0; b < nb; b++) {
             const size_t blk = (size_t)r * nb + b, at = scale_at(r, b, nb);
             if (ggml_type == 2 || ggml_type == 3) {  // Q4_0: fp16 d, 16 bytes; Q4_1: fp16 d, fp16 m, 16 bytes
                 const uint8_t *p = raw + blk * (ggml_type == 2 ? 18 : 20);
-                uint16_t h0, h1;
-                memcpy(&h0, p, 2);
-                d[at] = _cvtsh_ss(h0);
-                if (ggml_type == 3) memcpy(&h1, p + 2, 2);
-                m[at] = ggml_type == 2 ? -8.0f * d[at] : _cvtsh_ss(h1);
+                uint16_t hd, hm;
+                memcpy(&hd, p, 2);
+                if (ggml_type == 3) {
+                    memcpy(&hm, p + 2, 2);
+                } else {
+                    const float mf = -8.0f * _cvtsh_ss(hd);
+                    hm = _cvtss_sh(mf, _MM_FROUND_TO_NEAREST_INT);
+                    if (sdtype && _cvtsh_ss(hm) != mf) return 1;
+                }
+                put(d, at, hd, _cvtsh_ss(hd));
+                put(m, at, hm, ggml_type == 2 ? -8.0f * _cvtsh_ss(hd) : _cvtsh_ss(hm));
                 const uint8_t *q = p + (ggml_type == 2 ? 2 : 4);   // element j low nibble, j + 16 high
                 for (int j = 0; j < 16; j++) {
                     put_q4(qs, r, b * KVS_QK + j, nb, q[j] & 0x0F);
@@ -365,9 +398,9 @@ int kvs_repack(int ggml_type, const uint8_t *raw, int rows, int cols, uint8_t *q
                 }
             } else {  // Q8_0: fp16 d, 32 int8
                 const uint8_t *p = raw + blk * 34;
-                uint16_t h;
-                memcpy(&h, p, 2);
-                d[at] = _cvtsh_ss(h);
+                uint16_t hd;
+                memcpy(&hd, p, 2);
+                put(d, at, hd, _cvtsh_ss(hd));
                 for (int j = 0; j < KVS_QK; j++) qs[q8_byte(r, b * KVS_QK + j, nb)] = p[2 + j];
             }
         }
@@ -399,9 +432,9 @@ void dequantize_row(const kvs_weight *w, int r, float *o) {
     const int K = w->cols, nb = K / KVS_QK;
     for (int b = 0; b < nb; b++) {
         const size_t at = scale_at(r, b, nb);
-        const float d = w->d[at];
+        const float d = scale_value(w->d, at, w->sdtype);
         if (w->qtype == 0) {
-            const float m = w->m[at];
+            const float m = scale_value(w->m, at, w->sdtype);
             for (int i = 0; i < KVS_QK; i++) {
                 const int k = b * KVS_QK + i;
                 const uint8_t byte = w->qs[q4_byte(r, k, nb)];

@@ -18,9 +18,10 @@ struct kvs_weight {
     int32_t rows;   // out_features
     int32_t cols;   // in_features (multiple of 32)
     int32_t isa;    // tiles to run: 0 = AVX2 (or AVX-VNNI builds), 1 = AVX-512 VNNI; identical results
+    int32_t sdtype; // d and m stored as 0 = float32, 1 = float16 (GGUF's own, widened exactly on load)
     const uint8_t *qs;
-    const float *d;
-    const float *m;     // Q4 only
+    const void *d;
+    const void *m;      // Q4 only
     const float *bias;  // may be NULL
 };
 
@@ -56,6 +57,14 @@ void attend_group(const float *q, const void *K, const void *V, int kv_dtype, si
 // arithmetic as the AVX2 tiles in kvserve_kernels.cpp. Returns false if this build lacks them.
 bool groups_avx512(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
                    int ldy, bool add, int gbeg, int gend);
+
+// NQ consecutive query tokens of one sequence (at positions L0-1 .. L0+NQ-2, query i's G heads at
+// q + i * q_stride, its output at out + i * out_stride) against the same KV head: the keys are
+// widened to float32 once for the tile, then each query runs exactly the arithmetic of
+// attend_group (same bits as a lone query: the tile only saves the conversion and the gathers).
+void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, int kv_dtype, size_t block_stride,
+                 size_t tok_stride, int head_off, const int64_t *table, int block_size, int L0, int NQ, int D, int G,
+                 float scale, float *out, size_t out_stride);
 
 // y = x / sqrt(mean(x^2) + eps) * w over n floats.
 void rms_norm_row(const float *x, const float *w, int n, float eps, float *y);
