@@ -9,7 +9,7 @@ import torch
 from ggufmaker import make_tiny_llama_gguf
 
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.kernels.backend import KernelBackend
+from kvserve.model.kernels.backend import UNLIMITED_TOKENS, KernelBackend
 from kvserve.model.kernels.cpu_ops import CpuOps
 from kvserve.model.loader import load_model
 from kvserve.model.ops import TorchOps
@@ -141,7 +141,8 @@ def test_fused_forward_applies_only_to_packed_int8_steps(tmp_path):
     ops = model.layer_ops()
     assert isinstance(ops, CpuOps) and ops.packed
     points = [p for p in (BACKEND.bf16_min_tokens, BACKEND.f32_min_tokens) if p is not None]
-    assert ops.max_tokens == (min(points) - 1 if points else 16)   # below the layers' own GEMM switch
+    # below the layers' own GEMM switch; without one (batch-invariant), every step
+    assert ops.max_tokens == (min(points) - 1 if points else UNLIMITED_TOKENS)
     cfg = model.config
     kv = [torch.zeros(2, 4, BLOCK, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float64)
           for _ in range(cfg.num_hidden_layers)]

@@ -1,5 +1,5 @@
-"""The default model's logits are bitwise the same however a prompt is chunked (the whole-stack C
-forward for chunks up to 16 tokens, the per-layer path above), and on every x86-64 CPU: the int8
+"""The default model's logits are bitwise the same however a prompt is chunked, through the
+whole-stack C forward or the per-layer path, and on every x86-64 CPU: the int8
 kernels' arithmetic is defined per output and the AVX2 and AVX-512 VNNI tiles both follow it, and
 the rest of the C code is one AVX2 build. The second check runs the same prompt in a child process
 with the lower ISA forced and compares the bits."""
@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -51,8 +52,14 @@ def test_chunking_does_not_change_a_bit(default_model):
     model, ids = default_model
     assert len(ids) > 40
     whole = last_logits(model, ids, len(ids))
-    for chunk in (1, 5, 16, 17, 33):
-        assert torch.equal(last_logits(model, ids, chunk), whole), chunk
+    base = model.backend
+    try:
+        for fused_max in (None, 16, 0):   # one C call per step; up to 16 tokens; per-layer C glue
+            model.backend = replace(base, fused_max_tokens=fused_max)
+            for chunk in (1, 5, 16, 17, 33, len(ids)):
+                assert torch.equal(last_logits(model, ids, chunk), whole), (fused_max, chunk)
+    finally:
+        model.backend = base
 
 
 _CHILD = """

@@ -4,7 +4,7 @@
 they are read), compiles or finds the C library, and logs one line saying what it chose:
 
     kvserve kernels: isa=avx512 (avx2 fma avx512f ...), batch-invariant: int8 kernels for every
-    step size, C attention for every query, whole-stack C forward up to 16 tokens
+    step size, C attention for every query, whole-stack C forward for every step
 
 Batch invariance (the default, KVSERVE_BATCH_INVARIANT=1): a request's logits are bitwise the
 same whatever else is in its step, however its prompt was chunked and whether it hit the prefix
@@ -55,8 +55,9 @@ _REQUIRED = {"torch": (), "avx2": build.REQUIRED_CPU_FLAGS,
 _OPTIONAL = {"torch": (), "avx2": (), "avx512": ("avx_vnni", "avx512_vnni", "avx512_bf16"), "amx": ("amx_int8",)}
 _SHOWN = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
           "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-# Without a bf16/fp32 GEMM switch point, steps up to this many tokens still take the one-call forward.
-DEFAULT_FUSED_MAX_TOKENS = 16
+# Without a bf16/fp32 GEMM switch point every step takes the one-call forward (its int8 GEMM and
+# tiled attention are the per-layer path's, bit for bit, with no Python between the layers).
+UNLIMITED_TOKENS = 1 << 30
 # With batch invariance off, a sequence with more query tokens than this in a step attends by SDPA.
 ATTN_C_MAX_QUERY = 16
 
@@ -214,7 +215,7 @@ class KernelBackend:
         if self.fused_max_tokens is not None:
             return self.fused_max_tokens
         points = [p for p in (self.bf16_min_tokens, self.f32_min_tokens) if p is not None]
-        return min(points) - 1 if points else DEFAULT_FUSED_MAX_TOKENS
+        return min(points) - 1 if points else UNLIMITED_TOKENS
 
     def __deepcopy__(self, memo: dict) -> KernelBackend:
         """Shared, not copied: a copied model (a DPO/GRPO reference) runs on the same kernels."""
@@ -231,8 +232,10 @@ class KernelBackend:
                  else "int8 kernels for every step size")
         attn = ("C attention for every query" if self.attn_c_max_query is None
                 else f"C attention up to {self.attn_c_max_query} query tokens, SDPA above")
-        fused = (f", whole-stack C forward up to {self.max_fused_tokens} tokens, C glue above"
-                 if self.fused_forward else ", PyTorch glue between projections")
+        n = self.max_fused_tokens
+        fused = (", PyTorch glue between projections" if not self.fused_forward
+                 else ", whole-stack C forward for every step" if n >= UNLIMITED_TOKENS
+                 else f", whole-stack C forward up to {n} tokens, C glue above")
         mode = "batch-invariant" if self.batch_invariant else "batch-dependent numerics"
         return f"{head}, {mode}: {paths}, {attn}{fused}"
 

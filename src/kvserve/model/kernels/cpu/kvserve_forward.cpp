@@ -91,6 +91,55 @@ void rope_and_store(const kvs_model_desc *m, float *r, int64_t position, int64_t
     store_kv(Vc + off * esize, kv_dtype, r + qd + kvd, kvd);
 }
 
+// Attention tiles of a step: runs of up to 16 consecutive query tokens of one sequence (a prompt
+// chunk) that share one float32 copy of their keys and values per KV head (kvs::attend_tile); a
+// decode is a tile of 1. Tokens with attend[t] == 0 (if attend is given) are left out. Returns the
+// tile starts followed by T.
+std::vector<int> attention_tiles(int T, const uint8_t *attend, const int64_t *seq_of, const int64_t *positions) {
+    std::vector<int> start;
+    for (int t = 0; t < T; t++) {
+        if (attend && !attend[t]) continue;
+        const int s = start.empty() ? -1 : start.back();
+        const bool extend = s >= 0 && t - s < 16 && (!attend || attend[t - 1]) && seq_of[t - 1] == seq_of[t] &&
+                            positions[t - 1] + 1 == positions[t];
+        if (!extend) start.push_back(t);
+    }
+    start.push_back(T);
+    return start;
+}
+
+// This thread's share of the step's attention (call inside a parallel region, after K/V are
+// written; ends with the omp for's barrier): work items are (tile, KV head), longest tiles first,
+// handed out dynamically.
+void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<int> &tiles, const uint8_t *attend,
+                  const int64_t *positions, const int64_t *seq_of, const int64_t *tables, int max_blocks,
+                  const char *Kc, const char *Vc, int kv_dtype, int block_size, float *out) {
+    const int Hq = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim;
+    const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd, group = Hq / Hkv;
+    const size_t tok_stride = (size_t)kvd, block_stride = (size_t)block_size * tok_stride;
+    const int ntiles = (int)tiles.size() - 1;
+    std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int it = 0; it < ntiles * Hkv; it++) {
+        const int tile = ntiles - 1 - it / Hkv, h = it % Hkv;
+        const int t0 = tiles[tile];
+        int n = 1;
+        while (t0 + n < tiles[tile + 1] && (!attend || attend[t0 + n])) n++;
+        const int L0 = (int)positions[t0] + 1;
+        const float *q = qkv + (size_t)t0 * qkv_rows + (size_t)h * group * D;
+        float *o = out + (size_t)t0 * qd + (size_t)h * group * D;
+        const int64_t *table = tables + (size_t)seq_of[t0] * max_blocks;
+        if (n == 1) {
+            scores.resize((size_t)L0 * group);
+            kvs::attend_group(q, Kc, Vc, kv_dtype, block_stride, tok_stride, h * D, table, block_size, L0, D, group,
+                              m->scale, scores.data(), o);
+        } else {
+            kvs::attend_tile(q, qkv_rows, Kc, Vc, kv_dtype, block_stride, tok_stride, h * D, table, block_size, L0, n,
+                             D, group, m->scale, o, qd);
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -103,22 +152,21 @@ int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block
                 int max_blocks, float *out, int nth) {
     const int H = m->hidden, Hq = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim, I = m->inter;
     if (T <= 0 || Hkv <= 0 || Hq % Hkv || D % 2 || H % kvs::QK || I % kvs::QK || (Hq * D) % kvs::QK) return -1;
-    const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd, group = Hq / Hkv;
+    const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd;
     const int kmax = H > I ? (H > qd ? H : qd) : (I > qd ? I : qd);
-    int max_len = 0;
-    for (int t = 0; t < T; t++) max_len = positions[t] + 1 > max_len ? (int)positions[t] + 1 : max_len;
 
     std::vector<int8_t> xq((size_t)T * kmax);
     std::vector<float> xd((size_t)T * (kmax / kvs::QK)), xs((size_t)T * (kmax / kvs::QK));
     std::vector<float> qkv((size_t)T * qkv_rows), attn((size_t)T * qd), gu((size_t)T * 2 * I);
     const size_t tok_stride = (size_t)kvd, block_stride = (size_t)block_size * tok_stride;
     const size_t esize = kv_dtype ? 2 : 4;
+    const std::vector<int> tiles = attention_tiles(T, nullptr, seq_of, positions);
     if (nth < 1) nth = 1;
 
 #pragma omp parallel num_threads(nth)
     {
         const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
-        std::vector<float> row((size_t)(H > I ? H : I)), scores((size_t)max_len * group);
+        std::vector<float> row((size_t)(H > I ? H : I));
         // Quantize this thread's tokens of src [T, K] (row stride K) into xq/xd/xs.
         auto quantize = [&](const float *src, int K, bool norm, const float *w) {
             for (int t = ith; t < T; t += nt) {
@@ -143,14 +191,8 @@ int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block
                 rope_and_store(m, qkv.data() + (size_t)t * qkv_rows, positions[t], slots[t], Kc, Vc, kv_dtype,
                                block_size);
 #pragma omp barrier
-            for (int it = ith; it < T * Hkv; it += nt) {   // (token, kv head): the group shares K/V reads
-                const int t = it / Hkv, h = it % Hkv;
-                kvs::attend_group(qkv.data() + (size_t)t * qkv_rows + (size_t)h * group * D, Kc, Vc, kv_dtype,
-                                  block_stride, tok_stride, h * D, tables + (size_t)seq_of[t] * max_blocks, block_size,
-                                  (int)positions[t] + 1, D, group, m->scale, scores.data(),
-                                  attn.data() + (size_t)t * qd + (size_t)h * group * D);
-            }
-#pragma omp barrier
+            attend_tiles(m, qkv.data(), tiles, nullptr, positions, seq_of, tables, max_blocks, Kc, Vc, kv_dtype,
+                         block_size, attn.data());
             quantize(attn.data(), qd, false, nullptr);
 #pragma omp barrier
             kvs::linear_rows(L.o, xq.data(), xd.data(), xs.data(), T, x, H, true, ith, nt);
@@ -195,23 +237,12 @@ void kvs_rope_kv_attention(const kvs_model_desc *m, float *qkv, int T, const int
                            void *kv_cache, int kv_dtype, int num_blocks, int block_size, const uint8_t *attend,
                            float *out, int nth) {
     const int Hq = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim;
-    const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd, group = Hq / Hkv;
+    const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd;
     const size_t tok_stride = (size_t)kvd, block_stride = (size_t)block_size * tok_stride;
     const size_t esize = kv_dtype ? 2 : 4;
     char *Kc = (char *)kv_cache;
     char *Vc = Kc + (size_t)num_blocks * block_stride * esize;
-    // Tiles of up to 16 consecutive query tokens of one sequence (a prompt chunk): they share one
-    // float32 copy of their keys and values per KV head (kvs::attend_tile); a decode is a tile of 1.
-    std::vector<int> tile_start;
-    for (int t = 0; t < T; t++) {
-        if (!attend[t]) continue;
-        const int s = tile_start.empty() ? -1 : tile_start.back();
-        const bool extend = s >= 0 && t - s < 16 && attend[t - 1] && seq_of[t - 1] == seq_of[t] &&
-                            positions[t - 1] + 1 == positions[t];
-        if (!extend) tile_start.push_back(t);
-    }
-    const int ntiles = (int)tile_start.size();
-    tile_start.push_back(T);
+    const std::vector<int> tiles = attention_tiles(T, attend, seq_of, positions);
     if (nth < 1) nth = 1;
 #pragma omp parallel num_threads(nth)
     {
@@ -219,26 +250,7 @@ void kvs_rope_kv_attention(const kvs_model_desc *m, float *qkv, int T, const int
         for (int t = ith; t < T; t += nt)
             rope_and_store(m, qkv + (size_t)t * qkv_rows, positions[t], slots[t], Kc, Vc, kv_dtype, block_size);
 #pragma omp barrier
-        std::vector<float> scores;
-#pragma omp for schedule(dynamic, 1)
-        for (int it = 0; it < ntiles * Hkv; it++) {
-            const int tile = ntiles - 1 - it / Hkv, h = it % Hkv;   // the longest (last) tiles first
-            const int t0 = tile_start[tile];
-            int n = 1;
-            while (t0 + n < tile_start[tile + 1] && attend[t0 + n]) n++;
-            const int L0 = (int)positions[t0] + 1;
-            const float *q = qkv + (size_t)t0 * qkv_rows + (size_t)h * group * D;
-            float *o = out + (size_t)t0 * qd + (size_t)h * group * D;
-            const int64_t *table = tables + (size_t)seq_of[t0] * max_blocks;
-            if (n == 1) {
-                scores.resize((size_t)L0 * group);
-                kvs::attend_group(q, Kc, Vc, kv_dtype, block_stride, tok_stride, h * D, table, block_size, L0, D,
-                                  group, m->scale, scores.data(), o);
-            } else {
-                kvs::attend_tile(q, qkv_rows, Kc, Vc, kv_dtype, block_stride, tok_stride, h * D, table, block_size, L0,
-                                 n, D, group, m->scale, o, qd);
-            }
-        }
+        attend_tiles(m, qkv, tiles, attend, positions, seq_of, tables, max_blocks, Kc, Vc, kv_dtype, block_size, out);
     }
 }
 
