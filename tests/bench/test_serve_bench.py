@@ -20,6 +20,8 @@ from kvserve.bench.serve import (
     build_payload,
     calculate_metrics,
     parse_goodput,
+    profile_delta,
+    profile_table,
     sample_requests,
 )
 from kvserve.bench.serve_launch import markdown_table
@@ -105,10 +107,26 @@ def test_sample_requests_lengths_and_seed():
         ServeConfig(range_ratio=1.5)
 
 
+def test_profile_delta_and_table():
+    before = {"phases": {"schedule": 1.0, "forward": 10.0, "output": 0.5, "http": 0.2}, "steps": 100,
+              "batched_tokens": 1000, "batched_requests": 400}
+    after = {"phases": {"schedule": 1.5, "forward": 14.0, "output": 1.0, "http": 0.7}, "steps": 300,
+             "batched_tokens": 7000, "batched_requests": 6400}
+    p = profile_delta(before, after, wall_s=5.0)
+    assert p["phases"] == pytest.approx({"schedule": 0.5, "forward": 4.0, "output": 0.5, "http": 0.5})
+    assert (p["steps"], p["batched_tokens"], p["batched_requests"]) == (200, 6000, 6000)
+    table = profile_table(p)
+    assert "200 engine steps, 30.0 tokens and 30.0 requests per step, wall 5.00 s" in table
+    assert "| forward | engine | 4.00 | 80.0% | 20.00 |" in table
+    assert "| **engine busy** | engine | 4.50 | 90.0% | 22.50 |" in table      # schedule + forward
+    assert "| engine idle | engine | 0.50 | 10.0% | 2.50 |" in table
+    assert "| http | event loop | 0.50 | 10.0% | 2.50 |" in table
+
+
 def test_bench_serve_against_a_launched_kvserve(tmp_path):
     res = CliRunner().invoke(app, [
         "serve", "--launch", "kvserve", "--num-prompts", "3", "--concurrency", "2", "--input-len", "24",
-        "--output-len", "6", "--goodput", "e2el:3600000", "--out-dir", str(tmp_path)])
+        "--output-len", "6", "--goodput", "e2el:3600000", "--profile", "--out-dir", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert "| metric | kvserve |" in res.output
     [m] = json.loads((tmp_path / "serve.json").read_text())
@@ -119,6 +137,11 @@ def test_bench_serve_against_a_launched_kvserve(tmp_path):
     assert 0 < m["ttft_ms"]["median"] <= m["e2el_ms"]["median"]
     assert m["peak_rss_mb"] > 50 and m["vm_hwm_mb"] >= m["peak_rss_mb"] * 0.99
     assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --profile: the server's step profile over the load (after the warm-up), printed and kept
+    prof = m["extra"]["profile"]
+    assert prof["steps"] >= 6 and prof["batched_tokens"] >= 3 * (24 + 5)
+    assert prof["phases"]["forward"] > 0 and prof["phases"]["http"] > 0 and prof["phases"]["output"] > 0
+    assert "kvserve step profile:" in res.output and "| forward | engine |" in res.output
 
 
 def test_bench_serve_needs_a_target(tmp_path):

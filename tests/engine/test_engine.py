@@ -11,12 +11,13 @@ divergences are printed, and later positions are then no longer "the same run").
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.model_runner import ModelRunner, PhaseClock
 from kvserve.model.loader import LoadedModel, load_model
 from kvserve.outputs import CompletionOutput
 from kvserve.train.data import load_corpus
@@ -201,3 +202,28 @@ def test_unwritten_kv_slots_do_not_reach_the_output(loaded, corpus_ids, kv_cache
             {t: lp.logprob for t, lp in pos.items()} for pos in clean.outputs[0].logprobs]
         if kv_cache_dtype == "fp32":
             check_against_dense(loaded.model, p, dirty.outputs[0])
+
+
+def test_step_profile_counts_every_phase(loaded, corpus_ids):
+    """stats() carries the cumulative time of each step phase (schedule | prepare, forward, logits,
+    sample | update; `messages` is the server's busy loop), the steps and the batched tokens and
+    requests; the phases never overlap, so they add up to less than the wall time."""
+    prompts = mixed_prompts(corpus_ids, 3, 20, 40, seed=5)
+    llm = make_llm(loaded, enable_prefix_caching=False)
+    s0 = llm.stats()
+    assert set(s0["phase_seconds"]) == set(PhaseClock.PHASES)
+    for _ in range(2):
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(4), use_tqdm=False)
+        wall = time.perf_counter() - t0
+        s1 = llm.stats()
+        spent = {k: s1["phase_seconds"][k] - s0["phase_seconds"][k] for k in PhaseClock.PHASES}
+        for phase in ("schedule", "prepare", "forward", "logits", "sample", "update"):
+            assert spent[phase] > 0, phase
+        assert spent["messages"] == 0                    # LLM drives step() itself
+        assert sum(spent.values()) < wall
+        steps = s1["num_steps"] - s0["num_steps"]
+        # every prompt token once, then one token per decode step per request (the last sampled is not fed)
+        assert s1["num_batched_tokens"] - s0["num_batched_tokens"] == sum(map(len, prompts)) + 3 * 3
+        assert steps <= s1["num_batched_requests"] - s0["num_batched_requests"] <= 3 * steps
+        s0 = s1

@@ -315,6 +315,37 @@ def test_metrics_ttft_count_equals_requests_served(srv, client):
         assert "kvserve:" + name in after
 
 
+def step_profile(srv) -> tuple[dict[str, float], dict[str, float]]:
+    """(phase -> seconds, counter -> value) from /metrics."""
+    phases: dict[str, float] = {}
+    counters: dict[str, float] = {}
+    for fam in text_string_to_metric_families(HTTP.get(srv.base_url + "/metrics", headers=auth(srv)).text):
+        for s in fam.samples:
+            if fam.name == "kvserve:phase_seconds":
+                phases[s.labels["phase"]] = s.value
+            elif fam.name in ("kvserve:engine_steps", "kvserve:batched_tokens", "kvserve:batched_requests"):
+                counters[fam.name] = s.value
+    return phases, counters
+
+
+def test_metrics_step_profile(srv, client):
+    """The step profile on /metrics: every engine phase, the client's output processing and the
+    handler's HTTP time grow with a streamed and a plain request, and so do the step counters."""
+    wait_idle(srv)
+    ph0, c0 = step_profile(srv)
+    assert {"schedule", "prepare", "forward", "logits", "sample", "update", "messages", "output", "http"} <= set(ph0)
+    for _ in client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, stream=True, seed=1):
+        pass
+    client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, seed=2)
+    ph1, c1 = step_profile(srv)
+    for phase in ("schedule", "prepare", "forward", "logits", "sample", "update", "output", "http"):
+        assert ph1[phase] > ph0[phase], phase
+    steps = c1["kvserve:engine_steps"] - c0["kvserve:engine_steps"]
+    assert steps >= 4                                    # at least one prefill and three decodes
+    assert c1["kvserve:batched_tokens"] - c0["kvserve:batched_tokens"] >= steps
+    assert c1["kvserve:batched_requests"] - c0["kvserve:batched_requests"] >= steps
+
+
 def test_access_log_and_ledger(srv, client):
     rid = "test-log-line-1"
     client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3,

@@ -302,3 +302,77 @@ async def warmup(base_url: str, cfg: ServeConfig, backend: str, model: str | Non
                                 api_key)
     if not results[0].success:
         raise InvalidRequest(f"warm-up request to {base_url} failed: {results[0].error}")
+
+
+# ---- the server's step profile (kvserve only) -----------------------------------------------------
+
+# /metrics phase -> (where it runs, what it covers); the engine's phases add up to its busy time.
+PROFILE_PHASES = {
+    "schedule": ("engine", "scheduler.schedule: batch, KV blocks, prefix cache"),
+    "prepare": ("engine", "runner: pack ids/positions, attention metadata"),
+    "forward": ("engine", "decoder stack, attention included"),
+    "logits": ("engine", "lm_head on the sampled rows"),
+    "sample": ("engine", "sampler, results as lists"),
+    "update": ("engine", "scheduler.update_from_output: append, stops, free"),
+    "messages": ("engine", "busy loop: client messages in, outputs out"),
+    "output": ("event loop", "client output processing: detokenize, stop strings"),
+    "http": ("event loop", "handler: stages, SSE formatting, socket writes"),
+}
+_PROFILE_COUNTERS = {"kvserve:engine_steps": "steps", "kvserve:batched_tokens": "batched_tokens",
+                     "kvserve:batched_requests": "batched_requests"}
+
+
+def fetch_profile(base_url: str, api_key: str | None = None) -> dict | None:
+    """A kvserve server's cumulative step profile from /metrics: {"phases": {phase: seconds},
+    "steps", "batched_tokens", "batched_requests"}; None when the server exports none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=30)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    out: dict = {"phases": {}}
+    for fam in text_string_to_metric_families(resp.text):
+        for s in fam.samples:
+            if fam.name == "kvserve:phase_seconds" and s.name.endswith("_total"):
+                out["phases"][s.labels["phase"]] = out["phases"].get(s.labels["phase"], 0.0) + s.value
+            elif fam.name in _PROFILE_COUNTERS and s.name.endswith("_total"):
+                out[_PROFILE_COUNTERS[fam.name]] = out.get(_PROFILE_COUNTERS[fam.name], 0.0) + s.value
+    return out if out["phases"] and "steps" in out else None
+
+
+def profile_delta(before: dict, after: dict, wall_s: float) -> dict:
+    """What the run added to the server's profile, with the run's wall time."""
+    phases = {k: max(0.0, v - before["phases"].get(k, 0.0)) for k, v in after["phases"].items()}
+    d = {k: int(after.get(k, 0) - before.get(k, 0)) for k in _PROFILE_COUNTERS.values()}
+    return {"wall_s": wall_s, "phases": phases, **d}
+
+
+def profile_table(p: dict) -> str:
+    """Phase, seconds, share of the run's wall time, ms per engine step; the engine's phases are
+    summed (its busy time: the rest of the wall it waited for work), the event loop's phases
+    ran at the same time on the server's other thread (or process)."""
+    wall, steps = max(p["wall_s"], 1e-9), max(p["steps"], 1)
+    phases = p["phases"]
+    rows = []
+
+    def row(name: str, where: str, sec: float, note: str = "") -> None:
+        rows.append(f"| {name} | {where} | {sec:,.2f} | {100 * sec / wall:.1f}% | {1000 * sec / steps:.2f} | {note} |")
+
+    order = [k for k in PROFILE_PHASES if k in phases] + sorted(k for k in phases if k not in PROFILE_PHASES)
+    engine = [k for k in order if PROFILE_PHASES.get(k, ("engine",))[0] == "engine"]
+    for k in engine:
+        row(k, "engine", phases[k], PROFILE_PHASES.get(k, ("", ""))[1])
+    busy = sum(phases[k] for k in engine)
+    row("**engine busy**", "engine", busy, "sum of the above")
+    row("engine idle", "engine", max(0.0, p["wall_s"] - busy), "waiting for requests")
+    for k in order:
+        if k not in engine:
+            row(k, PROFILE_PHASES[k][0], phases[k], PROFILE_PHASES[k][1])
+    head = (f"{p['steps']:,} engine steps, {p['batched_tokens'] / steps:.1f} tokens and "
+            f"{p['batched_requests'] / steps:.1f} requests per step, wall {p['wall_s']:.2f} s\n\n"
+            "| phase | where | seconds | share of wall | ms per step | covers |\n|---|---|---:|---:|---:|---|")
+    return "\n".join([head] + rows)

@@ -11,6 +11,10 @@ imports nothing from here.
 
 Resident memory is read from /proc/PID/status: VmRSS sampled every 100 ms while the load runs
 (the peak is reported) and VmHWM, the kernel's high-water mark since the process started.
+
+With `--profile`, a kvserve target's step profile (/metrics `kvserve:phase_seconds_total` and
+the step counters, `serve.fetch_profile`) is read after the warm-up and after the load, and the
+difference is printed per phase (`serve.profile_table`) and kept in serve.json.
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ from kvserve.bench.serve import (
     ServeConfig,
     ServeMetrics,
     calculate_metrics,
+    fetch_profile,
     parse_goodput,
+    profile_delta,
+    profile_table,
     run_load,
     sample_requests,
     warmup,
@@ -221,8 +228,9 @@ class Target:
 
 def bench_target(target: Target, requests: list[BenchRequest], cfg: ServeConfig, *, model: str | None = None,
                  threads: int = 2, api_key: str | None = None, on_event: Callable[..., None] | None = None,
-                 server_args: list[str] | None = None) -> ServeMetrics:
-    """Start the server if asked, warm it up, run the load, sample its memory, stop it."""
+                 server_args: list[str] | None = None, profile: bool = False) -> ServeMetrics:
+    """Start the server if asked, warm it up, run the load, sample its memory (and with `profile`
+    its step profile), stop it."""
     emit = on_event or (lambda kind, **info: None)
     server = None
     if target.launch:
@@ -235,6 +243,7 @@ def bench_target(target: Target, requests: list[BenchRequest], cfg: ServeConfig,
     try:
         served = server.model_name() if server else None
         asyncio.run(warmup(target.base_url, cfg, target.backend, served, api_key))
+        before = fetch_profile(target.base_url, api_key) if profile and target.backend == "kvserve" else None
         emit("start", label=target.label, total=len(requests))
         sampler = MemorySampler(server.pid) if server else contextlib.nullcontext()
         with sampler:
@@ -243,6 +252,12 @@ def bench_target(target: Target, requests: list[BenchRequest], cfg: ServeConfig,
                 on_done=lambda r: emit("advance", label=target.label, n=1)))
         m = calculate_metrics(results, duration, cfg.goodput, label=target.label)
         m.max_concurrency = cfg.concurrency
+        if profile:
+            after = fetch_profile(target.base_url, api_key) if before is not None else None
+            if after is not None:
+                m.extra["profile"] = profile_delta(before, after, duration)
+            else:
+                emit("no-profile", label=target.label)
         if server:
             m.peak_rss_mb, m.vm_hwm_mb = sampler.peak_mb, sampler.hwm_mb()
             m.extra["server"] = server.note or server.name
@@ -330,6 +345,8 @@ def serve_command(
     threads: int = typer.Option(2, min=1, help="CPU threads for launched servers."),
     api_key: str = typer.Option(None, envvar="OPENAI_API_KEY", help="Bearer key for --base-url servers."),
     out_dir: Annotated[Path, typer.Option(help="Where serve.md, serve.json and serve.png go.")] = Path("runs/bench"),
+    profile: bool = typer.Option(False, "--profile", help="Print each kvserve server's time per step phase "
+                                 "(schedule, forward, sample, detokenize, HTTP/SSE, ...) during the load."),
 ) -> None:
     """Serving benchmark: streaming requests against OpenAI-compatible servers, vLLM's metrics side by side."""
     from kvserve.model.registry import resolve
@@ -366,10 +383,12 @@ def serve_command(
                     prog.advance(tasks[info["label"]], info["n"])
                 elif kind == "errors":
                     console.print(f"{info['label']}: {info['n']} requests failed; first: {info['first']}")
+                elif kind == "no-profile":
+                    console.print(f"{info['label']}: no step profile (--profile reads a kvserve server's /metrics)")
 
             for t in targets:
                 results.append(bench_target(t, requests, cfg, model=model, threads=threads, api_key=api_key,
-                                            on_event=on_event))
+                                            on_event=on_event, profile=profile))
     except KVServeError as e:
         console.print(f"error: {e.message}")
         raise typer.Exit(1) from None
@@ -378,6 +397,9 @@ def serve_command(
     print(f"{num_prompts} {endpoint} requests, input {input_len} tokens, output {output_len} tokens, "
           f"concurrency {concurrency or 'unlimited'}, rate {rate}, {threads} threads, "
           f"load average {os.getloadavg()[0]:.1f}" + (f", goodput SLOs {cfg.goodput} ms" if cfg.goodput else "") + "\n")
+    for m in results:
+        if "profile" in m.extra:
+            table += f"\n\n{m.label} step profile: " + profile_table(m.extra["profile"])
     print(table)
     write_outputs(out_dir, "serve", table, [asdict(m) for m in results])
     save_chart(results, str(out_dir / "serve.png"))

@@ -10,6 +10,12 @@ validated by the client's input processing) and leave as EngineCoreOutputs (new 
 logprob numbers, finish reasons). Text, stop strings, n/best_of and the output objects users see
 are the client's (kvserve.engine.processing). `run_busy_loop` is the server's driver, shared by
 the in-process thread and the engine process.
+
+Where a step's time goes is always measured, on one PhaseClock (model_runner.py) that the core and
+the runner lap in turn: schedule | prepare, forward, logits, sample (the runner) | update, and in
+the busy loop `messages` (client messages in, outputs and the stats snapshot out). `stats()`
+reports the cumulative seconds per phase with the step count and the batched tokens and
+requests, so `kvserve bench serve --profile` and /metrics can divide them.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from kvserve.engine.messages import (
     EngineCoreRequest,
     Shutdown,
 )
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.model_runner import ModelRunner, PhaseClock
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import InvalidRequest
@@ -60,10 +66,13 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, eos_token_ids)
+        self.clock = PhaseClock()
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.torch_kv_dtype, eos_token_ids,
-                                  device=config.device)
+                                  device=config.device, clock=self.clock)
         self._arrival = itertools.count()
         self.num_steps = 0
+        self.num_batched_tokens = 0       # summed over steps: tokens in the forward pass ...
+        self.num_batched_requests = 0     # ... and requests in the batch
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -89,12 +98,18 @@ class EngineCore:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        clock = self.clock
+        clock.start()
         sched = self.scheduler.schedule()
+        clock.lap("schedule")
         if not sched:
             return EngineCoreOutputs(time.monotonic())
         self.num_steps += 1
-        result = self.runner.execute(sched)
+        self.num_batched_tokens += sched.total_num_scheduled_tokens
+        self.num_batched_requests += len(sched.scheduled)
+        result = self.runner.execute(sched)        # laps prepare, forward, logits, sample
         outputs = self.scheduler.update_from_output(sched, result)
+        clock.lap("update")
         return EngineCoreOutputs(time.monotonic(), outputs)
 
     def fail_all(self, message: str) -> EngineCoreOutputs:
@@ -121,9 +136,16 @@ class EngineCore:
                       emit: Callable[[EngineCoreOutputs], None], with_stats: bool = True) -> None:
         """poll(timeout) -> pending client messages (waits up to timeout when idle); emit(outputs)
         hands each step's outputs back, with a stats snapshot when `with_stats` (a client in
-        another process cannot read the core). Returns on a Shutdown message."""
+        another process cannot read the core). Returns on a Shutdown message. Its own work (not
+        the waits of an idle poll) is the clock's `messages` phase."""
+        clock = self.clock
         while True:
-            msgs = poll(0.0 if self.has_unfinished_requests() else 0.5)
+            busy = self.has_unfinished_requests()
+            if busy:
+                clock.start()
+            msgs = poll(0.0 if busy else 0.5)
+            if not busy:
+                clock.start()
             immediate: list[EngineCoreOutput] = []
             for msg in msgs:
                 if isinstance(msg, Shutdown):
@@ -131,6 +153,7 @@ class EngineCore:
                 immediate += self.handle(msg)
             if immediate or (msgs and not self.has_unfinished_requests()):
                 emit(EngineCoreOutputs(time.monotonic(), immediate, self.stats() if with_stats else None))
+            clock.lap("messages")
             if not self.has_unfinished_requests():
                 continue
             try:
@@ -139,9 +162,11 @@ class EngineCore:
                 logger.exception("engine step failed")
                 emit(self.fail_all(f"the engine failed while running this request: {e!r}"))
                 continue
+            clock.start()
             if with_stats:
                 out.stats = self.stats()
             emit(out)
+            clock.lap("messages")
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
@@ -159,5 +184,8 @@ class EngineCore:
             "prompt_tokens": s.prompt_tokens_total,
             "generation_tokens": s.generation_tokens_total,
             "num_steps": self.num_steps,
+            "num_batched_tokens": self.num_batched_tokens,
+            "num_batched_requests": self.num_batched_requests,
+            "phase_seconds": self.clock.seconds(),
             "block_size": self.block_size,
         }

@@ -8,11 +8,17 @@ Packing, for requests A (prefill chunk of 3 from position 0) and B (decode at po
 Only the rows whose logits are needed (the last token of each request that will sample, and
 every prompt position of a request that asked for prompt_logprobs) go through the lm_head.
 
+The runner's part of a step is timed on the core's PhaseClock: `prepare` (packing the batch and
+the attention metadata), `forward` (the decoder stack, attention included), `logits` (the lm_head
+on the rows that need it, prompt logprobs) and `sample` (the sampler and its results as lists).
+
 The runner reads request state (tokens, sampling params, the seeded generator) and never writes
 it: what it produced goes back to the scheduler as a ModelRunnerOutput.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -20,6 +26,30 @@ from kvserve.engine.messages import ModelRunnerOutput, SchedulerOutput, TokenLog
 from kvserve.engine.sampler import Sampler, SamplingRequest, compute_logprobs
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.llama import LlamaForCausalLM
+
+
+class PhaseClock:
+    """Cumulative wall time of a step's phases, in ns, always on: `start()` at the top of a step,
+    then `lap(phase)` after each phase charges it the time since the previous mark. The core
+    owns it and the runner laps its own phases on it, so a step's phases add up to the step and
+    no time is counted twice. Two perf_counter_ns reads per phase (well under a microsecond)."""
+
+    PHASES = ("schedule", "prepare", "forward", "logits", "sample", "update", "messages")
+
+    def __init__(self):
+        self.ns = dict.fromkeys(self.PHASES, 0)
+        self._mark = 0
+
+    def start(self) -> None:
+        self._mark = time.perf_counter_ns()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter_ns()
+        self.ns[phase] += now - self._mark
+        self._mark = now
+
+    def seconds(self) -> dict[str, float]:
+        return {k: v / 1e9 for k, v in self.ns.items()}
 
 
 def _entries(token_ids: list[int], lps: torch.Tensor, ranks: torch.Tensor, top_ids: torch.Tensor | None,
@@ -33,8 +63,9 @@ def _entries(token_ids: list[int], lps: torch.Tensor, ranks: torch.Tensor, top_i
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 eos_token_ids: list[int], device: str | torch.device = "cpu"):
+                 eos_token_ids: list[int], device: str | torch.device = "cpu", clock: PhaseClock | None = None):
         cfg = model.config
+        self.clock = clock or PhaseClock()
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
@@ -52,6 +83,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        clock = self.clock
         ids: list[int] = []
         pos: list[int] = []
         query_lens, seq_lens, tables = [], [], []
@@ -79,7 +111,9 @@ class ModelRunner:
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        clock.lap("prepare")
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        clock.lap("forward")
         out = ModelRunnerOutput()
         if not logit_rows:
             return out
@@ -89,6 +123,7 @@ class ModelRunner:
             k = req.params.prompt_logprobs or 0
             res = compute_logprobs(logits[off:off + cnt], torch.tensor(targets, device=self.device), k)
             out.prompt_logprobs[req.request_id] = (first, _entries(targets, *res, k))
+        clock.lap("logits")
         if sampled:
             rows = logits if len(sample_rows) == len(logit_rows) else logits[torch.tensor(sample_rows,
                                                                                            device=self.device)]
@@ -105,4 +140,5 @@ class ModelRunner:
                     kr = r.params.logprobs or 0
                     if kr < k:
                         e.top_token_ids, e.top_logprobs = e.top_token_ids[:kr], e.top_logprobs[:kr]
+        clock.lap("sample")
         return out

@@ -7,7 +7,8 @@ driver (LLM, the CLI, the server's engine clients).
     OutputProcessor: EngineCoreOutputs -> RequestOutputs with text and deltas: incremental
                      detokenization, stop strings (a match finishes the request here and asks the
                      core to abort it), logprobs as {token_id: Logprob} with token texts,
-                     best_of selection, per-request metrics.
+                     best_of selection, per-request metrics. `process_ns` is its cumulative
+                     time (the `output` phase of the server's profile).
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, _State] = {}
         self.parent_of: dict[str, str] = {}     # core request id -> client request id
+        self.process_ns = 0                     # time spent in process(), always measured
 
     def add(self, request_id: str, prompt: str | None, core_requests: list[EngineCoreRequest]) -> None:
         first = core_requests[0]
@@ -144,6 +146,7 @@ class OutputProcessor:
     def process(self, outs: EngineCoreOutputs) -> tuple[list[RequestOutput], list[str]]:
         """RequestOutputs for the requests these outputs touched, and the core request ids to abort
         (their text hit a stop string)."""
+        t0 = time.perf_counter_ns()
         touched: dict[str, _State] = {}
         to_abort: list[str] = []
         now = outs.timestamp
@@ -191,6 +194,7 @@ class OutputProcessor:
                 state.metrics.finished_time = now
                 del self.requests[rid]
             results.append(self._request_output(state))
+        self.process_ns += time.perf_counter_ns() - t0
         return results, to_abort
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -42,6 +42,7 @@ class ServerState:
         self.keystore = KeyStore(settings.db_path)
         self.limiter = RateLimiter()
         self.admission = Admission(settings)
+        self.http_ns = 0    # the generation handlers' time on the event loop (stages, formatting, writes)
         self.metrics = ServerMetrics(self.engine_stats, lambda: self.model_name or "")
         self.metrics.gateway_waiting.set_function(lambda: self.admission.num_waiting)
 
@@ -52,7 +53,16 @@ class ServerState:
         return self.settings.served_model_name or self.engine.model_name
 
     def engine_stats(self) -> dict | None:
-        return self.engine.stats() if self.engine is not None else None
+        """The engine's stats, its step profile (`phase_seconds`) completed with the two phases
+        that run on this server's event loop: `output` (the engine client's output processing:
+        detokenization, stop strings, RequestOutputs) and `http` (stages, SSE/JSON formatting and
+        the socket writes)."""
+        if self.engine is None:
+            return None
+        stats = self.engine.stats()
+        stats["phase_seconds"] = {**(stats.get("phase_seconds") or {}),
+                                  "output": self.engine.outputs.process_ns / 1e9, "http": self.http_ns / 1e9}
+        return stats
 
     def require_engine(self, requested: str | None):
         if self.engine is None:

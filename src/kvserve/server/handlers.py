@@ -6,6 +6,10 @@
     when the queue is full) → engine.generate() → each choice's deltas through its stage list
     (stages.py) → one JSON body or SSE events (formatting.py)
 
+The handler's own time per engine output (stages, formatting, and for SSE the write that
+`yield` hands each event to) is added to `server.http_ns`, the `http` phase of the profile
+(app.ServerState.engine_stats).
+
 Every gate is a call that returns or raises; nothing calls back into the handler. What the request
 holds (admission slot, token reservation, engine requests) is given back by `_release`, exactly
 once, whether the response completed, failed or the client hung up; it also writes the usage
@@ -140,10 +144,13 @@ async def generate(server, request: Request, kind: str) -> Response:
     except BaseException as e:
         await _release(server, gen, record, 500, repr(e))
         raise
+    t0 = time.perf_counter_ns()
     body = (chat_body(gen, decode, engine.block_size) if chat else
             completion_body(gen, echoes, decode, engine.block_size))
+    response = JSONResponse(body, headers=headers)
+    server.http_ns += time.perf_counter_ns() - t0
     await _release(server, gen, record, 200)
-    return JSONResponse(body, headers=headers)
+    return response
 
 
 # ---- engine outputs -> stage lists ------------------------------------------------------------
@@ -191,6 +198,7 @@ async def _deltas(server, gen: Generation, cache_salt: str | None) -> AsyncItera
             for ci, ch in enumerate(ps.choices):
                 yield pi, ci, ch.add(run_stages(ch.stages, ChoiceDelta(ci, ps.prompt.forced_prefix)))
     async for pi, out in _engine_outputs(server, gen, cache_salt):
+        t0 = time.perf_counter_ns()
         ps = gen.prompts[pi]
         if out.prompt_logprobs is not None:
             ps.prompt_logprobs = out.prompt_logprobs
@@ -202,7 +210,11 @@ async def _deltas(server, gen: Generation, cache_salt: str | None) -> AsyncItera
             if c.index >= len(ps.choices) or not (c.text_delta or c.token_ids_delta or c.finish_reason):
                 continue
             ch = ps.choices[c.index]
-            yield pi, c.index, ch.add(run_stages(ch.stages, ChoiceDelta.from_output(c)))
+            d = ch.add(run_stages(ch.stages, ChoiceDelta.from_output(c)))
+            server.http_ns += time.perf_counter_ns() - t0
+            yield pi, c.index, d
+            t0 = time.perf_counter_ns()
+        server.http_ns += time.perf_counter_ns() - t0
 
 
 async def _drain(deltas: AsyncIterator) -> None:
@@ -221,10 +233,12 @@ async def _events(server, gen: Generation, record: RequestRecord, deltas: AsyncI
         for pi, text in enumerate(echoes or []):
             yield writer.echo(pi * n, n, text)
         async for pi, ci, d in deltas:
+            t0 = time.perf_counter_ns()
             tr = (trace(gen, gen.prompts[0], writer.decode, server.engine.block_size)
                   if d.done and gen.trace and pi == ci == 0 else None)
             if (event := writer.choice(pi * n + ci, d, tr)) is not None:
-                yield event
+                yield event      # returns once the response has written it
+            server.http_ns += time.perf_counter_ns() - t0
         if writer.include_usage:
             yield writer.usage()
     except KVServeError as e:

@@ -2,7 +2,9 @@
 
 Latency histograms are observed by the server once per finished engine request, from the
 engine's own timestamps (RequestMetrics). Gauges and cumulative counters are read from
-`engine.stats()` at scrape time by a custom collector, so they cannot drift from the engine.
+`engine.stats()` at scrape time by a custom collector, so they cannot drift from the engine;
+among them the step profile, `kvserve:phase_seconds_total{phase=...}` (see PHASE_HELP), with
+`kvserve:engine_steps_total` and the batched tokens and requests to divide it by.
 Each app has its own registry, so several apps can live in one process (tests).
 """
 
@@ -34,7 +36,15 @@ ENGINE_STATS = {
     "prompt_tokens": ("prompt_tokens", "counter", "Prefill tokens processed."),
     "generation_tokens": ("generation_tokens", "counter", "Tokens generated."),
     "num_preemptions": ("num_preemptions", "counter", "Requests preempted for lack of KV blocks."),
+    "num_steps": ("engine_steps", "counter", "Engine steps that ran the model."),
+    "num_batched_tokens": ("batched_tokens", "counter", "Tokens in the engine steps' forward passes, summed."),
+    "num_batched_requests": ("batched_requests", "counter", "Requests in the engine steps' batches, summed."),
 }
+PHASE_HELP = ("Cumulative wall time per phase. In the engine (thread or process), per step: schedule, "
+              "prepare (batch and attention metadata), forward (the decoder stack, attention included), logits "
+              "(lm_head), sample, update (scheduler bookkeeping, stops), messages (client messages in, outputs "
+              "out). On the server's event loop: output (detokenize, stop strings), http (stages, SSE/JSON "
+              "formatting and writes).")
 
 
 class _EngineCollector:
@@ -50,6 +60,10 @@ class _EngineCollector:
             family = family_cls(P + name, doc, labels=["model_name"])
             family.add_metric(labels, float(stats.get(key, 0) or 0))
             yield family
+        phases = CounterMetricFamily(P + "phase_seconds", PHASE_HELP, labels=["model_name", "phase"])
+        for phase, seconds in (stats.get("phase_seconds") or {}).items():
+            phases.add_metric(labels + [phase], seconds)
+        yield phases
 
 
 class ServerMetrics:
