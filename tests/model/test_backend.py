@@ -1,5 +1,6 @@
-"""KernelBackend: the ISA level from CPU flags, KVSERVE_ISA forcing a lower one, the switches read
-once at detection, one log line per load, and PyTorch-only models (another device, no kernels)."""
+"""KernelBackend: the ISA level from CPU flags, KVSERVE_ISA forcing a lower one, batch invariance by
+default (KVSERVE_BATCH_INVARIANT=0 restores the GEMM and SDPA switch points), the switches read once
+at detection, one log line per load, and PyTorch-only models (another device, no kernels)."""
 
 import logging
 from dataclasses import replace
@@ -9,7 +10,7 @@ import torch
 from ggufmaker import make_tiny_llama_gguf
 
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.kernels.backend import KernelBackend, features_up_to, isa_of
+from kvserve.model.kernels.backend import ATTN_C_MAX_QUERY, KernelBackend, features_up_to, isa_of
 from kvserve.model.kernels.gguf_linear import GGUFQuantLinear
 from kvserve.model.loader import load_model
 from kvserve.model.ops import TorchOps
@@ -17,8 +18,8 @@ from kvserve.model.ops import TorchOps
 AVX2 = {"avx2", "fma", "f16c"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx_vnni"}
 AMX = AVX512 | {"amx_tile", "amx_bf16", "amx_int8"}
-SWITCHES = ("KVSERVE_ISA", "KVSERVE_NO_KERNELS", "KVSERVE_BF16_MIN_TOKENS", "KVSERVE_F32_MIN_TOKENS",
-            "KVSERVE_FUSED_FORWARD")
+SWITCHES = ("KVSERVE_ISA", "KVSERVE_NO_KERNELS", "KVSERVE_BATCH_INVARIANT", "KVSERVE_BF16_MIN_TOKENS",
+            "KVSERVE_F32_MIN_TOKENS", "KVSERVE_FUSED_FORWARD")
 
 
 @pytest.fixture
@@ -51,12 +52,45 @@ def test_forced_avx2_is_an_avx2_cpu(clean_env):
         pytest.skip(f"no kernels here ({full.reason})")
     b = KernelBackend.detect(isa="avx2")
     assert b.isa == "avx2" and b.features <= AVX2 and b.lib is not None
-    assert b.bf16_min_tokens is None and b.f32_min_tokens == 32    # fp32 MKL for large calls, no oneDNN bf16
-    assert not b.bf16_prepack
+    assert b.batch_invariant and (b.bf16_min_tokens, b.f32_min_tokens, b.attn_c_max_query) == (None, None, None)
+    assert not b.bf16_prepack                                     # oneDNN refuses bf16 prepacking on AVX2
     clean_env.setenv("KVSERVE_ISA", "avx2")                       # the environment says the same
     assert KernelBackend.detect().features == b.features
-    if full.isa == "amx":
-        assert full.bf16_min_tokens == 3 and full.f32_min_tokens is None
+    clean_env.setenv("KVSERVE_BATCH_INVARIANT", "0")              # invariance off: fp32 MKL for large calls
+    off = KernelBackend.detect()
+    assert (off.isa, off.bf16_min_tokens, off.f32_min_tokens, off.attn_c_max_query) == ("avx2", None, 32, 16)
+
+
+def test_batch_invariant_by_default(clean_env):
+    """Default: the int8 kernels for every step size and C attention for every query token.
+    KVSERVE_BATCH_INVARIANT=0: bf16 oneDNN from 3 tokens on AMX, else fp32 MKL from 32, and SDPA
+    for chunks of more than 16 query tokens; the one-call forward (every step by default) stops
+    below the GEMM switch."""
+    b = KernelBackend.detect()
+    if b.lib is None:
+        pytest.skip(f"no kernels here ({b.reason})")
+    assert b.batch_invariant
+    assert (b.bf16_min_tokens, b.f32_min_tokens, b.attn_c_max_query) == (None, None, None)
+    assert b.max_fused_tokens >= 4096                          # every step runs the whole-stack C forward
+    assert "batch-invariant: int8 kernels for every step size, C attention for every query" in b.describe()
+    clean_env.setenv("KVSERVE_BATCH_INVARIANT", "1")
+    assert KernelBackend.detect().batch_invariant
+    clean_env.setenv("KVSERVE_BATCH_INVARIANT", "0")
+    off = KernelBackend.detect()
+    assert off.lib is not None and not off.batch_invariant and off.attn_c_max_query == ATTN_C_MAX_QUERY == 16
+    if off.isa == "amx":
+        assert (off.bf16_min_tokens, off.f32_min_tokens, off.max_fused_tokens) == (3, None, 2)
+    else:
+        assert (off.bf16_min_tokens, off.f32_min_tokens, off.max_fused_tokens) == (None, 32, 31)
+    assert "batch-dependent numerics" in off.describe() and "SDPA above" in off.describe()
+    # The token-count switches still override the defaults, with invariance on or off.
+    clean_env.setenv("KVSERVE_F32_MIN_TOKENS", "64")
+    assert KernelBackend.detect().f32_min_tokens == 64
+    clean_env.delenv("KVSERVE_BATCH_INVARIANT")
+    on = KernelBackend.detect()
+    assert on.f32_min_tokens == 64 and not on.batch_invariant
+    # A PyTorch-only backend is never batch-invariant (torch picks its matmul kernel by shape).
+    assert not KernelBackend.pytorch().batch_invariant
 
 
 def test_switches_are_read_at_detection_only(clean_env):
