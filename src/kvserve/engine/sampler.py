@@ -42,13 +42,16 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, with_ranks: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Raw log-probs of `token_ids` ([N]) under `logits` ([N, V]), their 1-based ranks, and the
-    top `num_top` alternatives. Used for sampled tokens and, by the engine, for prompt_logprobs."""
+    """Raw log-probs of `token_ids` ([N]) under `logits` ([N, V]), their 1-based ranks (zeros when
+    not `with_ranks`: nobody asked, and the rank is a second pass over the vocabulary), and the
+    top `num_top` alternatives. Used for sampled tokens (every step: the cumulative logprob) and,
+    by the engine, for prompt_logprobs."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, token_ids.view(-1, 1))
-    ranks = (lp > chosen).sum(dim=-1) + 1
+    ranks = ((lp > chosen).sum(dim=-1) + 1 if with_ranks
+             else torch.zeros(lp.shape[0], dtype=torch.long, device=lp.device))
     if num_top > 0:
         top_lp, top_ids = lp.topk(min(num_top, lp.shape[-1]), dim=-1)
         return chosen.view(-1), ranks, top_ids, top_lp
@@ -86,10 +89,11 @@ class Sampler:
         logits = logits.float()
         params = [r.params for r in reqs]
         num_top = max((p.logprobs or 0 for p in params), default=0)
+        with_ranks = any(p.logprobs is not None for p in params)
 
         if all(p.greedy and not self._needs_processing(r) for p, r in zip(params, reqs)):
             token_ids = logits.argmax(dim=-1)
-            lp, ranks, top_ids, top_lp = compute_logprobs(logits, token_ids, num_top)
+            lp, ranks, top_ids, top_lp = compute_logprobs(logits, token_ids, num_top, with_ranks)
             return SamplerOutput(token_ids, lp, ranks, top_ids, top_lp)
 
         raw_logits = logits
@@ -100,7 +104,7 @@ class Sampler:
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = self._sample(logits, reqs, greedy)
-        lp, ranks, top_ids, top_lp = compute_logprobs(raw_logits, token_ids, num_top)
+        lp, ranks, top_ids, top_lp = compute_logprobs(raw_logits, token_ids, num_top, with_ranks)
         return SamplerOutput(token_ids, lp, ranks, top_ids, top_lp)
 
     # ---- logits processors ---------------------------------------------------------------------
