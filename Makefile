@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvserve-installed
 
-.PHONY: setup run test test-slow lint bench clean
+.PHONY: setup run test test-avx2 test-slow lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,9 +19,21 @@ setup: $(STAMP)
 run: setup
 	$(VENV)/bin/kvserve serve
 
+# The AVX2 path on every run (issue 15): the kernel, model, engine and sampling tests again as on a
+# CPU with AVX2 only (our kernels through KVSERVE_ISA, torch's and oneDNN's through their own
+# switches). Left out: the wheel build (no kernel path of its own) and the transformers comparison
+# of the fp32 model (slow, and torch's kernels only).
+AVX2_ENV   := KVSERVE_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+AVX2_TESTS := tests/model tests/engine tests/test_sampling_params.py \
+              --ignore=tests/model/test_wheel_install.py --ignore=tests/model/test_smollm2.py
+
 test: setup
 	bash scripts/test-deps.sh
 	$(PY) -m pytest -q -m "not slow"
+	$(MAKE) --no-print-directory test-avx2
+
+test-avx2: setup
+	$(AVX2_ENV) $(PY) -m pytest -q -m "not slow" $(AVX2_TESTS)
 
 test-slow: setup
 	bash scripts/test-deps.sh
