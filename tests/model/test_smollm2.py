@@ -7,6 +7,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.model.registry import resolve
 
+TIE_GAP = 2e-3   # twice the logit tolerance of test_last_position_logits_match
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "List three prime numbers.", "Explain gravity to a child in one sentence."]
 
@@ -39,13 +40,25 @@ def test_last_position_logits_match(hf_model, llm):
 
 
 def test_greedy_tokens_identical(hf_model, llm):
+    """Token for token, except where transformers' own top-2 logits are within TIE_GAP (a near tie
+    that rounding may break either way; the generations then part and the rest is not compared).
+    The closest steps of these two answers are 0.03 and 0.07 nats apart, so in practice all 32
+    tokens must agree."""
     for text in PROMPTS[:2]:
         ids = _chat_ids(llm, text)
         ours = llm.generate({"prompt_token_ids": ids},
                             SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
         with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
-        assert ours[0].outputs[0].token_ids == ref[0, len(ids):].tolist(), text
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                    output_scores=True, return_dict_in_generate=True)
+        got, want = ours[0].outputs[0].token_ids, ref.sequences[0, len(ids):].tolist()
+        assert len(got) == len(want) == 32
+        for j, (a, b) in enumerate(zip(got, want)):
+            if a != b:
+                gap = (ref.scores[j][0, b] - ref.scores[j][0, a]).item()
+                assert gap < TIE_GAP, f"{text!r}: greedy token {j} differs ({a} vs {b}) with a logit gap of {gap:.2e}"
+                print(f"{text!r}: near tie at token {j} (gap {gap:.1e}); the rest is not compared")
+                break
 
 
 def test_tokenizer_matches_transformers():
