@@ -162,7 +162,7 @@ def _int8_arithmetic(layer: GGUFQuantLinear, x: torch.Tensor) -> torch.Tensor:
     """The kernels' definition, written out (cpu/kvserve_kernels.cpp): x quantized per 32-block to
     int8, exact integer block sums, then per output one fp32 fma per block in block order
     (emulated in float64: a product of two floats is exact there, one rounding to fp32 follows)."""
-    K, nb = layer.in_features, layer.in_features // 32
+    nb = layer.in_features // 32
     xb = x.view(-1, nb, 32)
     amax = xb.abs().amax(-1)
     xd = amax / 127

@@ -118,7 +118,7 @@ void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<i
     const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd, group = Hq / Hkv;
     const size_t tok_stride = (size_t)kvd, block_stride = (size_t)block_size * tok_stride;
     const int ntiles = (int)tiles.size() - 1;
-    std::vector<float> scores;
+    thread_local std::vector<float> scores;   // kept between calls: no allocation per layer
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < ntiles * Hkv; it++) {
         const int tile = ntiles - 1 - it / Hkv, h = it % Hkv;

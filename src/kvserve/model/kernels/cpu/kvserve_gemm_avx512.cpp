@@ -134,14 +134,13 @@ void run_groups(const kvs_weight *w, const int8_t *xq, const float *xd, const fl
 
 namespace kvs {
 
-bool groups_avx512(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
+void groups_avx512(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
                    int ldy, bool add, int gbeg, int gend) {
     const bool q4 = w->qtype == 0, f16 = w->sdtype == 1;
     if (q4 && f16) run_groups<true, true>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (q4) run_groups<true, false>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (f16) run_groups<false, true>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else run_groups<false, false>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
-    return true;
 }
 
 }  // namespace kvs

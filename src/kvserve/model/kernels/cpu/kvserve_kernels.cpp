@@ -285,7 +285,10 @@ void linear_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const f
     const int gbeg = ith * per < ng ? ith * per : ng;
     const int gend = gbeg + per < ng ? gbeg + per : ng;
     if (gbeg >= gend) return;
-    if (w->isa == 1 && groups_avx512(w, xq, xd, xs, T, y, ldy, add, gbeg, gend)) return;
+    if (w->isa == 1) {
+        groups_avx512(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+        return;
+    }
     const bool q4 = w->qtype == 0, f16 = w->sdtype == 1;
     if (q4 && f16) run_groups_avx2<true, true>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (q4) run_groups_avx2<true, false>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);

@@ -54,8 +54,8 @@ void attend_group(const float *q, const void *K, const void *V, int kv_dtype, si
                   float scale, float *scores, float *out);
 
 // The AVX-512 VNNI tiles (kvserve_gemm_avx512.cpp) for groups [gbeg, gend) of 16 rows: the same
-// arithmetic as the AVX2 tiles in kvserve_kernels.cpp. Returns false if this build lacks them.
-bool groups_avx512(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
+// arithmetic as the AVX2 tiles in kvserve_kernels.cpp. Only for weights whose isa is 1.
+void groups_avx512(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
                    int ldy, bool add, int gbeg, int gend);
 
 // NQ consecutive query tokens of one sequence (at positions L0-1 .. L0+NQ-2, query i's G heads at
