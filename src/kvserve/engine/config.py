@@ -21,6 +21,14 @@ class EngineConfig:
     max_num_seqs: int = 64                 # most sequences in one step
     max_num_batched_tokens: int = 512      # token budget per step (chunked prefill size)
     enable_prefix_caching: bool = True
+    # Fairness under long prompts (engine/scheduler.py): a prompt with more tokens left than this is
+    # "long" and takes at most this many per step (default: half of max_num_batched_tokens); at most
+    # max_num_partial_prefills long prompts prefill at once; and a long prompt's chunk is cut so the
+    # step's predicted time stays under max_step_ms (0 or None: no time target; `kvserve serve` sets
+    # step_cost.DEFAULT_MAX_STEP_MS, offline generation favours throughput).
+    long_prefill_token_threshold: int | None = None
+    max_num_partial_prefills: int = 2
+    max_step_ms: float | None = None
     max_model_len: int | None = None       # default: the model's context length
     kv_cache_dtype: str = "fp16"           # fp16 (as llama.cpp), bf16 or fp32: the C attention reads all three
     weight_format: str = "auto"
@@ -30,10 +38,17 @@ class EngineConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidRequest(f"{name} must be a positive integer, got {v!r}", param=name)
+        t = self.long_prefill_token_threshold
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
+            raise InvalidRequest(f"long_prefill_token_threshold must be a positive integer, got {t!r}",
+                                 param="long_prefill_token_threshold")
+        m = self.max_step_ms
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1e7):
+            raise InvalidRequest(f"max_step_ms must be a number of milliseconds >= 0, got {m!r}", param="max_step_ms")
         if self.kv_cache_dtype not in _DTYPES:
             raise InvalidRequest(f"kv_cache_dtype must be one of {sorted(_DTYPES)}", param="kv_cache_dtype")
         if self.device == "auto":

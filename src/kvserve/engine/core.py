@@ -65,7 +65,8 @@ class EngineCore:
         self.block_size = config.block_size
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, eos_token_ids)
+                                   self.max_model_len, eos_token_ids, config.long_prefill_token_threshold,
+                                   config.max_num_partial_prefills, config.max_step_ms)
         self.clock = PhaseClock()
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.torch_kv_dtype, eos_token_ids,
                                   device=config.device, clock=self.clock)
@@ -107,7 +108,9 @@ class EngineCore:
         self.num_steps += 1
         self.num_batched_tokens += sched.total_num_scheduled_tokens
         self.num_batched_requests += len(sched.scheduled)
+        t0 = time.perf_counter()
         result = self.runner.execute(sched)        # laps prepare, forward, logits, sample
+        self.scheduler.observe_step(sched, time.perf_counter() - t0)
         outputs = self.scheduler.update_from_output(sched, result)
         clock.lap("update")
         return EngineCoreOutputs(time.monotonic(), outputs)

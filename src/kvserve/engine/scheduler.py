@@ -3,12 +3,24 @@ step's results do to them.
 
 There is no "prefill phase" and no "decode phase". Every request has `num_computed_tokens`
 catching up with `num_tokens` (prompt + generated). Each step hands out a token budget
-(`max_num_batched_tokens`): running requests first (a decoding one needs 1 token, a prefilling
-one takes what is left, so long prompts are prefilled in chunks that share steps with other
-requests' decodes), then waiting ones in (priority, arrival) order, whose prompt may be partly
-found in the prefix cache. When the block pool runs dry, the running request that comes last in
-that order is preempted: its blocks are freed and it goes back to waiting to be recomputed later
-(its computed blocks are usually still in the prefix cache).
+(`max_num_batched_tokens`) in an order that bounds everyone's latency:
+
+1. running decodes (a request whose prompt is computed needs one token), in (priority, arrival)
+   order: a stream gets a token in every step, whatever else is going on;
+2. short prompts (at most `long_prefill_token_threshold` tokens to compute), running or waiting, in
+   order: a new short request starts in the next step even while a long prompt is prefilling;
+3. long prompts in chunks of at most `long_prefill_token_threshold` tokens (the whole budget when
+   one is alone in the engine), at most `max_num_partial_prefills` of them at a time (the others wait, in order, and nothing else
+   overtakes them), each chunk also cut so that the step's predicted time stays under
+   `max_step_ms`, or under twice the step's time without the long chunks where that is more
+   (engine/step_cost.py learns the cost of a token at a given context length from the steps
+   already run). The first long prompt in line always gets at least one block's worth, so it is
+   never starved.
+
+Waiting requests may find part of their prompt in the prefix cache. When the block pool runs dry,
+the running request that comes last in (priority, arrival) order is preempted: its blocks are
+freed and it goes back to waiting to be recomputed later (its computed blocks are usually still in
+the prefix cache). Admission keeps strict order when the pool is short: no overtaking then.
 
 The scheduler is the only writer of request state: `update_from_output` advances the computed
 counts, appends sampled tokens, applies the token-level stops (EOS, stop tokens, length, the
@@ -23,17 +35,24 @@ import time
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.messages import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvserve.engine.request import Request, Status
+from kvserve.engine.step_cost import StepCostModel
 from kvserve.engine.stop import check_stop
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 eos_token_ids: list[int] | tuple[int, ...] = ()):
+                 eos_token_ids: list[int] | tuple[int, ...] = (), long_prefill_token_threshold: int | None = None,
+                 max_num_partial_prefills: int = 2, max_step_ms: float | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        # default: a long prompt takes at most half of a step's tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max(1, max_num_batched_tokens // 2)
+        self.max_num_partial_prefills = max_num_partial_prefills
+        self.max_step_s = max_step_ms / 1000 if max_step_ms else None
+        self.cost = StepCostModel()
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -51,36 +70,76 @@ class Scheduler:
     # ---- schedule ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        preempted = False
+        self._budget = self.max_num_batched_tokens
+        self._preempted = False
+        self._pool_short = False                        # an admission found the block pool short
         self.running.sort(key=lambda r: r.sort_key)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
-                victim = self.running.pop()            # last in priority/arrival order
-                self._preempt(victim)
-                preempted = True
-                out.num_preempted += 1
-                if victim is req:
-                    break
-            else:
-                out.scheduled.append(self._entry(req, n))
-                budget -= n
-                i += 1
-        if not preempted:
-            self._admit_waiting(out, budget)
+        self.waiting.sort(key=lambda r: r.sort_key)
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        for req in [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]:
+            self._schedule_running(out, req, req.num_tokens - req.num_computed_tokens)
+        for req in prefilling:                                     # short prompts already running
+            if req.status == Status.RUNNING and not self._is_long(req):
+                self._schedule_running(out, req, req.num_tokens - req.num_computed_tokens)
+        if not self._preempted:
+            self._admit_waiting(out, long=False)
+        # Long prompts' chunks may take the step to the time target, or to twice what it costs
+        # without them where that is more (a machine too slow for the target still gets on).
+        if self.max_step_s is not None:
+            base = self.cost.predict([(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
+            self._step_limit = max(self.max_step_s, 2 * base)
+        first_long = True
+        for req in prefilling:                                     # long prompts already running
+            if req.status == Status.RUNNING and self._is_long(req):
+                n = self._long_chunk(out, req, first_long)
+                first_long = False
+                if n:
+                    self._schedule_running(out, req, n)
+        if not (self._preempted or self._pool_short):
+            self._admit_waiting(out, long=True)
         return out
+
+    def _is_long(self, req: Request) -> bool:
+        """Long: more prompt tokens to compute than the threshold when it was admitted (it stays long
+        until its prompt is done)."""
+        return req.num_prompt_tokens - max(req.num_cached_tokens, 0) > self.long_prefill_token_threshold
+
+    def _long_chunk(self, out: SchedulerOutput, req: Request, first: bool) -> int:
+        """Tokens of a long prompt for this step: its share of the budget, cut to the step-time target."""
+        n = min(req.num_prompt_tokens - req.num_computed_tokens, self._budget)
+        alone = not out.scheduled and len(self.running) + len(self.waiting) == 1
+        if not alone:                                  # a share of the step, so others get in beside it
+            n = min(n, self.long_prefill_token_threshold)
+        if self.max_step_s is not None and n > 0:
+            chunks = [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]
+            fit = self.cost.max_new_tokens(chunks, req.num_computed_tokens, self._step_limit, n)
+            n = max(fit, min(n, self.kv.block_size) if first else 0)
+        return n
+
+    def _schedule_running(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        n = min(n, self._budget)
+        if n <= 0 or req.status != Status.RUNNING:     # (preempted earlier in this step)
+            return
+        while not self.kv.allocate_slots(req, n):
+            victim = self.running[-1]                   # last in priority/arrival order
+            self._preempt(victim, out)
+            if victim is req:
+                return
+        out.scheduled.append(self._entry(req, n))
+        self._budget -= n
 
     def _entry(self, req: Request, n: int) -> ScheduledRequest:
         return ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id))
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        self.waiting.sort(key=lambda r: r.sort_key)
+    def _admit_waiting(self, out: SchedulerOutput, long: bool) -> None:
+        """Admit waiting requests in order: the short prompts (long=False), then the long ones."""
+        threshold = self.long_prefill_token_threshold
+        partial = sum(1 for r in self.running if r.num_computed_tokens < r.num_prompt_tokens and self._is_long(r))
+        first_long = not any(self._is_long(s.request) and s.num_computed_tokens < s.request.num_prompt_tokens
+                             for s in out.scheduled)
         admitted = []
         for req in self.waiting:
-            if budget <= 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
+            if self._budget <= 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
                 break
             if req.wait_for is not None:
                 parent = self.requests.get(req.wait_for)
@@ -88,24 +147,54 @@ class Scheduler:
                     continue
                 req.wait_for = None
             computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
-            n = min(req.num_tokens - req.num_computed_tokens - len(computed) * self.kv.block_size, budget)
+            cached = len(computed) * self.kv.block_size
+            left = req.num_tokens - req.num_computed_tokens - cached
+            if (left > threshold) != long:
+                continue                                # the other pass's
+            if long:
+                if partial >= self.max_num_partial_prefills:
+                    break                               # it waits, and no long one behind it overtakes
+                req.num_computed_tokens += cached       # the chunk's context starts after the hit
+                n = self._long_chunk(out, req, first_long)
+                req.num_computed_tokens -= cached
+                if n <= 0:
+                    break
+            else:
+                n = min(left, self._budget)
             if not self.kv.allocate_slots(req, n, computed):
+                self._pool_short = True
                 break                                   # strict order: no overtaking when full
-            req.num_computed_tokens += len(computed) * self.kv.block_size
+            req.num_computed_tokens += cached
             if req.num_cached_tokens < 0:               # first admission: count the cache lookup
-                req.num_cached_tokens = len(computed) * self.kv.block_size
+                req.num_cached_tokens = cached
                 self.kv.record_query(req.num_prompt_tokens, req.num_cached_tokens)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             req.status = Status.RUNNING
             admitted.append(req)
             out.scheduled.append(self._entry(req, n))
-            budget -= n
+            self._budget -= n
+            if long:
+                partial += 1
+                first_long = False
         for req in admitted:
             self.waiting.remove(req)
             self.running.append(req)
 
-    def _preempt(self, req: Request) -> None:
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The step `out` took `seconds` in the model: teach the step-time model."""
+        self.cost.observe([(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled], seconds)
+
+    def _preempt(self, req: Request, out: SchedulerOutput | None = None) -> None:
+        self.running.remove(req)
+        if out is not None:
+            self._preempted = True
+            out.num_preempted += 1
+            for i, s in enumerate(out.scheduled):     # already given tokens this step: take them back
+                if s.request is req:
+                    self._budget += s.num_new_tokens
+                    del out.scheduled[i]
+                    break
         self.kv.free(req.request_id, forget_hashes=False)
         req.num_computed_tokens = 0
         req.status = Status.WAITING

@@ -1,0 +1,174 @@
+"""Fairness under long prompts (issue 24), on the scheduler with synthetic requests: decodes first,
+short prompts admitted in the next step while a long one prefills, long prompts capped per step
+and by the step-time model, at most max_num_partial_prefills of them at once, no starvation; then
+the same through the real engine."""
+
+from __future__ import annotations
+
+from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.step_cost import StepCostModel
+from tests.engine.test_scheduler import BS, make_seq, new_tokens, run_step
+
+
+def make(budget: int = 64, threshold: int | None = None, partial: int = 1, step_ms: float | None = None,
+         num_blocks: int = 512, max_num_seqs: int = 16) -> Scheduler:
+    return Scheduler(KVCacheManager(num_blocks, BS), max_num_seqs, budget, num_blocks * BS,
+                     long_prefill_token_threshold=threshold, max_num_partial_prefills=partial, max_step_ms=step_ms)
+
+
+def test_short_request_starts_in_the_next_step_while_a_long_prompt_prefills():
+    s = make(budget=64)                                 # long prompts: more than 32 tokens left
+    long = make_seq(600, "long", base=1000)
+    s.add(long)
+    assert new_tokens(run_step(s)) == {"long": 64}      # alone: the whole budget
+    short = make_seq(10, "short", max_tokens=3)
+    s.add(short)
+    out = new_tokens(run_step(s))
+    assert out == {"short": 10, "long": 32}             # admitted at once, beside the long chunk
+    out = new_tokens(run_step(s))
+    assert out == {"short": 1, "long": 32}              # and decoding in every step after it
+    steps = 2
+    while not long.is_finished:
+        out = new_tokens(run_step(s))
+        steps += 1
+        if not short.is_finished:
+            assert out["short"] == 1
+        assert sum(out.values()) <= 64
+        assert steps < 100
+    assert len(long.output_token_ids) == 4 and len(short.output_token_ids) == 3
+
+
+def test_one_long_prompt_at_a_time_and_short_ones_pass_the_waiting_long_one():
+    s = make(budget=64, partial=1)
+    a, b = make_seq(200, "a", base=1000), make_seq(200, "b", base=5000)
+    s.add(a)
+    s.add(b)
+    c = make_seq(8, "c", base=9000)
+    s.add(c)                                            # arrived after b, short
+    out = new_tokens(run_step(s))
+    assert out == {"c": 8, "a": 32}                     # b waits for a's partial-prefill slot
+    while a.num_prompt_tokens - a.num_computed_tokens > 32:     # a still long: b waits
+        assert "b" not in new_tokens(run_step(s))
+    seen_b = False
+    for _ in range(40):
+        out = new_tokens(run_step(s))
+        seen_b |= "b" in out
+    assert seen_b and b.num_computed_tokens >= b.num_prompt_tokens   # b is not starved
+
+
+def test_two_partial_prefills_share_the_steps():
+    s = make(budget=64, partial=2)
+    a, b = make_seq(200, "a", base=1000), make_seq(200, "b", base=5000)
+    s.add(a)
+    s.add(b)
+    assert new_tokens(run_step(s)) == {"a": 32, "b": 32}
+
+
+def test_step_time_target_cuts_the_long_chunk_but_never_to_nothing():
+    s = make(budget=512, threshold=256, step_ms=50, num_blocks=1100)
+    # teach the cost model a machine where attention over a long context is expensive
+    for ctx, n in [(0, 256), (1000, 256), (3000, 128), (0, 64), (2000, 32), (500, 1)] * 4:
+        s.cost.observe([(ctx, n)], 1e-3 + 1e-4 * n + 2e-7 * n * (ctx + n / 2))
+    long = make_seq(4000, "long", base=1000)
+    s.add(long)
+    chunks = []
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        chunks.append(new_tokens(run_step(s))["long"])
+    assert chunks[0] > 256                              # alone: beyond the share, cut by time only
+    assert chunks[-2] < 128                             # late: the predicted time is
+    assert min(chunks[:-1]) >= BS                       # always at least a block's worth
+    for c, ctx in zip(chunks, [sum(chunks[:i]) for i in range(len(chunks))]):
+        if c > BS:
+            assert s.cost.predict([(ctx, c)]) <= 0.05 + 1e-9
+
+
+def test_a_long_prompt_short_of_blocks_is_the_one_preempted():
+    s = make(budget=40, threshold=16, num_blocks=12)
+    d = [make_seq(4, f"d{i}", max_tokens=20, base=100 * i) for i in range(2)]    # 6 blocks each at the end
+    for r in d:
+        s.add(r)
+    run_step(s)
+    long = make_seq(30, "long", max_tokens=10, base=7000)                       # 10 blocks at the end
+    s.add(long)
+    for _ in range(100):
+        if not s.has_work():
+            break
+        running = {r.request_id for r in d if r.status.value == "running"}
+        got = new_tokens(run_step(s))
+        assert sum(got.values()) <= 40
+        assert running <= set(got)                     # a decoder gets its token in every step
+    assert long.num_preemptions >= 1 and all(r.num_preemptions == 0 for r in d)
+    assert all(len(r.output_token_ids) == 20 for r in d) and len(long.output_token_ids) == 10
+    assert s.kv.num_free_blocks == 12
+
+
+def test_an_urgent_prefill_preempts_a_decode_already_given_its_token():
+    s = make(budget=64, threshold=16, num_blocks=10)
+    d = [make_seq(12, f"d{i}", max_tokens=30, base=100 * i) for i in range(2)]   # 3 blocks each
+    for r in d:
+        s.add(r)
+    run_step(s)
+    urgent = make_seq(14, "u", max_tokens=2, priority=-1, base=7000)              # 4 blocks, first in order
+    s.add(urgent)
+    run_step(s)                                        # admitted: 10 blocks in use
+    out = s.schedule()                                 # decodes first, then u's last 1 token needs none ...
+    ids = [e.request.request_id for e in out.scheduled]
+    assert len(ids) == len(set(ids))
+    assert sum(e.num_new_tokens for e in out.scheduled) <= 64
+    for e in out.scheduled:
+        assert e.request.status.value == "running"
+
+
+def test_cost_model_learns_a_linear_step_time():
+    m = StepCostModel()
+    truth = (2e-3, 5e-4, 1e-4, 3e-7)
+    shapes = [[(0, 512)], [(100, 1)] * 8, [(4000, 64), (10, 1)], [(0, 32)], [(2000, 256)], [(500, 1)] * 32]
+    for _ in range(30):
+        for sh in shapes:
+            x = m.features(sh)
+            m.observe(sh, float(x @ truth))
+    for sh in shapes:
+        x = m.features(sh)
+        assert abs(m.predict(sh) - float(x @ truth)) <= 0.05 * float(x @ truth)
+    assert m.max_new_tokens([(0, 1)], 0, 1e-6, 512) == 0
+    assert 0 < m.max_new_tokens([], 6000, 0.1, 512) < m.max_new_tokens([], 100, 0.1, 512) <= 512
+
+
+def test_real_engine_short_request_overtakes_a_long_prefill_with_the_same_answer():
+    """The default model: a 1,500-token prompt prefills in capped chunks; a short chat request added
+    after its first step is scheduled in the very next step, finishes first, and answers exactly as
+    it does alone (batch invariance); the long request finishes too."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.model.loader import load_model
+    from kvserve.train.data import load_corpus
+
+    lm = load_model(None)
+    llm = LLM(lm.model, tokenizer=lm.tokenizer, kv_cache_memory="256MiB")
+    eng = llm.engine
+    long_ids = lm.tokenizer.encode(load_corpus(max_chars=20_000))[:1500]
+    short = [{"role": "user", "content": "Name the capital city of France."}]
+    short_ids = lm.tokenizer.apply_chat_template(short, add_generation_prompt=True, tokenize=True)
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    alone = llm.generate([{"prompt_token_ids": short_ids}], greedy)[0].outputs[0].token_ids
+
+    core = eng.core
+    seen = []                                         # every step's SchedulerOutput, as the core ran it
+    schedule = core.scheduler.schedule
+    core.scheduler.schedule = lambda: seen.append(schedule()) or seen[-1]
+    eng.add_request("long", {"prompt_token_ids": long_ids}, SamplingParams(max_tokens=8, temperature=0))
+    eng.step()
+    assert core.scheduler.requests["long"].num_computed_tokens == 512       # alone: the whole budget
+    eng.add_request("short", {"prompt_token_ids": short_ids}, greedy)
+    eng.step()
+    got = {s.request.request_id: s.num_new_tokens for s in seen[-1].scheduled}
+    assert set(got) == {"short", "long"} and got["long"] == 256     # its share, beside the short one
+    finished = {}
+    for _ in range(200):
+        for o in eng.step():
+            if o.finished:
+                finished[o.request_id] = o
+        if len(finished) == 2:
+            break
+    assert list(finished) == ["short", "long"]        # the short one first
+    assert finished["short"].outputs[0].token_ids == alone
