@@ -76,6 +76,28 @@ inline __m256 hsum8(const __m256 *a) {
     return _mm256_add_ps(lo, hi);
 }
 
+// sg[0..L) <- exp(sg - max), returning their sum (vectorised by 8, the tail in scalar code).
+inline float softmax_row(float *sg, int L) {
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    int i = 0;
+    for (; i + 8 <= L; i += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sg + i));
+    float mx = -INFINITY;
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, vmx);
+    for (int j = 0; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
+    for (int j = i; j < L; j++) mx = sg[j] > mx ? sg[j] : mx;
+    const __m256 vm = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= L; i += 8) {
+        const __m256 e = kvs::exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vm));
+        _mm256_storeu_ps(sg + i, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum(vsum);
+    for (; i < L; i++) sum += (sg[i] = expf(sg[i] - mx));
+    return sum;
+}
+
 // The G query heads of one KV head (GQA group, contiguous in q and out) against L K/V rows (float32,
 // or bf16 widened as loaded)
 // at K + off[t], V + off[t]. Each K row serves the whole group; scores for 8 tokens at a time are
@@ -128,23 +150,7 @@ void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, in
         for (int g = 0; g < G; g++) s[(size_t)g * L + t] = dot(q + (size_t)g * D, K + off[t], D) * scale;
     for (int g = 0; g < G; g++) {
         float *sg = s + (size_t)g * L;
-        __m256 vmx = _mm256_set1_ps(-INFINITY);
-        int i = 0;
-        for (; i + 8 <= L; i += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sg + i));
-        float mx = -INFINITY;
-        alignas(32) float m8[8];
-        _mm256_store_ps(m8, vmx);
-        for (int j = 0; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
-        for (int j = i; j < L; j++) mx = sg[j] > mx ? sg[j] : mx;
-        const __m256 vm = _mm256_set1_ps(mx);
-        __m256 vsum = _mm256_setzero_ps();
-        for (i = 0; i + 8 <= L; i += 8) {
-            const __m256 e = kvs::exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + i), vm));
-            _mm256_storeu_ps(sg + i, e);
-            vsum = _mm256_add_ps(vsum, e);
-        }
-        float sum = hsum(vsum);
-        for (; i < L; i++) sum += (sg[i] = expf(sg[i] - mx));
+        const float sum = softmax_row(sg, L);
         __m256 acc[nd];
         for (int c = 0; c < nd; c++) acc[c] = _mm256_setzero_ps();
         for (int tt = 0; tt < L; tt++) {
@@ -156,6 +162,78 @@ void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, in
         const __m256 vinv = _mm256_set1_ps(1.0f / sum);
         for (int c = 0; c < nd; c++) _mm256_storeu_ps(out + (size_t)g * D + 8 * c, _mm256_mul_ps(acc[c], vinv));
     }
+}
+
+// NQ consecutive queries of one sequence (query i attends to keys 0..L0+i-1) x the G heads of one
+// KV head, against contiguous float32 K/V rows [L0+NQ-1, ND*8]. Bit for bit what attend_rows<float,
+// ND> gives each query alone (the same products, chains, reduction trees and softmax, in the same
+// order); only the loop nest differs: scores for 8 keys at a time for every query, then per-query
+// softmax, then V in blocks of 32 rows that every query's accumulators (kept in memory between
+// blocks) read while the block is in L1. A long prompt's tile thus reads its K/V from memory once
+// instead of once per query.
+template <int ND>
+void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf, int L0, int NQ, int G,
+               float scale, std::vector<float> &S, float *out, size_t out_stride) {
+    constexpr int D = ND * 8;
+    const int Lmax = L0 + NQ - 1, R = NQ * G;
+    S.resize((size_t)R * Lmax);
+    thread_local std::vector<float> A;
+    A.assign((size_t)R * D, 0.0f);
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int t = 0; t + 8 <= Lmax; t += 8) {
+        for (int i = 0; i < NQ; i++) {
+            if (t + 8 > L0 + i) continue;                      // this query's tail: below
+            for (int g = 0; g < G; g++) {
+                const float *qg = q + (size_t)i * q_stride + (size_t)g * D;
+                __m256 qv[ND], acc[8];
+                for (int c = 0; c < ND; c++) qv[c] = _mm256_loadu_ps(qg + 8 * c);
+                for (int j = 0; j < 8; j++) {
+                    const float *k = kf + (size_t)(t + j) * D;
+                    __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
+                    for (int c = 1; c < ND; c++) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k + 8 * c), a);
+                    acc[j] = a;
+                }
+                _mm256_storeu_ps(S.data() + (size_t)(i * G + g) * Lmax + t, _mm256_mul_ps(hsum8(acc), vscale));
+            }
+        }
+    }
+    thread_local std::vector<float> inv;
+    inv.resize(R);
+    for (int i = 0; i < NQ; i++) {
+        const int L = L0 + i;
+        for (int g = 0; g < G; g++) {
+            float *sg = S.data() + (size_t)(i * G + g) * Lmax;
+            const float *qg = q + (size_t)i * q_stride + (size_t)g * D;
+            for (int t = L & ~7; t < L; t++) sg[t] = dot(qg, kf + (size_t)t * D, D) * scale;
+            inv[i * G + g] = 1.0f / softmax_row(sg, L);
+        }
+    }
+    for (int b0 = 0; b0 < Lmax; b0 += 32) {
+        for (int i = 0; i < NQ; i++) {
+            const int L = L0 + i, b1 = b0 + 32 < L ? b0 + 32 : L;
+            if (b0 >= L) continue;
+            for (int g = 0; g < G; g++) {
+                const int r = i * G + g;
+                const float *sg = S.data() + (size_t)r * Lmax;
+                float *ar = A.data() + (size_t)r * D;
+                __m256 acc[ND];
+                for (int c = 0; c < ND; c++) acc[c] = _mm256_loadu_ps(ar + 8 * c);
+                for (int tt = b0; tt < b1; tt++) {
+                    const __m256 p = _mm256_broadcast_ss(sg + tt);
+                    const float *v = vf + (size_t)tt * D;
+                    for (int c = 0; c < ND; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+                }
+                for (int c = 0; c < ND; c++) _mm256_storeu_ps(ar + 8 * c, acc[c]);
+            }
+        }
+    }
+    for (int i = 0; i < NQ; i++)
+        for (int g = 0; g < G; g++) {
+            const float *ar = A.data() + (size_t)(i * G + g) * D;
+            const __m256 vinv = _mm256_set1_ps(inv[i * G + g]);
+            float *o = out + (size_t)i * out_stride + (size_t)g * D;
+            for (int c = 0; c < ND; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * c), vinv));
+        }
 }
 
 }  // namespace
@@ -193,14 +271,13 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
                  size_t tok_stride, int head_off, const int64_t *table, int block_size, int L0, int NQ, int D, int G,
                  float scale, float *out, size_t out_stride) {
     // The tile's keys 0..L0+NQ-2 as contiguous float32 rows (exact: bf16/f16 -> f32 loses nothing),
-    // then each query through the same attend_rows as a lone query reading the cache in place.
+    // then every query of the tile through the same arithmetic as a lone query (attend_rows), with
+    // the loops turned so that a block of keys serves all the tile's queries while it is in L1.
     const int Lmax = L0 + NQ - 1;
     thread_local std::vector<float> kf, vf, scores;
     thread_local std::vector<size_t> offs;
     kf.resize((size_t)Lmax * D);
     vf.resize((size_t)Lmax * D);
-    scores.resize((size_t)Lmax * G);
-    offs.resize(Lmax);
     for (int b = 0, t0 = 0; t0 < Lmax; b++, t0 += block_size) {
         const size_t base = (size_t)table[b] * block_stride + head_off;
         for (int i = 0; i < block_size && t0 + i < Lmax; i++) {
@@ -210,24 +287,30 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
                 memcpy(kd, (const float *)K + src, D * sizeof(float));
                 memcpy(vd, (const float *)V + src, D * sizeof(float));
             } else {
-                for (int d = 0; d < D; d++) {
+                int d = 0;
+                for (; d + 8 <= D; d += 8) {
+                    _mm256_storeu_ps(kd + d, kv_dtype == 1 ? load8((const bf16 *)K + src + d) : load8((const f16 *)K + src + d));
+                    _mm256_storeu_ps(vd + d, kv_dtype == 1 ? load8((const bf16 *)V + src + d) : load8((const f16 *)V + src + d));
+                }
+                for (; d < D; d++) {
                     kd[d] = kv_dtype == 1 ? load1((const bf16 *)K + src + d) : load1((const f16 *)K + src + d);
                     vd[d] = kv_dtype == 1 ? load1((const bf16 *)V + src + d) : load1((const f16 *)V + src + d);
                 }
             }
         }
     }
-    for (int t = 0; t < Lmax; t++) offs[t] = (size_t)t * D;
-    for (int i = 0; i < NQ; i++) {
-        const float *qi = q + (size_t)i * q_stride;
-        float *oi = out + (size_t)i * out_stride;
-        switch (D % 8 ? 0 : D / 8) {
-            case 4: attend_rows<float, 4>(qi, kf.data(), vf.data(), offs.data(), L0 + i, D, G, scale, scores.data(), oi); break;
-            case 8: attend_rows<float, 8>(qi, kf.data(), vf.data(), offs.data(), L0 + i, D, G, scale, scores.data(), oi); break;
-            case 16: attend_rows<float, 16>(qi, kf.data(), vf.data(), offs.data(), L0 + i, D, G, scale, scores.data(), oi); break;
-            default: attend_rows<float, 0>(qi, kf.data(), vf.data(), offs.data(), L0 + i, D, G, scale, scores.data(), oi); break;
-        }
+    switch (D % 8 ? 0 : D / 8) {
+        case 4: tile_rows<4>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride); return;
+        case 8: tile_rows<8>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride); return;
+        case 16: tile_rows<16>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride); return;
+        default: break;
     }
+    offs.resize(Lmax);
+    scores.resize((size_t)Lmax * G);
+    for (int t = 0; t < Lmax; t++) offs[t] = (size_t)t * D;
+    for (int i = 0; i < NQ; i++)
+        attend_rows<float, 0>(q + (size_t)i * q_stride, kf.data(), vf.data(), offs.data(), L0 + i, D, G, scale,
+                              scores.data(), out + (size_t)i * out_stride);
 }
 
 void rms_norm_row(const float *x, const float *w, int n, float eps, float *y) {
