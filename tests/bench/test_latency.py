@@ -23,6 +23,17 @@ def test_latency_cli_writes_table_json_and_chart(tmp_path):
     assert (tmp_path / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_several_input_lengths_give_a_row_each(tmp_path):
+    res = CliRunner().invoke(app, ["latency", "--input-len", "8,24", "-m", "2", "--repeats", "1",
+                                   "--out-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "latency.json").read_text())
+    assert [(r["engine"], r["prompt_tokens"]) for r in data] == [("kvserve", 8), ("kvserve", 24)]
+    assert "| kvserve | 24 |" in res.output
+    bad = CliRunner().invoke(app, ["latency", "--input-len", "8,x", "--out-dir", str(tmp_path)])
+    assert bad.exit_code == 2 and "--input-len takes positive integers" in bad.output
+
+
 def test_unknown_peer_is_a_clean_error(tmp_path):
     res = CliRunner().invoke(app, ["latency", "-n", "4", "-m", "1", "--peer", "vllm", "--out-dir", str(tmp_path)])
     assert res.exit_code == 1

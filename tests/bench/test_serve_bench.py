@@ -149,3 +149,26 @@ def test_bench_serve_needs_a_target(tmp_path):
     assert res.exit_code == 1 and "--base-url" in res.output
     res = CliRunner().invoke(app, ["serve", "--launch", "vllm", "--out-dir", str(tmp_path)])
     assert res.exit_code == 1 and "choose from kvserve, llama-cpp" in res.output
+
+
+def test_long_prompt_scenario_against_a_launched_kvserve(tmp_path):
+    """The three phases run end to end on a small scale and report their numbers (no timing asserted)."""
+    from kvserve.bench.scenario import LongPromptConfig, bench_long_prompt
+    from kvserve.bench.serve import ServeConfig
+    from kvserve.bench.serve_launch import Target
+    from kvserve.model.loader import load_model
+
+    tok = load_model(None).tokenizer
+    sc = LongPromptConfig(long_len=400, num_long=1, num_streams=2, stream_output_len=8, probe_output_len=2,
+                          probe_interval_s=0.3, phase_s=1.5, num_alone=2)
+    md, data = bench_long_prompt(Target("kvserve", launch="kvserve"), tok, ServeConfig(input_len=24), sc)
+    assert len(data["alone"]["probe_ttft_s"]) == 2 and all(t > 0 for t in data["alone"]["probe_ttft_s"])
+    assert data["streams"]["itl_s"] and data["streams"]["probe_ttft_s"]
+    [long] = data["long"]["long"]
+    assert long["error"] == "" and long["prompt_len"] >= 390 and long["ttft_s"] > 0
+    assert "| long |" in md and "long prompts" in md
+
+
+def test_bench_serve_unknown_scenario(tmp_path):
+    res = CliRunner().invoke(app, ["serve", "--launch", "kvserve", "--scenario", "nope", "--out-dir", str(tmp_path)])
+    assert res.exit_code == 1 and "choose default or long-prompt" in res.output

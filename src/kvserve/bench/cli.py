@@ -24,6 +24,8 @@ app = typer.Typer(no_args_is_help=True, help="Benchmarks: latency (prefill/decod
 def latency(
     model: str = typer.Option(None, help="Model name or path (default: SmolLM2-135M-Instruct Q4_1)."),
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", "-n", min=1, help="Prompt length for prefill."),
+    input_len: str = typer.Option(None, "--input-len", help="Several prompt lengths, e.g. 512,2048,8000: one "
+                                                            "table row per engine and length."),
     decode_tokens: int = typer.Option(128, "--decode-tokens", "-m", min=1, help="Tokens to decode, batch 1."),
     repeats: int = typer.Option(3, min=1, help="Runs per engine; the best is reported."),
     threads: int = typer.Option(2, min=1, help="CPU threads for every engine."),
@@ -34,16 +36,25 @@ def latency(
     """Prefill tokens/s of an N-token prompt and single-stream decode tokens/s for M tokens."""
     from kvserve.bench.latency import LatencyConfig, markdown_table, run_latency, save_chart
 
-    cfg = LatencyConfig(model=model, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, repeats=repeats,
-                        threads=threads, weight_format=weight_format, peers=list(peer or []))
-    with progress() as prog:
-        try:
-            results = run_latency(cfg, progress_events(prog))
-        except KVServeError as e:
-            console.print(f"error: {e.message}")
-            raise typer.Exit(1) from None
+    try:
+        lengths = [int(x) for x in input_len.split(",")] if input_len else [prompt_tokens]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        console.print(f"error: --input-len takes positive integers separated by commas, got {input_len!r}")
+        raise typer.Exit(2)
+    results = []
+    for n in lengths:
+        cfg = LatencyConfig(model=model, prompt_tokens=n, decode_tokens=decode_tokens, repeats=repeats,
+                            threads=threads, weight_format=weight_format, peers=list(peer or []))
+        with progress() as prog:
+            try:
+                results += run_latency(cfg, progress_events(prog))
+            except KVServeError as e:
+                console.print(f"error: {e.message}")
+                raise typer.Exit(1) from None
     table = markdown_table(results)
-    print(f"prompt {prompt_tokens} tokens, decode {decode_tokens} tokens, {threads} threads, best of {repeats}, "
+    print(f"prompt {','.join(map(str, lengths))} tokens, decode {decode_tokens} tokens, {threads} threads, best of {repeats}, "
           f"load average {os.getloadavg()[0]:.1f}\n")
     print(table)
     data = [{**r.__dict__, "prefill_tps": r.prefill_tps, "decode_tps": r.decode_tps} for r in results]

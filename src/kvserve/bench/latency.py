@@ -256,12 +256,14 @@ def run_latency(cfg: LatencyConfig, on_event: Callable[..., None] | None = None)
 
 
 def markdown_table(results: list[LatencyResult]) -> str:
-    base = results[0]
-    lines = ["| engine | prefill tok/s | decode tok/s | prefill vs kvserve | decode vs kvserve | detail |",
-             "|---|---:|---:|---:|---:|---|"]
+    """One row per engine and prompt length; ratios against kvserve at the same length."""
+    base = {r.prompt_tokens: r for r in results if r.engine == "kvserve"}
+    lines = ["| engine | prompt | prefill tok/s | decode tok/s | prefill vs kvserve | decode vs kvserve | detail |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for r in results:
-        lines.append(f"| {r.engine} | {r.prefill_tps:.1f} | {r.decode_tps:.1f} | "
-                     f"{r.prefill_tps / base.prefill_tps:.2f}x | {r.decode_tps / base.decode_tps:.2f}x | {r.detail} |")
+        b = base.get(r.prompt_tokens, r)
+        lines.append(f"| {r.engine} | {r.prompt_tokens} | {r.prefill_tps:.1f} | {r.decode_tps:.1f} | "
+                     f"{r.prefill_tps / b.prefill_tps:.2f}x | {r.decode_tps / b.decode_tps:.2f}x | {r.detail} |")
     return "\n".join(lines)
 
 
@@ -272,12 +274,15 @@ def save_chart(results: list[LatencyResult], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-    names = [r.engine for r in results]
+    several = len({r.prompt_tokens for r in results}) > 1
+    names = [f"{r.engine}\n{r.prompt_tokens}" if several else r.engine for r in results]
+    prompt = "N" if several else str(results[0].prompt_tokens)
     for ax, title, vals in (
-        (axes[0], f"prefill, {results[0].prompt_tokens}-token prompt", [r.prefill_tps for r in results]),
+        (axes[0], f"prefill, {prompt}-token prompt", [r.prefill_tps for r in results]),
         (axes[1], f"decode, {results[0].decode_tokens} tokens, batch 1", [r.decode_tps for r in results]),
     ):
-        bars = ax.bar(names, vals, color=["#3b7dd8", "#d8793b", "#5fa55a", "#999999"][: len(vals)])
+        colors = {"kvserve": "#3b7dd8", "llama.cpp": "#d8793b", "transformers": "#5fa55a"}
+        bars = ax.bar(names, vals, color=[colors.get(r.engine, "#999999") for r in results])
         ax.bar_label(bars, fmt="%.0f")
         ax.set_title(title)
         ax.set_ylabel("tokens/s")

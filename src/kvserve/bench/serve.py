@@ -92,6 +92,8 @@ class RequestResult:
     ttft: float = 0.0        # seconds
     latency: float = 0.0     # seconds, to the last text chunk
     itl: list[float] = field(default_factory=list)
+    start: float = 0.0       # perf_counter when sent ...
+    times: list[float] = field(default_factory=list)   # ... and of each text chunk
     success: bool = False
     error: str = ""
 
@@ -214,7 +216,7 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict, promp
     res = RequestResult(prompt_len=prompt_len)
     chunks = 0
     usage_out = None
-    st = most_recent = time.perf_counter()
+    st = most_recent = res.start = time.perf_counter()
     try:
         async with client.stream("POST", url, json=payload) as resp:
             if resp.status_code != 200:
@@ -238,6 +240,7 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict, promp
                     c = choices[0]
                     text = ((c.get("delta") or {}).get("content") or "") if chat else (c.get("text") or "")
                 if text:
+                    res.times.append(now)
                     if chunks == 0:
                         res.ttft = now - st
                     else:

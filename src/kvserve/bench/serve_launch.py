@@ -347,6 +347,9 @@ def serve_command(
     out_dir: Annotated[Path, typer.Option(help="Where serve.md, serve.json and serve.png go.")] = Path("runs/bench"),
     profile: bool = typer.Option(False, "--profile", help="Print each kvserve server's time per step phase "
                                  "(schedule, forward, sample, detokenize, HTTP/SSE, ...) during the load."),
+    scenario: str = typer.Option("default", help="default, or long-prompt: short probes' TTFT and streams' ITL "
+                                 "alone, under load, and while long prompts prefill (bench/scenario.py)."),
+    long_len: int = typer.Option(7000, "--long-len", min=1, help="long-prompt scenario: the long prompts' tokens."),
 ) -> None:
     """Serving benchmark: streaming requests against OpenAI-compatible servers, vLLM's metrics side by side."""
     from kvserve.model.registry import resolve
@@ -369,6 +372,10 @@ def serve_command(
             tokenizer = Tokenizer.from_gguf(open_gguf(src.path))
         else:
             tokenizer = Tokenizer.from_dir(src.path)
+        if scenario == "long-prompt":
+            return _long_prompt(targets, tokenizer, cfg, long_len, model, threads, api_key, out_dir)
+        if scenario != "default":
+            raise InvalidRequest(f"--scenario {scenario!r}: choose default or long-prompt", param="scenario")
         requests = sample_requests(tokenizer, cfg)
         results = []
         with progress() as prog:
@@ -404,3 +411,22 @@ def serve_command(
     write_outputs(out_dir, "serve", table, [asdict(m) for m in results])
     save_chart(results, str(out_dir / "serve.png"))
     console.print(f"wrote {out_dir}/serve.md, serve.json, serve.png")
+
+
+def _long_prompt(targets: list[Target], tokenizer, cfg: ServeConfig, long_len: int, model: str | None,
+                 threads: int, api_key: str | None, out_dir: Path) -> None:
+    from kvserve.bench.scenario import LongPromptConfig, bench_long_prompt
+
+    sc = LongPromptConfig(long_len=long_len)
+    tables, data = [], []
+    for t in targets:
+        md, d = bench_long_prompt(t, tokenizer, cfg, sc, model=model, threads=threads, api_key=api_key,
+                                  on_event=lambda kind, **i: kind == "launch" and console.print(f"starting {i['cmd']}"))
+        tables.append(f"### {t.label}\n\n{md}")
+        data.append(d)
+    table = "\n\n".join(tables)
+    print(f"long-prompt scenario: {sc.num_streams} streams, probes of {cfg.input_len} tokens every "
+          f"{sc.probe_interval_s:g} s, {sc.num_long} long prompts of {long_len} tokens, {threads} threads, "
+          f"load average {os.getloadavg()[0]:.1f}\n")
+    print(table)
+    write_outputs(out_dir, "serve-long-prompt", table, data)

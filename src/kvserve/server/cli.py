@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from kvserve.engine.step_cost import DEFAULT_MAX_STEP_MS
 from kvserve.errors import KVServeError
 from kvserve.server.keys import KeyStore
 from kvserve.server.settings import ServerSettings, default_data_dir
@@ -43,6 +44,12 @@ def serve(
     ladder_reject_free_at: int = typer.Option(96, help="Queue length at which free-tier keys get 503."),
     default_max_tokens: int = typer.Option(512, help="max_tokens when a chat request sends none."),
     max_model_len: int = typer.Option(None, help="Context window to serve (default: the model's)."),
+    long_prefill_token_threshold: int = typer.Option(
+        None, min=1, help="A prompt with more tokens than this is long: it prefills in chunks of at most this "
+                          "many per step (default: half the step's token budget)."),
+    max_num_partial_prefills: int = typer.Option(2, min=1, help="Long prompts prefilling at once."),
+    max_step_ms: float = typer.Option(DEFAULT_MAX_STEP_MS, min=0, help="Cut long prompts' chunks so a step's "
+                                      "predicted time stays under this many ms (0: no target)."),
     engine_process: bool = typer.Option(False, "--engine-process",
                                         help="Run the engine in its own process (msgpack over a local ZMQ "
                                              "socket), so the HTTP process stays responsive while the model "
@@ -54,7 +61,10 @@ def serve(
     from kvserve.server.app import create_app
 
     _setup_logging()
-    engine_kwargs = {"max_model_len": max_model_len} if max_model_len else {}
+    engine_kwargs = {k: v for k, v in [("max_model_len", max_model_len),
+                                       ("long_prefill_token_threshold", long_prefill_token_threshold),
+                                       ("max_num_partial_prefills", max_num_partial_prefills),
+                                       ("max_step_ms", max_step_ms)] if v is not None}
     settings = ServerSettings(
         model=model, served_model_name=served_model_name, data_dir=data_dir or default_data_dir(),
         api_key=api_key, max_running=max_running, max_waiting=max_waiting, ladder_cap_at=ladder_cap_at,
