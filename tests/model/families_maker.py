@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-COMMON = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+COMMON = {"vocab_size": 262,   # = len(ggufmaker.byte_vocab()): the GGUF carries that tokenizer
+           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
           "rms_norm_eps": 1e-5, "initializer_range": 0.1}
 MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
@@ -19,8 +20,8 @@ FAMILIES = {
         "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 24, "num_hidden_layers": 4,
         "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "tie_word_embeddings": True}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
-        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 24, "num_hidden_layers": 4,
-        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 24, "num_hidden_layers": 6,
+        "hidden_size": 48, "intermediate_size": 64,    # six layers: five local, one global (Gemma 3's pattern)
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
         "tie_word_embeddings": True}),

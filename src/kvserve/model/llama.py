@@ -236,6 +236,8 @@ class LlamaForCausalLM(nn.Module):
             return make_linear(src, bias, weight_format, backend=backend)
 
         def norm(name: str) -> RMSNorm:   # Gemma's norms scale by (1 + w): fold the 1 in once
+            if name not in w:
+                raise ModelLoadError(f"model file is missing tensor {name} ({cfg.architecture})")
             return RMSNorm(w[name].float() + 1.0 if cfg.gemma_norms else w[name], cfg.rms_norm_eps)
 
         layers = []
