@@ -63,7 +63,7 @@ class EngineCore:
         self.context_limited_by_kv = num_blocks * config.block_size < self.max_model_len
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.block_size = config.block_size
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, cfg.kv_window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, eos_token_ids)
         self.clock = PhaseClock()

@@ -27,7 +27,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
 }
-LLAMA_SHAPED = ("llama", "mistral", "qwen2")
+LLAMA_SHAPED = ("llama", "mistral", "qwen2", "phi3")   # phi3: fused weights, the Llama math
 
 
 @dataclass

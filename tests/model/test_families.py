@@ -1,0 +1,167 @@
+"""Every model family against transformers, on tiny random checkpoints built from configs that keep
+the family's real feature flags (families_maker.py), loaded both from safetensors and from a GGUF
+written with llama.cpp's names and keys (families_gguf.py):
+
+* fp32 logits over a 64-token prompt within 1e-4 of transformers, dense and through the paged
+  cache (prefill in chunks, then one token per step);
+* 32 greedy tokens equal to transformers' generate, through the batched engine: a batch of 4,
+  prefill in one step and in chunks, and a prompt served again from the prefix cache;
+* with a sliding window on every layer (Mistral), the KV blocks a sequence holds stay bounded
+  by the window while it grows past it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from families_gguf import write_gguf
+from families_maker import FAMILIES, make_hf_model
+
+from kvserve import LLM, SamplingParams
+from kvserve.errors import ModelLoadError
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.gguf_loader import config_from_gguf, open_gguf, weights_from_gguf
+from kvserve.model.hf_loader import config_from_dir, weights_from_dir
+from kvserve.model.llama import LlamaForCausalLM
+
+TOL = 1e-4
+VOCAB = 262
+PROMPT_LEN = 64
+NEW_TOKENS = 32
+
+
+class Checkpoint:
+    def __init__(self, family: str, root: Path):
+        self.family = family
+        self.hf = make_hf_model(family)
+        self.dir = root / family
+        self.hf.save_pretrained(self.dir)
+        self.gguf = write_gguf(self.dir, family, root / f"{family}.gguf")
+
+    def ours(self, source: str) -> LlamaForCausalLM:
+        if source == "safetensors":
+            cfg = config_from_dir(self.dir)
+            w = weights_from_dir(self.dir, cfg)
+        else:
+            reader = open_gguf(self.gguf)
+            cfg = config_from_gguf(reader)
+            w = weights_from_gguf(reader, cfg)
+        return LlamaForCausalLM.from_weights(cfg, w, "fp32").eval()
+
+    def greedy(self, prompts: list[list[int]]) -> list[list[int]]:
+        out = []
+        with torch.no_grad():
+            for p in prompts:
+                ids = self.hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                       do_sample=False, pad_token_id=0, eos_token_id=None)
+                out.append(ids[0, len(p):].tolist())
+        return out
+
+
+_CACHE: dict[str, Checkpoint] = {}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("families")
+
+
+def checkpoint(family: str, root: Path) -> Checkpoint:
+    if family not in _CACHE:
+        _CACHE[family] = Checkpoint(family, root)
+    return _CACHE[family]
+
+
+def prompts(n: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (PROMPT_LEN,), generator=g).tolist() for _ in range(n)]
+
+
+def paged_logits(model: LlamaForCausalLM, ids: list[int], chunk: int, block_size: int = 4) -> torch.Tensor:
+    """Prefill in chunks of `chunk` tokens, then one token per step, blocks out of order."""
+    cfg = model.config
+    n_blocks = (len(ids) + block_size - 1) // block_size
+    table = list(range(n_blocks))[::-1]
+    kv = [torch.zeros(2, n_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+          for _ in range(cfg.num_hidden_layers)]
+    ends = list(range(chunk, len(ids) // 2, chunk)) + list(range(len(ids) // 2, len(ids) + 1))
+    out, start = [], 0
+    for end in ends:
+        meta = AttentionMetadata.build([end - start], [end], [table], block_size)
+        with torch.no_grad():
+            out.append(model.compute_logits(model(torch.tensor(ids[start:end]), torch.arange(start, end), meta, kv)))
+        start = end
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_match_transformers(family, source, root):
+    ck = checkpoint(family, root)
+    ours = ck.ours(source)
+    ids = prompts(1)[0]
+    with torch.no_grad():
+        ref = ck.hf(torch.tensor([ids])).logits[0]
+        dense = ours.compute_logits(ours(torch.tensor([ids])))[0]
+    assert (dense - ref).abs().max().item() <= TOL
+    assert (paged_logits(ours, ids, chunk=7) - ref).abs().max().item() <= TOL
+    assert ours.config.llama_shaped == (family == "phi3")   # the new features keep off the C fused path
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_through_the_engine(family, root):
+    ck = checkpoint(family, root)
+    ps = prompts(4, seed=2)
+    want = ck.greedy(ps)
+    sp = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for budget in (512, 16):      # the whole batch's prompts in one step; prompts in chunks of 16
+        llm = LLM(str(ck.gguf), kv_cache_memory="8MiB", kv_cache_dtype="fp32", block_size=4,
+                  max_num_batched_tokens=budget)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, budget
+        again = llm.generate([{"prompt_token_ids": ps[0]}], sp, use_tqdm=False)[0]
+        assert again.num_cached_tokens >= PROMPT_LEN - 4           # served from the prefix cache
+        assert again.outputs[0].token_ids == want[0]
+
+
+def test_sliding_window_bounds_kv_blocks(root):
+    ck = checkpoint("mistral_swa", root)
+    window, bs = ck.hf.config.sliding_window, 4
+    llm = LLM(str(ck.gguf), kv_cache_memory="8MiB", kv_cache_dtype="fp32", block_size=bs,
+              max_num_batched_tokens=16)
+    kv = llm.engine.core.kv
+    assert kv.sliding_window == window
+    ps = prompts(2, seed=3)
+    llm.engine.add_request("a", {"prompt_token_ids": ps[0]}, SamplingParams(temperature=0, max_tokens=64,
+                                                                          ignore_eos=True))
+    held, table_len, tokens = [], 0, []
+    while llm.engine.has_unfinished_requests():
+        for o in llm.engine.step():
+            tokens = o.outputs[0].token_ids
+        if "a" in kv.req_blocks:
+            held.append(kv.num_held_blocks("a"))
+            table_len = len(kv.block_ids("a"))
+    assert table_len >= (PROMPT_LEN + 60) // bs                  # the sequence grew to ~32 blocks ...
+    assert max(held) <= (window + 16) // bs + 2                  # ... holding at most window + one chunk
+    assert kv.num_used_blocks == 0
+    # Past the window and with blocks released, the tokens are still transformers' (window applied).
+    with torch.no_grad():
+        ref = ck.hf.generate(torch.tensor([ps[0]]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)[0, PROMPT_LEN:].tolist()
+    assert tokens == ref
+    # A prompt sharing the first blocks still hits the prefix cache (released blocks keep their hash).
+    out = llm.generate([{"prompt_token_ids": ps[0][:40] + ps[1][:24]}],
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert out.num_cached_tokens >= 36
+
+
+def test_unsupported_architecture_is_one_line(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"],
+                                                      "model_type": "falcon"}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture .*Falcon") as e:
+        config_from_dir(tmp_path)
+    assert "\n" not in str(e.value)
