@@ -93,12 +93,16 @@ class ModelConfig:
         return self.max_position_embeddings
 
     @property
+    def llama_attention(self) -> bool:
+        """Llama's attention, norms and RoPE (the MLP may be experts): the C layer ops apply."""
+        return (self.architecture in LLAMA_SHAPED + ("mixtral",) and not self.qk_norm and not self.gemma_norms
+                and self.attn_logit_softcapping is None and self.final_logit_softcapping is None
+                and self.query_pre_attn_scalar is None and "sliding_attention" not in self.layer_types)
+
+    @property
     def llama_shaped(self) -> bool:
         """No family feature: the C whole-stack forward and C layer ops apply."""
-        return (self.architecture in LLAMA_SHAPED and self.hidden_act == "silu" and not self.qk_norm
-                and not self.num_experts and not self.gemma_norms and self.attn_logit_softcapping is None
-                and self.final_logit_softcapping is None and self.query_pre_attn_scalar is None
-                and "sliding_attention" not in self.layer_types)
+        return self.llama_attention and self.hidden_act == "silu" and not self.num_experts
 
     def window_of(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None

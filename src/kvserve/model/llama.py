@@ -8,7 +8,9 @@ KV-head count (GQA/MQA), tied embeddings. Q/K/V and gate/up projections are fuse
 matmul each. The other families (families.py: Qwen3, Phi-3, Gemma 2/3, the MoE ones) are this
 file too, switched by config fields: q/k-norm and sliding windows and soft-capping in the ops'
 attention, Gemma's extra norms and GeGLU in the layer, a MoEBlock (moe.py) in place of the MLP.
-They run on the PyTorch layer ops (`config.llama_shaped` gates the C ones). Two ways in:
+They run on the PyTorch layer ops, except those with Llama's attention (Mixtral), which keep the C
+layer ops around their experts (`config.llama_attention`; `llama_shaped` gates the C whole-stack
+forward). Two ways in:
   * `forward(input_ids [B, T])` with no metadata: plain causal attention over the batch,
     for training and for checking against a reference implementation;
   * `forward(input_ids [T], positions [T], attn_metadata, kv_caches)`: a flattened batch of
@@ -131,7 +133,7 @@ class DecoderLayer(nn.Module):
             x = x + a
             h = ops.rms_norm(x, self.post_attention_layernorm).reshape(-1, hidden)
         if self.mlp is not None:
-            m = self.mlp(h)
+            m = self.mlp(h, ops)
         elif self.act == "silu":
             m = self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
         else:
@@ -205,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         """The ops between projections for paged inference steps, built on first use for the
         current `self.backend` (assigning another backend, as tests do, rebuilds them)."""
         if self._ops is None or self._ops[0] is not self.backend:
-            ops = (self.backend.layer_ops(self) if self.config.llama_shaped
+            ops = (self.backend.layer_ops(self) if self.config.llama_attention
                    else TorchOps(self.rotary, self.backend, self.rotary_local))
             self._ops = (self.backend, ops)
         return self._ops[1]

@@ -8,8 +8,8 @@
 Experts run grouped by expert: the step's (token, expert) pairs are sorted by expert, and each
 active expert runs one gate/up and one down projection over all of its tokens (one GEMM each,
 through the same `Linear` protocol as every other weight, so GGUF-quantized experts stay packed
-on the int8 kernels). A token's result is the sum of its experts' outputs in expert-id order,
-so it depends only on the token itself, never on the other rows in the batch (with batch-invariant
+on the int8 kernels). A token's result is the sum of its experts' weighted outputs in top-k rank
+order, so it depends only on the token itself, never on the other rows in the batch (with batch-invariant
 Linears, as the packed GGUF ones are).
 
 Each MoE layer counts the tokens routed to each expert (`token_counts`, cumulative; the engine
@@ -32,8 +32,12 @@ class Expert(nn.Module):
         super().__init__()
         self.gate_up_proj, self.down_proj, self.act = gate_up_proj, down_proj, act
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_act(self.gate_up_proj(h), self.act))
+    def forward(self, h: torch.Tensor, ops=None) -> torch.Tensor:
+        """ops: the layer ops (model/ops.py) whose SwiGLU to use (C on CpuOps); None: PyTorch."""
+        gu = self.gate_up_proj(h)
+        if ops is not None and self.act == "silu":
+            return self.down_proj(ops.silu_mul(gu))
+        return self.down_proj(gated_act(gu, self.act))
 
 
 def gated_act(gu: torch.Tensor, act: str) -> torch.Tensor:
@@ -64,27 +68,27 @@ class MoEBlock(nn.Module):
             w = w / w.sum(dim=-1, keepdim=True)
         return w, idx
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h [N, H] float32 -> [N, H]."""
+    def forward(self, h: torch.Tensor, ops=None) -> torch.Tensor:
+        """h [N, H] float32 -> [N, H]; ops: the layer ops (for the experts' SwiGLU)."""
         w, idx = self.route(h)
         n, k = idx.shape
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat * n + torch.arange(n, device=h.device).repeat_interleave(k))  # by expert, then token
+        flat = idx.reshape(-1)                      # pair p: token p // k, its rank-(p % k) expert
+        order = torch.argsort(flat, stable=True)    # pairs grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=len(self.experts))
         self.token_counts += counts.to(self.token_counts.device)
-        out = torch.zeros_like(h)
-        weights = w.reshape(-1)
+        ys = torch.empty(n * k, h.shape[-1], dtype=h.dtype, device=h.device)
         start = 0
         for e, c in enumerate(counts.tolist()):
-            if not c:
-                continue
-            pairs = order[start:start + c]
-            start += c
-            rows = pairs // k
-            y = self.experts[e](h[rows]) * weights[pairs, None]
-            out.index_add_(0, rows, y)
+            if c:
+                pairs = order[start:start + c]
+                ys[pairs] = self.experts[e](h[pairs // k], ops)
+                start += c
+        ys = ys.view(n, k, -1) * w.unsqueeze(-1)
+        out = ys[:, 0]
+        for j in range(1, k):                       # a fixed, per-token order: rank 0, 1, ...
+            out = out + ys[:, j]
         if self.shared_expert is not None:
-            s = self.shared_expert(h)
+            s = self.shared_expert(h, ops)
             if self.shared_expert_gate is not None:
                 s = torch.sigmoid(self.shared_expert_gate(h)) * s
             out = out + s
