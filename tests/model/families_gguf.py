@@ -73,7 +73,7 @@ def write_gguf(checkpoint: Path, family: str, path: Path, qtype: str = "F32") ->
 
     def add(name: str, t: torch.Tensor) -> None:
         x = t.detach().float().numpy()
-        if x.ndim >= 2 and qtype != "F32" and name != "token_embd.weight":
+        if x.ndim >= 2 and qtype != "F32" and name != "token_embd.weight" and x.shape[-1] % 32 == 0:
             q = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(name, gguf.quants.quantize(x, q), raw_dtype=q)
         else:

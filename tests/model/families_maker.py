@@ -28,7 +28,7 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2,
                                                         "intermediate_size": 32, "sliding_window": None}),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {**MOE, "num_experts": 8,
-                                                             "shared_expert_intermediate_size": 48}),
+                                                             "shared_expert_intermediate_size": 64}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**MOE, "num_experts": 8, "norm_topk_prob": True,
                                                              "head_dim": 16}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {**MOE, "num_experts": 8}),

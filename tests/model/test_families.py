@@ -165,3 +165,37 @@ def test_unsupported_architecture_is_one_line(tmp_path):
     with pytest.raises(ModelLoadError, match="unsupported architecture .*Falcon") as e:
         config_from_dir(tmp_path)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_quantized_experts_are_batch_invariant_and_counted(family, root):
+    """Q8_0 experts run packed on the int8 kernels (the same Linear as every projection); a request's
+    logprobs are the same alone and in a batch of 4; each request's routed tokens are counted."""
+    from kvserve.model.kernels.gguf_linear import GGUFQuantLinear
+
+    ck = checkpoint(family, root)
+    path = write_gguf(ck.dir, family, root / f"{family}-q8_0.gguf", qtype="Q8_0")
+    llm = LLM(str(path), kv_cache_memory="8MiB", kv_cache_dtype="fp32", block_size=4, enable_prefix_caching=False)
+    model = llm.engine.core.runner.model
+    cfg = model.config
+    assert all(isinstance(e.gate_up_proj, GGUFQuantLinear) and isinstance(e.down_proj, GGUFQuantLinear)
+               for layer in model.layers for e in layer.mlp.experts)
+    ps = prompts(4, seed=5)
+    sp = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+
+    def run(batch):
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs],
+                 o.metrics.expert_tokens)
+                for o in llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)]
+
+    alone = [run([p])[0] for p in ps]
+    together = run(ps)
+    assert [a[:2] for a in alone] == [t[:2] for t in together]       # bit-equal logprobs
+    rows = PROMPT_LEN + 8 - 1                                        # tokens each request fed the model
+    for _, _, experts in together:
+        assert len(experts) == cfg.num_experts
+        assert sum(experts) == rows * cfg.num_hidden_layers * cfg.num_experts_per_tok
+    assert [t[2] for t in together] == [a[2] for a in alone]
+    stats = llm.stats()["moe_expert_tokens"]
+    assert len(stats) == cfg.num_hidden_layers
+    assert sum(map(sum, stats)) == 2 * 4 * rows * cfg.num_hidden_layers * cfg.num_experts_per_tok

@@ -73,6 +73,7 @@ class EngineCore:
         self.num_steps = 0
         self.num_batched_tokens = 0       # summed over steps: tokens in the forward pass ...
         self.num_batched_requests = 0     # ... and requests in the batch
+        self._expert_tokens: dict[str, list[int]] = {}   # MoE counts not yet handed to an output
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -109,8 +110,22 @@ class EngineCore:
         self.num_batched_requests += len(sched.scheduled)
         result = self.runner.execute(sched)        # laps prepare, forward, logits, sample
         outputs = self.scheduler.update_from_output(sched, result)
+        if result.expert_tokens:
+            self._attach_expert_tokens(result.expert_tokens, outputs)
         clock.lap("update")
         return EngineCoreOutputs(time.monotonic(), outputs)
+
+    def _attach_expert_tokens(self, counts: dict[str, list[int]], outputs: list[EngineCoreOutput]) -> None:
+        """MoE: add this step's per-expert counts to each request's, handed over with its next output
+        (a prompt chunk that samples nothing produces none)."""
+        acc = self._expert_tokens
+        for rid, c in counts.items():
+            prev = acc.get(rid)
+            acc[rid] = c if prev is None else [a + b for a, b in zip(prev, c)]
+        for o in outputs:
+            o.expert_tokens = acc.pop(o.request_id, None)
+        for rid in [r for r in acc if r not in self.scheduler.requests]:   # aborted meanwhile
+            del acc[rid]
 
     def fail_all(self, message: str) -> EngineCoreOutputs:
         """A step raised: end every request with an error (the server stays up)."""
@@ -188,4 +203,5 @@ class EngineCore:
             "num_batched_requests": self.num_batched_requests,
             "phase_seconds": self.clock.seconds(),
             "block_size": self.block_size,
+            "moe_expert_tokens": self.runner.model.expert_token_counts(),   # [layer][expert]; [] if dense
         }

@@ -212,6 +212,21 @@ class LlamaForCausalLM(nn.Module):
             self._ops = (self.backend, ops)
         return self._ops[1]
 
+    def expert_token_counts(self) -> list[list[int]]:
+        """Per MoE layer, the tokens routed to each expert so far (empty for a dense model)."""
+        return [layer.mlp.token_counts.tolist() for layer in self.layers if layer.mlp is not None]
+
+    def last_expert_counts(self, query_lens: list[int]) -> list[list[int]] | None:
+        """Tokens each expert took in the last forward, summed over the MoE layers, per sequence of
+        the flattened batch (query_lens: its rows per sequence); None for a dense model."""
+        routed = [layer.mlp.last_experts for layer in self.layers if layer.mlp is not None]
+        if not routed or routed[0] is None:
+            return None
+        n_exp = len(self.layers[0].mlp.experts)
+        seq_of = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        keys = seq_of[None, :, None] * n_exp + torch.stack(routed).cpu()
+        return torch.bincount(keys.reshape(-1), minlength=len(query_lens) * n_exp).view(-1, n_exp).tolist()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         lead = hidden.shape[:-1]
         logits = self.lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*lead, -1)

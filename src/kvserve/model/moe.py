@@ -59,6 +59,7 @@ class MoEBlock(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
         self.register_buffer("token_counts", torch.zeros(len(experts), dtype=torch.int64), persistent=False)
+        self.last_experts: torch.Tensor | None = None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [N, H] -> (weights [N, k] float32, expert ids [N, k])."""
@@ -76,6 +77,7 @@ class MoEBlock(nn.Module):
         order = torch.argsort(flat, stable=True)    # pairs grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=len(self.experts))
         self.token_counts += counts.to(self.token_counts.device)
+        self.last_experts = idx                     # [N, k], read by the runner for per-request counts
         ys = torch.empty(n * k, h.shape[-1], dtype=h.dtype, device=h.device)
         start = 0
         for e, c in enumerate(counts.tolist()):
