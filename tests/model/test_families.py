@@ -30,6 +30,7 @@ TOL = 1e-4
 VOCAB = 262
 PROMPT_LEN = 64
 NEW_TOKENS = 32
+EOS = 2   # the GGUF's eos_token_id: ignore_eos masks it in our sampler, suppress_tokens in transformers'
 
 
 class Checkpoint:
@@ -55,7 +56,7 @@ class Checkpoint:
         with torch.no_grad():
             for p in prompts:
                 ids = self.hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                       do_sample=False, pad_token_id=0, eos_token_id=None)
+                                       do_sample=False, pad_token_id=0, eos_token_id=None, suppress_tokens=[EOS])
                 out.append(ids[0, len(p):].tolist())
         return out
 
@@ -149,7 +150,7 @@ def test_sliding_window_bounds_kv_blocks(root):
     # Past the window and with blocks released, the tokens are still transformers' (window applied).
     with torch.no_grad():
         ref = ck.hf.generate(torch.tensor([ps[0]]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
-                             pad_token_id=0, eos_token_id=None)[0, PROMPT_LEN:].tolist()
+                             pad_token_id=0, eos_token_id=None, suppress_tokens=[EOS])[0, PROMPT_LEN:].tolist()
     assert tokens == ref
     # A prompt sharing the first blocks still hits the prefix cache (released blocks keep their hash).
     out = llm.generate([{"prompt_token_ids": ps[0][:40] + ps[1][:24]}],
