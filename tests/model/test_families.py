@@ -200,3 +200,20 @@ def test_quantized_experts_are_batch_invariant_and_counted(family, root):
     stats = llm.stats()["moe_expert_tokens"]
     assert len(stats) == cfg.num_hidden_layers
     assert sum(map(sum, stats)) == 2 * 4 * rows * cfg.num_hidden_layers * cfg.num_experts_per_tok
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"mlp_only_layers": [1]}, "mlp_only_layers"),
+    ({"hidden_act": "relu"}, "hidden_act"),
+])
+def test_inconsistent_family_configs_are_one_line_errors(tmp_path, change, match):
+    import json
+
+    d = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 64,
+         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_experts": 8,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 32, **change}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ModelLoadError, match=match) as e:
+        config_from_dir(tmp_path)
+    assert "\n" not in str(e.value)

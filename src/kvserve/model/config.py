@@ -85,6 +85,11 @@ class ModelConfig:
                                  f"sliding_attention for each of the {self.num_hidden_layers} layers")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ModelLoadError("the config has sliding_attention layers but no sliding_window")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                                 f"num_experts ({self.num_experts}); the model config is inconsistent")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(f"sliding_window must be a positive number of tokens, got {self.sliding_window}")
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ModelLoadError(f"unsupported hidden_act {self.hidden_act!r}: kvserve runs silu and gelu_pytorch_tanh")
 
