@@ -8,13 +8,14 @@ import torch
 COMMON = {"vocab_size": 262,   # = len(ggufmaker.byte_vocab()): the GGUF carries that tokenizer
            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-          "rms_norm_eps": 1e-5, "initializer_range": 0.1}
+          "rms_norm_eps": 1e-5, "initializer_range": 0.1,
+          "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}      # ggufmaker's specials
 MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 # family -> (transformers config class, model class, config overrides)
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "tie_word_embeddings": True}),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None, "pad_token_id": 0}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None}),
     "mistral_swa": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24, "head_dim": 16}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
         "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 24, "num_hidden_layers": 4,

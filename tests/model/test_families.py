@@ -12,12 +12,14 @@ written with llama.cpp's names and keys (families_gguf.py):
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from families_gguf import write_gguf
 from families_maker import FAMILIES, make_hf_model
+from ggufmaker import CHAT_TEMPLATE
 
 from kvserve import LLM, SamplingParams
 from kvserve.errors import ModelLoadError
@@ -25,12 +27,13 @@ from kvserve.model.attention import AttentionMetadata
 from kvserve.model.gguf_loader import config_from_gguf, open_gguf, weights_from_gguf
 from kvserve.model.hf_loader import config_from_dir, weights_from_dir
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.tokenizer import Tokenizer
 
 TOL = 1e-4
 VOCAB = 262
 PROMPT_LEN = 64
 NEW_TOKENS = 32
-EOS = 2   # the GGUF's eos_token_id: ignore_eos masks it in our sampler, suppress_tokens in transformers'
+EOS = 2   # the GGUF's eos_token_id
 
 
 class Checkpoint:
@@ -40,6 +43,10 @@ class Checkpoint:
         self.dir = root / family
         self.hf.save_pretrained(self.dir)
         self.gguf = write_gguf(self.dir, family, root / f"{family}.gguf")
+        # The safetensors directory gets the same tokenizer, as tokenizer.json + tokenizer_config.json.
+        Tokenizer.from_gguf(open_gguf(self.gguf)).hf.save(str(self.dir / "tokenizer.json"))
+        (self.dir / "tokenizer_config.json").write_text(json.dumps(
+            {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
 
     def ours(self, source: str) -> LlamaForCausalLM:
         if source == "safetensors":
@@ -51,12 +58,13 @@ class Checkpoint:
             w = weights_from_gguf(reader, cfg)
         return LlamaForCausalLM.from_weights(cfg, w, "fp32").eval()
 
-    def greedy(self, prompts: list[list[int]]) -> list[list[int]]:
+    def greedy(self, prompts: list[list[int]], suppress: list[int], n: int = NEW_TOKENS) -> list[list[int]]:
+        """transformers' greedy tokens; `suppress`: the end tokens our sampler masks for ignore_eos."""
         out = []
         with torch.no_grad():
             for p in prompts:
-                ids = self.hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                       do_sample=False, pad_token_id=0, eos_token_id=None, suppress_tokens=[EOS])
+                ids = self.hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                       pad_token_id=0, eos_token_id=None, suppress_tokens=suppress)
                 out.append(ids[0, len(p):].tolist())
         return out
 
@@ -115,11 +123,15 @@ def test_logits_match_transformers(family, source, root):
 def test_greedy_through_the_engine(family, root):
     ck = checkpoint(family, root)
     ps = prompts(4, seed=2)
-    want = ck.greedy(ps)
     sp = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    for budget in (512, 16):      # the whole batch's prompts in one step; prompts in chunks of 16
-        llm = LLM(str(ck.gguf), kv_cache_memory="8MiB", kv_cache_dtype="fp32", block_size=4,
+    wants: dict[tuple[int, ...], list[list[int]]] = {}
+    # the whole batch's prompts in one step from the GGUF; in chunks of 16 from the safetensors
+    for source, budget in ((ck.gguf, 512), (ck.dir, 16)):
+        llm = LLM(str(source), kv_cache_memory="8MiB", kv_cache_dtype="fp32", block_size=4,
                   max_num_batched_tokens=budget)
+        eos = tuple(llm.get_tokenizer().eos_token_ids)
+        assert EOS in eos
+        want = wants.setdefault(eos, ck.greedy(ps, list(eos)))
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want, budget
         again = llm.generate([{"prompt_token_ids": ps[0]}], sp, use_tqdm=False)[0]
@@ -148,10 +160,7 @@ def test_sliding_window_bounds_kv_blocks(root):
     assert max(held) <= (window + 16) // bs + 2                  # ... holding at most window + one chunk
     assert kv.num_used_blocks == 0
     # Past the window and with blocks released, the tokens are still transformers' (window applied).
-    with torch.no_grad():
-        ref = ck.hf.generate(torch.tensor([ps[0]]), max_new_tokens=64, min_new_tokens=64, do_sample=False,
-                             pad_token_id=0, eos_token_id=None, suppress_tokens=[EOS])[0, PROMPT_LEN:].tolist()
-    assert tokens == ref
+    assert tokens == ck.greedy([ps[0]], llm.get_tokenizer().eos_token_ids, n=64)[0]
     # A prompt sharing the first blocks still hits the prefix cache (released blocks keep their hash).
     out = llm.generate([{"prompt_token_ids": ps[0][:40] + ps[1][:24]}],
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
