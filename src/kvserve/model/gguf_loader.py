@@ -107,8 +107,9 @@ def config_from_gguf(reader, name: str = "") -> ModelConfig:
         family["moe_intermediate_size"] = inter
     elif "blk.0.ffn_up.weight" in names and "blk.0.ffn_gate.weight" not in names:    # Phi-3: fused gate/up
         family["intermediate_size"] = int(next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight").shape[1]) // 2
-    kw = {"intermediate_size": int(field(reader, f"{arch}.feed_forward_length", 0) or 0)}
-    kw.update(family)
+    if "intermediate_size" not in family:   # MoE files may carry only the experts' width
+        family["intermediate_size"] = int(field(reader, f"{arch}.feed_forward_length", 0) or 0
+                                          ) if family.get("num_experts") else int(req("feed_forward_length"))
     return ModelConfig(
         vocab_size=int(n_vocab), hidden_size=hidden,
         num_hidden_layers=n_layers,
@@ -120,7 +121,7 @@ def config_from_gguf(reader, name: str = "") -> ModelConfig:
         max_position_embeddings=int(field(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in names, attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"), eos_token_id=eos,
-        name=name or str(field(reader, "general.name", "")), **kw)
+        name=name or str(field(reader, "general.name", "")), **family)
 
 
 def _unpermute_order(n_rows: int, n_head: int) -> torch.Tensor:
