@@ -39,6 +39,7 @@ def test_moe_chat_trace_and_metrics(model_server, moe_gguf, tmp_path, engine):
     assert len(experts) == 8                                   # per expert, summed over the 3 layers
     assert sum(experts) == (n_prompt + n_out - 1) * 3 * 2      # every fed token, 3 layers, top-2
     metrics = httpx.get(srv.base_url + "/metrics", timeout=10).text
-    rows = re.findall(r'kvserve:moe_expert_tokens_total\{[^}]*layer="(\d+)",[^}]*expert="(\d+)"[^}]*\} (\S+)', metrics)
-    assert len(rows) == 3 * 8
-    assert sum(float(v) for *_, v in rows) == sum(experts)
+    rows = [(dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(v)) for labels, v in
+            re.findall(r'^kvserve:moe_expert_tokens_total\{([^}]*)\} (\S+)$', metrics, re.MULTILINE)]
+    assert {(int(lb["layer"]), int(lb["expert"])) for lb, _ in rows} == {(la, e) for la in range(3) for e in range(8)}
+    assert sum(v for _, v in rows) == sum(experts)
