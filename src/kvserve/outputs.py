@@ -54,6 +54,7 @@ class RequestMetrics:
     num_output_tokens: int = 0
     num_kv_blocks: int = 0          # KV blocks held at the last step (peak)
     num_preemptions: int = 0
+    expert_tokens: list[int] | None = None   # MoE: tokens routed to each expert, summed over layers
 
 
 @dataclass

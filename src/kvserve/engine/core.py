@@ -63,7 +63,7 @@ class EngineCore:
         self.context_limited_by_kv = num_blocks * config.block_size < self.max_model_len
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.block_size = config.block_size
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, cfg.kv_window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, eos_token_ids, config.long_prefill_token_threshold,
                                    config.max_num_partial_prefills, config.max_step_ms)
@@ -74,6 +74,7 @@ class EngineCore:
         self.num_steps = 0
         self.num_batched_tokens = 0       # summed over steps: tokens in the forward pass ...
         self.num_batched_requests = 0     # ... and requests in the batch
+        self._expert_tokens: dict[str, list[int]] = {}   # MoE counts not yet handed to an output
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -112,8 +113,22 @@ class EngineCore:
         result = self.runner.execute(sched)        # laps prepare, forward, logits, sample
         self.scheduler.observe_step(sched, time.perf_counter() - t0)
         outputs = self.scheduler.update_from_output(sched, result)
+        if result.expert_tokens:
+            self._attach_expert_tokens(result.expert_tokens, outputs)
         clock.lap("update")
         return EngineCoreOutputs(time.monotonic(), outputs)
+
+    def _attach_expert_tokens(self, counts: dict[str, list[int]], outputs: list[EngineCoreOutput]) -> None:
+        """MoE: add this step's per-expert counts to each request's, handed over with its next output
+        (a prompt chunk that samples nothing produces none)."""
+        acc = self._expert_tokens
+        for rid, c in counts.items():
+            prev = acc.get(rid)
+            acc[rid] = c if prev is None else [a + b for a, b in zip(prev, c)]
+        for o in outputs:
+            o.expert_tokens = acc.pop(o.request_id, None)
+        for rid in [r for r in acc if r not in self.scheduler.requests]:   # aborted meanwhile
+            del acc[rid]
 
     def fail_all(self, message: str) -> EngineCoreOutputs:
         """A step raised: end every request with an error (the server stays up)."""
@@ -191,4 +206,5 @@ class EngineCore:
             "num_batched_requests": self.num_batched_requests,
             "phase_seconds": self.clock.seconds(),
             "block_size": self.block_size,
+            "moe_expert_tokens": self.runner.model.expert_token_counts(),   # [layer][expert]; [] if dense
         }

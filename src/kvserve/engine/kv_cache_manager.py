@@ -14,6 +14,12 @@ front of the queue (least recently freed) and only then forgets their hash (LRU 
 A request frees its blocks tail first, so its last blocks, the least likely to be shared,
 are evicted before its first ones.
 
+With a sliding window on every layer (`sliding_window`, Mistral), a request's blocks that lie
+wholly before the window of its next query are released as it advances (their table entries
+become -1, so positions keep their slots): a sequence then holds about window / block_size + 1
+blocks however long it grows. Released blocks keep their hashes like any freed block, so a later
+prompt with the same prefix still hits them while they are not evicted.
+
 The manager owns request -> blocks (`block_ids(request_id)`) and the requests' block hashes; it
 reads a request's tokens and computed count and never writes request state.
 """
@@ -28,8 +34,10 @@ from kvserve.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         self.num_blocks = num_blocks
+        self.sliding_window = sliding_window
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks
@@ -63,6 +71,26 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds (its table less the entries released behind the window)."""
+        return sum(1 for b in self.block_ids(request_id) if b >= 0)
+
+    def _release(self, b: int) -> None:
+        self.ref_cnt[b] -= 1
+        if self.ref_cnt[b] == 0:
+            self.free_queue[b] = None
+
+    def free_outside_window(self, req: Request) -> None:
+        """Release req's blocks that no query from its next token on can see (sliding window)."""
+        table = self.req_blocks.get(req.request_id)
+        if self.sliding_window is None or not table:
+            return
+        first_visible = max(0, req.num_computed_tokens - self.sliding_window + 1)
+        for i in range(min(first_visible // self.block_size, len(table))):
+            if table[i] >= 0:
+                self._release(table[i])
+                table[i] = -1
 
     def block_hashes(self, req: Request, num_tokens: int) -> list[bytes]:
         """Hashes of every full block among req's first num_tokens tokens (extended as needed)."""
@@ -109,6 +137,7 @@ class KVCacheManager:
         """Give req room for num_new_tokens more tokens after its computed ones and the prefix-cache
         blocks `computed` (claimed first, in front of them). False (and no change) if the pool is
         short. The caller counts the claimed blocks' tokens as computed."""
+        self.free_outside_window(req)
         if not self.can_allocate(req, num_new_tokens, computed):
             return False
         table = self.req_blocks.setdefault(req.request_id, [])
@@ -137,7 +166,7 @@ class KVCacheManager:
         n_full = min(req.num_computed_tokens // self.block_size, len(table))
         for i in range(n_full):
             b = table[i]
-            if self.block_hash[b] is not None:
+            if b < 0 or self.block_hash[b] is not None:
                 continue
             h = hashes[i]
             self.block_hash[b] = h
@@ -147,9 +176,8 @@ class KVCacheManager:
         """Release the request's blocks (tail first); forget_hashes=False keeps its block hashes
         for a preempted request that will be recomputed."""
         for b in reversed(self.req_blocks.pop(request_id, [])):
-            self.ref_cnt[b] -= 1
-            if self.ref_cnt[b] == 0:
-                self.free_queue[b] = None
+            if b >= 0:
+                self._release(b)
         if forget_hashes:
             self.req_hashes.pop(request_id, None)
 

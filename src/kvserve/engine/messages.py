@@ -88,6 +88,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_kv_blocks: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    expert_tokens: list[int] | None = None       # MoE: tokens routed to each expert since the last output
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True):
@@ -149,6 +150,8 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)    # parallel to req_ids
     # request id -> (first prompt position, entries) for prompt positions computed this step
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # MoE models: request id -> tokens routed to each expert this step (summed over layers)
+    expert_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 # ---- wire format ------------------------------------------------------------------------------

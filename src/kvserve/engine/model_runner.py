@@ -115,6 +115,9 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         clock.lap("forward")
         out = ModelRunnerOutput()
+        if self.model.config.num_experts:
+            counts = self.model.last_expert_counts(query_lens)
+            out.expert_tokens = {s.request.request_id: c for s, c in zip(sched.scheduled, counts or [])}
         if not logit_rows:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])

@@ -166,6 +166,9 @@ class OutputProcessor:
                 m.num_cached_tokens = o.num_cached_tokens
             m.num_kv_blocks = max(m.num_kv_blocks, o.num_kv_blocks)
             m.num_preemptions = max(m.num_preemptions, o.num_preemptions)
+            if o.expert_tokens is not None:
+                m.expert_tokens = o.expert_tokens if m.expert_tokens is None else [
+                    a + b for a, b in zip(m.expert_tokens, o.expert_tokens)]
             if o.new_prompt_logprobs:
                 self._prompt_logprobs(state, o.prompt_logprobs_start, o.new_prompt_logprobs)
             if o.error is not None:

@@ -80,9 +80,14 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, n: int) -> tupl
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, backend: KernelBackend | None = None) -> torch.Tensor:
+                    scale: float, backend: KernelBackend | None = None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """q [T, Hq, D] (already rotated) -> output [T, Hq, D]; K/V for these tokens already written.
-    A backend with C kernels serves all-decode steps with its decode kernel (K/V read in place)."""
+    A backend with C kernels serves all-decode steps with its decode kernel (K/V read in place).
+    window: each query sees its last `window` positions (itself included); only the blocks that
+    hold them are read (earlier ones may have been freed). softcap: scores -> softcap*tanh(s/softcap)."""
+    if window is not None or softcap is not None:
+        return _windowed(q, kv_cache, meta, scale, window, softcap)
     if backend is not None and meta.is_all_decode:
         out = backend.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale)
         if out is not None:
@@ -120,11 +125,44 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last len(q) positions over len(k) keys. q [Lq, Hq, D], k/v [Lk, Hkv, D]."""
+def _windowed(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+              window: int | None, softcap: float | None) -> torch.Tensor:
+    """Per sequence, over the blocks from the one holding its first query's window start."""
+    bs, dtype = meta.block_size, q.dtype
+    outs = []
+    for i in range(meta.num_seqs):
+        s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        n = meta.seq_lens[i]
+        first = 0 if window is None else max(0, n - (e - s) - window + 1) // bs
+        blocks = meta.block_tables[i, first:(n + bs - 1) // bs]
+        k = kv_cache[0, blocks].flatten(0, 1)[:n - first * bs].to(dtype)
+        v = kv_cache[1, blocks].flatten(0, 1)[:n - first * bs].to(dtype)
+        outs.append(attend(q[s:e], k, v, scale, window, softcap))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
+           softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of the last len(q) positions over len(k) keys. q [Lq, Hq, D], k/v [Lk, Hkv, D].
+    window/softcap: see paged_attention."""
     lq, lk = q.shape[0], k.shape[0]
     gqa = q.shape[1] != k.shape[1]
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if window is not None or softcap is not None:
+        qpos = torch.arange(lk - lq, lk, device=q.device)[:, None]
+        kpos = torch.arange(lk, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= qpos - kpos < window
+        if softcap is None:
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            return out.transpose(0, 1)
+        rep = q.shape[1] // k.shape[1]
+        kt, vt = kt.repeat_interleave(rep, dim=0), vt.repeat_interleave(rep, dim=0)
+        scores = torch.matmul(qt, kt.transpose(1, 2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        return torch.matmul(probs, vt).transpose(0, 1)
     if lq == 1:
         out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=gqa)
     elif lq == lk:

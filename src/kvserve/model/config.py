@@ -11,18 +11,28 @@ from typing import Any
 
 from kvserve.errors import ModelLoadError
 
-# Architectures the one model file runs: they differ only in config values (q/k/v bias,
-# rope scaling, tied embeddings, GQA ratio), not in code paths.
+# Architectures the one model file runs. The Llama shapes (llama, mistral, qwen2) differ only in
+# config values (q/k/v bias, rope scaling, tied embeddings, GQA ratio); the other families switch
+# on the feature fields below (q/k-norm, sliding windows, soft-capping, Gemma norms, experts).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
+LLAMA_SHAPED = ("llama", "mistral", "qwen2", "phi3")   # phi3: fused weights, the Llama math
 
 
 @dataclass
 class ModelConfig:
-    architecture: str = "llama"            # "llama" | "mistral" | "qwen2"
+    architecture: str = "llama"            # a value of SUPPORTED_ARCHITECTURES
     vocab_size: int = 32000
     hidden_size: int = 4096
     intermediate_size: int = 11008
@@ -38,6 +48,21 @@ class ModelConfig:
     attention_bias: bool = False           # Qwen2: bias on q/k/v projections
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # ---- family features (defaults: the Llama shape) ----
+    hidden_act: str = "silu"               # "silu" (SwiGLU) | "gelu_pytorch_tanh" (GeGLU, Gemma)
+    qk_norm: str | None = None             # RMSNorm on q and k: "head" (Qwen3, Gemma 3), "full" (OLMoE)
+    sliding_window: int | None = None      # keys a query sees on "sliding_attention" layers (itself included)
+    layer_types: list[str] | None = None   # per layer: "full_attention" | "sliding_attention"
+    rope_local_theta: float | None = None  # RoPE base of sliding layers when it differs (Gemma 3)
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None   # attention scale = this ** -0.5 (Gemma; default head_dim)
+    gemma_norms: bool = False              # norms scale by (1 + w); post-attention/feedforward norms; sqrt(H) embed
+    num_experts: int = 0                   # MoE: routed experts per layer (0: dense MLP)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int = 0     # Qwen2-MoE: one always-on expert behind a sigmoid gate
+    norm_topk_prob: bool = False           # renormalise the top-k router probabilities to sum to 1
     name: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -51,9 +76,46 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads}); the model config is inconsistent")
 
+        if self.layer_types is None:
+            kind = "sliding_attention" if self.sliding_window else "full_attention"
+            self.layer_types = [kind] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {
+                "full_attention", "sliding_attention"}:
+            raise ModelLoadError(f"layer_types {self.layer_types!r} does not give full_attention or "
+                                 f"sliding_attention for each of the {self.num_hidden_layers} layers")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ModelLoadError("the config has sliding_attention layers but no sliding_window")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                                 f"num_experts ({self.num_experts}); the model config is inconsistent")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(f"sliding_window must be a positive number of tokens, got {self.sliding_window}")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ModelLoadError(f"unsupported hidden_act {self.hidden_act!r}: kvserve runs silu and gelu_pytorch_tanh")
+
     @property
     def max_model_len(self) -> int:
         return self.max_position_embeddings
+
+    @property
+    def llama_attention(self) -> bool:
+        """Llama's attention, norms and RoPE (the MLP may be experts): the C layer ops apply."""
+        return (self.architecture in LLAMA_SHAPED + ("mixtral",) and not self.qk_norm and not self.gemma_norms
+                and self.attn_logit_softcapping is None and self.final_logit_softcapping is None
+                and self.query_pre_attn_scalar is None and "sliding_attention" not in self.layer_types)
+
+    @property
+    def llama_shaped(self) -> bool:
+        """No family feature: the C whole-stack forward and C layer ops apply."""
+        return self.llama_attention and self.hidden_act == "silu" and not self.num_experts
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window when every layer is a sliding one: KV blocks wholly before it can be freed."""
+        return self.sliding_window if set(self.layer_types) == {"sliding_attention"} else None
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -75,17 +137,25 @@ class ModelConfig:
             if rope_scaling is None and rp.get("rope_type", "default") != "default":
                 rope_scaling = rp
         known = {f for f in cls.__dataclass_fields__}
+        from kvserve.model.families import hf_family_fields
+
         kw = {k: v for k, v in d.items() if k in known and k not in ("architecture", "extra")}
         kw["rope_scaling"] = rope_scaling
         kw["rope_theta"] = float(rope_theta or 10000.0)
-        if arch == "qwen2":
-            kw["attention_bias"] = True
+        kw.update(hf_family_fields(arch, d))
         kw.setdefault("tie_word_embeddings", d.get("tie_word_embeddings", False))
         return cls(architecture=arch, **kw)
 
     def to_hf_dict(self) -> dict[str, Any]:
+        if not self.llama_shaped:
+            raise ModelLoadError(f"exporting a {self.architecture} config is not supported (Llama shapes only)")
         d = asdict(self)
-        d.pop("extra")
+        for k in ("extra", "hidden_act", "qk_norm", "sliding_window", "layer_types", "rope_local_theta",
+                  "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "gemma_norms",
+                  "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "shared_expert_intermediate_size", "norm_topk_prob"):
+            d.pop(k)
+        d.pop("extra", None)
         d.pop("name")
         arch = d.pop("architecture")
         cls_name = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[arch]

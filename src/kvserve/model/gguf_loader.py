@@ -16,11 +16,17 @@ import torch
 
 from kvserve.errors import ModelLoadError, ModelNotFound
 from kvserve.model.config import ModelConfig
+from kvserve.model.gguf_families import (
+    ARCHITECTURES,
+    LAYER_NAMES,
+    expert_weights,
+    fix_weights,
+    gguf_family_fields,
+)
 from kvserve.model.linear import WeightSource
 from kvserve.tokenizer.tokenizer import gguf_field as field
 
 GGUF_MAGIC = b"GGUF"
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
 
 _LAYER_NAMES = {
@@ -33,6 +39,7 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    **LAYER_NAMES,
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight", "rope_freqs.weight": "rope_freqs"}
@@ -93,9 +100,19 @@ def config_from_gguf(reader, name: str = "") -> ModelConfig:
     if field(reader, f"{arch}.rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(field(reader, f"{arch}.rope.scaling.factor"))}
     eos = field(reader, "tokenizer.ggml.eos_token_id")
+    n_layers = int(req("block_count"))
+    family = gguf_family_fields(arch, lambda k, d=None: field(reader, f"{arch}.{k}", d), names, n_layers)
+    if family.get("num_experts") and "blk.0.ffn_gate_exps.weight" in names:   # the experts' FFN width
+        inter = int(next(t for t in reader.tensors if t.name == "blk.0.ffn_gate_exps.weight").shape[1])
+        family["moe_intermediate_size"] = inter
+    elif "blk.0.ffn_up.weight" in names and "blk.0.ffn_gate.weight" not in names:    # Phi-3: fused gate/up
+        family["intermediate_size"] = int(next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight").shape[1]) // 2
+    if "intermediate_size" not in family:   # MoE files may carry only the experts' width
+        family["intermediate_size"] = int(field(reader, f"{arch}.feed_forward_length", 0) or 0
+                                          ) if family.get("num_experts") else int(req("feed_forward_length"))
     return ModelConfig(
-        architecture=ARCHITECTURES[arch], vocab_size=int(n_vocab), hidden_size=hidden,
-        intermediate_size=int(req("feed_forward_length")), num_hidden_layers=int(req("block_count")),
+        vocab_size=int(n_vocab), hidden_size=hidden,
+        num_hidden_layers=n_layers,
         num_attention_heads=n_head,
         num_key_value_heads=int(field(reader, f"{arch}.attention.head_count_kv", n_head)),
         head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // n_head)),
@@ -104,7 +121,7 @@ def config_from_gguf(reader, name: str = "") -> ModelConfig:
         max_position_embeddings=int(field(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in names, attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"), eos_token_id=eos,
-        name=name or str(field(reader, "general.name", "")))
+        name=name or str(field(reader, "general.name", "")), **family)
 
 
 def _unpermute_order(n_rows: int, n_head: int) -> torch.Tensor:
@@ -123,6 +140,9 @@ def weights_from_gguf(reader, cfg: ModelConfig) -> dict[str, WeightSource | torc
             continue
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
         qt = t.tensor_type
+        if len(shape) == 3:     # stacked experts
+            out.update(expert_weights(name, shape, t.data, qt))
+            continue
         if len(shape) == 1 or name == "rope_freqs":
             out[name] = torch.from_numpy(np.array(dequantize(t.data, qt), dtype=np.float32).reshape(-1))
             continue
@@ -131,10 +151,11 @@ def weights_from_gguf(reader, cfg: ModelConfig) -> dict[str, WeightSource | torc
         else:
             src = WeightSource(shape, raw=t.data, qtype=qt)
         out[name] = src
+    fix_weights(cfg, out)
     _check_shapes(out, cfg)
     if "rope_freqs" in out:
         cfg.rope_scaling = {"rope_type": "freq_factors", "factors": out.pop("rope_freqs").tolist()}
-    if cfg.architecture in ("llama", "mistral"):
+    if cfg.architecture in ("llama", "mistral", "mixtral"):
         for i in range(cfg.num_hidden_layers):
             for proj, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads)):
                 for suffix in ("weight", "bias"):
@@ -162,6 +183,13 @@ def _check_shapes(w: dict, cfg: ModelConfig) -> None:
             p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
             p + "mlp.down_proj.weight": (h, cfg.intermediate_size),
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if p + "self_attn.qkv_proj.weight" in w:      # Phi-3: fused q/k/v and gate/up
+            for n in "qkv":
+                want.pop(p + f"self_attn.{n}_proj.weight")
+            want[p + "self_attn.qkv_proj.weight"] = (d * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads), h)
+        if p + "mlp.gate_proj.weight" not in w:       # fused gate/up (Phi-3) or experts (checked when built)
+            for n in ("gate", "up", "down"):
+                want.pop(p + f"mlp.{n}_proj.weight")
     for name, shape in want.items():
         if name not in w:
             raise ModelLoadError(f"model file is missing tensor {name}")

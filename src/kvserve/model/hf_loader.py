@@ -9,6 +9,7 @@ import torch
 
 from kvserve.errors import ModelLoadError
 from kvserve.model.config import ModelConfig
+from kvserve.model.families import normalise_hf_names
 from kvserve.model.linear import WeightSource
 
 
@@ -39,8 +40,10 @@ def weights_from_dir(path: Path, cfg: ModelConfig) -> dict[str, WeightSource | t
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"{f} is truncated or corrupt ({e})") from None
         for name, t in tensors.items():
-            out[name] = WeightSource(tuple(t.shape), tensor=t) if t.dim() == 2 and name.endswith(
-                "proj.weight") or name == "lm_head.weight" else t
+            name = normalise_hf_names(name)
+            # Every matrix but the embedding table is a projection (q/k/v/o, MLP, experts, router).
+            out[name] = WeightSource(tuple(t.shape), tensor=t) if t.dim() == 2 and not name.endswith(
+                "embed_tokens.weight") else t
     emb = out.get("model.embed_tokens.weight")
     if isinstance(emb, WeightSource):
         out["model.embed_tokens.weight"] = emb.tensor

@@ -5,7 +5,12 @@
 
 The architectures differ only in config values: q/k/v bias (Qwen2), rope scaling (Llama 3),
 KV-head count (GQA/MQA), tied embeddings. Q/K/V and gate/up projections are fused into one
-matmul each. Two ways in:
+matmul each. The other families (families.py: Qwen3, Phi-3, Gemma 2/3, the MoE ones) are this
+file too, switched by config fields: q/k-norm and sliding windows and soft-capping in the ops'
+attention, Gemma's extra norms and GeGLU in the layer, a MoEBlock (moe.py) in place of the MLP.
+They run on the PyTorch layer ops, except those with Llama's attention (Mixtral), which keep the C
+layer ops around their experts (`config.llama_attention`; `llama_shaped` gates the C whole-stack
+forward). Two ways in:
   * `forward(input_ids [B, T])` with no metadata: plain causal attention over the batch,
     for training and for checking against a reference implementation;
   * `forward(input_ids [T], positions [T], attn_metadata, kv_caches)`: a flattened batch of
@@ -18,6 +23,7 @@ steps the C code does not handle).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +34,7 @@ from kvserve.model.attention import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.kernels.backend import KernelBackend
 from kvserve.model.linear import DenseLinear, Linear, WeightSource, make_linear
+from kvserve.model.moe import build_moe
 from kvserve.model.ops import Step, TorchOps
 
 
@@ -69,9 +76,9 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to the context length (HF's rotate-half layout)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, theta: float | None = None):
         super().__init__()
-        inv_freq = rope_inv_freq(cfg)
+        inv_freq = rope_inv_freq(cfg if theta is None else replace(cfg, rope_theta=theta, rope_scaling=None))
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -84,22 +91,33 @@ class RotaryEmbedding(nn.Module):
 
 class DecoderLayer(nn.Module):
     """One block: RMSNorm -> attention -> +residual, RMSNorm -> SwiGLU MLP -> +residual. The math
-    between the projections is the `ops` object's (model/ops.py): PyTorch, or the C kernels."""
+    between the projections is the `ops` object's (model/ops.py): PyTorch, or the C kernels.
+    Optional parts (None for Llama): q_norm/k_norm, Gemma's post-attention and pre/post-feedforward
+    norms (`post_attention_layernorm` then normalises the attention output), a MoEBlock `mlp`."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, nn.Module]):
+    def __init__(self, cfg: ModelConfig, w: dict[str, nn.Module], index: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.sliding_window = cfg.window_of(index)
+        self.local_rope = self.sliding_window is not None and cfg.rope_local_theta is not None
+        self.softcap = cfg.attn_logit_softcapping
+        self.qk_norm = cfg.qk_norm
+        self.act = cfg.hidden_act
         self.input_layernorm = w["input_layernorm"]
         self.qkv_proj = w["qkv_proj"]
         self.o_proj = w["o_proj"]
         self.post_attention_layernorm = w["post_attention_layernorm"]
-        self.gate_up_proj = w["gate_up_proj"]
-        self.down_proj = w["down_proj"]
-        self.intermediate_size = self.gate_up_proj.out_features // 2
+        self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
+        self.pre_feedforward_layernorm = w.get("pre_feedforward_layernorm")
+        self.post_feedforward_layernorm = w.get("post_feedforward_layernorm")
+        self.mlp = w.get("mlp")
+        self.gate_up_proj = w.get("gate_up_proj")
+        self.down_proj = w.get("down_proj")
+        self.intermediate_size = self.gate_up_proj.out_features // 2 if self.gate_up_proj is not None else 0
 
     def forward(self, x: torch.Tensor, step: Step, kv_cache: torch.Tensor | None, ops: TorchOps) -> torch.Tensor:
         """x [T, H] (paged) or [B, T, H] (dense) -> the same shape."""
@@ -107,9 +125,23 @@ class DecoderLayer(nn.Module):
         h = ops.rms_norm(x, self.input_layernorm).reshape(-1, hidden)
         qkv = self.qkv_proj(h).view(*lead, -1)
         o = ops.attention(qkv, self, step, kv_cache)
-        x = x + self.o_proj(o.reshape(-1, self.q_size)).view(*lead, -1)
-        h = ops.rms_norm(x, self.post_attention_layernorm).reshape(-1, hidden)
-        return x + self.down_proj(ops.silu_mul(self.gate_up_proj(h))).view(*lead, -1)
+        a = self.o_proj(o.reshape(-1, self.q_size)).view(*lead, -1)
+        if self.pre_feedforward_layernorm is not None:           # Gemma: norms on both sides
+            x = x + ops.rms_norm(a, self.post_attention_layernorm)
+            h = ops.rms_norm(x, self.pre_feedforward_layernorm).reshape(-1, hidden)
+        else:
+            x = x + a
+            h = ops.rms_norm(x, self.post_attention_layernorm).reshape(-1, hidden)
+        if self.mlp is not None:
+            m = self.mlp(h, ops)
+        elif self.act == "silu":
+            m = self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
+        else:
+            m = self.down_proj(ops.gelu_mul(self.gate_up_proj(h)))
+        m = m.view(*lead, -1)
+        if self.post_feedforward_layernorm is not None:
+            m = ops.rms_norm(m, self.post_feedforward_layernorm)
+        return x + m
 
 
 class LlamaForCausalLM(nn.Module):
@@ -132,6 +164,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.rotary = RotaryEmbedding(cfg)
+        self.rotary_local = RotaryEmbedding(cfg, cfg.rope_local_theta) if cfg.rope_local_theta else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attn_metadata: AttentionMetadata | None = None,
@@ -140,7 +173,9 @@ class LlamaForCausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
         x = self.embed(input_ids)
-        reference = TorchOps(self.rotary, self.backend)
+        if self.config.gemma_norms:   # Gemma scales the embeddings by sqrt(hidden)
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+        reference = TorchOps(self.rotary, self.backend, self.rotary_local)
         ops, step = reference, None
         if attn_metadata is not None and kv_caches is not None and not torch.is_grad_enabled():
             ops = self.layer_ops()
@@ -172,12 +207,31 @@ class LlamaForCausalLM(nn.Module):
         """The ops between projections for paged inference steps, built on first use for the
         current `self.backend` (assigning another backend, as tests do, rebuilds them)."""
         if self._ops is None or self._ops[0] is not self.backend:
-            self._ops = (self.backend, self.backend.layer_ops(self))
+            ops = (self.backend.layer_ops(self) if self.config.llama_attention
+                   else TorchOps(self.rotary, self.backend, self.rotary_local))
+            self._ops = (self.backend, ops)
         return self._ops[1]
+
+    def expert_token_counts(self) -> list[list[int]]:
+        """Per MoE layer, the tokens routed to each expert so far (empty for a dense model)."""
+        return [layer.mlp.token_counts.tolist() for layer in self.layers if layer.mlp is not None]
+
+    def last_expert_counts(self, query_lens: list[int]) -> list[list[int]] | None:
+        """Tokens each expert took in the last forward, summed over the MoE layers, per sequence of
+        the flattened batch (query_lens: its rows per sequence); None for a dense model."""
+        routed = [layer.mlp.last_experts for layer in self.layers if layer.mlp is not None]
+        if not routed or routed[0] is None:
+            return None
+        n_exp = len(self.layers[0].mlp.experts)
+        seq_of = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        keys = seq_of[None, :, None] * n_exp + torch.stack(routed).cpu()
+        return torch.bincount(keys.reshape(-1), minlength=len(query_lens) * n_exp).view(-1, n_exp).tolist()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         lead = hidden.shape[:-1]
-        return self.lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*lead, -1)
+        logits = self.lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*lead, -1)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -189,25 +243,43 @@ class LlamaForCausalLM(nn.Module):
         backend = backend or KernelBackend.pytorch()
 
         def lin(names: list[str], bias_names: list[str] | None = None) -> Linear:
+            missing = [n for n in names if n not in w]
+            if missing:
+                raise ModelLoadError(f"model file is missing tensor {missing[0]} ({cfg.architecture})")
             src = WeightSource.concat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
             bias = None
             if bias_names and all(b in w for b in bias_names):
                 bias = torch.cat([w[b].float() for b in bias_names])
             return make_linear(src, bias, weight_format, backend=backend)
 
+        def norm(name: str) -> RMSNorm:   # Gemma's norms scale by (1 + w): fold the 1 in once
+            if name not in w:
+                raise ModelLoadError(f"model file is missing tensor {name} ({cfg.architecture})")
+            return RMSNorm(w[name].float() + 1.0 if cfg.gemma_norms else w[name], cfg.rms_norm_eps)
+
         layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv = [a + f"{n}_proj.weight" for n in "qkv"]
-            layers.append(DecoderLayer(cfg, {
-                "input_layernorm": RMSNorm(w[p + "input_layernorm.weight"], cfg.rms_norm_eps),
+            qkv = [a + "qkv_proj.weight"] if a + "qkv_proj.weight" in w else [a + f"{n}_proj.weight" for n in "qkv"]
+            parts = {
+                "input_layernorm": norm(p + "input_layernorm.weight"),
                 "qkv_proj": lin(qkv, [a + f"{n}_proj.bias" for n in "qkv"]),
                 "o_proj": lin([a + "o_proj.weight"]),
-                "post_attention_layernorm": RMSNorm(w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps),
-                "gate_up_proj": lin([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                "down_proj": lin([p + "mlp.down_proj.weight"]),
-            }))
+                "post_attention_layernorm": norm(p + "post_attention_layernorm.weight"),
+            }
+            if cfg.qk_norm:
+                parts.update(q_norm=norm(a + "q_norm.weight"), k_norm=norm(a + "k_norm.weight"))
+            if cfg.gemma_norms:
+                parts.update(pre_feedforward_layernorm=norm(p + "pre_feedforward_layernorm.weight"),
+                             post_feedforward_layernorm=norm(p + "post_feedforward_layernorm.weight"))
+            if cfg.num_experts:
+                parts["mlp"] = build_moe(cfg, p + "mlp.", lin)
+            else:
+                gu = [p + "mlp.gate_up_proj.weight"] if p + "mlp.gate_up_proj.weight" in w else [
+                    p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+                parts.update(gate_up_proj=lin(gu), down_proj=lin([p + "mlp.down_proj.weight"]))
+            layers.append(DecoderLayer(cfg, parts, i))
         emb_src = w["model.embed_tokens.weight"]
         head_src = w.get("lm_head.weight")
         tied = head_src is None or cfg.tie_word_embeddings
@@ -227,8 +299,7 @@ class LlamaForCausalLM(nn.Module):
                 lm_head = make_linear(head_src, None, weight_format, backend=backend)
         else:
             lm_head = make_linear(head_src, None, weight_format, backend=backend)
-        norm = RMSNorm(w["model.norm.weight"], cfg.rms_norm_eps)
-        model = cls(cfg, embed, layers, norm, lm_head, backend)
+        model = cls(cfg, embed, layers, norm("model.norm.weight"), lm_head, backend)
         if isinstance(lm_head, DenseLinear) and lm_head.weight.dtype == torch.float32 and (
                 cfg.tie_word_embeddings or "lm_head.weight" not in w):
             model.lm_head.weight = model.embed_tokens   # tied: one parameter, not a copy

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvserve.model.attention import AttentionMetadata, attend, paged_attention, write_kv
 
 if TYPE_CHECKING:
     from kvserve.model.kernels.backend import KernelBackend
@@ -36,6 +36,8 @@ class Step:
     meta: AttentionMetadata | None           # None: dense causal attention over [B, T]
     cos: torch.Tensor | None = None          # [*positions.shape, head_dim] (PyTorch RoPE)
     sin: torch.Tensor | None = None
+    cos_local: torch.Tensor | None = None    # the sliding layers' tables when their RoPE base differs
+    sin_local: torch.Tensor | None = None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -46,17 +48,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class TorchOps:
-    """The layer ops in PyTorch. `rotary` maps positions to cos/sin tables; `backend` (optional)
-    lends paged attention its C decode kernel where it has one."""
+    """The layer ops in PyTorch. `rotary` maps positions to cos/sin tables (`rotary_local`: those of
+    sliding-window layers, when their RoPE base differs); `backend` (optional) lends paged attention
+    its C decode kernel where it has one.
 
-    def __init__(self, rotary: torch.nn.Module, backend: KernelBackend | None = None) -> None:
+    The family features live here too, each a no-op for the Llama shape: RMSNorm on q and k
+    (per head, or over the whole projection), a sliding window and logit soft-capping
+    (`layer.sliding_window`, `layer.softcap`), GeGLU (`gelu_mul`)."""
+
+    def __init__(self, rotary: torch.nn.Module, backend: KernelBackend | None = None,
+                 rotary_local: torch.nn.Module | None = None) -> None:
         self.rotary = rotary
         self.backend = backend
+        self.rotary_local = rotary_local
 
     def prepare(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None,
                 kv_caches: list[torch.Tensor] | None) -> Step | None:
         cos, sin = self.rotary(positions)
-        return Step(positions, meta, cos, sin)
+        step = Step(positions, meta, cos, sin)
+        if self.rotary_local is not None:
+            step.cos_local, step.sin_local = self.rotary_local(positions)
+        return step
 
     def forward_stack(self, x: torch.Tensor, step: Step, kv_caches: list[torch.Tensor] | None
                       ) -> torch.Tensor | None:
@@ -71,16 +83,30 @@ class TorchOps:
         gate, up = gu.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """GeGLU: gu [..., 2I] -> gelu_tanh(gate) * up [..., I] (Gemma)."""
+        gate, up = gu.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def attention(self, qkv: torch.Tensor, layer: torch.nn.Module, step: Step,
                   kv_cache: torch.Tensor | None) -> torch.Tensor:
         """qkv [*lead, q + 2 kv] -> attention output [*lead, q]; with metadata, the new K/V are
         written to the paged cache first and attention reads the cache."""
         lead = qkv.shape[:-1]
         q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-        q = apply_rope(q.view(*lead, layer.num_heads, layer.head_dim), step.cos, step.sin)
-        k = apply_rope(k.view(*lead, layer.num_kv_heads, layer.head_dim), step.cos, step.sin)
+        if layer.qk_norm == "full":         # OLMoE: over the whole projection, before the head split
+            q, k = self.rms_norm(q, layer.q_norm), self.rms_norm(k, layer.k_norm)
+        q = q.view(*lead, layer.num_heads, layer.head_dim)
+        k = k.view(*lead, layer.num_kv_heads, layer.head_dim)
+        if layer.qk_norm == "head":         # Qwen3, Gemma 3: each head's vector
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        cos, sin = (step.cos_local, step.sin_local) if layer.local_rope else (step.cos, step.sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(*lead, layer.num_kv_heads, layer.head_dim)
-        if step.meta is None:   # dense causal attention over [B, T] (training, reference checks)
+        window, softcap = layer.sliding_window, layer.softcap
+        if step.meta is None and (window or softcap):
+            o = torch.stack([attend(q[b], k[b], v[b], layer.scale, window, softcap) for b in range(q.shape[0])])
+        elif step.meta is None:   # dense causal attention over [B, T] (training, reference checks)
             rep = layer.num_heads // layer.num_kv_heads   # K/V expanded to every head: the fused
             kt = k.transpose(1, 2).repeat_interleave(rep, dim=1)   # SDPA kernel also runs under autograd
             vt = v.transpose(1, 2).repeat_interleave(rep, dim=1)
@@ -88,5 +114,5 @@ class TorchOps:
                                                scale=layer.scale).transpose(1, 2)
         else:
             write_kv(kv_cache, k, v, step.meta.slot_mapping)
-            o = paged_attention(q, kv_cache, step.meta, layer.scale, self.backend)
+            o = paged_attention(q, kv_cache, step.meta, layer.scale, self.backend, window, softcap)
         return o.reshape(*lead, layer.q_size)

@@ -138,6 +138,7 @@ def build_trace(*, request_id: str, prompt_text: str | None, prompt_ids: list[in
         "prompt_token_count": len(prompt_ids),
         "completion_token_count": n_out,
         "output_tokens": out_tokens,
+        **({"moe_expert_tokens": m.expert_tokens} if m is not None and m.expert_tokens is not None else {}),
     }
 
 

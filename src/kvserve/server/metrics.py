@@ -4,7 +4,8 @@ Latency histograms are observed by the server once per finished engine request, 
 engine's own timestamps (RequestMetrics). Gauges and cumulative counters are read from
 `engine.stats()` at scrape time by a custom collector, so they cannot drift from the engine;
 among them the step profile, `kvserve:phase_seconds_total{phase=...}` (see PHASE_HELP), with
-`kvserve:engine_steps_total` and the batched tokens and requests to divide it by.
+`kvserve:engine_steps_total` and the batched tokens and requests to divide it by; for a MoE model,
+`kvserve:moe_expert_tokens_total{layer=..., expert=...}`, the tokens each expert was routed.
 Each app has its own registry, so several apps can live in one process (tests).
 """
 
@@ -64,6 +65,14 @@ class _EngineCollector:
         for phase, seconds in (stats.get("phase_seconds") or {}).items():
             phases.add_metric(labels + [phase], seconds)
         yield phases
+        moe = stats.get("moe_expert_tokens") or []
+        if moe:
+            experts = CounterMetricFamily(P + "moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",
+                                          labels=["model_name", "layer", "expert"])
+            for layer, counts in enumerate(moe):
+                for expert, n in enumerate(counts):
+                    experts.add_metric(labels + [str(layer), str(expert)], float(n))
+            yield experts
 
 
 class ServerMetrics:
