@@ -95,13 +95,13 @@ class EngineClient:
             raise EngineDeadError(self._dead)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
-                       priority: int = 0, cache_salt: str | None = None,
+                       priority: int = 0, cache_salt: str | None = None, cache_salt_from: int = 0,
                        prompt: str | None = None) -> AsyncIterator[RequestOutput]:
         self.health()
         if request_id in self.outputs.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         reqs = self.inputs.requests(request_id, list(prompt_token_ids), params, priority=priority,
-                                    cache_salt=cache_salt)
+                                    cache_salt=cache_salt, cache_salt_from=cache_salt_from)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         self.outputs.add(request_id, prompt, reqs)
