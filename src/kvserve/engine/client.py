@@ -46,9 +46,12 @@ from kvserve.sampling_params import SamplingParams
 
 
 class EngineDeadError(KVServeError):
-    status = 500
+    """The engine stopped (its process died): 503 with Retry-After, as the server restarts it."""
+
+    status = 503
     type = "server_error"
     code = "engine_error"
+    retry_after = 5.0
 
 
 class EngineClient:
@@ -153,6 +156,10 @@ class EngineClient:
         if loop is not None:
             with contextlib.suppress(RuntimeError):   # the loop closed under us: nobody is listening
                 loop.call_soon_threadsafe(fn, *args)
+
+    def fail_all(self, message: str) -> None:
+        """Mark the engine dead and end every waiting request with EngineDeadError (event loop)."""
+        self._fail_all(message)
 
     def _fail_all(self, message: str) -> None:
         """On the event loop: the engine is gone; every waiting request gets the error."""

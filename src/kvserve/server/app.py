@@ -43,6 +43,7 @@ class ServerState:
         self.engine = engine
         self.load_error: str | None = None
         self.on_load_failed = None   # set by `kvserve serve`: stop the server, exit non-zero
+        self.engine_restarts = 0
         self.keystore = KeyStore(settings.db_path)
         self.limiter = RateLimiter()
         self.cache_scope = CacheScope(settings.prefix_cache_scope, settings.shared_prompts)
@@ -104,6 +105,29 @@ class ServerState:
         logger.info("model %s loaded", engine.model_name)
 
 
+    async def watch_engine(self, every_s: float = 0.5) -> None:
+        """Restart an engine process that died: its in-flight requests end with a retryable 503
+        (EngineDeadError), /health says "loading" and new requests get 503 + Retry-After until the
+        new engine is up. An in-process engine dies only with this process."""
+        while True:
+            await asyncio.sleep(every_s)
+            engine = self.engine
+            if engine is None or getattr(engine, "kind", None) != "process":
+                continue
+            try:
+                engine.health()
+                continue
+            except KVServeError as e:
+                message = e.message
+            logger.error("the engine process died (%s); restarting it", message)
+            self.engine = None
+            self.engine_restarts += 1
+            engine.fail_all(message)
+            with contextlib.suppress(Exception):
+                await engine.shutdown()
+            threading.Thread(target=self.load, name="kvserve-model-reload", daemon=True).start()
+
+
 def _error_response(err: KVServeError) -> JSONResponse:
     headers = {}
     retry_after = getattr(err, "retry_after", None)
@@ -124,7 +148,10 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             await state.engine.start()
         elif settings.load_model:
             threading.Thread(target=state.load, name="kvserve-model-load", daemon=True).start()
+        watchdog = asyncio.create_task(state.watch_engine()) if settings.load_model else None
         yield
+        if watchdog is not None:
+            watchdog.cancel()
         if state.engine is not None:
             with contextlib.suppress(Exception):
                 await state.engine.shutdown()

@@ -14,8 +14,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import signal
 import socket
+import threading
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -89,11 +92,29 @@ def guarded_h11(header_timeout_s: float) -> type[H11Protocol]:
     return GuardedH11Protocol
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a SIGTERM/SIGINT that shut it down cleanly is not raised again
+    afterwards (uvicorn re-raises it, so the process would die of the signal instead of exit 0)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
 def run(app, sock: socket.socket, *, header_timeout_s: float = 10.0, grace_s: float = 5.0) -> int:
     """Serve `app` on the bound `sock` until a signal; 1 when the model failed to load, else 0."""
     config = uvicorn.Config(app, log_level="warning", access_log=False, http=guarded_h11(header_timeout_s),
                             timeout_graceful_shutdown=grace_s)
-    server = uvicorn.Server(config)
+    server = _Server(config)
     state = app.state.server
     failed: list[str] = []
 
