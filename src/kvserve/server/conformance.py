@@ -143,7 +143,9 @@ def openapi(app: FastAPI) -> dict:
             ok = RESPONSES.get((path, method))
             content = {"application/json": {"schema": ref(ok) if ok else {}}}
             if method == "post" and path in ("/v1/chat/completions", "/v1/completions"):
-                content["text/event-stream"] = {"schema": {"type": "string"}}
+                content["text/event-stream"] = {"schema": {}}    # each event: a chunk or an error body
+            if path == "/metrics":
+                content = {"text/plain": {"schema": {"type": "string"}}}
             op["responses"] = {"200": {"description": "OK", "content": content}, "default": error}
     app.openapi_schema = doc
     return doc
