@@ -10,7 +10,6 @@ import socket
 
 import httpx
 import pytest
-
 from conftest import HARDENED_SHARED_PROMPT
 
 HTTP = httpx.Client(timeout=300)
