@@ -6,7 +6,9 @@
 * SIGTERM with a stream in flight: the server stops accepting, the stream finishes, the process
   exits 0 and the request is in the ledger;
 * the engine process killed (`--engine-process`): in-flight requests end with a retryable 503,
-  /health says so, and the server restarts the engine and serves again.
+  /health says so, and the server restarts the engine and serves again;
+* KV exhaustion: more concurrent long requests than the KV cache holds are preempted and
+  recomputed, none fails, and each answer equals the one the request got alone.
 """
 
 from __future__ import annotations
@@ -166,3 +168,28 @@ def test_engine_process_killed_is_a_retryable_503_and_restarted(tmp_path, model_
     r = httpx.post(srv.base_url + "/v1/chat/completions", headers=hdr(keys["e"]),
                    json={"messages": HELLO, "max_tokens": 2}, timeout=300)
     assert r.status_code == 200, r.text
+
+
+def test_kv_exhaustion_preempts_and_outputs_match_an_unloaded_run(tmp_path, model_server):
+    keys = make_keys(tmp_path, "k")
+    per_block = 2 * 16 * 3 * 64 * 2 * 30     # fp16 K and V, 16 tokens, 3 KV heads x 64, 30 layers (SmolLM2)
+    srv = model_server(tmp_path, "--max-model-len", "256", "--kv-cache-memory", str(24 * per_block))
+    url = srv.base_url + "/v1/completions"
+    prompts = [f"Story {i}: once upon a time, in a village by the {w}," for i, w in
+               enumerate(["sea", "forest", "river", "mountain", "desert", "lake"])]
+
+    def complete(prompt: str) -> httpx.Response:
+        return httpx.post(url, headers=hdr(keys["k"]), timeout=600,
+                          json={"prompt": prompt, "max_tokens": 64, "temperature": 0, "ignore_eos": True})
+
+    alone = [complete(p).json()["choices"][0]["text"] for p in prompts]   # one at a time: no pressure
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(complete, prompts))                      # 6 x ~80 tokens > 24 x 16
+    assert [r.status_code for r in together] == [200] * len(prompts)
+    assert [r.json()["choices"][0]["text"] for r in together] == alone
+    text = httpx.get(srv.base_url + "/metrics", headers=hdr(keys["k"]), timeout=60).text
+    preemptions = [float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("kvserve:num_preemptions") and not line.startswith("#")]
+    assert preemptions and max(preemptions) > 0, text[:2000]
+    used = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvserve:kv_cache_usage_perc")]
+    assert used == [0.0]

@@ -133,6 +133,15 @@ def test_health_without_a_key_says_only_ok(srv):
     assert body == {"status": "ok", "engine": "inproc"}
 
 
+def test_no_cors_headers(srv):
+    """Browsers on other origins cannot read answers: no Access-Control-* headers, even on preflight."""
+    origin = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+    for r in (HTTP.get(srv.base_url + "/v1/models", headers={**auth(srv), **origin}),
+              HTTP.options(srv.base_url + "/v1/chat/completions", headers=origin),
+              HTTP.get(srv.base_url + "/health", headers=origin)):
+        assert not any(h.lower().startswith("access-control-") for h in r.headers), r.headers
+
+
 def test_conformance_endpoints(srv):
     models = HTTP.get(srv.base_url + "/v1/models", headers=auth(srv)).json()["data"]
     name = models[0]["id"]

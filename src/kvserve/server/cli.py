@@ -43,6 +43,8 @@ def serve(
     ladder_reject_free_at: int = typer.Option(96, help="Queue length at which free-tier keys get 503."),
     default_max_tokens: int = typer.Option(512, help="max_tokens when a chat request sends none."),
     max_model_len: int = typer.Option(None, help="Context window to serve (default: the model's)."),
+    kv_cache_memory: str = typer.Option(None, help="KV cache size: bytes, a size such as 2GiB, or a fraction "
+                                                   "of RAM such as 0.2 (default 1GiB)."),
     engine_process: bool = typer.Option(False, "--engine-process",
                                         help="Run the engine in its own process (msgpack over a local ZMQ "
                                              "socket), so the HTTP process stays responsive while the model "
@@ -77,7 +79,11 @@ def serve(
                 typer.echo(f"error: --shared-prompt {text}: {e.strerror}", err=True)
                 raise typer.Exit(2) from None
         shared.append(text)
-    engine_kwargs = {"max_model_len": max_model_len} if max_model_len else {}
+    engine_kwargs: dict = {"max_model_len": max_model_len} if max_model_len else {}
+    if kv_cache_memory:
+        engine_kwargs["kv_cache_memory"] = (int(kv_cache_memory) if kv_cache_memory.isdigit() else
+                                            float(kv_cache_memory) if kv_cache_memory.replace(".", "", 1).isdigit()
+                                            else kv_cache_memory)
     settings = ServerSettings(
         model=model, served_model_name=served_model_name, data_dir=data_dir or default_data_dir(),
         api_key=api_key, max_running=max_running, max_waiting=max_waiting, ladder_cap_at=ladder_cap_at,
