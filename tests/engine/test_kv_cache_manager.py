@@ -95,6 +95,35 @@ def test_cache_salt_separates_hashes():
     assert len(kv.get_computed_blocks(make_seq(range(9), "d", salt="alice"))) == 2
 
 
+def test_salt_applies_from_the_end_of_a_shared_prefix():
+    """Blocks wholly before cache_salt_from are hashed unsalted (an operator's shared prompt):
+    every salt hits them, and nothing after them."""
+    kv = KVCacheManager(16, BS)
+    a = make_seq(list(range(9)) + [50, 51, 52, 53], "a", salt="alice")
+    a.cache_salt_from = 6          # blocks [0..3] shared; [4..7] holds tokens past it: salted
+    compute(kv, a)
+    b = make_seq(list(range(9)) + [50, 51, 52, 53], "b", salt="bob")
+    b.cache_salt_from = 6
+    assert kv.get_computed_blocks(b) == kv.block_ids("a")[:1]
+    mine = make_seq(list(range(9)) + [50, 51, 52, 53], "c", salt="alice")
+    mine.cache_salt_from = 6
+    assert len(kv.get_computed_blocks(mine)) == 3
+
+
+def test_cache_scope_salts(tmp_path):
+    from kvserve.server.cache_scope import CacheScope
+    from kvserve.server.keys import ApiKey
+
+    a, b = ApiKey("a", tier="paid"), ApiKey("b", tier="paid")
+    key, tier, glob = CacheScope("key"), CacheScope("tier"), CacheScope("global")
+    assert key.salt(a, None) != key.salt(b, None)
+    assert tier.salt(a, None) == tier.salt(b, None) != tier.salt(ApiKey("c", tier="free"), None)
+    assert glob.salt(a, None) is None and glob.salt(a, "x") == glob.salt(b, "x") != glob.salt(b, "y")
+    assert key.salt(a, "x") != key.salt(b, "x")
+    with pytest.raises(ValueError):
+        CacheScope("everyone")
+
+
 def test_one_prompt_token_is_always_left_to_compute():
     kv = KVCacheManager(16, BS)
     compute(kv, make_seq(range(8), "a"))

@@ -147,3 +147,26 @@ def model_server():
     yield make
     for server in started:
         server.stop()
+
+
+HARDENED_SHARED_PROMPT = (
+    "You are the help desk of the Example Library. Answer in one short sentence, politely, and never "
+    "make up opening hours, fees or titles that are not in the catalogue.")
+
+
+@pytest.fixture(scope="session")
+def hardened_server(tmp_path_factory, model_server) -> ModelServer:
+    """One server for test_hardening.py and test_fuzz_api.py: the real model, a context of 512,
+    a declared shared prompt, a 1 s header timeout, and keys (`server.keys`: a, b, c, limited
+    at 4 requests/minute, fuzz)."""
+    from kvserve.server.keys import KeyStore
+
+    data_dir = tmp_path_factory.mktemp("hardened")
+    store = KeyStore(data_dir / "kvserve.db")
+    keys = {"a": store.create("tenant-a"), "b": store.create("tenant-b"), "c": store.create("tenant-c"),
+            "limited": store.create("limited", rpm=4), "fuzz": store.create("fuzz")}
+    store.close()
+    server = model_server(data_dir, "--max-model-len", "512", "--shared-prompt", HARDENED_SHARED_PROMPT,
+                          "--header-timeout", "1")
+    server.keys = keys
+    return server

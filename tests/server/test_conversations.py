@@ -8,13 +8,14 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
+from kvserve.server.conversations import StoreLimits
 from kvserve.server.webui import CLIENT_HEADER, mount_webui
 
 ALICE = {CLIENT_HEADER: "browser-alice-0001"}
 BOB = {CLIENT_HEADER: "browser-bob-000002"}
 
 
-def make_app(db_path) -> FastAPI:
+def make_app(db_path, limits: StoreLimits | None = None) -> FastAPI:
     app = FastAPI()
 
     # Stands in for the server's auth middleware only in what it hands the page: the key name.
@@ -23,7 +24,7 @@ def make_app(db_path) -> FastAPI:
         request.state.key_name = request.headers.get("x-test-key-name")
         return await call_next(request)
 
-    mount_webui(app, db_path)
+    mount_webui(app, db_path, limits)
     return app
 
 
@@ -59,14 +60,18 @@ def test_messages_append_replace_and_traces(client):
     client.post(url, json={"messages": [{"role": "user", "content": "hi"}]}, headers=ALICE)
     r = client.post(url, json={"messages": [{"role": "assistant", "content": "one", "trace": trace}]},
                     headers=ALICE)
-    assert [(m["position"], m["role"], m["content"]) for m in r.json()["messages"]] == [
-        (0, "user", "hi"), (1, "assistant", "one")]
-    assert r.json()["messages"][1]["trace"] == trace
+    # an append answers with what it wrote, not the whole conversation
+    assert r.json()["start"] == 1 and r.json()["total"] == 2
+    assert [(m["position"], m["role"]) for m in r.json()["messages"]] == [(1, "assistant")]
+    assert "one" not in r.text
+    got = client.get(f"/v1/kvserve/conversations/{conv['id']}", headers=ALICE).json()["messages"]
+    assert [(m["position"], m["role"], m["content"]) for m in got] == [(0, "user", "hi"), (1, "assistant", "one")]
+    assert got[1]["trace"] == trace
 
     # Regenerate: replace the answer at position 1.
     r = client.post(url, json={"start": 1, "messages": [{"role": "assistant", "content": "two",
                                                          "meta": {"stopped": True}}]}, headers=ALICE)
-    msgs = r.json()["messages"]
+    msgs = client.get(f"/v1/kvserve/conversations/{conv['id']}", headers=ALICE).json()["messages"]
     assert [m["content"] for m in msgs] == ["hi", "two"]
     assert msgs[1]["trace"] is None and msgs[1]["meta"] == {"stopped": True}
 
@@ -135,3 +140,49 @@ def test_page_and_assets_are_served_with_a_strict_policy(client):
     for asset in ("app.js", "markdown.js", "inspector.js", "style.css"):
         assert client.get(f"/static/{asset}").status_code == 200, asset
     assert "javascript" in client.get("/static/app.js").headers["content-type"]
+
+
+def test_owner_quota_body_cap_and_json_limits(tmp_path):
+    """Per-owner storage quota (413 storage_quota_exceeded; deleting frees it), the body cap (413)
+    and the JSON limits (deep nesting, lone surrogates: 400, never a 500)."""
+    limits = StoreLimits(max_owner_bytes=10_000, max_body_bytes=50_000)
+    with TestClient(make_app(tmp_path / "q.db", limits)) as c:
+        conv = c.post("/v1/kvserve/conversations", json={}, headers=ALICE).json()
+        url = f"/v1/kvserve/conversations/{conv['id']}/messages"
+        big = [{"role": "user", "content": "x" * 4000}]
+        assert c.post(url, json={"messages": big}, headers=ALICE).status_code == 200
+        assert c.post(url, json={"messages": big}, headers=ALICE).status_code == 200
+        r = c.post(url, json={"messages": big}, headers=ALICE)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "storage_quota_exceeded"
+        # another owner has their own quota
+        other = c.post("/v1/kvserve/conversations", json={"messages": big}, headers=BOB)
+        assert other.status_code == 200, other.text
+        # replacing a message frees what it replaced; deleting the conversation frees all of it
+        assert c.post(url, json={"start": 1, "messages": big}, headers=ALICE).status_code == 200
+        c.delete(f"/v1/kvserve/conversations/{conv['id']}", headers=ALICE)
+        conv = c.post("/v1/kvserve/conversations", json={"messages": big + big}, headers=ALICE)
+        assert conv.status_code == 200, conv.text
+
+        r = c.post(url, content=b'{"messages": [' + b" " * 60_000 + b"]}", headers=ALICE)
+        assert r.status_code == 413 and r.json()["error"]["param"] == "body"
+        r = c.post("/v1/kvserve/conversations", content=b'{"title": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                   headers=ALICE)
+        assert r.status_code in (400, 413), r.text
+        r = c.post("/v1/kvserve/conversations", content=b'{"settings": ' + b'{"a":' * 200 + b"1" + b"}" * 201,
+                   headers=ALICE)
+        assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
+        r = c.post("/v1/kvserve/conversations", content=b'{"title": "\\ud800"}',
+                   headers=ALICE)
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+
+
+def test_data_files_are_private(tmp_path):
+    """The database (keys, usage, conversations) is created 0600 in a folder created 0700."""
+    import stat
+
+    data = tmp_path / "data"
+    with TestClient(make_app(data / "kvserve.db")) as c:
+        c.post("/v1/kvserve/conversations", json={"messages": [{"role": "user", "content": "q"}]}, headers=ALICE)
+        assert stat.S_IMODE(data.stat().st_mode) == 0o700
+        for f in data.iterdir():
+            assert stat.S_IMODE(f.stat().st_mode) == 0o600, f

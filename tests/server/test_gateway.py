@@ -179,7 +179,7 @@ def test_malformed_bodies_are_400(gateway):
         r = httpx.post(url, content=content, headers={"content-type": "application/json"})
         assert r.status_code == 400, (content, r.text)
     r = httpx.post(url, content=b" " * (2 << 20), headers={"content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"
 
 
 def test_generation_is_503_while_no_model(gateway):

@@ -49,6 +49,7 @@ class ServeConfig:
     seed: int = 0
     goodput: dict[str, float] = field(default_factory=dict)   # SLO name -> ms
     timeout_s: float = 1800.0
+    conversation_writers: int = 0          # loops appending to saved conversations during the load
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("chat", "completions"):

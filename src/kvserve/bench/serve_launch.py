@@ -247,11 +247,20 @@ def bench_target(target: Target, requests: list[BenchRequest], cfg: ServeConfig,
         emit("start", label=target.label, total=len(requests))
         sampler = MemorySampler(server.pid) if server else contextlib.nullcontext()
         with sampler:
-            results, duration = asyncio.run(run_load(
-                target.base_url, requests, cfg, target.backend, served, api_key,
-                on_done=lambda r: emit("advance", label=target.label, n=1)))
+            load = run_load(target.base_url, requests, cfg, target.backend, served, api_key,
+                            on_done=lambda r: emit("advance", label=target.label, n=1))
+            writes = None
+            if cfg.conversation_writers and target.backend == "kvserve":
+                from kvserve.bench.writers import with_writers
+
+                (results, duration), writes = asyncio.run(with_writers(load, target.base_url, api_key,
+                                                                       cfg.conversation_writers))
+            else:
+                results, duration = asyncio.run(load)
         m = calculate_metrics(results, duration, cfg.goodput, label=target.label)
         m.max_concurrency = cfg.concurrency
+        if writes is not None:
+            m.extra["conversation_writes"] = writes
         if profile:
             after = fetch_profile(target.base_url, api_key) if before is not None else None
             if after is not None:
@@ -350,6 +359,9 @@ def serve_command(
     scenario: str = typer.Option("default", help="default, or long-prompt: short probes' TTFT and streams' ITL "
                                  "alone, under load, and while long prompts prefill (bench/scenario.py)."),
     long_len: int = typer.Option(7000, "--long-len", min=1, help="long-prompt scenario: the long prompts' tokens."),
+    conversation_writers: int = typer.Option(0, "--conversation-writers", min=0,
+                                             help="Loops appending to saved conversations during the load "
+                                                  "(kvserve servers)."),
 ) -> None:
     """Serving benchmark: streaming requests against OpenAI-compatible servers, vLLM's metrics side by side."""
     from kvserve.model.registry import resolve
@@ -364,7 +376,8 @@ def serve_command(
             raise InvalidRequest("give --base-url URL or --launch kvserve / --launch llama-cpp")
         cfg = ServeConfig(num_prompts=num_prompts, concurrency=concurrency, request_rate=request_rate,
                           burstiness=burstiness, input_len=input_len, output_len=output_len,
-                          range_ratio=range_ratio, endpoint=endpoint, seed=seed, goodput=parse_goodput(goodput))
+                          range_ratio=range_ratio, endpoint=endpoint, seed=seed, goodput=parse_goodput(goodput),
+                          conversation_writers=conversation_writers)
         src = resolve(model)
         if src.kind == "gguf":
             from kvserve.model.gguf_loader import open_gguf
@@ -405,6 +418,8 @@ def serve_command(
           f"concurrency {concurrency or 'unlimited'}, rate {rate}, {threads} threads, "
           f"load average {os.getloadavg()[0]:.1f}" + (f", goodput SLOs {cfg.goodput} ms" if cfg.goodput else "") + "\n")
     for m in results:
+        if "conversation_writes" in m.extra:
+            table += f"\n\n{m.label}: {m.extra['conversation_writes']} conversation appends during the load"
         if "profile" in m.extra:
             table += f"\n\n{m.label} step profile: " + profile_table(m.extra["profile"])
     print(table)

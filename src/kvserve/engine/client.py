@@ -46,9 +46,12 @@ from kvserve.sampling_params import SamplingParams
 
 
 class EngineDeadError(KVServeError):
-    status = 500
+    """The engine stopped (its process died): 503 with Retry-After, as the server restarts it."""
+
+    status = 503
     type = "server_error"
     code = "engine_error"
+    retry_after = 5.0
 
 
 class EngineClient:
@@ -95,13 +98,13 @@ class EngineClient:
             raise EngineDeadError(self._dead)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
-                       priority: int = 0, cache_salt: str | None = None,
+                       priority: int = 0, cache_salt: str | None = None, cache_salt_from: int = 0,
                        prompt: str | None = None) -> AsyncIterator[RequestOutput]:
         self.health()
         if request_id in self.outputs.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         reqs = self.inputs.requests(request_id, list(prompt_token_ids), params, priority=priority,
-                                    cache_salt=cache_salt)
+                                    cache_salt=cache_salt, cache_salt_from=cache_salt_from)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         self.outputs.add(request_id, prompt, reqs)
@@ -153,6 +156,10 @@ class EngineClient:
         if loop is not None:
             with contextlib.suppress(RuntimeError):   # the loop closed under us: nobody is listening
                 loop.call_soon_threadsafe(fn, *args)
+
+    def fail_all(self, message: str) -> None:
+        """Mark the engine dead and end every waiting request with EngineDeadError (event loop)."""
+        self._fail_all(message)
 
     def _fail_all(self, message: str) -> None:
         """On the event loop: the engine is gone; every waiting request gets the error."""

@@ -3,7 +3,9 @@
 The KV cache is a pool of `num_blocks` blocks of `block_size` token slots. A sequence owns a
 block table (block ids in token order). A *full* block is identified by a chained hash of
 (parent block's hash, its token ids, the request's cache_salt), so two prompts with the same
-first k blocks map to the same k blocks:
+first k blocks map to the same k blocks (the server salts by API key, so keys cannot see each
+other's prompts; blocks wholly inside an operator-declared shared prefix, `cache_salt_from`, are
+hashed without the salt, so every key hits those):
 
     prompt A: [sys prompt | sys prompt | question A ...]   hashes h1, h2, hA3
     prompt B: [sys prompt | sys prompt | question B ...]   hashes h1, h2, hB3 -> blocks of h1, h2 shared
@@ -99,7 +101,8 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= num_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(self._hash(parent, req.token_ids_slice(i * bs, (i + 1) * bs), req.cache_salt))
+            salt = req.cache_salt if (i + 1) * bs > req.cache_salt_from else None
+            hashes.append(self._hash(parent, req.token_ids_slice(i * bs, (i + 1) * bs), salt))
         return hashes
 
     # ---- prefix cache -----------------------------------------------------------------

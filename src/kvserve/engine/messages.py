@@ -40,6 +40,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
     arrival_time: float
     priority: int = 0                      # smaller runs first
     cache_salt: str | None = None          # isolates this request's prefix-cache entries
+    cache_salt_from: int = 0               # blocks wholly before this token are hashed unsalted (shared)
     seed: int | None = None                # this sequence's own seed (params.seed + child index)
     wait_for: str | None = None            # request id whose prompt must be computed first
     want_prompt_logprobs: bool = False     # only one child of a request reports them

@@ -53,7 +53,8 @@ class InputProcessor:
                              param="prompt")
 
     def requests(self, request_id: str, ids: list[int], params: SamplingParams, *, priority: int = 0,
-                 cache_salt: str | None = None, arrival_time: float | None = None) -> list[EngineCoreRequest]:
+                 cache_salt: str | None = None, cache_salt_from: int = 0,
+                 arrival_time: float | None = None) -> list[EngineCoreRequest]:
         """Validate and fan out into the core's requests (one per generated sequence)."""
         info = self.info
         if not ids:
@@ -62,6 +63,11 @@ class InputProcessor:
         if bad:
             raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary "
                                  f"(0..{info.vocab_size - 1})", param="prompt")
+        for name, toks in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids or ())):
+            bad = [t for t in toks if t >= info.vocab_size]
+            if bad:
+                raise InvalidRequest(f"{name} holds token id {bad[0]}, outside the vocabulary "
+                                     f"(0..{info.vocab_size - 1})", param=name)
         room = info.max_model_len - len(ids)
         if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
             limit = (f"the KV cache (kv_cache_memory) holds at most {info.max_model_len} tokens per sequence"
@@ -77,7 +83,7 @@ class InputProcessor:
             rid = request_id if n == 1 else f"{request_id}#{i}"
             out.append(EngineCoreRequest(
                 request_id=rid, prompt_token_ids=ids, sampling_params=params, arrival_time=arrival,
-                priority=priority, cache_salt=cache_salt, seed=None if params.seed is None else params.seed + i,
+                priority=priority, cache_salt=cache_salt, cache_salt_from=cache_salt_from, seed=None if params.seed is None else params.seed + i,
                 wait_for=out[0].request_id if i and self.enable_prefix_caching else None,
                 want_prompt_logprobs=params.prompt_logprobs is not None and i == 0))
         return out

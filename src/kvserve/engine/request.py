@@ -46,6 +46,7 @@ class Request:
     num_preemptions: int = 0
     num_kv_blocks: int = 0                      # most KV blocks held at once
     first_scheduled_time: float | None = None
+    cache_salt_from: int = 0                    # blocks ending at or before it are hashed without the salt
 
     @classmethod
     def from_core_request(cls, req: EngineCoreRequest, arrival_seq: int, max_model_len: int,
@@ -54,7 +55,8 @@ class Request:
         p = req.sampling_params
         return cls(req.request_id, list(req.prompt_token_ids), p, arrival_seq, req.arrival_time, req.priority,
                    req.cache_salt, make_generator(req.seed, device), req.wait_for, req.want_prompt_logprobs,
-                   room if p.max_tokens is None else min(room, p.max_tokens))
+                   room if p.max_tokens is None else min(room, p.max_tokens),
+                   cache_salt_from=req.cache_salt_from)
 
     @property
     def num_tokens(self) -> int:

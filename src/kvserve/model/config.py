@@ -7,7 +7,7 @@ directly and GGUF metadata (`llama.block_count`, ...) is translated once, in the
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kvserve.errors import ModelLoadError
 
@@ -67,6 +67,7 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_values()
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -92,6 +93,27 @@ class ModelConfig:
             raise ModelLoadError(f"sliding_window must be a positive number of tokens, got {self.sliding_window}")
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ModelLoadError(f"unsupported hidden_act {self.hidden_act!r}: kvserve runs silu and gelu_pytorch_tanh")
+
+    _LIMITS: ClassVar[dict[str, int]] = {
+        "vocab_size": 1 << 24, "hidden_size": 1 << 20, "intermediate_size": 1 << 22, "num_hidden_layers": 4096,
+        "num_attention_heads": 4096, "num_key_value_heads": 4096, "head_dim": 1 << 16,
+        "max_position_embeddings": 1 << 24}
+
+    def _check_values(self) -> None:
+        """Sizes are integers in a sane range and the float settings positive numbers: a corrupt
+        config fails here, by name, not later as a division by zero or a huge allocation."""
+        for name, hi in self._LIMITS.items():
+            v = getattr(self, name)
+            if v is None and name in ("num_key_value_heads", "head_dim"):
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= hi:
+                raise ModelLoadError(f"model config {name} is {v!r}: expected an integer in [1, {hi}]")
+        for name, hi in (("rms_norm_eps", 1.0), ("rope_theta", 1e15)):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= hi:
+                raise ModelLoadError(f"model config {name} is {v!r}: expected a positive number")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ModelLoadError(f"model config rope_scaling is {self.rope_scaling!r}: expected an object")
 
     @property
     def max_model_len(self) -> int:
@@ -120,7 +142,9 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         archs = d.get("architectures") or []
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if not isinstance(archs, list):
+            archs = [archs]
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             mt = d.get("model_type")
             if mt in SUPPORTED_ARCHITECTURES.values():
@@ -133,7 +157,7 @@ class ModelConfig:
         rope_theta = d.get("rope_theta")
         rp = d.get("rope_parameters")  # transformers >= 5 nests rope settings here
         if isinstance(rp, dict):
-            rope_theta = rope_theta or rp.get("rope_theta")
+            rope_theta = rope_theta if rope_theta is not None else rp.get("rope_theta")
             if rope_scaling is None and rp.get("rope_type", "default") != "default":
                 rope_scaling = rp
         known = {f for f in cls.__dataclass_fields__}
@@ -141,7 +165,10 @@ class ModelConfig:
 
         kw = {k: v for k, v in d.items() if k in known and k not in ("architecture", "extra")}
         kw["rope_scaling"] = rope_scaling
-        kw["rope_theta"] = float(rope_theta or 10000.0)
+        rope_theta = 10000.0 if rope_theta is None else rope_theta
+        if not isinstance(rope_theta, (int, float)) or isinstance(rope_theta, bool):
+            raise ModelLoadError(f"model config rope_theta is {rope_theta!r}: expected a positive number")
+        kw["rope_theta"] = float(rope_theta)
         kw.update(hf_family_fields(arch, d))
         kw.setdefault("tie_word_embeddings", d.get("tie_word_embeddings", False))
         return cls(architecture=arch, **kw)

@@ -16,6 +16,7 @@ import torch
 
 from kvserve.errors import ModelLoadError, ModelNotFound
 from kvserve.model.config import ModelConfig
+from kvserve.model.gguf_check import check_gguf
 from kvserve.model.gguf_families import (
     ARCHITECTURES,
     LAYER_NAMES,
@@ -64,8 +65,9 @@ def open_gguf(path: str | os.PathLike):
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
-    from gguf import GGUFReader
+    from gguf import GGML_QUANT_SIZES, GGUFReader
 
+    check_gguf(path, {int(k): v for k, v in GGML_QUANT_SIZES.items()})   # bounds first (gguf_check.py)
     try:
         reader = GGUFReader(path)
     except Exception as e:  # noqa: BLE001 - the reader raises assorted errors on corrupt headers
@@ -92,6 +94,9 @@ def config_from_gguf(reader, name: str = "") -> ModelConfig:
             raise ModelLoadError(f"GGUF metadata is missing {arch}.{key}")
         return v
 
+    _check_metadata(reader, arch)
+    if field(reader, f"{arch}.vocab_size") is None and "tokenizer.ggml.tokens" not in reader.fields:
+        raise ModelLoadError("GGUF metadata has neither a vocab_size nor tokenizer.ggml.tokens")
     n_vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     n_head = int(req("attention.head_count"))
     hidden = int(req("embedding_length"))
@@ -122,6 +127,37 @@ def config_from_gguf(reader, name: str = "") -> ModelConfig:
         tie_word_embeddings="output.weight" not in names, attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"), eos_token_id=eos,
         name=name or str(field(reader, "general.name", "")), **family)
+
+
+# metadata key (after "<arch>.") -> (kind, smallest, largest): a value of the wrong type or out of
+# range is a corrupt file, not a model with 0 layers or a division by zero later
+_METADATA = {
+    "vocab_size": (int, 1, 1 << 24), "embedding_length": (int, 1, 1 << 20), "feed_forward_length": (int, 1, 1 << 22),
+    "block_count": (int, 1, 4096), "attention.head_count": (int, 1, 4096), "attention.head_count_kv": (int, 1, 4096),
+    "attention.key_length": (int, 1, 1 << 16), "context_length": (int, 1, 1 << 24),
+    "attention.layer_norm_rms_epsilon": (float, 1e-12, 1.0), "rope.freq_base": (float, 1.0, 1e12),
+    "rope.scaling.factor": (float, 1e-3, 1e6),
+}
+
+
+def _check_metadata(reader, arch: str) -> None:
+    for key, (kind, lo, hi) in _METADATA.items():
+        v = field(reader, f"{arch}.{key}")
+        if v is None:
+            continue
+        ok_type = isinstance(v, int) and not isinstance(v, bool) if kind is int else isinstance(v, (int, float))
+        if not ok_type or not lo <= v <= hi:
+            raise ModelLoadError(f"GGUF metadata {arch}.{key} is {v!r}: expected {kind.__name__} in [{lo}, {hi}]")
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        v = field(reader, key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ModelLoadError(f"GGUF metadata {key} is {v!r}: expected a token id")
+    heads, kv = field(reader, f"{arch}.attention.head_count"), field(reader, f"{arch}.attention.head_count_kv")
+    if heads and kv and heads % kv:
+        raise ModelLoadError(f"GGUF metadata: {heads} attention heads are not a multiple of {kv} key/value heads")
+    hidden = field(reader, f"{arch}.embedding_length")
+    if heads and hidden and field(reader, f"{arch}.attention.key_length") is None and hidden % heads:
+        raise ModelLoadError(f"GGUF metadata: embedding_length {hidden} is not a multiple of {heads} heads")
 
 
 def _unpermute_order(n_rows: int, n_head: int) -> torch.Tensor:

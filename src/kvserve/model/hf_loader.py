@@ -21,6 +21,8 @@ def config_from_dir(path: Path) -> ModelConfig:
         d = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{cfg_file} is not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ModelLoadError(f"{cfg_file} must hold a JSON object, not {type(d).__name__}")
     cfg = ModelConfig.from_hf_dict(d)
     cfg.name = cfg.name or path.name
     return cfg
@@ -49,4 +51,7 @@ def weights_from_dir(path: Path, cfg: ModelConfig) -> dict[str, WeightSource | t
         out["model.embed_tokens.weight"] = emb.tensor
     if "lm_head.weight" not in out:
         cfg.tie_word_embeddings = True
+    from kvserve.model.gguf_loader import _check_shapes  # the same shape rules as a GGUF's tensors
+
+    _check_shapes(out, cfg)
     return out

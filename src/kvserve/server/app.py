@@ -21,8 +21,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kvserve
 from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound, Overloaded
 from kvserve.server.admission import Admission
-from kvserve.server.handlers import mount, read_body
+from kvserve.server.cache_scope import CacheScope
+from kvserve.server.conformance import mount_conformance
+from kvserve.server.handlers import mount
 from kvserve.server.keys import KeyStore
+from kvserve.server.limits import read_body
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GatewayMiddleware
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
@@ -39,8 +42,11 @@ class ServerState:
         self.settings = settings
         self.engine = engine
         self.load_error: str | None = None
+        self.on_load_failed = None   # set by `kvserve serve`: stop the server, exit non-zero
+        self.engine_restarts = 0
         self.keystore = KeyStore(settings.db_path)
         self.limiter = RateLimiter()
+        self.cache_scope = CacheScope(settings.prefix_cache_scope, settings.shared_prompts)
         self.admission = Admission(settings)
         self.http_ns = 0    # the generation handlers' time on the event loop (stages, formatting, writes)
         self.metrics = ServerMetrics(self.engine_stats, lambda: self.model_name or "")
@@ -85,13 +91,41 @@ class ServerState:
             engine = make_engine_client(s.model, engine_process=s.engine_process, weight_format=s.weight_format,
                                         **s.engine_kwargs)
         except Exception as e:
-            logger.exception("model load failed")
             self.load_error = str(e)
+            if not isinstance(e, KVServeError):
+                logger.exception("model load failed")
+            if self.on_load_failed is not None:
+                self.on_load_failed(self.load_error)   # `kvserve serve` prints it and exits 1
+            elif isinstance(e, KVServeError):
+                logger.error("model load failed: %s", e)
             return
         fut = asyncio.run_coroutine_threadsafe(engine.start(), self.loop)
         fut.result()
         self.engine = engine
         logger.info("model %s loaded", engine.model_name)
+
+
+    async def watch_engine(self, every_s: float = 0.5) -> None:
+        """Restart an engine process that died: its in-flight requests end with a retryable 503
+        (EngineDeadError), /health says "loading" and new requests get 503 + Retry-After until the
+        new engine is up. An in-process engine dies only with this process."""
+        while True:
+            await asyncio.sleep(every_s)
+            engine = self.engine
+            if engine is None or getattr(engine, "kind", None) != "process":
+                continue
+            try:
+                engine.health()
+                continue
+            except KVServeError as e:
+                message = e.message
+            logger.error("the engine process died (%s); restarting it", message)
+            self.engine = None
+            self.engine_restarts += 1
+            engine.fail_all(message)
+            with contextlib.suppress(Exception):
+                await engine.shutdown()
+            threading.Thread(target=self.load, name="kvserve-model-reload", daemon=True).start()
 
 
 def _error_response(err: KVServeError) -> JSONResponse:
@@ -114,7 +148,10 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             await state.engine.start()
         elif settings.load_model:
             threading.Thread(target=state.load, name="kvserve-model-load", daemon=True).start()
+        watchdog = asyncio.create_task(state.watch_engine()) if settings.load_model else None
         yield
+        if watchdog is not None:
+            watchdog.cancel()
         if state.engine is not None:
             with contextlib.suppress(Exception):
                 await state.engine.shutdown()
@@ -153,16 +190,19 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        """Open without a key, so it says only ok / loading / error and which engine client runs;
+        the reason for an error is in the server's log."""
         if state.engine is None:
-            body = {"status": "error", "error": state.load_error} if state.load_error else {"status": "loading"}
+            body = {"status": "error"} if state.load_error else {"status": "loading"}
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         kind = getattr(state.engine, "kind", None)   # which engine client: "inproc" or "process"
         try:
             if hasattr(state.engine, "health"):
                 state.engine.health()   # raises when the engine (process) is gone
-        except KVServeError as e:
-            return JSONResponse({"status": "error", "error": e.message, "engine": kind}, status_code=503)
-        return JSONResponse({"status": "ok", "model": state.model_name, "engine": kind})
+        except KVServeError:
+            return JSONResponse({"status": "error", "engine": kind}, status_code=503,
+                                headers={"Retry-After": "5"})
+        return JSONResponse({"status": "ok", "engine": kind})
 
     @app.get("/version")
     async def version() -> dict:
@@ -175,7 +215,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        req = parse_body(await read_body(request, settings.max_body_bytes), TokenizeRequest)
+        req = parse_body(await read_body(request, settings.max_body_bytes, settings.body_timeout_s),
+                         TokenizeRequest, settings.max_json_depth)
         engine, name = state.require_engine(req.model)
         tok = engine.tokenizer
         if (req.prompt is None) == (req.messages is None):
@@ -190,11 +231,15 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             ids = await asyncio.to_thread(tok.encode, text, add_special_tokens=False)
         else:
             ids = await asyncio.to_thread(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len, "model": name}
+        out = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len, "model": name}
+        if req.return_token_strs:
+            out["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return out
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        req = parse_body(await read_body(request, settings.max_body_bytes), DetokenizeRequest)
+        req = parse_body(await read_body(request, settings.max_body_bytes, settings.body_timeout_s),
+                         DetokenizeRequest, settings.max_json_depth)
         engine, _ = state.require_engine(req.model)
         vocab = getattr(engine.tokenizer, "vocab_size", None)
         if any(t < 0 or (vocab is not None and t >= vocab) for t in req.tokens):
@@ -205,7 +250,9 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     if importlib.util.find_spec("kvserve.server.webui") is not None:
         from kvserve.server.webui import mount_webui
 
-        mount_webui(app, settings.db_path)
+        mount_webui(app, settings.db_path, settings.store_limits())
+    mount_conformance(app, state)   # /v1/models/{id}, /tokenizer_info, /openapi.json
 
-    app.add_middleware(GatewayMiddleware, keystore=state.keystore, api_key=settings.api_key)
+    app.add_middleware(GatewayMiddleware, keystore=state.keystore, api_key=settings.api_key,
+                       limiter=state.limiter)
     return app

@@ -50,35 +50,75 @@ def serve(
     max_num_partial_prefills: int = typer.Option(2, min=1, help="Long prompts prefilling at once."),
     max_step_ms: float = typer.Option(DEFAULT_MAX_STEP_MS, min=0, help="Cut long prompts' chunks so a step's "
                                       "predicted time stays under this many ms (0: no target)."),
+    kv_cache_memory: str = typer.Option(None, help="KV cache size: bytes, a size such as 2GiB, or a fraction "
+                                                   "of RAM such as 0.2 (default 1GiB)."),
     engine_process: bool = typer.Option(False, "--engine-process",
                                         help="Run the engine in its own process (msgpack over a local ZMQ "
                                              "socket), so the HTTP process stays responsive while the model "
                                              "computes."),
+    prefix_cache_scope: str = typer.Option("key", help="Who shares prefix-cache blocks: key (each API key "
+                                                       "its own), tier, or global (single tenant)."),
+    shared_prompt: list[str] = typer.Option(None, "--shared-prompt",  # noqa: B008 - typer's idiom
+                                            help="A public prompt (text, or @FILE) every key may hit in the "
+                                                 "prefix cache, e.g. the system prompt all clients send. "
+                                                 "Repeatable."),
+    max_body_bytes: int = typer.Option(1 << 20, help="Largest request body of the API (413 past it)."),
+    conversation_quota_bytes: int = typer.Option(64 << 20, help="Saved conversations per key (413 past it)."),
+    header_timeout: float = typer.Option(10.0, help="Seconds for a request's line and headers to arrive."),
+    body_timeout: float = typer.Option(30.0, help="Seconds for each chunk of a request body (408 past it)."),
+    shutdown_grace: float = typer.Option(5.0, help="On SIGTERM, seconds in-flight requests may finish."),
 ) -> None:
     """Serve the OpenAI-compatible API (and the web chat page) with one model."""
-    import uvicorn
-
+    from kvserve.server import serving
     from kvserve.server.app import create_app
+    from kvserve.server.cache_scope import SCOPES
 
     _setup_logging()
-    engine_kwargs = {k: v for k, v in [("max_model_len", max_model_len),
-                                       ("long_prefill_token_threshold", long_prefill_token_threshold),
-                                       ("max_num_partial_prefills", max_num_partial_prefills),
-                                       ("max_step_ms", max_step_ms)] if v is not None}
+    if prefix_cache_scope not in SCOPES:
+        typer.echo(f"error: --prefix-cache-scope must be one of {', '.join(SCOPES)}", err=True)
+        raise typer.Exit(2)
+    shared = []
+    for text in shared_prompt or []:
+        if text.startswith("@"):
+            try:
+                text = pathlib.Path(text[1:]).read_text()
+            except OSError as e:
+                typer.echo(f"error: --shared-prompt {text}: {e.strerror}", err=True)
+                raise typer.Exit(2) from None
+        shared.append(text)
+    engine_kwargs: dict = {k: v for k, v in [("max_model_len", max_model_len),
+                                             ("long_prefill_token_threshold", long_prefill_token_threshold),
+                                             ("max_num_partial_prefills", max_num_partial_prefills),
+                                             ("max_step_ms", max_step_ms)] if v is not None}
+    if kv_cache_memory:
+        engine_kwargs["kv_cache_memory"] = (int(kv_cache_memory) if kv_cache_memory.isdigit() else
+                                            float(kv_cache_memory) if kv_cache_memory.replace(".", "", 1).isdigit()
+                                            else kv_cache_memory)
     settings = ServerSettings(
         model=model, served_model_name=served_model_name, data_dir=data_dir or default_data_dir(),
         api_key=api_key, max_running=max_running, max_waiting=max_waiting, ladder_cap_at=ladder_cap_at,
         ladder_cap_max_tokens=ladder_cap_max_tokens, ladder_reject_free_at=ladder_reject_free_at,
-        default_max_tokens=default_max_tokens, engine_process=engine_process, engine_kwargs=engine_kwargs)
+        default_max_tokens=default_max_tokens, engine_process=engine_process, engine_kwargs=engine_kwargs,
+        prefix_cache_scope=prefix_cache_scope, shared_prompts=shared, max_body_bytes=max_body_bytes,
+        conversation_quota_bytes=conversation_quota_bytes, header_timeout_s=header_timeout,
+        body_timeout_s=body_timeout)
+    try:
+        sock = serving.bind(host, port)
+    except KVServeError as e:
+        typer.echo(f"error: {e.message}", err=True)
+        raise typer.Exit(2) from None
     try:
         app = create_app(None, settings)
     except KVServeError as e:
+        sock.close()
         typer.echo(f"error: {e.message}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"kvserve: listening on http://{host}:{port} (OpenAI API under /v1; keys in {settings.db_path})",
                err=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)
+    code = serving.run(app, sock, header_timeout_s=header_timeout, grace_s=shutdown_grace)
+    if code:
+        typer.echo(f"error: the model could not be loaded: {app.state.server.load_error}", err=True)
+        raise typer.Exit(code)
 
 
 keys_app = typer.Typer(help="Create, list and revoke API keys; show usage.", no_args_is_help=True)

@@ -10,6 +10,10 @@ Every read and write is scoped by `owner`, a string the web layer derives from t
 `key:<api key name>` when the server runs with auth, `client:<browser id>` when it does not.
 A conversation that belongs to another owner is indistinguishable from one that does not
 exist (both raise ConversationNotFound), so ids leak nothing across owners.
+
+Each owner has a storage quota (`StoreLimits.max_owner_bytes`, the bytes of their messages'
+content, traces and meta, kept in `owner_usage` by every write and delete): past it, 413
+`storage_quota_exceeded`, which says to delete old conversations.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 from kvserve.errors import InvalidRequest, KVServeError
+from kvserve.server import storage
 
 ROLES = ("system", "user", "assistant")
 
@@ -35,6 +40,10 @@ CREATE TABLE IF NOT EXISTS conversations (
     settings    TEXT NOT NULL DEFAULT '{}',
     created_at  REAL NOT NULL,
     updated_at  REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS owner_usage (
+    owner TEXT PRIMARY KEY,
+    bytes INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS conversations_owner ON conversations(owner, updated_at DESC);
 CREATE TABLE IF NOT EXISTS messages (
@@ -49,6 +58,13 @@ CREATE TABLE IF NOT EXISTS messages (
     UNIQUE (conversation_id, position)
 );
 """
+
+
+class QuotaExceeded(KVServeError):
+    """An owner's conversations would exceed their storage quota (HTTP 413)."""
+
+    status = 413
+    code = "storage_quota_exceeded"
 
 
 class ConversationNotFound(KVServeError):
@@ -69,6 +85,10 @@ class StoreLimits:
     max_settings_bytes: int = 16_000
     max_messages_per_conversation: int = 2_000
     max_conversations_per_owner: int = 2_000
+    max_owner_bytes: int = 64 << 20      # all of an owner's messages (content + trace + meta)
+    max_body_bytes: int = 8 << 20        # one request's body (a message's trace can be 4 MB)
+    body_timeout_s: float = 30.0
+    max_json_depth: int = 64
 
 
 class ConversationStore:
@@ -77,10 +97,9 @@ class ConversationStore:
 
     def __init__(self, db_path: pathlib.Path | str, limits: StoreLimits | None = None):
         self.db_path = pathlib.Path(db_path)
-        self.db_path.parent.mkdir(parents=True, exist_ok=True)
         self.limits = limits or StoreLimits()
         self._lock = threading.Lock()
-        self._conn = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
+        self._conn = storage.connect(self.db_path, check_same_thread=False, isolation_level=None)
         self._conn.row_factory = sqlite3.Row
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
@@ -212,15 +231,35 @@ class ConversationStore:
             row = self._owned(owner, conv_id)
         return self._conv_dict(row)
 
+    _ROW_BYTES = "COALESCE(SUM(length(CAST(content AS BLOB)) + COALESCE(length(trace), 0) + COALESCE(length(meta), 0)), 0)"
+
+    def _add_usage(self, owner: str, delta: int) -> None:
+        self._conn.execute("INSERT INTO owner_usage (owner, bytes) VALUES (?, ?) ON CONFLICT(owner) "
+                           "DO UPDATE SET bytes = max(0, bytes + excluded.bytes)", (owner, delta))
+
+    def usage_bytes(self, owner: str) -> int:
+        row = self._conn.execute("SELECT bytes FROM owner_usage WHERE owner = ?", (owner,)).fetchone()
+        return row[0] if row else 0
+
     def delete(self, owner: str, conv_id: str) -> None:
         with self._lock:
             self._owned(owner, conv_id)
-            self._conn.execute("DELETE FROM conversations WHERE id = ? AND owner = ?", (conv_id, owner))
+            (freed,) = self._conn.execute(f"SELECT {self._ROW_BYTES} FROM messages WHERE conversation_id = ?",
+                                          (conv_id,)).fetchone()
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                self._conn.execute("DELETE FROM conversations WHERE id = ? AND owner = ?", (conv_id, owner))
+                self._add_usage(owner, -freed)
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
 
     def put_messages(self, owner: str, conv_id: str, messages: object, *, start: int | None = None) -> dict:
         """Write `messages` at positions start, start+1, ...; every message at or after `start`
         is replaced. start=None appends after the last message; start=0 replaces them all
-        (Regenerate sends the index of the answer it replaces)."""
+        (Regenerate sends the index of the answer it replaces). Returns what was written (ids and
+        positions), never the whole conversation: an append costs the same however long it is."""
         if not isinstance(messages, list):
             raise InvalidRequest("'messages' must be a list of {role, content} objects.", param="messages")
         if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start < 0):
@@ -240,17 +279,29 @@ class ConversationStore:
                 raise InvalidRequest("This conversation has reached the maximum of "
                                      f"{self.limits.max_messages_per_conversation} messages; start a new "
                                      "chat.", param="messages")
+            added = sum(len(c.encode()) + len(t or "") + len(m or "") for _, c, t, m in rows)
+            (freed,) = self._conn.execute(f"SELECT {self._ROW_BYTES} FROM messages WHERE conversation_id = ? "
+                                          "AND position >= ?", (conv_id, start)).fetchone()
+            used = self.usage_bytes(owner)
+            if added > freed and used - freed + added > self.limits.max_owner_bytes:
+                raise QuotaExceeded(f"Your saved conversations would take {used - freed + added} bytes; the "
+                                    f"quota is {self.limits.max_owner_bytes}. Delete old conversations first.",
+                                    param="messages")
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 self._conn.execute("DELETE FROM messages WHERE conversation_id = ? AND position >= ?",
                                    (conv_id, start))
-                self._conn.executemany(
+                ids = [self._conn.execute(
                     "INSERT INTO messages (conversation_id, position, role, content, trace, meta, created_at) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    [(conv_id, start + i, *row, now) for i, row in enumerate(rows)])
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)", (conv_id, start + i, *row, now)).lastrowid
+                    for i, row in enumerate(rows)]
                 self._conn.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conv_id))
+                self._add_usage(owner, added - freed)
                 self._conn.execute("COMMIT")
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
-        return self.get(owner, conv_id)
+        return {"id": conv_id, "object": "kvserve.conversation.messages", "start": start,
+                "total": start + len(rows),
+                "messages": [{"id": mid, "position": start + i, "role": row[0], "created_at": now}
+                             for i, (mid, row) in enumerate(zip(ids, rows))]}

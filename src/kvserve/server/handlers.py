@@ -1,6 +1,7 @@
 """The generation endpoints, /v1/chat/completions and /v1/completions: one handler, read top to bottom.
 
-    parse + validate (400) → gates: model (404; 503 while loading), request bucket (429), ladder
+    (the key's request bucket was taken by the middleware: 429)
+    parse + validate (400) → gates: model (404; 503 while loading), ladder
     (503, or a max_tokens cap) → prompt: template + tokenize in a thread (context.py; 400 when it
     does not fit) → SamplingParams (400) → token reservation (429) → admission slot (waits; 503
     when the queue is full) → engine.generate() → each choice's deltas through its stage list
@@ -37,6 +38,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.server.admission import Ticket, engine_priority
 from kvserve.server.context import build_prompts, token_texts
 from kvserve.server.formatting import ChunkWriter, TokenTexts, chat_body, completion_body, echo_text, trace
+from kvserve.server.limits import read_body
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -73,15 +75,14 @@ async def generate(server, request: Request, kind: str) -> Response:
     settings, chat = server.settings, kind == "chat"
 
     # 1. parse and validate
-    req = parse_body(await read_body(request, settings.max_body_bytes),
-                     ChatCompletionRequest if chat else CompletionRequest)
+    req = parse_body(await read_body(request, settings.max_body_bytes, settings.body_timeout_s),
+                     ChatCompletionRequest if chat else CompletionRequest, settings.max_json_depth)
     check_caps(req, settings)
     timings = Timings(t0=record.t0, parsed=time.monotonic())
 
     # 2. gates
     engine, model_name = server.require_engine(req.model)
     key = record.key
-    server.limiter.acquire_request(record.key_name, key.rpm if key else None)
     headers: dict[str, str] = {}
     max_tokens = req.requested_max_tokens()
     cap = server.admission.check(record.key_tier).max_tokens_cap
@@ -108,6 +109,7 @@ async def generate(server, request: Request, kind: str) -> Response:
     params = to_sampling_params(req, max_tokens, logprobs=max(top or 0, 5) if req.kvserve_trace else top,
                                 prompt_logprobs=req.logprobs if echo else None,
                                 extra_stop=plan.stop if plan is not None else None)
+    check_kv_budget(engine, prompts, max_tokens, params.num_sequences)
     if req.stream and params.best_of is not None and params.best_of > params.n:
         raise InvalidRequest("best_of > n cannot be streamed; drop best_of or stream=false.", param="best_of")
     gen = Generation.create(kind, prompts, params, lambda: build_stages(plan), model_name=model_name,
@@ -126,7 +128,7 @@ async def generate(server, request: Request, kind: str) -> Response:
 
     # 6. generate; answer as SSE events or as one JSON body
     decode = TokenTexts(tok)
-    deltas = _deltas(server, gen, req.cache_salt)
+    deltas = _deltas(server, gen, server.cache_scope.salt(key, req.cache_salt), req.cache_salt)
     echoes = [echo_text(tok, ps) for ps in gen.prompts] if echo else None
     if req.stream:
         writer = ChunkWriter(gen, bool(req.stream_options and req.stream_options.include_usage), decode)
@@ -153,14 +155,31 @@ async def generate(server, request: Request, kind: str) -> Response:
     return response
 
 
+def check_kv_budget(engine, prompts: list, max_tokens: int, num_sequences: int) -> None:
+    """400 when a request's sequences together could never be resident in the KV cache at once
+    (each prompt once, shared by its sequences, plus max_tokens for every sequence)."""
+    blocks = engine.stats().get("kv_blocks_total")
+    if not blocks:
+        return
+    capacity = blocks * engine.block_size
+    need = sum(len(p.token_ids) + num_sequences * max_tokens for p in prompts)
+    if need > capacity:
+        raise InvalidRequest(f"This request needs room for {need} tokens (prompts + n x max_tokens) but the "
+                             f"KV cache holds {capacity}; lower n, best_of or max_tokens.", param="max_tokens")
+
+
 # ---- engine outputs -> stage lists ------------------------------------------------------------
 
-async def _engine_outputs(server, gen: Generation, cache_salt: str | None
+async def _engine_outputs(server, gen: Generation, salt: str | None, client_salt: str | None
                           ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from the engine, every prompt of the request merged into one stream."""
-    engine = server.engine
+    """(prompt index, output) from the engine, every prompt of the request merged into one stream.
+    `salt` scopes the prefix cache (cache_scope.py); declared shared prompts stay unsalted."""
+    engine, scope = server.engine, server.cache_scope
     gen.streams = [engine.generate(ps.prompt.token_ids, gen.params, ps.request_id, priority=gen.priority,
-                                   cache_salt=cache_salt, prompt=ps.prompt.text) for ps in gen.prompts]
+                                   cache_salt=salt, prompt=ps.prompt.text,
+                                   cache_salt_from=scope.shared_prefix(engine.tokenizer, ps.prompt.token_ids,
+                                                                       client_salt))
+                   for ps in gen.prompts]
     gen.started = True
     if len(gen.streams) == 1:
         async for out in gen.streams[0]:
@@ -189,7 +208,8 @@ async def _engine_outputs(server, gen: Generation, cache_salt: str | None
             yield i, item
 
 
-async def _deltas(server, gen: Generation, cache_salt: str | None) -> AsyncIterator[tuple[int, int, ChoiceDelta]]:
+async def _deltas(server, gen: Generation, salt: str | None, client_salt: str | None
+                  ) -> AsyncIterator[tuple[int, int, ChoiceDelta]]:
     """(prompt index, choice index, delta after the choice's stages) for every step, each choice's
     state accumulated. A forced tool call's opening (the prompt's last text, which the answer
     continues) goes through the stages first."""
@@ -197,7 +217,7 @@ async def _deltas(server, gen: Generation, cache_salt: str | None) -> AsyncItera
         if ps.prompt.forced_prefix:
             for ci, ch in enumerate(ps.choices):
                 yield pi, ci, ch.add(run_stages(ch.stages, ChoiceDelta(ci, ps.prompt.forced_prefix)))
-    async for pi, out in _engine_outputs(server, gen, cache_salt):
+    async for pi, out in _engine_outputs(server, gen, salt, client_salt):
         t0 = time.perf_counter_ns()
         ps = gen.prompts[pi]
         if out.prompt_logprobs is not None:
@@ -292,20 +312,7 @@ async def _release(server, gen: Generation, record: RequestRecord, status: int, 
     record.generation = gen.log(status, error)
 
 
-# ---- the request's body and connection ------------------------------------------------------
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise InvalidRequest(f"The request body is larger than {limit} bytes.", param="body")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise InvalidRequest(f"The request body is larger than {limit} bytes.", param="body")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
+# ---- the request's connection ------------------------------------------------------------
 
 class ClientGone(Exception):
     """The client closed the connection before the response was complete."""

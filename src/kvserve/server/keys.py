@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from kvserve.errors import InvalidRequest
+from kvserve.server import storage
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_keys (
@@ -68,9 +69,8 @@ def hash_key(key: str) -> str:
 class KeyStore:
     def __init__(self, db_path: pathlib.Path):
         self.db_path = pathlib.Path(db_path)
-        self.db_path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._conn = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None,
+        self._conn = storage.connect(self.db_path, check_same_thread=False, isolation_level=None,
                                      timeout=10.0)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")  # durable across a process kill in WAL mode

@@ -6,6 +6,10 @@ exact match with a short list, or the `/static/` prefix, which only ever routes 
 file mount; anything else (`//v1/models`, `/health/../v1/models`, `/v1/models/`, `/%761/models`)
 needs a key.
 
+Every authenticated route takes one token from the key's request bucket here (429 when empty),
+so /tokenize and the conversation API are limited like generation, and every response to a
+limited key carries the `x-ratelimit-*` headers.
+
 Each request gets a `RequestRecord` (records.py) in `scope["state"]["record"]`: its id, arrival
 time and caller (key, name, tier), set before any route runs. Handlers read the caller from it
 and attach their own fields to it; the middleware writes it as the access-log line once the
@@ -22,13 +26,14 @@ import re
 import time
 import uuid
 
-from kvserve.errors import AuthenticationError, KVServeError
+from kvserve.errors import AuthenticationError, KVServeError, RateLimitError
 from kvserve.server.keys import ApiKey, KeyStore
+from kvserve.server.ratelimit import RateLimiter
 from kvserve.server.records import RequestRecord
 
 access_log = logging.getLogger("kvserve.access")
 
-PUBLIC_PATHS = frozenset({"/health", "/", "/index.html", "/favicon.ico"})
+PUBLIC_PATHS = frozenset({"/health", "/", "/index.html", "/favicon.ico", "/openapi.json"})
 PUBLIC_PREFIXES = ("/static/",)
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 CLI_KEY_NAME = "api-key"
@@ -54,10 +59,11 @@ async def send_error(send, err: KVServeError, headers: list[tuple[bytes, bytes]]
 
 
 class GatewayMiddleware:
-    def __init__(self, app, keystore: KeyStore, api_key: str | None = None):
+    def __init__(self, app, keystore: KeyStore, api_key: str | None = None, limiter: RateLimiter | None = None):
         self.app = app
         self.keystore = keystore
         self.api_key = api_key
+        self.limiter = limiter
 
     def authenticate(self, scope: dict) -> ApiKey | None:
         """The caller's key, None when auth is off; raises AuthenticationError."""
@@ -92,7 +98,11 @@ class GatewayMiddleware:
             if message["type"] == "http.response.start":
                 record.status = message["status"]
                 message = dict(message)
-                message["headers"] = list(message.get("headers", [])) + [rid_header]
+                extra = [rid_header]
+                key = record.key
+                if key is not None and self.limiter is not None and (key.rpm or key.tpm):
+                    extra += self.limiter.headers(key.name, key.rpm, key.tpm)
+                message["headers"] = list(message.get("headers", [])) + extra
             await send(message)
 
         try:
@@ -105,6 +115,14 @@ class GatewayMiddleware:
                 if key is not None:
                     record.key, record.key_name, record.key_tier = key, key.name, key.tier
                     state["key_name"] = key.name
+                    if self.limiter is not None:
+                        try:
+                            self.limiter.acquire_request(key.name, key.rpm)
+                        except RateLimitError as err:
+                            retry = str(max(1, int(err.retry_after + 0.999))).encode()
+                            await send_error(send_wrapped, err, [(b"retry-after", retry),
+                                                                 (b"x-should-retry", b"true")])
+                            return
             await self.app(scope, receive, send_wrapped)
         finally:
             access_log.info(record.access_log_line())

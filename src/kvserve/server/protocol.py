@@ -17,9 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvserve.errors import InvalidRequest
 from kvserve.sampling_params import RepetitionGuard, SamplingParams
+from kvserve.server.limits import load_json
 from kvserve.server.settings import ServerSettings
 from kvserve.server.tools import MAX_TOOLS
 from kvserve.server.tools import NAME_RE as TOOL_NAME_RE
+
+MAX_TEMPERATURE = 2.0   # OpenAI's range; SamplingParams itself (offline use) allows more
 
 
 class _Strict(BaseModel):
@@ -127,6 +130,9 @@ class _Common(_Strict):
     priority: int = 0
     cache_salt: str | None = Field(default=None, max_length=256)
     repetition_guard: RepetitionGuardSpec | None = None
+    # vLLM's beam-search fields: accepted so that clients get a clear answer, not "unrecognized"
+    use_beam_search: bool = False
+    length_penalty: float | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -164,6 +170,7 @@ class TokenizeRequest(_Strict):
     tools: list[Tool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Strict):
@@ -183,14 +190,9 @@ def _param(loc: tuple) -> str:
     return out
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+def parse_body(raw: bytes, model: type[BaseModel], max_depth: int = 64) -> Any:
     """Parse and validate a JSON body; every failure is an InvalidRequest naming the field."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"The request body is not valid JSON ({e}).") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
+    data = load_json(raw, max_depth)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -205,7 +207,17 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
 
 
 def check_caps(req: _Common, settings: ServerSettings) -> None:
-    """Server-side caps, beyond what SamplingParams validates."""
+    """Server-side caps, beyond what SamplingParams validates (the table is in docs/api.md)."""
+    if req.temperature is not None and not 0 <= req.temperature <= MAX_TEMPERATURE:
+        raise InvalidRequest(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (as OpenAI's), got "
+                             f"{req.temperature!r}.", param="temperature")
+    if req.use_beam_search:
+        raise InvalidRequest("use_beam_search is not served over HTTP: beam search runs offline through "
+                             "kvserve.LLM.generate(..., SamplingParams(use_beam_search=True)). Use n/best_of "
+                             "for several candidates.", param="use_beam_search")
+    if req.length_penalty is not None:
+        raise InvalidRequest("length_penalty only applies to beam search, which is not served over HTTP.",
+                             param="length_penalty")
     if req.n > settings.max_n:
         raise InvalidRequest(f"n must be at most {settings.max_n}.", param="n")
     if req.best_of is not None and req.best_of > settings.max_best_of:
@@ -227,7 +239,7 @@ def check_caps(req: _Common, settings: ServerSettings) -> None:
         if req.response_format is not None and req.response_format.get("type") != "text":
             raise InvalidRequest("Only response_format {\"type\": \"text\"} is supported.",
                                  param="response_format")
-        check_tools(req)
+        check_tools(req, settings.max_tools, settings.max_tools_bytes)
     else:
         assert isinstance(req, CompletionRequest)
         if req.logprobs is not None and not 0 <= req.logprobs <= settings.max_top_logprobs:
@@ -254,7 +266,7 @@ def _validation_error(e: ValidationError, prefix: str) -> InvalidRequest:
     return InvalidRequest(f"Invalid value for {param}: {err['msg']}.", param=param)
 
 
-def check_tools(req: ChatCompletionRequest, max_tools: int = MAX_TOOLS) -> None:
+def check_tools(req: ChatCompletionRequest, max_tools: int = MAX_TOOLS, max_bytes: int = 1 << 18) -> None:
     """tools / tool_choice / parallel_tool_calls and the tool turns of the conversation."""
     names: list[str] = []
     if req.tools is not None:
@@ -262,6 +274,10 @@ def check_tools(req: ChatCompletionRequest, max_tools: int = MAX_TOOLS) -> None:
             raise InvalidRequest("tools must hold at least one tool; omit it for none.", param="tools")
         if len(req.tools) > max_tools:
             raise InvalidRequest(f"At most {max_tools} tools are allowed.", param="tools")
+        size = len(json.dumps([t.model_dump(exclude_none=True) for t in req.tools]))
+        if size > max_bytes:
+            raise InvalidRequest(f"The tool definitions take {size} bytes of JSON; at most {max_bytes} are "
+                                 "allowed.", param="tools")
         for i, tool in enumerate(req.tools):
             name = tool.function.name
             if not TOOL_NAME_RE.fullmatch(name):

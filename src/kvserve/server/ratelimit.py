@@ -5,6 +5,10 @@ one from the request bucket when it arrives, and reserves `prompt tokens + max_t
 token bucket before it reaches the engine; when it finishes, the tokens it did not use go back.
 Refusals say how long until the bucket would hold enough (`Retry-After`), and whether waiting can
 help at all (`x-should-retry: false` when one request asks for more than the whole bucket).
+
+The request bucket is taken by the gateway middleware for every authenticated route (generation,
+/tokenize, the conversation API, ...); every response to a limited key carries the buckets' state
+as OpenAI sends it: `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` (`headers`).
 """
 
 from __future__ import annotations
@@ -102,3 +106,28 @@ class RateLimiter:
             return
         with self._lock:
             self._bucket(key_name, "tpm", tpm).give_back(amount, time.monotonic())
+
+    def headers(self, key_name: str, rpm: int | None, tpm: int | None) -> list[tuple[bytes, bytes]]:
+        """OpenAI's x-ratelimit-* headers for the key's buckets (none for an unlimited bucket)."""
+        out: list[tuple[bytes, bytes]] = []
+        now = time.monotonic()
+        with self._lock:
+            for kind, per_minute in (("requests", rpm), ("tokens", tpm)):
+                if per_minute is None:
+                    continue
+                bucket = self._bucket(key_name, "rpm" if kind == "requests" else "tpm", per_minute)
+                bucket._refill(now)
+                remaining = max(0, math.floor(bucket.tokens))
+                reset = (bucket.capacity - bucket.tokens) / bucket.refill_per_s
+                out += [(f"x-ratelimit-limit-{kind}".encode(), str(per_minute).encode()),
+                        (f"x-ratelimit-remaining-{kind}".encode(), str(remaining).encode()),
+                        (f"x-ratelimit-reset-{kind}".encode(), _duration(reset).encode())]
+        return out
+
+
+def _duration(seconds: float) -> str:
+    """A duration as OpenAI writes it in x-ratelimit-reset-*: "0s", "850ms", "1m30s"."""
+    if seconds < 1:
+        return f"{round(seconds * 1000)}ms" if seconds > 0 else "0s"
+    minutes, secs = divmod(seconds, 60)
+    return f"{int(minutes)}m{secs:.0f}s" if minutes else f"{secs:.3g}s"

@@ -22,6 +22,11 @@ class ServerSettings:
     weight_format: str = "auto"
     engine_kwargs: dict = field(default_factory=dict)
 
+    # Prefix-cache isolation (cache_scope.py): "key" | "tier" | "global", and operator-declared
+    # prompts (e.g. a public system prompt) whose blocks every caller may hit.
+    prefix_cache_scope: str = "key"
+    shared_prompts: list[str] = field(default_factory=list)
+
     data_dir: pathlib.Path = field(default_factory=default_data_dir)
     api_key: str | None = None  # a key accepted on top of the database's keys (name "api-key")
 
@@ -31,6 +36,11 @@ class ServerSettings:
 
     # Request caps: every one is a 400 with `param` when exceeded.
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0       # per chunk of a request body (408 past it)
+    header_timeout_s: float = 10.0     # a connection's request line + headers (closed past it)
+    max_json_depth: int = 64
+    max_tools: int = 128
+    max_tools_bytes: int = 1 << 18     # the JSON of all tool definitions of one request
     max_messages: int = 256
     max_n: int = 8
     max_best_of: int = 8
@@ -48,6 +58,16 @@ class ServerSettings:
     ladder_cap_max_tokens: int = 128
     ladder_reject_free_at: int | None = 96
     retry_after_s: float = 2.0
+
+    # The conversation API (web page): body cap and per-owner storage quota.
+    conversation_body_bytes: int = 8 << 20
+    conversation_quota_bytes: int = 64 << 20
+
+    def store_limits(self):
+        from kvserve.server.conversations import StoreLimits
+
+        return StoreLimits(max_body_bytes=self.conversation_body_bytes, max_owner_bytes=self.conversation_quota_bytes,
+                           body_timeout_s=self.body_timeout_s, max_json_depth=self.max_json_depth)
 
     @property
     def db_path(self) -> pathlib.Path:

@@ -7,7 +7,13 @@
     DELETE /v1/kvserve/conversations/{id}
     POST   /v1/kvserve/conversations/{id}/messages   {messages: [{role, content, trace?, meta?}], start?}
                                                      writes at position `start` (default: append),
-                                                     replacing every message from there on
+                                                     replacing every message from there on; answers
+                                                     with what was written (ids, positions), not the
+                                                     whole conversation
+
+Bodies go through the same limits as every route (limits.py: size cap, read timeout, JSON depth,
+valid Unicode; parsed off the event loop), each owner has a storage quota (conversations.py), and
+the key's request bucket is taken by the middleware like anywhere else.
 
 The page and its assets are public; the conversation API sits behind the server's auth
 middleware, which sets `request.state.key_name`. Conversations belong to that key name, or,
@@ -25,7 +31,8 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest, KVServeError
-from kvserve.server.conversations import ConversationStore
+from kvserve.server.conversations import ConversationStore, StoreLimits
+from kvserve.server.limits import load_json, read_body
 
 STATIC_DIR = pathlib.Path(__file__).parent / "static"
 CLIENT_HEADER = "X-KVServe-Client"
@@ -52,18 +59,13 @@ def owner_of(request: Request) -> str:
     return f"client:{client}"
 
 
-async def _json_body(request: Request) -> dict:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise InvalidRequest("The request body is not valid JSON.") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
-    return body
-
-
 def conversations_router(store: ConversationStore) -> APIRouter:
     router = APIRouter(prefix="/v1/kvserve/conversations")
+    lim = store.limits
+
+    async def _json_body(request: Request) -> dict:
+        raw = await read_body(request, lim.max_body_bytes, lim.body_timeout_s)
+        return await run_in_threadpool(load_json, raw, lim.max_json_depth)
 
     @router.get("")
     async def list_conversations(request: Request) -> dict:
@@ -77,7 +79,8 @@ def conversations_router(store: ConversationStore) -> APIRouter:
         conv = await run_in_threadpool(store.create, owner, body.get("title") or "New chat",
                                        body.get("model"), body.get("settings"))
         if body.get("messages"):
-            return await run_in_threadpool(store.put_messages, owner, conv["id"], body["messages"])
+            written = await run_in_threadpool(store.put_messages, owner, conv["id"], body["messages"])
+            return {**conv, "messages": written["messages"]}
         return {**conv, "messages": []}
 
     @router.get("/{conv_id}")
@@ -112,9 +115,9 @@ async def _kvserve_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(exc.to_dict(), status_code=exc.status)
 
 
-def mount_webui(app: FastAPI, db_path: pathlib.Path) -> None:
+def mount_webui(app: FastAPI, db_path: pathlib.Path, limits: StoreLimits | None = None) -> None:
     """Serve the chat page at `/`, its assets at `/static/*` and the conversation API."""
-    store = ConversationStore(db_path)
+    store = ConversationStore(db_path, limits)
     app.state.conversation_store = store
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)

@@ -1,13 +1,18 @@
 """Chat templates: the model's Jinja template rendered in a sandbox, as transformers does.
 
 Templates come from model files, so they are untrusted code: `ImmutableSandboxedEnvironment`
-forbids attribute tricks and mutation of the passed data. Message content given as a list of
+forbids attribute tricks and mutation of the passed data, and `_LimitedEnv` bounds what a render
+may cost: `*` and `**` may not build values past the output cap (`{{ 'a' * 10**9 }}`), the output
+is produced piece by piece and stops past `MAX_RENDER_CHARS`, and every call, operator and piece
+checks a deadline of `RENDER_TIMEOUT_S`. Past either limit the request gets a 400. Message content given as a list of
 text parts (OpenAI's `[{"type": "text", "text": ...}]`) is joined into one string first.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -28,10 +33,43 @@ def _raise(msg: str):
     raise InvalidRequest(f"chat template error: {msg}", param="messages")
 
 
+MAX_RENDER_CHARS = 4_000_000   # a rendered prompt (the request body is capped at 1 MB)
+RENDER_TIMEOUT_S = 5.0
+_deadline = threading.local()
+
+
+def _check_deadline() -> None:
+    end = getattr(_deadline, "at", None)
+    if end is not None and time.monotonic() > end:
+        raise InvalidRequest(f"The model's chat template took more than {RENDER_TIMEOUT_S:g} s to render; "
+                             "shorten the messages.", param="messages")
+
+
+class _LimitedEnv(ImmutableSandboxedEnvironment):
+    """The sandbox plus a size check on `*` / `**` and a deadline on every call and operator."""
+
+    intercepted_binops = frozenset({"*", "**", "+"})
+
+    def call_binop(self, context, operator: str, left, right):
+        _check_deadline()
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 256:
+            raise InvalidRequest("The model's chat template computes too large a power.", param="messages")
+        if operator == "*" and isinstance(left, int) and isinstance(right, (str, list, tuple)):
+            left, right = right, left
+        if operator == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int) \
+                and len(left) * right > MAX_RENDER_CHARS:
+            raise InvalidRequest(f"The model's chat template builds a value longer than {MAX_RENDER_CHARS} "
+                                 "characters.", param="messages")
+        return super().call_binop(context, operator, left, right)
+
+    def call(self, context, obj, /, *args, **kwargs):
+        _check_deadline()
+        return super().call(context, obj, *args, **kwargs)
+
+
 @lru_cache(maxsize=1)
 def _env() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = _LimitedEnv(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
         x, indent=indent, ensure_ascii=ensure_ascii)
     env.globals["raise_exception"] = _raise
@@ -76,13 +114,24 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
     """Render `messages`; `tools` (OpenAI tool definitions) is passed as the template's `tools`
     variable, as transformers does; templates that do not read it ignore it."""
     msgs = [{**m, "content": flatten_content(m.get("content"))} for m in messages]
+    _deadline.at = time.monotonic() + RENDER_TIMEOUT_S
     try:
-        return _compile(template).render(messages=msgs, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, **kwargs)
+        parts, size = [], 0
+        for piece in _compile(template).generate(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                                 tools=tools, **kwargs):
+            size += len(piece)
+            if size > MAX_RENDER_CHARS:
+                raise InvalidRequest(f"The model's chat template produced more than {MAX_RENDER_CHARS} "
+                                     "characters; shorten the messages.", param="messages")
+            _check_deadline()
+            parts.append(piece)
+        return "".join(parts)
     except InvalidRequest:
         raise
-    except TemplateError as e:
+    except (TemplateError, MemoryError, OverflowError, RecursionError) as e:
         raise InvalidRequest(f"the model's chat template failed to render: {e}", param="messages") from None
+    finally:
+        _deadline.at = None
 
 
 @dataclass

@@ -1,0 +1,185 @@
+"""The endpoints clients look for beyond generation, and the API's OpenAPI document.
+
+    GET /v1/models/{id}     one model, as OpenAI answers it (404 `model_not_found` otherwise)
+    GET /tokenizer_info     the tokenizer's configuration as vLLM serves it, so a client (lm-eval's
+                            `local-completions` with `tokenizer_backend=remote`) needs only the URL;
+                            with /tokenize and /detokenize it never loads a local tokenizer
+    GET /openapi.json       the OpenAPI 3.1 document with the real request bodies (the pydantic
+                            models of protocol.py, not `dict`) and the OpenAI error body as every
+                            operation's error response, so schema-driven clients and fuzzers
+                            (schemathesis, in tests/server/test_fuzz_api.py) can use the API
+
+The routes read raw bodies (limits.py), so FastAPI cannot see their models: `openapi()` adds each
+route's body from `BODIES` and its answers from `RESPONSES`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+import kvserve
+from kvserve.errors import ModelNotFound
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+    model: str
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class Health(BaseModel):
+    status: Literal["ok", "loading", "error"]
+    engine: str | None = None
+
+
+class StoredMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+    trace: dict[str, Any] | None = None
+    meta: dict[str, Any] | None = None
+
+
+class ConversationCreate(BaseModel):
+    title: str | None = None
+    model: str | None = None
+    settings: dict[str, Any] | None = None
+    messages: list[StoredMessage] | None = None
+
+
+class ConversationUpdate(BaseModel):
+    title: str | None = None
+    model: str | None = None
+    settings: dict[str, Any] | None = None
+
+
+class MessagesPut(BaseModel):
+    messages: list[StoredMessage]
+    start: int | None = None
+
+
+CONV = "/v1/kvserve/conversations"
+BODIES: dict[tuple[str, str], type[BaseModel]] = {
+    ("/v1/chat/completions", "post"): ChatCompletionRequest,
+    ("/v1/completions", "post"): CompletionRequest,
+    ("/tokenize", "post"): TokenizeRequest,
+    ("/detokenize", "post"): DetokenizeRequest,
+    (CONV, "post"): ConversationCreate,
+    (CONV + "/{conv_id}", "patch"): ConversationUpdate,
+    (CONV + "/{conv_id}/messages", "post"): MessagesPut,
+}
+RESPONSES: dict[tuple[str, str], type[BaseModel]] = {
+    ("/v1/models", "get"): ModelList,
+    ("/v1/models/{model_id}", "get"): ModelCard,
+    ("/tokenize", "post"): TokenizeResponse,
+    ("/detokenize", "post"): DetokenizeResponse,
+    ("/health", "get"): Health,
+}
+
+
+def openapi(app: FastAPI) -> dict:
+    """The document, built once: FastAPI's paths plus the bodies and answers it cannot see."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    doc = get_openapi(title="kvserve", version=kvserve.__version__, routes=app.routes,
+                      description="OpenAI-compatible API of kvserve; see docs/api.md.")
+    models = {*BODIES.values(), *RESPONSES.values(), ErrorResponse}
+    _, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+    components = doc.setdefault("components", {})
+    components.setdefault("schemas", {}).update(defs.get("$defs", {}))
+    components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    doc["security"] = [{"bearer": []}, {}]
+
+    def ref(m: type[BaseModel]) -> dict:
+        return {"$ref": f"#/components/schemas/{m.__name__}"}
+
+    error = {"description": "An OpenAI-shaped error", "content": {"application/json": {"schema": ref(ErrorResponse)}}}
+    for path, ops in doc.get("paths", {}).items():
+        for method, op in ops.items():
+            body = BODIES.get((path, method))
+            if body is not None:
+                op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(body)}}}
+            ok = RESPONSES.get((path, method))
+            content = {"application/json": {"schema": ref(ok) if ok else {}}}
+            if method == "post" and path in ("/v1/chat/completions", "/v1/completions"):
+                content["text/event-stream"] = {"schema": {}}    # each event: a chunk or an error body
+            if path == "/metrics":
+                content = {"text/plain": {"schema": {"type": "string"}}}
+            op["responses"] = {"200": {"description": "OK", "content": content}, "default": error}
+    app.openapi_schema = doc
+    return doc
+
+
+def mount_conformance(app: FastAPI, state) -> None:
+    """Add /v1/models/{id}, /tokenizer_info and /openapi.json to the server's app."""
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str) -> dict:
+        engine, name = state.require_engine(None)
+        if model_id not in (name, engine.model_name):
+            raise ModelNotFound(f"The model {model_id!r} does not exist on this server; it serves {name!r}.",
+                                param="model")
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
+                "max_model_len": engine.max_model_len}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        engine, name = state.require_engine(None)
+        tok = engine.tokenizer
+
+        def text(token_id: int | None) -> str | None:
+            return tok.convert_ids_to_tokens([token_id])[0] if token_id is not None else None
+
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "model": name,
+                "model_max_length": engine.max_model_len, "vocab_size": getattr(tok, "vocab_size", None),
+                "bos_token": text(tok.bos_token_id), "eos_token": text(tok.eos_token_id),
+                "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+                "pad_token": text(tok.eos_token_id), "add_bos_token": bool(getattr(tok, "add_bos", False)),
+                "chat_template": tok.chat_template}
+
+    app.openapi = lambda: openapi(app)   # type: ignore[method-assign]
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_json() -> dict:
+        return openapi(app)
