@@ -47,6 +47,10 @@ def serve(
                                         help="Run the engine in its own process (msgpack over a local ZMQ "
                                              "socket), so the HTTP process stays responsive while the model "
                                              "computes."),
+    arena_contestants: str = typer.Option(None, "--arena-contestants",
+                                          help="JSON list of arena contestants {name, model?, system?, "
+                                               "temperature?, top_p?, max_tokens?}; default: the served model "
+                                               "under three system prompts."),
 ) -> None:
     """Serve the OpenAI-compatible API (and the web chat page) with one model."""
     import uvicorn
@@ -59,7 +63,8 @@ def serve(
         model=model, served_model_name=served_model_name, data_dir=data_dir or default_data_dir(),
         api_key=api_key, max_running=max_running, max_waiting=max_waiting, ladder_cap_at=ladder_cap_at,
         ladder_cap_max_tokens=ladder_cap_max_tokens, ladder_reject_free_at=ladder_reject_free_at,
-        default_max_tokens=default_max_tokens, engine_process=engine_process, engine_kwargs=engine_kwargs)
+        default_max_tokens=default_max_tokens, engine_process=engine_process, engine_kwargs=engine_kwargs,
+        arena_contestants=arena_contestants)
     try:
         app = create_app(None, settings)
     except KVServeError as e:
