@@ -192,6 +192,18 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             ids = await asyncio.to_thread(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len, "model": name}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        """What a client needs to tokenize as the server does (vLLM's route; lm-eval's
+        `tokenizer_backend=remote` reads it, then calls /tokenize and /detokenize)."""
+        engine, name = state.require_engine(None)
+        tok = engine.tokenizer
+        token = lambda i: tok.hf.id_to_token(i) if i is not None else None
+        return {"model": name, "tokenizer_class": "PreTrainedTokenizerFast", "vocab_size": tok.vocab_size,
+                "eos_token": token(tok.eos_token_id), "bos_token": token(tok.bos_token_id), "pad_token": None,
+                "add_bos_token": tok.add_bos, "chat_template": tok.chat_template,
+                "model_max_length": engine.max_model_len}
+
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         req = parse_body(await read_body(request, settings.max_body_bytes), DetokenizeRequest)
