@@ -36,7 +36,7 @@ from kvserve.errors import InvalidRequest
 from kvserve.train.common import frozen, init_distributed, pad_rows, plot_curves, token_logprobs, trainable
 from kvserve.train.export import export_hf
 from kvserve.train.loop import LoopConfig, run_loop
-from kvserve.train.tasks import TASKS, ArithmeticTask, accuracy
+from kvserve.train.tasks import TASKS, ArithmeticTask, accuracy, heldout_split
 
 __all__ = ["TASKS", "ArithmeticTask", "GRPOConfig", "group_advantages", "grpo"]
 
@@ -137,10 +137,9 @@ def grpo(cfg: GRPOConfig) -> dict:
     llm = LLM(model, tokenizer=tok, kv_cache_memory="64MiB", enable_prefix_caching=False,
               max_num_seqs=cfg.prompts_per_step * cfg.group_size)
     pad_id = tok.eos_token_id or 0
-    eval_set = random.Random(cfg.seed + 1).sample(problems, min(cfg.eval_prompts, len(problems)))
+    rest, eval_set = heldout_split(problems, cfg.eval_prompts, cfg.seed)
     if cfg.heldout:
-        held = set(eval_set)
-        problems = [p for p in problems if p not in held]
+        problems = rest
         if not problems:
             raise InvalidRequest("every problem is in the eval set; lower --eval-prompts", param="eval_prompts")
     eval_params = [SamplingParams(n=cfg.eval_samples, temperature=cfg.temperature, max_tokens=cfg.max_tokens,

@@ -102,5 +102,14 @@ class RepeatTask:
 TASKS = {"arithmetic": ArithmeticTask, "think": ThinkingArithmeticTask, "repeat": RepeatTask}
 
 
+def heldout_split(problems: list[tuple[str, str]], n: int, seed: int) -> tuple[list, list]:
+    """(train problems, eval problems): the `n` eval problems GRPO measures (seeded), and the rest."""
+    import random
+
+    held = random.Random(seed + 1).sample(problems, min(n, len(problems)))
+    chosen = set(held)
+    return [p for p in problems if p not in chosen], held
+
+
 def accuracy(rewards: list[float]) -> float:
     return sum(r == 1.0 for r in rewards) / max(len(rewards), 1)
