@@ -199,7 +199,8 @@ def _mount() -> None:
     app.add_typer(keys_app, name="keys")
     # Sub-apps whose modules may be absent in a partial install.
     for module, attr, name in (("kvserve.bench.cli", "app", "bench"), ("kvserve.train.cli", "train_app", "train"),
-                               ("kvserve.train.cli", "eval_app", "eval")):
+                               ("kvserve.train.cli", "eval_app", "eval"),
+                               ("kvserve.data.cli", "data_app", "data")):
         if importlib.util.find_spec(module) is not None:
             app.add_typer(getattr(importlib.import_module(module), attr), name=name)
 

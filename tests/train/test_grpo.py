@@ -37,3 +37,20 @@ def test_grpo_raises_mean_reward(base_run, tmp_path):
     rewards = [h["reward"] for h in r["history"] if h["kind"] == "train"]
     assert len(rewards) == 50 and all("kl" in h for h in r["history"] if h["kind"] == "train")
     assert r["eval_reward_after"] > r["eval_reward_before"] + 0.05, (r["eval_reward_before"], r["eval_reward_after"])
+
+
+def test_thinking_task_checks_format_and_answer():
+    from kvserve.train.tasks import ThinkingArithmeticTask, heldout_split
+
+    task = ThinkingArithmeticTask(max_operand=9, terms=3)
+    problems = task.problems()
+    assert len(problems) == 1000 and problems[123][0].startswith("What is 1+2+3?")
+    q, a = problems[123]
+    assert a == "6" and task.trace(q, a) == "<think>1+2=3. 3+3=6.</think> 6"
+    assert task.reward(task.trace(q, a), a) == 1.0
+    assert task.reward("<think>1+2=3. 3+3=7.</think> 7", a) == 0.1       # format right, answer wrong
+    assert task.reward("6", a) == 0.0                                     # answer right, no thinking
+    assert task.reward("<think>6</think>", a) == 0.1
+    assert task.reward("<think>x</think> 6 <think>y</think>", a) == 0.0
+    train, held = heldout_split(problems, 32, seed=0)
+    assert len(held) == 32 and not set(held) & set(train) and len(train) == 968

@@ -251,6 +251,9 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         from kvserve.server.webui import mount_webui
 
         mount_webui(app, settings.db_path, settings.store_limits())
+        from kvserve.server.arena import mount_arena
+
+        mount_arena(app, settings.db_path, settings.arena_contestants)
     mount_conformance(app, state)   # /v1/models/{id}, /tokenizer_info, /openapi.json
 
     app.add_middleware(GatewayMiddleware, keystore=state.keystore, api_key=settings.api_key,

@@ -67,6 +67,10 @@ def serve(
     header_timeout: float = typer.Option(10.0, help="Seconds for a request's line and headers to arrive."),
     body_timeout: float = typer.Option(30.0, help="Seconds for each chunk of a request body (408 past it)."),
     shutdown_grace: float = typer.Option(5.0, help="On SIGTERM, seconds in-flight requests may finish."),
+    arena_contestants: str = typer.Option(None, "--arena-contestants",
+                                          help="JSON list of arena contestants {name, model?, system?, "
+                                               "temperature?, top_p?, max_tokens?}; default: the served model "
+                                               "under three system prompts."),
 ) -> None:
     """Serve the OpenAI-compatible API (and the web chat page) with one model."""
     from kvserve.server import serving
@@ -101,7 +105,7 @@ def serve(
         default_max_tokens=default_max_tokens, engine_process=engine_process, engine_kwargs=engine_kwargs,
         prefix_cache_scope=prefix_cache_scope, shared_prompts=shared, max_body_bytes=max_body_bytes,
         conversation_quota_bytes=conversation_quota_bytes, header_timeout_s=header_timeout,
-        body_timeout_s=body_timeout)
+        body_timeout_s=body_timeout, arena_contestants=arena_contestants)
     try:
         sock = serving.bind(host, port)
     except KVServeError as e:

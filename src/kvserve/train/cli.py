@@ -1,4 +1,4 @@
-"""`kvserve train tokenizer|pretrain|sft|dpo|grpo` and `kvserve eval perplexity`.
+"""`kvserve train tokenizer|pretrain|sft|dpo|reward|grpo` and `kvserve eval perplexity`.
 
 Each subcommand is a thin layer over its stage's config dataclass; the same commands run under
 `torchrun --nproc_per_node N -m kvserve.train ...` for data-parallel training.
@@ -15,7 +15,7 @@ import typer
 from kvserve.errors import KVServeError
 
 train_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                        help="Train models kvserve serves: tokenizer, pretraining, SFT, DPO, GRPO.")
+                        help="Train models kvserve serves: tokenizer, pretraining, SFT, DPO, reward model, GRPO.")
 eval_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Evaluate models.")
 
 OUT = typer.Option(..., "--out", help="Output directory (HF-format model, checkpoint, metrics.jsonl, loss_curve.png).")
@@ -151,11 +151,47 @@ def dpo_cmd(
     _summary(r, ("out", "steps", "reward_accuracy", "reward_margin"))
 
 
+@train_app.command("reward")
+def reward_cmd(
+    model: str = typer.Option(..., help="HF-format model directory: the backbone (usually the SFT output)."),
+    out: str = OUT,
+    data: str = typer.Option(None, help='JSONL: {"prompt": ..., "chosen": ..., "rejected": ...} per line.'),
+    synthetic: str = typer.Option(None, help="No --data: write and use a checkable task: repeat | arithmetic."),
+    epochs: int = typer.Option(3),
+    max_steps: int = typer.Option(None, "--max-steps"),
+    batch_size: int = typer.Option(16, "--batch-size"),
+    lr: float = typer.Option(1e-3),
+    heldout_every: int = typer.Option(10, "--heldout-every", help="Hold out every N-th pair."),
+    eval_every: int = typer.Option(25, "--eval-every"),
+    seed: int = typer.Option(0),
+    threads: int = typer.Option(None),
+    resume: bool = RESUME,
+) -> None:
+    """Reward model: a scalar head on the transformer, Bradley-Terry loss on chosen/rejected pairs."""
+    from kvserve.errors import InvalidRequest
+    from kvserve.train.reward import RewardConfig, reward, synthetic_preferences
+
+    _threads(threads)
+    try:
+        if (data is None) == (synthetic is None):
+            raise InvalidRequest("give --data FILE or --synthetic repeat|arithmetic", param="data")
+        if synthetic:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            data = str(synthetic_preferences(Path(out) / f"synthetic-{synthetic}.jsonl", task=synthetic, seed=seed,
+                                             wrong_per_problem=12 if synthetic == "repeat" else 4))
+        r = reward(RewardConfig(model=model, data=data, out=out, epochs=epochs, max_steps=max_steps,
+                                batch_size=batch_size, lr=lr, heldout_every=heldout_every, eval_every=eval_every,
+                                seed=seed, resume=resume))
+    except KVServeError as e:
+        _fail(e)
+    _summary(r, ("out", "steps", "heldout_accuracy", "train_accuracy", "heldout_pairs"))
+
+
 @train_app.command("grpo")
 def grpo_cmd(
     model: str = typer.Option(..., help="HF-format model directory (usually the SFT output)."),
     out: str = OUT,
-    task: str = typer.Option("arithmetic"),
+    task: str = typer.Option("arithmetic", help="arithmetic | think (multi-step sums in <think></think>)."),
     max_operand: int = typer.Option(9, "--max-operand"),
     group_size: int = typer.Option(8, "--group-size"),
     prompts_per_step: int = typer.Option(4, "--prompts-per-step"),
@@ -164,6 +200,12 @@ def grpo_cmd(
     temperature: float = typer.Option(1.0),
     kl_coef: float = typer.Option(0.0, "--kl-coef", help="KL penalty to the starting model (0 = off)."),
     no_std: bool = typer.Option(False, "--no-std", help="Advantage = reward - group mean, not divided by std."),
+    reward_model: str = typer.Option(None, "--reward-model", help="Reward by this `kvserve train reward` "
+                                     "model's score instead of the task's check (RLHF)."),
+    heldout: bool = typer.Option(False, "--heldout", help="Train only on problems outside the eval set."),
+    terms: int = typer.Option(3, help="Numbers per problem (task think)."),
+    eval_prompts: int = typer.Option(32, "--eval-prompts"),
+    eval_samples: int = typer.Option(16, "--eval-samples"),
     lr: float = typer.Option(2e-4),
     seed: int = typer.Option(0),
     threads: int = typer.Option(None),
@@ -177,10 +219,11 @@ def grpo_cmd(
         r = grpo(GRPOConfig(model=model, out=out, task=task, max_operand=max_operand, group_size=group_size,
                             prompts_per_step=prompts_per_step, max_steps=max_steps, max_tokens=max_tokens,
                             temperature=temperature, kl_coef=kl_coef, scale_rewards=not no_std, lr=lr,
-                            seed=seed, resume=resume))
+                            seed=seed, resume=resume, reward_model=reward_model, heldout=heldout, terms=terms,
+                            eval_prompts=eval_prompts, eval_samples=eval_samples))
     except KVServeError as e:
         _fail(e)
-    _summary(r, ("out", "eval_reward_before", "eval_reward_after"))
+    _summary(r, ("out", "eval_reward_before", "eval_reward_after", "eval_accuracy_before", "eval_accuracy_after"))
 
 
 @eval_app.command("perplexity")

@@ -246,3 +246,24 @@ def plot_losses(history: list[dict], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_curves(history: list[dict], path: Path, keys: tuple[str, ...], title: str) -> None:
+    """One panel per logged training metric in `keys` that the run has (e.g. reward, KL, loss)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {k: [(r["step"], r[k]) for r in history if r["kind"] == "train" and k in r] for k in keys}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return
+    fig, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3.2), squeeze=False)
+    for ax, (k, pts) in zip(axes[0], series.items()):
+        ax.plot(*zip(*pts), lw=1)
+        ax.set_title(k)
+        ax.set_xlabel("step")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

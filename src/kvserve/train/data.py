@@ -16,6 +16,7 @@ B/W rows see exactly the rows one process with B rows would.
 from __future__ import annotations
 
 import gzip
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,16 +25,27 @@ import torch
 from kvserve.errors import InvalidRequest
 
 BUNDLED_CORPUS = Path(__file__).parent / "data" / "kjv.txt.gz"
-TEXT_SUFFIXES = (".txt", ".md", ".gz", ".text", ".rst")
+TEXT_SUFFIXES = (".txt", ".md", ".gz", ".text", ".rst", ".jsonl")
 
 
 def _read(path: Path) -> str:
     raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    return raw.decode("utf-8", errors="replace")
+    text = raw.decode("utf-8", errors="replace")
+    if path.name.endswith((".jsonl", ".jsonl.gz")):   # `kvserve data clean` output: {"text": ...} per line
+        docs = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    docs.append(json.loads(line)["text"])
+                except (ValueError, KeyError, TypeError):
+                    raise InvalidRequest(f"{path}:{n} is not a JSON object with \"text\"", param="corpus") from None
+        text = "\n\n".join(docs)
+    return text
 
 
 def load_corpus(path: str | Path | None = None, max_chars: int | None = None) -> str:
-    """The text of a file, of every text file under a directory (sorted), or the bundled corpus."""
+    """The text of a file, of every text file under a directory (sorted), or the bundled corpus.
+    JSON Lines files (`kvserve data clean` output) contribute their "text" fields, one document each."""
     p = Path(path).expanduser() if path else BUNDLED_CORPUS
     if p.is_file():
         text = _read(p)

@@ -11,6 +11,12 @@ than their siblings:
                                  so PPO's clipping never engages and is left out)
     KL_t  = π_ref/π − log(π_ref/π) − 1                           (k3 estimator, optional)
 
+The reward is the task's verifiable check (`tasks.py`: arithmetic, or `think`: multi-step sums in
+the `<think>...</think>` format), or with `--reward-model DIR` the score of a reward model trained
+by `kvserve train reward` (RLHF with GRPO in PPO's place); the task's check is still logged as
+`task_reward` and `accuracy`, so the two can be compared. Reward, KL and loss curves are saved as
+`curves.png` beside the checkpoint.
+
 Groups whose completions all scored the same carry no signal (A = 0). The engine and the
 trainer share one set of weights; prefix caching is off so no KV block computed with old
 weights is reused after an update. Sampling seeds derive from (seed, step), so a resumed run
@@ -21,40 +27,18 @@ from __future__ import annotations
 
 import copy
 import random
-import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from kvserve.errors import InvalidRequest
-from kvserve.train.common import frozen, init_distributed, pad_rows, token_logprobs, trainable
+from kvserve.train.common import frozen, init_distributed, pad_rows, plot_curves, token_logprobs, trainable
 from kvserve.train.export import export_hf
 from kvserve.train.loop import LoopConfig, run_loop
+from kvserve.train.tasks import TASKS, ArithmeticTask, accuracy, heldout_split
 
-
-@dataclass
-class ArithmeticTask:
-    """'What is 3+4?' -> reward 1 if the first integer in the reply is exactly 7, else 0."""
-
-    max_operand: int = 9
-    ops: str = "+"
-
-    def problems(self) -> list[tuple[str, str]]:
-        out = []
-        for a in range(self.max_operand + 1):
-            for b in range(self.max_operand + 1):
-                for op in self.ops:
-                    ans = {"+": a + b, "-": a - b, "*": a * b}[op]
-                    out.append((f"What is {a}{op}{b}?", str(ans)))
-        return out
-
-    @staticmethod
-    def reward(completion: str, answer: str) -> float:
-        m = re.search(r"-?\d+", completion)
-        return float(m is not None and m.group() == answer)
-
-
-TASKS = {"arithmetic": ArithmeticTask}
+__all__ = ["TASKS", "ArithmeticTask", "GRPOConfig", "group_advantages", "grpo"]
 
 
 @dataclass
@@ -80,6 +64,9 @@ class GRPOConfig:
     checkpoint_every: int = 50
     resume: bool = False
     stop_after_steps: int | None = None
+    reward_model: str | None = None  # directory from `kvserve train reward`: its score is the reward
+    heldout: bool = False            # train only on problems outside the eval set
+    terms: int = 3                   # numbers per problem (task "think")
 
 
 def group_advantages(rewards: torch.Tensor, scale: bool = True) -> torch.Tensor:
@@ -103,12 +90,32 @@ def completion_logprobs(model, prompt_ids: list[list[int]], completion_ids: list
     return logp, mask.float()
 
 
-def mean_reward(llm, tok, task, problems: list[tuple[str, str]], params) -> float:
+class Scorer:
+    """Rewards for (problem, completion) pairs: the task's check, or a reward model's score."""
+
+    def __init__(self, task, reward_model: str | None):
+        from kvserve.train.reward import load_reward_model
+
+        self.task = task
+        self.rm = load_reward_model(reward_model) if reward_model else None
+
+    def __call__(self, problems: list[tuple[str, str]], texts: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rewards optimised, task rewards), both [P, G]."""
+        task = torch.tensor([[self.task.reward(t, a) for t in group] for (_, a), group in zip(problems, texts)])
+        if self.rm is None:
+            return task, task
+        flat = [(q, t) for (q, _), group in zip(problems, texts) for t in group]
+        scores = self.rm.score([q for q, _ in flat], [t for _, t in flat]).float()
+        return scores.view(task.shape), task
+
+
+def evaluate(llm, tok, scorer: Scorer, problems: list[tuple[str, str]], params) -> dict:
     prompts = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True)}
                for q, _ in problems]
     outs = llm.generate(prompts, params, use_tqdm=False)
-    rewards = [task.reward(c.text, a) for o, (_, a) in zip(outs, problems) for c in o.outputs]
-    return sum(rewards) / max(len(rewards), 1)
+    rewards, task = scorer(problems, [[c.text for c in o.outputs] for o in outs])
+    flat = task.reshape(-1).tolist()
+    return {"reward": float(rewards.mean()), "task_reward": sum(flat) / max(len(flat), 1), "accuracy": accuracy(flat)}
 
 
 def grpo(cfg: GRPOConfig) -> dict:
@@ -121,18 +128,23 @@ def grpo(cfg: GRPOConfig) -> dict:
         raise InvalidRequest("group size must be at least 2: advantages compare siblings", param="group_size")
     info = init_distributed()
     torch.manual_seed(cfg.seed)
-    task = TASKS[cfg.task](max_operand=cfg.max_operand)
+    task = TASKS[cfg.task](max_operand=cfg.max_operand, **({"terms": cfg.terms} if cfg.task == "think" else {}))
     problems = task.problems()
+    scorer = Scorer(task, cfg.reward_model)
     lm = load_model(str(cfg.model), weight_format="fp32")
     tok, model = lm.tokenizer, trainable(lm.model)
     reference = frozen(copy.deepcopy(model)) if cfg.kl_coef > 0 else None
     llm = LLM(model, tokenizer=tok, kv_cache_memory="64MiB", enable_prefix_caching=False,
               max_num_seqs=cfg.prompts_per_step * cfg.group_size)
     pad_id = tok.eos_token_id or 0
-    eval_set = random.Random(cfg.seed + 1).sample(problems, min(cfg.eval_prompts, len(problems)))
+    rest, eval_set = heldout_split(problems, cfg.eval_prompts, cfg.seed)
+    if cfg.heldout:
+        problems = rest
+        if not problems:
+            raise InvalidRequest("every problem is in the eval set; lower --eval-prompts", param="eval_prompts")
     eval_params = [SamplingParams(n=cfg.eval_samples, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                                   seed=cfg.seed + 7919 * i) for i in range(len(eval_set))]
-    before = mean_reward(llm, tok, task, eval_set, eval_params)
+    before = evaluate(llm, tok, scorer, eval_set, eval_params)
 
     def step_fn(step: int) -> dict:
         rng = random.Random(cfg.seed * 1000003 + step)
@@ -143,7 +155,7 @@ def grpo(cfg: GRPOConfig) -> dict:
         params = [SamplingParams(n=cfg.group_size, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                                  seed=cfg.seed * 1000003 + step * 1009 + i) for i in range(len(batch))]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        rewards = torch.tensor([[task.reward(c.text, ans) for c in o.outputs] for o, (_, ans) in zip(outs, batch)])
+        rewards, task_rewards = scorer(batch, [[c.text for c in o.outputs] for o in outs])
         adv = group_advantages(rewards, cfg.scale_rewards).reshape(-1)
         p_ids = [p for p in prompts for _ in range(cfg.group_size)]
         c_ids = [list(c.token_ids) or [pad_id] for o in outs for c in o.outputs]
@@ -161,6 +173,7 @@ def grpo(cfg: GRPOConfig) -> dict:
             metrics["kl"] = kl.item()
         loss.backward()
         return {"loss": loss.item(), "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+                "task_reward": float(task_rewards.mean()), "accuracy": accuracy(task_rewards.reshape(-1).tolist()),
                 "tokens": int(mask.sum()), **metrics}
 
     loop = LoopConfig(out=cfg.out, max_steps=cfg.max_steps, lr=cfg.lr,
@@ -169,8 +182,11 @@ def grpo(cfg: GRPOConfig) -> dict:
                       checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
                       stop_after_steps=cfg.stop_after_steps, title="grpo")
     log = run_loop(model, loop, step_fn, dict, lambda state: None, info, cfg)
-    after = mean_reward(llm, tok, task, eval_set, eval_params)
+    after = evaluate(llm, tok, scorer, eval_set, eval_params)
     if info.is_main:
         export_hf(model, cfg.model, cfg.out, tok.eos_token_ids)
-    return {"out": cfg.out, "history": log.history, "model": model, "eval_reward_before": before,
-            "eval_reward_after": after}
+        plot_curves(log.history, Path(cfg.out) / "curves.png", ("reward", "kl", "loss"), "grpo")
+    return {"out": cfg.out, "history": log.history, "model": model,
+            "eval_reward_before": before["reward"], "eval_reward_after": after["reward"],
+            "eval_accuracy_before": before["accuracy"], "eval_accuracy_after": after["accuracy"],
+            "eval_task_reward_before": before["task_reward"], "eval_task_reward_after": after["task_reward"]}

@@ -88,10 +88,17 @@ export async function listModels() {
 // {content, finishReason, trace, usage}. Aborting `signal` closes the connection, which makes
 // the server abort the request and free its KV blocks.
 export async function streamChat(request, { signal, onDelta }) {
-  const resp = await fetch("/v1/chat/completions", {
+  const body = { ...request, stream: true, stream_options: { include_usage: true }, kvserve_trace: true };
+  return streamSSE("/v1/chat/completions", body, { signal, onDelta });
+}
+
+// POST `body` to `path` and read the chat-completion SSE stream it answers with (the chat
+// endpoint, or an arena battle's side, which the server runs through the same handler).
+export async function streamSSE(path, body, { signal, onDelta }) {
+  const resp = await fetch(path, {
     method: "POST",
     headers: headers({ "Content-Type": "application/json", Accept: "text/event-stream" }),
-    body: JSON.stringify({ ...request, stream: true, stream_options: { include_usage: true }, kvserve_trace: true }),
+    body: JSON.stringify(body),
     signal,
   });
   if (!resp.ok) throw await errorFrom(resp);

@@ -6,6 +6,7 @@
 // through textContent.
 
 import { ApiError, apiKey, conversations, listModels, loadSettings, saveSettings, streamChat } from "./api.js";
+import { initArena } from "./arena.js";
 import { renderInspector } from "./inspector.js";
 import { renderMarkdown } from "./markdown.js";
 
@@ -391,6 +392,7 @@ function wire() {
 async function init() {
   applyTheme();
   wire();
+  initArena();
   await loadModels();
   try {
     await refreshList();

@@ -1,0 +1,1 @@
+"""Training data preparation: `kvserve data clean` (see kvserve.data.clean)."""

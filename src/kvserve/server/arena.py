@@ -1,0 +1,226 @@
+"""The arena: two anonymous contestants answer one prompt, the person votes, names are revealed.
+
+    POST /v1/kvserve/arena/battles                    {prompt} → {id}: two contestants drawn at random,
+                                                      in random order; who they are stays on the server
+    POST /v1/kvserve/arena/battles/{id}/answers/{a|b} the side's answer, streamed as chat-completion SSE
+    POST /v1/kvserve/arena/battles/{id}/vote          {winner: a | b | tie | both_bad} → the names
+    GET  /v1/kvserve/arena/leaderboard                Bradley-Terry ratings, bootstrap 95% intervals,
+                                                      online Elo (arena_ratings.py), over every vote
+
+A contestant is a model plus how it is asked: system prompt and sampling settings. The server
+serves one model today, so the default contestants are the served model under three system
+prompts and temperatures; `kvserve serve --arena-contestants FILE` (a JSON list of {name, model?,
+system?, temperature?, top_p?, max_tokens?}) replaces them. An answer runs through the ordinary
+/v1/chat/completions handler (auth, limits, admission, stages, usage ledger) with the
+contestant's request body, so the arena adds no second generation path.
+
+Battles and votes are stored in the server's SQLite file (table `arena_battles`), each with
+its owner (the API key's name, or the browser id without auth: webui.owner_of); a battle can
+be answered and voted on only by its owner, and only once.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from kvserve.errors import InvalidRequest, KVServeError
+from kvserve.server.arena_ratings import SCORES, leaderboard
+
+MAX_PROMPT_CHARS = 8000
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS arena_battles (
+    id          TEXT PRIMARY KEY,
+    owner       TEXT NOT NULL,
+    prompt      TEXT NOT NULL,
+    model_a     TEXT NOT NULL,
+    model_b     TEXT NOT NULL,
+    winner      TEXT,
+    created_at  REAL NOT NULL,
+    voted_at    REAL
+);
+CREATE INDEX IF NOT EXISTS arena_battles_voted ON arena_battles(voted_at);
+"""
+
+
+@dataclass(frozen=True)
+class Contestant:
+    name: str
+    model: str | None = None          # None: the served model
+    system: str | None = None
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_tokens: int = 256
+
+    def chat_body(self, prompt: str) -> dict:
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + \
+                   [{"role": "user", "content": prompt}]
+        body = {"messages": messages, "stream": True, "temperature": self.temperature, "top_p": self.top_p,
+                "max_tokens": self.max_tokens}
+        return body | ({"model": self.model} if self.model else {})
+
+
+DEFAULT_CONTESTANTS = (
+    Contestant("plain"),
+    Contestant("concise", system="Answer in one or two short sentences.", temperature=0.3),
+    Contestant("storyteller", system="You are a vivid, imaginative writer. Answer with colour and detail.",
+               temperature=1.0),
+)
+
+
+def load_contestants(path: str | pathlib.Path | None) -> tuple[Contestant, ...]:
+    if path is None:
+        return DEFAULT_CONTESTANTS
+    try:
+        rows = json.loads(pathlib.Path(path).read_text())
+        out = tuple(Contestant(**row) for row in rows)
+    except (OSError, ValueError, TypeError) as e:
+        raise InvalidRequest(f"--arena-contestants {path}: expected a JSON list of {{name, model?, system?, "
+                             f"temperature?, top_p?, max_tokens?}} objects ({e})", param="arena_contestants") from None
+    if len(out) < 2 or len({c.name for c in out}) != len(out):
+        raise InvalidRequest(f"--arena-contestants {path}: give at least two contestants with distinct names",
+                             param="arena_contestants")
+    return out
+
+
+class BattleNotFound(KVServeError):
+    status = 404
+    code = "battle_not_found"
+
+
+class ArenaStore:
+    """Battles and votes in SQLite (the server's database file), one lock-guarded connection."""
+
+    def __init__(self, db_path: pathlib.Path | str):
+        pathlib.Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(db_path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.Lock()
+
+    def create(self, owner: str, prompt: str, model_a: str, model_b: str) -> str:
+        battle_id = "battle-" + secrets.token_hex(12)
+        with self._lock:
+            self._db.execute("INSERT INTO arena_battles (id, owner, prompt, model_a, model_b, created_at) "
+                             "VALUES (?, ?, ?, ?, ?, ?)", (battle_id, owner, prompt, model_a, model_b, time.time()))
+        return battle_id
+
+    def get(self, owner: str, battle_id: str) -> dict:
+        with self._lock:
+            row = self._db.execute("SELECT id, prompt, model_a, model_b, winner FROM arena_battles "
+                                   "WHERE id = ? AND owner = ?", (battle_id, owner)).fetchone()
+        if row is None:
+            raise BattleNotFound(f"No arena battle {battle_id!r}; start one with POST /v1/kvserve/arena/battles.",
+                                 param="id")
+        return dict(zip(("id", "prompt", "model_a", "model_b", "winner"), row))
+
+    def vote(self, owner: str, battle_id: str, winner: str) -> dict:
+        if winner not in SCORES:
+            raise InvalidRequest(f"winner must be one of {', '.join(SCORES)}", param="winner")
+        battle = self.get(owner, battle_id)
+        with self._lock:
+            cur = self._db.execute("UPDATE arena_battles SET winner = ?, voted_at = ? WHERE id = ? AND winner IS NULL",
+                                   (winner, time.time(), battle_id))
+        if cur.rowcount == 0:
+            raise InvalidRequest("This battle already has a vote; start a new one.", param="winner",
+                                 code="already_voted")
+        return {**battle, "winner": winner}
+
+    def record(self, owner: str, model_a: str, model_b: str, winner: str, prompt: str = "") -> None:
+        """A battle with its vote in one go (imports, simulations)."""
+        self.vote(owner, self.create(owner, prompt, model_a, model_b), winner)
+
+    def votes(self) -> list[tuple[str, str, str]]:
+        with self._lock:
+            return self._db.execute("SELECT model_a, model_b, winner FROM arena_battles WHERE winner IS NOT NULL "
+                                    "ORDER BY voted_at, rowid").fetchall()
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def _sse_request(request: Request, body: dict) -> Request:
+    """The incoming request, its body replaced: the chat handler reads `body`; the connection's
+    disconnect still arrives through the original `receive`."""
+    data = json.dumps(body).encode()
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        return await request.receive()
+
+    headers = [(k, v) for k, v in request.scope["headers"] if k.lower() not in (b"content-length", b"content-type")]
+    scope = {**request.scope, "headers": headers + [(b"content-type", b"application/json"),
+                                                     (b"content-length", str(len(data)).encode())]}
+    return Request(scope, receive)
+
+
+def arena_router(store: ArenaStore, contestants: tuple[Contestant, ...]) -> APIRouter:
+    from kvserve.server.handlers import generate
+    from kvserve.server.webui import _json_body, owner_of
+
+    router = APIRouter(prefix="/v1/kvserve/arena")
+    by_name = {c.name: c for c in contestants}
+    rng = secrets.SystemRandom()
+
+    @router.post("/battles")
+    async def create_battle(request: Request) -> dict:
+        owner = owner_of(request)
+        prompt = (await _json_body(request)).get("prompt")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InvalidRequest("Send {\"prompt\": \"...\"}: the question both contestants answer.", param="prompt")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise InvalidRequest(f"The prompt is longer than {MAX_PROMPT_CHARS} characters.", param="prompt")
+        a, b = rng.sample(contestants, 2)
+        battle_id = await run_in_threadpool(store.create, owner, prompt, a.name, b.name)
+        return {"id": battle_id, "object": "kvserve.arena.battle", "sides": ["a", "b"]}
+
+    @router.post("/battles/{battle_id}/answers/{side}")
+    async def answer(battle_id: str, side: str, request: Request) -> Response:
+        if side not in ("a", "b"):
+            raise InvalidRequest("side is a or b", param="side")
+        battle = await run_in_threadpool(store.get, owner_of(request), battle_id)
+        if battle["winner"] is not None:
+            raise InvalidRequest("This battle is over; start a new one.", param="id", code="already_voted")
+        contestant = by_name.get(battle[f"model_{side}"])
+        if contestant is None:
+            raise BattleNotFound("This battle's contestant is no longer configured; start a new one.", param="id")
+        return await generate(request.app.state.server, _sse_request(request, contestant.chat_body(battle["prompt"])),
+                              "chat")
+
+    @router.post("/battles/{battle_id}/vote")
+    async def vote(battle_id: str, request: Request) -> dict:
+        owner = owner_of(request)
+        winner = (await _json_body(request)).get("winner")
+        battle = await run_in_threadpool(store.vote, owner, battle_id, winner)
+        return {"id": battle_id, "object": "kvserve.arena.vote", "winner": winner,
+                "model_a": battle["model_a"], "model_b": battle["model_b"]}
+
+    @router.get("/leaderboard")
+    async def get_leaderboard() -> dict:
+        votes = await run_in_threadpool(store.votes)
+        rows = await run_in_threadpool(leaderboard, votes)
+        return {"object": "list", "votes": len(votes), "data": rows,
+                "contestants": [asdict(c) for c in contestants]}
+
+    return router
+
+
+def mount_arena(app: FastAPI, db_path: pathlib.Path, contestants_file: str | None = None) -> ArenaStore:
+    store = ArenaStore(db_path)
+    app.state.arena_store = store
+    app.include_router(arena_router(store, load_contestants(contestants_file)))
+    return store

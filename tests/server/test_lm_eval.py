@@ -1,0 +1,105 @@
+"""lm-evaluation-harness against `kvserve serve`: `local-completions` (loglikelihood through echo +
+logprobs on /v1/completions, tokenized by the server's /tokenizer_info + /tokenize) and
+`local-chat-completions` (generate_until), each on a tiny local task file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+MC = [{"question": "What is the capital of France?", "choices": [" Paris", " Banana", " Seven"], "answer": 0},
+      {"question": "How many legs does a dog have?", "choices": [" Blue", " Four", " London"], "answer": 1},
+      {"question": "What colour is the sky on a clear day?", "choices": [" Table", " Twelve", " Blue"], "answer": 2}]
+GEN = [{"question": "What is the capital of France? Answer with one word.", "answer": "Paris"},
+       {"question": "What is 2 + 2? Answer with a number only.", "answer": "4"}]
+
+
+def write_tasks(d) -> None:
+    (d / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in MC))
+    (d / "gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GEN))
+    (d / "mc.yaml").write_text(textwrap.dedent(f"""\
+        task: kvserve_tiny_mc
+        dataset_path: json
+        dataset_kwargs:
+          data_files:
+            test: {d / "mc.jsonl"}
+        test_split: test
+        output_type: multiple_choice
+        doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+        doc_to_choice: "{{{{choices}}}}"
+        doc_to_target: "{{{{answer}}}}"
+        metric_list:
+          - metric: acc
+            aggregation: mean
+            higher_is_better: true
+        """))
+    (d / "gen.yaml").write_text(textwrap.dedent(f"""\
+        task: kvserve_tiny_gen
+        dataset_path: json
+        dataset_kwargs:
+          data_files:
+            test: {d / "gen.jsonl"}
+        test_split: test
+        output_type: generate_until
+        doc_to_text: "{{{{question}}}}"
+        doc_to_target: "{{{{answer}}}}"
+        generation_kwargs:
+          until: ["\\n"]
+          max_gen_toks: 16
+          do_sample: false
+          temperature: 0
+        filter_list:
+          - name: last_word
+            filter:
+              - function: regex
+                regex_pattern: "(\\\\w+)\\\\W*$"
+              - function: take_first
+        metric_list:
+          - metric: exact_match
+            aggregation: mean
+            higher_is_better: true
+            ignore_case: true
+        """))
+
+
+def run_lm_eval(tmp_path, task: str, *args: str) -> dict:
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "hf"),
+               OMP_NUM_THREADS="1")
+    out = tmp_path / f"out-{task}"
+    r = subprocess.run([sys.executable, "-m", "lm_eval", "--tasks", task, *args, "--include_path", str(tmp_path),
+                        "--output_path", str(out), "--log_samples"],
+                       cwd=tmp_path, env=env, check=False, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    [results] = sorted(out.rglob("results_*.json"))[-1:]
+    samples = [json.loads(line) for f in out.rglob("samples_*.jsonl") for line in f.read_text().splitlines()]
+    return {"results": json.loads(results.read_text())["results"], "samples": samples}
+
+
+def test_lm_eval_local_completions_and_chat_completions(model_server, tmp_path):
+    (tmp_path / "data").mkdir()
+    server = model_server(tmp_path / "data")
+    write_tasks(tmp_path)
+    ll = run_lm_eval(tmp_path, "kvserve_tiny_mc", "--model", "local-completions", "--model_args",
+                     f"base_url={server.base_url}/v1/completions,model=smollm2-135m-instruct,"
+                     "tokenizer_backend=remote,num_concurrent=1,max_retries=1")
+    assert ll["results"]["kvserve_tiny_mc"]["acc,none"] == 1.0     # three questions a 135M model gets right
+    for s in ll["samples"]:
+        logliks = [float(r[0][0]) for r in s["resps"]]
+        assert len(logliks) == 3 and all(-200 < x < 0 for x in logliks)
+    log = "\n".join(server.access_log())
+    assert '"path": "/v1/completions", "status": 200' in log
+
+    gen = run_lm_eval(tmp_path, "kvserve_tiny_gen", "--model", "local-chat-completions", "--apply_chat_template",
+                      "--model_args",
+                      f"base_url={server.base_url}/v1/chat/completions,model=smollm2-135m-instruct,"
+                      "num_concurrent=1,max_retries=1")
+    answers = [s["resps"][0][0] for s in gen["samples"]]
+    assert all(a.strip() for a in answers), answers
+    assert gen["results"]["kvserve_tiny_gen"]["exact_match,last_word"] == 1.0, answers
