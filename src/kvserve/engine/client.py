@@ -318,7 +318,7 @@ def make_engine_client(model: str | None = None, *, engine_process: bool = False
     from kvserve.model.loader import load_model
 
     loaded = load_model(model, weight_format=weight_format)
-    core = EngineCore(loaded.model, cfg, loaded.tokenizer.eos_token_ids)
+    core = EngineCore(loaded.model, cfg, loaded.tokenizer.eos_token_ids, loaded.tokenizer)
     return InprocClient(core, loaded.tokenizer, loaded.source.name)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,6 +47,8 @@ class Request:
     num_preemptions: int = 0
     num_kv_blocks: int = 0                      # most KV blocks held at once
     first_scheduled_time: float | None = None
+    grammar_future: Any = None                  # Future of the compiled grammar template (structured output)
+    grammar: Any = None                         # this request's llguidance matcher, once admitted
 
     @classmethod
     def from_core_request(cls, req: EngineCoreRequest, arrival_seq: int, max_model_len: int,

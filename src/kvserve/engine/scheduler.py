@@ -12,7 +12,11 @@ that order is preempted: its blocks are freed and it goes back to waiting to be 
 
 The scheduler is the only writer of request state: `update_from_output` advances the computed
 counts, appends sampled tokens, applies the token-level stops (EOS, stop tokens, length, the
-repetition guard) and frees finished requests. Stop strings are the client's (only text knows
+repetition guard), advances each request's grammar matcher with its accepted tokens (a complete
+grammar ends the request with "stop") and frees finished requests. A request with a grammar
+waits in the queue until its grammar is compiled (kvserve.structured.backend), without holding
+up anyone behind it; each step the rows that sample under a grammar get a `grammar_bitmask_slot`.
+Stop strings are the client's (only text knows
 where they begin): the client aborts a request whose text hit one.
 """
 
@@ -40,6 +44,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.failed: list[EngineCoreOutput] = []    # requests ended outside a step's results
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -66,20 +71,42 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(self._entry(req, n))
+                out.scheduled.append(self._entry(req, n, out))
                 budget -= n
                 i += 1
         if not preempted:
             self._admit_waiting(out, budget)
         return out
 
-    def _entry(self, req: Request, n: int) -> ScheduledRequest:
-        return ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id))
+    def _entry(self, req: Request, n: int, out: SchedulerOutput) -> ScheduledRequest:
+        entry = ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id))
+        if req.grammar is not None and req.num_computed_tokens + n == req.num_tokens:
+            entry.grammar_bitmask_slot = out.num_grammar_rows
+            out.num_grammar_rows += 1
+        return entry
+
+    def _grammar_ready(self, req: Request) -> bool:
+        """False while the request's grammar compiles; its matcher is made once it has."""
+        fut = req.grammar_future
+        if fut is None or req.grammar is not None:
+            return True
+        if not fut.done():
+            return False
+        try:
+            from kvserve.structured.backend import GrammarBackend
+            req.grammar = GrammarBackend.new_matcher(fut)
+        except Exception as e:  # noqa: BLE001 - reported to the request's caller
+            self.finish(req, "error")
+            o = self.make_output(req, [])
+            o.finish_reason, o.error = "error", str(e)
+            self.failed.append(o)
+            return False
+        return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         self.waiting.sort(key=lambda r: r.sort_key)
         admitted = []
-        for req in self.waiting:
+        for req in list(self.waiting):
             if budget <= 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
                 break
             if req.wait_for is not None:
@@ -87,6 +114,8 @@ class Scheduler:
                 if parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens:
                     continue
                 req.wait_for = None
+            if not self._grammar_ready(req):
+                continue
             computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
             n = min(req.num_tokens - req.num_computed_tokens - len(computed) * self.kv.block_size, budget)
             if not self.kv.allocate_slots(req, n, computed):
@@ -99,7 +128,7 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             req.status = Status.RUNNING
             admitted.append(req)
-            out.scheduled.append(self._entry(req, n))
+            out.scheduled.append(self._entry(req, n, out))
             budget -= n
         for req in admitted:
             self.waiting.remove(req)
@@ -117,6 +146,9 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance every scheduled request by its computed tokens, then append what was sampled."""
         outputs: dict[str, EngineCoreOutput] = {}
+        for o in self.failed:
+            outputs[o.request_id] = o
+        self.failed = []
         for s in sched.scheduled:
             req = s.request
             if req.is_finished:
@@ -140,6 +172,8 @@ class Scheduler:
                 if result.logprobs:
                     req.cumulative_logprob += result.logprobs[row][j].logprob
                 stop = check_stop(req.params, req.output_token_ids, self.eos_token_ids, req.max_tokens)
+                if req.grammar is not None and stop is None:
+                    stop = self._advance_grammar(req, tok)
                 if stop is not None:
                     req.finish_reason, req.stop_reason = stop
                     break
@@ -153,6 +187,16 @@ class Scheduler:
                 self.finish(req, req.finish_reason, req.stop_reason)
                 outputs[rid].finish_reason, outputs[rid].stop_reason = req.finish_reason, req.stop_reason
         return list(outputs.values())
+
+    @staticmethod
+    def _advance_grammar(req: Request, tok: int) -> tuple[str, int | str | None] | None:
+        """Feed an accepted token to the request's matcher: ("stop", None) once the grammar is
+        complete (only EOS could follow); a token it refuses (the mask allowed it, so only a bug)
+        ends the request with an error rather than an invalid output."""
+        m = req.grammar
+        if not m.consume_token(tok):
+            return ("error", f"grammar refused token {tok}: {m.get_error()}")
+        return ("stop", None) if m.is_stopped() else None
 
     def make_output(self, req: Request, new_ids: list[int], logprobs=None, prompt_logprobs=None) -> EngineCoreOutput:
         o = EngineCoreOutput(req.request_id, new_ids, req.cumulative_logprob, logprobs,
