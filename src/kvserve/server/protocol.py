@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvserve.errors import InvalidRequest
-from kvserve.sampling_params import RepetitionGuard, SamplingParams
+from kvserve.sampling_params import RepetitionGuard, SamplingParams, StructuredOutputsParams
 from kvserve.server.settings import ServerSettings
 from kvserve.server.tools import MAX_TOOLS
 from kvserve.server.tools import NAME_RE as TOOL_NAME_RE
@@ -127,6 +127,13 @@ class _Common(_Strict):
     priority: int = 0
     cache_salt: str | None = Field(default=None, max_length=256)
     repetition_guard: RepetitionGuardSpec | None = None
+    # structured output (OpenAI's response_format, vLLM's extras): kvserve.server.structured
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -138,7 +145,6 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None   # checked in check_tools (clearer errors)
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     truncate: Literal["oldest"] | None = None
     add_generation_prompt: bool = True
 
@@ -224,9 +230,6 @@ def check_caps(req: _Common, settings: ServerSettings) -> None:
                                      param="top_logprobs")
             if not req.logprobs:
                 raise InvalidRequest("top_logprobs requires logprobs: true.", param="top_logprobs")
-        if req.response_format is not None and req.response_format.get("type") != "text":
-            raise InvalidRequest("Only response_format {\"type\": \"text\"} is supported.",
-                                 param="response_format")
         check_tools(req)
     else:
         assert isinstance(req, CompletionRequest)
@@ -323,8 +326,8 @@ def check_tools(req: ChatCompletionRequest, max_tools: int = MAX_TOOLS) -> None:
 
 
 def to_sampling_params(req: _Common, max_tokens: int, *, logprobs: int | None,
-                       prompt_logprobs: int | None = None, extra_stop: list[str] | None = None
-                       ) -> SamplingParams:
+                       prompt_logprobs: int | None = None, extra_stop: list[str] | None = None,
+                       structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams for one request; its __post_init__ raises InvalidRequest(param=...).
 
     `extra_stop` holds the server's own stop strings (the end of a single forced tool call)."""
@@ -338,7 +341,8 @@ def to_sampling_params(req: _Common, max_tokens: int, *, logprobs: int | None,
         "max_tokens": max_tokens, "min_tokens": min(req.min_tokens, max_tokens), "stop": stop,
         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
         "include_stop_str_in_output": req.include_stop_str_in_output, "logprobs": logprobs,
-        "prompt_logprobs": prompt_logprobs, "skip_special_tokens": req.skip_special_tokens}
+        "prompt_logprobs": prompt_logprobs, "skip_special_tokens": req.skip_special_tokens,
+        "structured_outputs": structured}
     if req.repetition_guard is not None:
         kwargs["repetition_guard"] = RepetitionGuard(req.repetition_guard.window, req.repetition_guard.repeats)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):

@@ -88,6 +88,32 @@ def _walk(node: Any, path: str, param: str) -> None:
         _walk(node.get(key), f"{path}.{key}", param)
 
 
+SAFE_INT = 2**53 - 1      # integers JSON round-trips exactly (JavaScript's safe range)
+FORMAT_MAX_LENGTH = 254   # the longest email address / host name
+
+
+def tighten(node: Any) -> Any:
+    """A copy of the schema with what it leaves unbounded bounded, so a small model cannot loop
+    on digits: integers within +-(2^53-1), format strings (email, time, ...) at most 254 chars.
+    Every output of the tightened schema is valid under the original."""
+    if isinstance(node, list):
+        return [tighten(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (tighten(v) if k not in ("enum", "const", "required", "default", "examples") else v)
+           for k, v in node.items()}
+    types = out.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "integer" in types:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INT
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INT
+    if "string" in types and "format" in out and "maxLength" not in out:
+        out["maxLength"] = FORMAT_MAX_LENGTH
+    return out
+
+
 def build_grammar(so: StructuredOutputsParams, param: str = "structured_outputs") -> str:
     """The llguidance grammar text (llguidance's JSON form) for one spec; checks JSON schemas."""
     llg = _import_llguidance()
@@ -95,7 +121,7 @@ def build_grammar(so: StructuredOutputsParams, param: str = "structured_outputs"
     if kind == "json":
         schema = load_schema(so.json, param)
         check_json_schema(schema, param)
-        return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return llg.LLMatcher.grammar_from_json_schema(tighten(schema), defaults=JSON_OPTIONS)
     if kind == "json_object":
         return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if kind == "regex":
@@ -117,6 +143,7 @@ class GrammarCompiler:
         self._lltok = None
         self._lock = threading.Lock()
         self._verdicts: OrderedDict[str, str] = OrderedDict()
+        self._grammars: OrderedDict[str, str] = OrderedDict()    # spec key -> checked grammar text
         self.cache_size = cache_size
 
     def lltokenizer(self):
@@ -144,8 +171,17 @@ class GrammarCompiler:
             raise InvalidRequest(f"The grammar for {param} does not compile: {err}", param=param)
 
     def prepare(self, so: StructuredOutputsParams, param: str = "structured_outputs") -> str:
-        grammar = build_grammar(so, param)
-        self.check(grammar, param)
+        """The checked grammar text for a spec (the spec -> grammar step is cached too)."""
+        key = json.dumps([so.kind, getattr(so, so.kind)], sort_keys=True)
+        with self._lock:
+            grammar = self._grammars.get(key)
+        if grammar is None:
+            grammar = build_grammar(so, param)
+            self.check(grammar, param)
+            with self._lock:
+                self._grammars[key] = grammar
+                while len(self._grammars) > self.cache_size:
+                    self._grammars.popitem(last=False)
         return grammar
 
     async def prepare_async(self, so: StructuredOutputsParams, param: str = "structured_outputs",
