@@ -131,6 +131,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     repetition_guard: RepetitionGuard | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    reasoning_budget: int | None = None   # the prompt opened <think>; force </think> after this many tokens
     # Normalised forms, filled in by __post_init__.
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
@@ -235,6 +236,9 @@ class SamplingParams:
             elif not isinstance(g, RepetitionGuard):
                 raise InvalidRequest("repetition_guard must be {'window': K, 'repeats': N} or null.",
                                      param="repetition_guard")
+        if self.reasoning_budget is not None and (not _is_int(self.reasoning_budget) or self.reasoning_budget < 1):
+            raise InvalidRequest(f"reasoning_budget must be an integer >= 1 or null, got {self.reasoning_budget!r}.",
+                                 param="reasoning_budget")
         so = self.structured_outputs
         if isinstance(so, dict):
             try:

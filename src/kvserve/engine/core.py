@@ -66,6 +66,8 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, eos_token_ids)
+        if tokenizer is not None:   # thinking requests: the scheduler reads the end of <think> as text
+            self.scheduler.decode = tokenizer.decode
         self.clock = PhaseClock()
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.torch_kv_dtype, eos_token_ids,
                                   device=config.device, clock=self.clock)
@@ -82,6 +84,9 @@ class EngineCore:
         if req.request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {req.request_id!r} is already in use", param="request_id")
         r = Request.from_core_request(req, next(self._arrival), self.max_model_len, self.runner.device)
+        if req.sampling_params.reasoning_budget is not None and req.reasoning_end_ids:
+            from kvserve.engine.reasoning import ReasoningState
+            r.reasoning = ReasoningState(req.sampling_params.reasoning_budget, list(req.reasoning_end_ids))
         if req.structured_output is not None:
             r.grammar_future = self.grammar_backend().submit(req.structured_output["grammar"])
         self.scheduler.add(r)

@@ -45,6 +45,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
     want_prompt_logprobs: bool = False     # only one child of a request reports them
     model: str | None = None               # which model (several models: the router picks the core)
     structured_output: dict | None = None  # {"grammar": llguidance grammar text} (kvserve.structured)
+    reasoning_end_ids: list[int] | None = None  # with params.reasoning_budget: the tokens that close <think>
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -137,7 +137,8 @@ class ModelRunner:
         if sampled:
             rows = logits if len(sample_rows) == len(logit_rows) else logits[torch.tensor(sample_rows,
                                                                                            device=self.device)]
-            reqs = [SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in sampled]
+            reqs = [SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
+                                    r.reasoning is not None and not r.reasoning.done) for r in sampled]
             so = self.sampler(rows, reqs, (grammar_rows, masks.result()) if masks is not None else None)
             token_ids = so.token_ids.tolist()
             out.req_ids = [r.request_id for r in sampled]

@@ -74,6 +74,10 @@ class InputProcessor:
         structured = None
         if params.structured_outputs is not None:   # compiled once per grammar text (cached)
             structured = {"grammar": self.grammar_compiler().prepare(params.structured_outputs)}
+        end_ids = None
+        if params.reasoning_budget is not None:
+            from kvserve.engine.reasoning import END_TEXT
+            end_ids = self.tokenizer.encode(END_TEXT, add_special_tokens=False)
         n = params.num_sequences
         out = []
         for i in range(n):
@@ -82,7 +86,8 @@ class InputProcessor:
                 request_id=rid, prompt_token_ids=ids, sampling_params=params, arrival_time=arrival,
                 priority=priority, cache_salt=cache_salt, seed=None if params.seed is None else params.seed + i,
                 wait_for=out[0].request_id if i and self.enable_prefix_caching else None,
-                want_prompt_logprobs=params.prompt_logprobs is not None and i == 0, structured_output=structured))
+                want_prompt_logprobs=params.prompt_logprobs is not None and i == 0, structured_output=structured,
+                reasoning_end_ids=end_ids))
         return out
 
     def grammar_compiler(self):

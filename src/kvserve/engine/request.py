@@ -49,6 +49,13 @@ class Request:
     first_scheduled_time: float | None = None
     grammar_future: Any = None                  # Future of the compiled grammar template (structured output)
     grammar: Any = None                         # this request's llguidance matcher, once admitted
+    reasoning: Any = None                       # engine.reasoning.ReasoningState of a thinking request
+    step_logprobs: list = field(default_factory=list)   # this step's TokenLogprobs (update_from_output)
+
+    @property
+    def grammar_active(self) -> bool:
+        """A grammar constrains this request's next token (it has one, and is not reasoning)."""
+        return self.grammar is not None and (self.reasoning is None or self.reasoning.done)
 
     @classmethod
     def from_core_request(cls, req: EngineCoreRequest, arrival_seq: int, max_model_len: int,

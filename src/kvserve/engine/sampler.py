@@ -22,6 +22,7 @@ class SamplingRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far (before this step)
     generator: torch.Generator | None = None  # from make_generator(params.seed)
+    in_reasoning: bool = False                # inside a <think> block: it cannot end the output
 
 
 @dataclass
@@ -125,7 +126,7 @@ class Sampler:
 
     def _needs_processing(self, r: SamplingRequest) -> bool:
         p = r.params
-        return bool(p.logit_bias or p.ignore_eos or p.repetition_penalty != 1.0 or p.presence_penalty
+        return bool(r.in_reasoning or p.logit_bias or p.ignore_eos or p.repetition_penalty != 1.0 or p.presence_penalty
                     or p.frequency_penalty or len(r.output_token_ids) < p.min_tokens)
 
     def _apply_bias_and_masks(self, logits: torch.Tensor, reqs: list[SamplingRequest]) -> None:
@@ -146,7 +147,7 @@ class Sampler:
             banned: list[int] = []
             if p.ignore_eos:
                 banned += self.eos_token_ids
-            if len(r.output_token_ids) < p.min_tokens:
+            if len(r.output_token_ids) < p.min_tokens or r.in_reasoning:
                 if not p.ignore_eos:
                     banned += self.eos_token_ids
                 banned += p.stop_token_ids or []

@@ -25,7 +25,13 @@ from __future__ import annotations
 import time
 
 from kvserve.engine.kv_cache_manager import KVCacheManager
-from kvserve.engine.messages import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvserve.engine.messages import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprob,
+)
 from kvserve.engine.request import Request, Status
 from kvserve.engine.stop import check_stop
 
@@ -45,6 +51,7 @@ class Scheduler:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.failed: list[EngineCoreOutput] = []    # requests ended outside a step's results
+        self.decode = None                            # token ids -> text (thinking requests)
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -80,7 +87,7 @@ class Scheduler:
 
     def _entry(self, req: Request, n: int, out: SchedulerOutput) -> ScheduledRequest:
         entry = ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id))
-        if req.grammar is not None and req.num_computed_tokens + n == req.num_tokens:
+        if req.grammar_active and req.num_computed_tokens + n == req.num_tokens:
             entry.grammar_bitmask_slot = out.num_grammar_rows
             out.num_grammar_rows += 1
         return entry
@@ -165,20 +172,19 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue
             new_ids: list[int] = []
+            lps = list(result.logprobs[row]) if result.logprobs else None
             for j, tok in enumerate(result.sampled_token_ids[row]):
-                req.output_token_ids.append(tok)
-                new_ids.append(tok)
-                self.generation_tokens_total += 1
-                if result.logprobs:
-                    req.cumulative_logprob += result.logprobs[row][j].logprob
-                stop = check_stop(req.params, req.output_token_ids, self.eos_token_ids, req.max_tokens)
-                if req.grammar is not None and stop is None:
-                    stop = self._advance_grammar(req, tok)
-                if stop is not None:
-                    req.finish_reason, req.stop_reason = stop
+                forced = self._append(req, tok, new_ids, lps[j] if lps else None)
+                if req.finish_reason is None and forced:
+                    for f in forced:    # the end of a reasoning block whose budget is spent
+                        self._append(req, f, new_ids, TokenLogprob(f, 0.0, 1) if lps is not None else None,
+                                     forced=True)
+                        if req.finish_reason is not None:
+                            break
+                if req.finish_reason is not None:
                     break
             o = outputs.get(rid)
-            lps = result.logprobs[row][:len(new_ids)] if req.params.logprobs is not None else None
+            lps = req.step_logprobs if req.params.logprobs is not None else None
             if o is None:
                 outputs[rid] = self.make_output(req, new_ids, lps)
             else:
@@ -187,6 +193,28 @@ class Scheduler:
                 self.finish(req, req.finish_reason, req.stop_reason)
                 outputs[rid].finish_reason, outputs[rid].stop_reason = req.finish_reason, req.stop_reason
         return list(outputs.values())
+
+    def _append(self, req: Request, tok: int, new_ids: list[int], lp, forced: bool = False) -> list[int]:
+        """Append one token (sampled, or forced to close a reasoning block): stops, reasoning,
+        grammar. Returns the tokens to force next (a spent reasoning budget)."""
+        if not new_ids:
+            req.step_logprobs = []
+        req.output_token_ids.append(tok)
+        new_ids.append(tok)
+        if lp is not None:
+            req.step_logprobs.append(lp)
+            req.cumulative_logprob += lp.logprob
+        self.generation_tokens_total += 1
+        stop = check_stop(req.params, req.output_token_ids, self.eos_token_ids, req.max_tokens)
+        to_force: list[int] = []
+        rs = req.reasoning
+        if rs is not None and not rs.done and not forced:
+            to_force = rs.feed(tok, self.decode)
+        elif req.grammar is not None and stop is None and not forced:
+            stop = self._advance_grammar(req, tok)
+        if stop is not None:
+            req.finish_reason, req.stop_reason = stop
+        return to_force
 
     @staticmethod
     def _advance_grammar(req: Request, tok: int) -> tuple[str, int | str | None] | None:
