@@ -140,6 +140,28 @@ def test_bad_specs_are_400s(srv, body, param, word):
     assert err["param"] == param and word in err["message"], err
 
 
+def test_reasoning_split_budget_and_grammar_after(srv):
+    """reasoning_budget opens a <think> block, the engine closes it after the budget, the grammar
+    constrains only the answer; streamed and non-streamed answers agree."""
+    body = {"messages": [{"role": "user", "content": "Is 7 prime? Answer yes or no."}], "max_tokens": 60,
+            "reasoning_budget": 12, "guided_choice": ["yes", "no"], "kvserve_trace": True}
+    r = post(srv, **body).json()
+    msg, trace = r["choices"][0]["message"], r["kvserve_trace"]
+    assert msg["content"] in ("yes", "no") and msg["reasoning_content"] and "think>" not in msg["reasoning_content"]
+    assert 12 <= trace["reasoning_token_count"] < trace["completion_token_count"]
+    reasoning = content = ""
+    with HTTP.stream("POST", srv.base_url + "/v1/chat/completions",
+                     json={"temperature": 0, "stream": True, **body}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                for ch in json.loads(line[6:])["choices"]:
+                    reasoning += ch["delta"].get("reasoning_content") or ""
+                    content += ch["delta"].get("content") or ""
+    assert (reasoning, content) == (msg["reasoning_content"], msg["content"])
+    r = post(srv, max_tokens=8, reasoning_effort="low", tools=TOOLS, tool_choice="required")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
 def test_compile_time_limit():
     """A grammar still compiling when its time is up is refused (400); the loop was never blocked."""
     comp = GrammarCompiler(Tokenizer.from_gguf(gguf.GGUFReader(resolve(None).path)), 49152)

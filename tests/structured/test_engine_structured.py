@@ -123,3 +123,16 @@ def test_bad_grammars_and_specs_are_refused(llm):
         SO(json={"type": "object"}, regex="a")
     with pytest.raises(InvalidRequest):
         SO(choice=[])
+
+
+def test_reasoning_budget_closes_the_block_and_the_grammar_applies_after(llm):
+    tok = llm.get_tokenizer()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Is 7 prime? Answer yes or no."}]) + "<think>\n"
+    ids = tok.encode(prompt, add_special_tokens=False)
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=60, reasoning_budget=8, logprobs=0,
+                                             structured_outputs=SO(choice=["yes", "no"])), use_tqdm=False)[0]
+    c = out.outputs[0]
+    thought, sep, answer = c.text.partition("</think>")
+    assert sep and answer.strip() in ("yes", "no") and c.finish_reason == "stop", c.text
+    assert len(tok.encode(thought, add_special_tokens=False)) <= 9      # 8 tokens, then the forced end
+    assert len(c.logprobs) == len(c.token_ids)                           # forced tokens have entries too

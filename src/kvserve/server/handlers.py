@@ -35,7 +35,7 @@ from starlette.background import BackgroundTask
 from kvserve.errors import InvalidRequest, KVServeError
 from kvserve.outputs import RequestOutput
 from kvserve.server.admission import Ticket, engine_priority
-from kvserve.server.context import build_prompts, token_texts
+from kvserve.server.context import build_prompts, reasoning_budget, token_texts
 from kvserve.server.formatting import ChunkWriter, TokenTexts, chat_body, completion_body, echo_text, trace
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -112,10 +112,11 @@ async def generate(server, request: Request, kind: str) -> Response:
     params = to_sampling_params(req, max_tokens, logprobs=max(top or 0, 5) if req.kvserve_trace else top,
                                 prompt_logprobs=req.logprobs if echo else None,
                                 extra_stop=plan.stop if plan is not None else None,
-                                structured=structured[0] if structured else None)
+                                structured=structured[0] if structured else None,
+                                reasoning_budget=reasoning_budget(req))
     if req.stream and params.best_of is not None and params.best_of > params.n:
         raise InvalidRequest("best_of > n cannot be streamed; drop best_of or stream=false.", param="best_of")
-    gen = Generation.create(kind, prompts, params, lambda: build_stages(plan), model_name=model_name,
+    gen = Generation.create(kind, prompts, params, lambda: build_stages(plan, reasoning=chat), model_name=model_name,
                             timings=timings, top_logprobs=top, trace=req.kvserve_trace, prompt_token_texts=texts,
                             priority=engine_priority(record.key_tier, req.priority))
 

@@ -147,6 +147,8 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = None
     truncate: Literal["oldest"] | None = None
     add_generation_prompt: bool = True
+    reasoning_effort: Literal["low", "medium", "high"] | None = None   # think first (server/reasoning.py)
+    reasoning_budget: int | None = Field(default=None, ge=1)           # ... for at most this many tokens
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -231,6 +233,10 @@ def check_caps(req: _Common, settings: ServerSettings) -> None:
             if not req.logprobs:
                 raise InvalidRequest("top_logprobs requires logprobs: true.", param="top_logprobs")
         check_tools(req)
+        if (req.reasoning_effort or req.reasoning_budget) and (req.tool_choice == "required"
+                                                               or isinstance(req.tool_choice, dict)):
+            raise InvalidRequest("reasoning cannot be combined with a forced tool_choice; use \"auto\".",
+                                 param="tool_choice")
     else:
         assert isinstance(req, CompletionRequest)
         if req.logprobs is not None and not 0 <= req.logprobs <= settings.max_top_logprobs:
@@ -327,7 +333,8 @@ def check_tools(req: ChatCompletionRequest, max_tools: int = MAX_TOOLS) -> None:
 
 def to_sampling_params(req: _Common, max_tokens: int, *, logprobs: int | None,
                        prompt_logprobs: int | None = None, extra_stop: list[str] | None = None,
-                       structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                       structured: StructuredOutputsParams | None = None,
+                       reasoning_budget: int | None = None) -> SamplingParams:
     """SamplingParams for one request; its __post_init__ raises InvalidRequest(param=...).
 
     `extra_stop` holds the server's own stop strings (the end of a single forced tool call)."""
@@ -342,7 +349,7 @@ def to_sampling_params(req: _Common, max_tokens: int, *, logprobs: int | None,
         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
         "include_stop_str_in_output": req.include_stop_str_in_output, "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs, "skip_special_tokens": req.skip_special_tokens,
-        "structured_outputs": structured}
+        "structured_outputs": structured, "reasoning_budget": reasoning_budget}
     if req.repetition_guard is not None:
         kwargs["repetition_guard"] = RepetitionGuard(req.repetition_guard.window, req.repetition_guard.repeats)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
