@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -347,6 +348,8 @@ def serve_command(
     out_dir: Annotated[Path, typer.Option(help="Where serve.md, serve.json and serve.png go.")] = Path("runs/bench"),
     profile: bool = typer.Option(False, "--profile", help="Print each kvserve server's time per step phase "
                                  "(schedule, forward, sample, detokenize, HTTP/SSE, ...) during the load."),
+    response_format: str = typer.Option(None, help="A response_format JSON (text or @file) sent with every request."),
+    new_schema: bool = typer.Option(False, "--new-schema-per-request", help="Make each json_schema distinct."),
 ) -> None:
     """Serving benchmark: streaming requests against OpenAI-compatible servers, vLLM's metrics side by side."""
     from kvserve.model.registry import resolve
@@ -361,7 +364,10 @@ def serve_command(
             raise InvalidRequest("give --base-url URL or --launch kvserve / --launch llama-cpp")
         cfg = ServeConfig(num_prompts=num_prompts, concurrency=concurrency, request_rate=request_rate,
                           burstiness=burstiness, input_len=input_len, output_len=output_len,
-                          range_ratio=range_ratio, endpoint=endpoint, seed=seed, goodput=parse_goodput(goodput))
+                          range_ratio=range_ratio, endpoint=endpoint, seed=seed, goodput=parse_goodput(goodput),
+                          response_format=json.loads(Path(response_format[1:]).read_text() if response_format
+                                                     and response_format.startswith("@") else response_format)
+                          if response_format else None, new_schema_per_request=new_schema)
         src = resolve(model)
         if src.kind == "gguf":
             from kvserve.model.gguf_loader import open_gguf
