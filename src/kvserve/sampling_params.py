@@ -239,6 +239,9 @@ class SamplingParams:
         if self.reasoning_budget is not None and (not _is_int(self.reasoning_budget) or self.reasoning_budget < 1):
             raise InvalidRequest(f"reasoning_budget must be an integer >= 1 or null, got {self.reasoning_budget!r}.",
                                  param="reasoning_budget")
+        if self.use_beam_search and (self.structured_outputs is not None or self.reasoning_budget is not None):
+            raise InvalidRequest("beam search does not take structured_outputs or reasoning_budget.",
+                                 param="use_beam_search")
         so = self.structured_outputs
         if isinstance(so, dict):
             try:

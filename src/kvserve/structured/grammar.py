@@ -62,9 +62,8 @@ def check_json_schema(schema: dict, param: str = "json_schema") -> None:
         try:
             cls.check_schema(schema)
         except jsonschema.SchemaError as e:
-            where = e.json_path.replace("$", "", 1) or "(root)"
-            raise InvalidRequest(f"Invalid JSON schema at {param}{where if where != '(root)' else ''}: "
-                                 f"{e.message}.", param=f"{param}{'' if where == '(root)' else where}") from None
+            where = param + e.json_path[1:]          # "$.properties.a.type" -> param.properties.a.type
+            raise InvalidRequest(f"Invalid JSON schema at {where}: {e.message}.", param=where) from None
     _walk(schema, "", param)
 
 
@@ -73,7 +72,7 @@ def _walk(node: Any, path: str, param: str) -> None:
         return
     for key in node:
         if key in _UNSUPPORTED:
-            raise InvalidRequest(f"JSON schema keyword {key!r} (at {param}{path or ''}) is not supported for "
+            raise InvalidRequest(f"JSON schema keyword {key!r} (at {param}{path}) is not supported for "
                                  "structured output; remove it or express it with enum/anyOf/pattern.",
                                  param=f"{param}{path}.{key}")
     for key in _SUBSCHEMA_MAPS:
