@@ -90,14 +90,21 @@ class GrammarBackend:
         self._mask_pool.shutdown(wait=False, cancel_futures=True)
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+# bit j of a byte, LSB first: a little-endian int32 word w holds tokens 32w .. 32w+31 in its 4 bytes
+_UNPACK = torch.tensor([[(b >> j) & 1 for j in range(8)] for b in range(256)], dtype=torch.bool)
 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
-    """-inf at every token a row's grammar forbids (bit j of word w: token 32*w + j allowed)."""
+    """-inf at every token a row's grammar forbids (bit j of word w set: token 32*w + j allowed).
+    One table lookup unpacks the bits (byte -> 8 bools), one masked fill applies them."""
     V = logits.shape[1]
-    allowed = ((bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1).view(len(rows), -1)[:, :V].bool()
+    packed = bitmask.contiguous().view(torch.uint8).view(-1).long()
+    allowed = _UNPACK.index_select(0, packed).view(len(rows), -1)
     if allowed.shape[1] < V:   # logits wider than the tokenizer: the extra ids are never valid
         allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
-    idx = torch.tensor(rows, device=logits.device)
-    logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
+    forbidden = ~allowed[:, :V].to(logits.device)
+    if rows == list(range(logits.shape[0])):
+        logits.masked_fill_(forbidden, float("-inf"))
+    else:
+        idx = torch.tensor(rows, device=logits.device)
+        logits[idx] = logits[idx].masked_fill_(forbidden, float("-inf"))
