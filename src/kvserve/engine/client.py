@@ -82,6 +82,10 @@ class EngineClient:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        from kvserve.structured.grammar import available
+        if available():    # the first structured request should not pay for imports and setup
+            threading.Thread(target=self.inputs.grammar_compiler().warm_up, daemon=True,
+                             name="kvserve-grammar-warmup").start()
 
     async def shutdown(self) -> None:
         raise NotImplementedError

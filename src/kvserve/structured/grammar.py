@@ -169,6 +169,11 @@ class GrammarCompiler:
         if err:
             raise InvalidRequest(f"The grammar for {param} does not compile: {err}", param=param)
 
+    def warm_up(self) -> None:
+        """Pay the first request's one-time costs now (imports, the llguidance tokenizer, the
+        meta-schema validator): a server calls it on a background thread at start."""
+        self.prepare(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}}}))
+
     def prepare(self, so: StructuredOutputsParams, param: str = "structured_outputs") -> str:
         """The checked grammar text for a spec (the spec -> grammar step is cached too)."""
         key = json.dumps([so.kind, getattr(so, so.kind)], sort_keys=True)
@@ -192,6 +197,14 @@ class GrammarCompiler:
         except TimeoutError:
             raise InvalidRequest(f"The grammar for {param} took longer than {timeout:g}s to compile; "
                                  "simplify it.", param=param) from None
+
+
+def available() -> bool:
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def compiler_for(tokenizer, vocab_size: int) -> GrammarCompiler:
