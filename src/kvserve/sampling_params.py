@@ -37,6 +37,47 @@ class RepetitionGuard:
                                  param="repetition_guard")
 
 
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's field names); exactly one of the fields is set.
+
+    json: a JSON schema (dict or its text); json_object: any JSON object; regex: a regular
+    expression the whole output matches; choice: one of these strings exactly; grammar: a Lark or
+    GBNF/EBNF grammar (llguidance's dialect). The engine compiles it once per distinct spec
+    (kvserve.structured) and masks every step's logits to the tokens that keep the output a valid
+    prefix; the request ends ("stop") as soon as the grammar is complete."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise InvalidRequest("structured_outputs takes exactly one of json, regex, choice, grammar or "
+                                 f"json_object, got {kinds or 'none'}.", param="structured_outputs")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise InvalidRequest("structured_outputs.json must be a JSON schema (an object).",
+                                 param="structured_outputs.json")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise InvalidRequest(f"structured_outputs.{name} must be a non-empty string.",
+                                     param=f"structured_outputs.{name}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequest("structured_outputs.choice must be a list of non-empty strings.",
+                                 param="structured_outputs.choice")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -89,6 +130,8 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     repetition_guard: RepetitionGuard | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    reasoning_budget: int | None = None   # the prompt opened <think>; force </think> after this many tokens
     # Normalised forms, filled in by __post_init__.
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
@@ -193,6 +236,22 @@ class SamplingParams:
             elif not isinstance(g, RepetitionGuard):
                 raise InvalidRequest("repetition_guard must be {'window': K, 'repeats': N} or null.",
                                      param="repetition_guard")
+        if self.reasoning_budget is not None and (not _is_int(self.reasoning_budget) or self.reasoning_budget < 1):
+            raise InvalidRequest(f"reasoning_budget must be an integer >= 1 or null, got {self.reasoning_budget!r}.",
+                                 param="reasoning_budget")
+        if self.use_beam_search and (self.structured_outputs is not None or self.reasoning_budget is not None):
+            raise InvalidRequest("beam search does not take structured_outputs or reasoning_budget.",
+                                 param="use_beam_search")
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**so)
+            except TypeError:
+                raise InvalidRequest("structured_outputs takes json, regex, choice, grammar or json_object.",
+                                     param="structured_outputs") from None
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise InvalidRequest("structured_outputs must be a StructuredOutputsParams or a dict.",
+                                 param="structured_outputs")
 
     def _check_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):

@@ -90,6 +90,16 @@ def test_payload_extras_per_backend():
     assert "ignore_eos" not in build_payload(req, ServeConfig(), "openai", None)
 
 
+def test_payload_response_format_and_new_schemas():
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    req = BenchRequest("hi", 1, 4)
+    body = build_payload(req, ServeConfig(response_format=rf), "kvserve", None)
+    assert body["response_format"] == rf
+    cfg = ServeConfig(response_format=rf, new_schema_per_request=True)
+    a, b = (build_payload(req, cfg, "kvserve", None)["response_format"]["json_schema"]["schema"] for _ in range(2))
+    assert a != b and a["type"] == b["type"] == "object" and rf["json_schema"]["schema"] == {"type": "object"}
+
+
 def test_sample_requests_lengths_and_seed():
     from kvserve.model.gguf_loader import open_gguf
     from kvserve.model.registry import resolve

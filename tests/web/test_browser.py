@@ -331,3 +331,29 @@ def test_phone_viewport_theme_and_keyboard(server, browser):
     assert page.input_value("#prompt") == "line one\nline two"
     assert page.locator(".msg").count() == 2
     assert errors == []
+
+
+def test_reasoning_shows_collapsed_above_the_answer(server, browser):
+    """"Think first" sends reasoning_effort; the <think> block streams into a collapsed Reasoning
+    element above the answer, and stays there after a reload."""
+    page, errors = open_page(browser, server, "web-test-reasoning",
+                             settings={"max_tokens": 150, "temperature": 0, "reasoning": "low"})
+    page.click("#new-chat")
+    page.fill("#prompt", "Is 7 a prime number?")
+    page.keyboard.press("Enter")
+    wait_until(page, "!!document.querySelector('.msg.assistant:not(.streaming) .inspect')", 300, "answer done")
+    details = page.locator(".msg.assistant details.reasoning")
+    assert details.count() == 1 and details.is_visible() and details.get_attribute("open") is None
+    thought = page.evaluate("document.querySelector('.msg.assistant .reasoning-body').textContent")
+    assert thought.strip() and "think>" not in thought
+    # the reasoning comes before the answer in the message
+    assert page.evaluate("(() => { const m = document.querySelector('.msg.assistant');"
+                         " return m.firstElementChild.matches('details.reasoning'); })()")
+    page.click(".msg.assistant details.reasoning summary")
+    assert page.is_visible(".msg.assistant .reasoning-body")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "web-chat-reasoning.png"))
+    page.reload()
+    wait_until(page, "document.documentElement.dataset.ready === '1'", 30, "reloaded")
+    assert page.evaluate("document.querySelector('.msg.assistant .reasoning-body').textContent") == thought
+    assert errors == []

@@ -23,6 +23,7 @@ import json
 import math
 import random
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,6 +51,8 @@ class ServeConfig:
     goodput: dict[str, float] = field(default_factory=dict)   # SLO name -> ms
     timeout_s: float = 1800.0
     conversation_writers: int = 0          # loops appending to saved conversations during the load
+    response_format: dict | None = None    # sent with every request (structured output)
+    new_schema_per_request: bool = False   # a distinct json_schema each time (compile not cached)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("chat", "completions"):
@@ -208,6 +211,12 @@ def build_payload(req: BenchRequest, cfg: ServeConfig, backend: str, model: str 
         body["ignore_eos"] = True
     if backend == "llama-cpp":
         body["n_predict"] = req.output_len   # llama.cpp's own name; it wins over max_tokens
+    if cfg.response_format is not None:
+        rf = cfg.response_format
+        if cfg.new_schema_per_request and rf.get("type") == "json_schema":
+            js = rf["json_schema"]
+            rf = {**rf, "json_schema": {**js, "schema": {**js["schema"], "title": f"bench-{uuid.uuid4().hex}"}}}
+        body["response_format"] = rf
     return body
 
 

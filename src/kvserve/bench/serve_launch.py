@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -362,6 +363,8 @@ def serve_command(
     conversation_writers: int = typer.Option(0, "--conversation-writers", min=0,
                                              help="Loops appending to saved conversations during the load "
                                                   "(kvserve servers)."),
+    response_format: str = typer.Option(None, help="A response_format JSON (text or @file) sent with every request."),
+    new_schema: bool = typer.Option(False, "--new-schema-per-request", help="Make each json_schema distinct."),
 ) -> None:
     """Serving benchmark: streaming requests against OpenAI-compatible servers, vLLM's metrics side by side."""
     from kvserve.model.registry import resolve
@@ -377,7 +380,10 @@ def serve_command(
         cfg = ServeConfig(num_prompts=num_prompts, concurrency=concurrency, request_rate=request_rate,
                           burstiness=burstiness, input_len=input_len, output_len=output_len,
                           range_ratio=range_ratio, endpoint=endpoint, seed=seed, goodput=parse_goodput(goodput),
-                          conversation_writers=conversation_writers)
+                          conversation_writers=conversation_writers,
+                          response_format=json.loads(Path(response_format[1:]).read_text() if response_format
+                                                     and response_format.startswith("@") else response_format)
+                          if response_format else None, new_schema_per_request=new_schema)
         src = resolve(model)
         if src.kind == "gguf":
             from kvserve.model.gguf_loader import open_gguf

@@ -85,6 +85,10 @@ class EngineClient:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        from kvserve.structured.grammar import available
+        if available():    # the first structured request should not pay for imports and setup
+            threading.Thread(target=self.inputs.grammar_compiler().warm_up, daemon=True,
+                             name="kvserve-grammar-warmup").start()
 
     async def shutdown(self) -> None:
         raise NotImplementedError
@@ -325,7 +329,7 @@ def make_engine_client(model: str | None = None, *, engine_process: bool = False
     from kvserve.model.loader import load_model
 
     loaded = load_model(model, weight_format=weight_format)
-    core = EngineCore(loaded.model, cfg, loaded.tokenizer.eos_token_ids)
+    core = EngineCore(loaded.model, cfg, loaded.tokenizer.eos_token_ids, loaded.tokenizer)
     return InprocClient(core, loaded.tokenizer, loaded.source.name)
 
 

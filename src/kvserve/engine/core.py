@@ -47,7 +47,7 @@ logger = logging.getLogger("kvserve.engine")
 
 
 class EngineCore:
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, eos_token_ids: list[int]):
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, eos_token_ids: list[int], tokenizer=None):
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -67,9 +67,13 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, eos_token_ids, config.long_prefill_token_threshold,
                                    config.max_num_partial_prefills, config.max_step_ms)
+        if tokenizer is not None:   # thinking requests: the scheduler reads the end of <think> as text
+            self.scheduler.decode = tokenizer.decode
         self.clock = PhaseClock()
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.torch_kv_dtype, eos_token_ids,
                                   device=config.device, clock=self.clock)
+        self.grammar = None     # structured output (kvserve.structured), built at the first grammar
+        self.tokenizer = tokenizer
         self._arrival = itertools.count()
         self.num_steps = 0
         self.num_batched_tokens = 0       # summed over steps: tokens in the forward pass ...
@@ -81,8 +85,25 @@ class EngineCore:
         """Queue a validated request (kvserve.engine.processing checked ids, vocabulary, window)."""
         if req.request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {req.request_id!r} is already in use", param="request_id")
-        self.scheduler.add(Request.from_core_request(req, next(self._arrival), self.max_model_len,
-                                                     self.runner.device))
+        r = Request.from_core_request(req, next(self._arrival), self.max_model_len, self.runner.device)
+        if req.sampling_params.reasoning_budget is not None and req.reasoning_end_ids:
+            from kvserve.engine.reasoning import ReasoningState
+            r.reasoning = ReasoningState(req.sampling_params.reasoning_budget, list(req.reasoning_end_ids))
+        if req.structured_output is not None:
+            r.grammar_future = self.grammar_backend().submit(req.structured_output["grammar"])
+        self.scheduler.add(r)
+
+    def grammar_backend(self):
+        """The structured-output backend (compile thread, mask thread), made at the first grammar."""
+        if self.grammar is None:
+            if self.tokenizer is None:
+                raise InvalidRequest("this engine was built without a tokenizer: structured output needs one",
+                                     param="structured_outputs")
+            from kvserve.structured.backend import GrammarBackend
+            from kvserve.structured.grammar import compiler_for
+            self.grammar = GrammarBackend(compiler_for(self.tokenizer, self.model_config.vocab_size))
+            self.runner.grammar = self.grammar
+        return self.grammar
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Stop these requests wherever they are and free their blocks; unknown ids are ignored."""
@@ -105,7 +126,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         clock.lap("schedule")
         if not sched:
-            return EngineCoreOutputs(time.monotonic())
+            failed, self.scheduler.failed = self.scheduler.failed, []
+            return EngineCoreOutputs(time.monotonic(), failed)
         self.num_steps += 1
         self.num_batched_tokens += sched.total_num_scheduled_tokens
         self.num_batched_requests += len(sched.scheduled)

@@ -21,7 +21,7 @@ class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None,
                  model_name: str = ""):
         self.config = config = config or EngineConfig()
-        self.core = EngineCore(model, config, tokenizer.eos_token_ids)
+        self.core = EngineCore(model, config, tokenizer.eos_token_ids, tokenizer)
         self.tokenizer = tokenizer
         self.info = EngineInfo(model_name or model.config.name, self.core.max_model_len, config.block_size,
                                model.config.vocab_size, self.core.context_limited_by_kv)

@@ -45,7 +45,8 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
     wait_for: str | None = None            # request id whose prompt must be computed first
     want_prompt_logprobs: bool = False     # only one child of a request reports them
     model: str | None = None               # which model (several models: the router picks the core)
-    structured_output: dict | None = None  # grammar spec slot (a matcher per request; not built yet)
+    structured_output: dict | None = None  # {"grammar": llguidance grammar text} (kvserve.structured)
+    reasoning_end_ids: list[int] | None = None  # with params.reasoning_budget: the tokens that close <think>
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -132,6 +133,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_preempted: int = 0
+    num_grammar_rows: int = 0            # rows of the step's grammar bitmask
 
     @property
     def total_num_scheduled_tokens(self) -> int:

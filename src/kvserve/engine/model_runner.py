@@ -12,8 +12,12 @@ The runner's part of a step is timed on the core's PhaseClock: `prepare` (packin
 the attention metadata), `forward` (the decoder stack, attention included), `logits` (the lm_head
 on the rows that need it, prompt logprobs) and `sample` (the sampler and its results as lists).
 
-The runner reads request state (tokens, sampling params, the seeded generator) and never writes
-it: what it produced goes back to the scheduler as a ModelRunnerOutput.
+Rows that sample under a grammar (`grammar_bitmask_slot`) get their next-token bitmask from the
+structured-output backend, computed on its mask thread while the forward runs (the C kernels and
+llguidance both drop the GIL), and applied by the sampler in one op.
+
+The runner reads request state (tokens, sampling params, the seeded generator, the grammar
+matcher) and never writes it: what it produced goes back to the scheduler as a ModelRunnerOutput.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class ModelRunner:
         self.kv_caches = [torch.empty(shape, dtype=kv_dtype, device=self.device)
                           for _ in range(cfg.num_hidden_layers)]
         self.sampler = Sampler(eos_token_ids)
+        self.grammar = None     # kvserve.structured.backend.GrammarBackend, set by the core when needed
 
     @staticmethod
     def bytes_per_block(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -90,6 +95,7 @@ class ModelRunner:
         logit_rows: list[int] = []
         sampled = []                          # requests that sample this step
         sample_rows: list[int] = []
+        grammar_rows: list[int] = []          # index in `sampled` of each grammar bitmask slot
         prompt_lp = []                        # (request, row offset in logit_rows, first position, count)
         for s in sched.scheduled:
             req, start, n = s.request, s.num_computed_tokens, s.num_new_tokens
@@ -105,12 +111,16 @@ class ModelRunner:
                 prompt_lp.append((req, len(logit_rows), start, cnt))
                 logit_rows += range(row0, row0 + cnt)
             if start + n == req.num_tokens:
+                if s.grammar_bitmask_slot is not None:
+                    grammar_rows.append(len(sampled))
                 sampled.append(req)
                 sample_rows.append(len(logit_rows))
                 logit_rows.append(row0 + n - 1)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        masks = (self.grammar.start_bitmask([sampled[i].grammar for i in grammar_rows])
+                 if grammar_rows else None)
         clock.lap("prepare")
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         clock.lap("forward")
@@ -130,8 +140,9 @@ class ModelRunner:
         if sampled:
             rows = logits if len(sample_rows) == len(logit_rows) else logits[torch.tensor(sample_rows,
                                                                                            device=self.device)]
-            reqs = [SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator) for r in sampled]
-            so = self.sampler(rows, reqs)
+            reqs = [SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
+                                    r.reasoning is not None and not r.reasoning.done) for r in sampled]
+            so = self.sampler(rows, reqs, (grammar_rows, masks.result()) if masks is not None else None)
             token_ids = so.token_ids.tolist()
             out.req_ids = [r.request_id for r in sampled]
             out.sampled_token_ids = [[t] for t in token_ids]

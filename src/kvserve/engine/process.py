@@ -56,7 +56,10 @@ def main(argv: list[str]) -> int:
 
         cfg = EngineConfig(weight_format=spec["weight_format"], **spec["engine_kwargs"])
         loaded = load_model(spec["model"], weight_format=spec["weight_format"])
-        core = EngineCore(loaded.model, cfg, loaded.tokenizer.eos_token_ids)
+        core = EngineCore(loaded.model, cfg, loaded.tokenizer.eos_token_ids, loaded.tokenizer)
+        from kvserve.structured.grammar import available
+        if available():
+            core.grammar_backend().warm_up()
     except Exception as e:  # noqa: BLE001 - reported to the client, which raises it
         push.send(encode(EngineFailed(str(e))))
         return 1

@@ -77,6 +77,13 @@ class InputProcessor:
                 f"{limit}; the prompt has {len(ids)} tokens and max_tokens asks for {params.max_tokens} more: "
                 "shorten the prompt or lower max_tokens", param="max_tokens" if room >= 1 else "prompt")
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        structured = None
+        if params.structured_outputs is not None:   # compiled once per grammar text (cached)
+            structured = {"grammar": self.grammar_compiler().prepare(params.structured_outputs)}
+        end_ids = None
+        if params.reasoning_budget is not None:
+            from kvserve.engine.reasoning import END_TEXT
+            end_ids = self.tokenizer.encode(END_TEXT, add_special_tokens=False)
         n = params.num_sequences
         out = []
         for i in range(n):
@@ -85,8 +92,14 @@ class InputProcessor:
                 request_id=rid, prompt_token_ids=ids, sampling_params=params, arrival_time=arrival,
                 priority=priority, cache_salt=cache_salt, cache_salt_from=cache_salt_from, seed=None if params.seed is None else params.seed + i,
                 wait_for=out[0].request_id if i and self.enable_prefix_caching else None,
-                want_prompt_logprobs=params.prompt_logprobs is not None and i == 0))
+                want_prompt_logprobs=params.prompt_logprobs is not None and i == 0, structured_output=structured,
+                reasoning_end_ids=end_ids))
         return out
+
+    def grammar_compiler(self):
+        """The structured-output compiler for this tokenizer (kvserve.structured.grammar)."""
+        from kvserve.structured.grammar import compiler_for
+        return compiler_for(self.tokenizer, self.info.vocab_size)
 
 
 @dataclass(eq=False)
@@ -180,7 +193,7 @@ class OutputProcessor:
             if o.error is not None:
                 state.error = o.error
             if o.new_token_ids:
-                self._add_tokens(child, o.new_token_ids, o.new_logprobs, o.finish_reason == "stop")
+                self._add_tokens(child, o.new_token_ids, o.new_logprobs, self._ends_on_stop_token(o, state.params))
                 child.cumulative_logprob = o.cumulative_logprob
                 if m.first_token_time is None:
                     m.first_token_time = now
@@ -205,6 +218,14 @@ class OutputProcessor:
             results.append(self._request_output(state))
         self.process_ns += time.perf_counter_ns() - t0
         return results, to_abort
+
+    def _ends_on_stop_token(self, o, params: SamplingParams) -> bool:
+        """The last new token is the EOS / stop token that ended the request (its text is left
+        out); a request that ended because its grammar was complete keeps its last token."""
+        if o.finish_reason != "stop" or not o.new_token_ids:
+            return False
+        last = o.new_token_ids[-1]
+        return last in self.tokenizer.eos_token_ids or last in (params.stop_token_ids or ())
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Finish a request on the client side (the caller aborts its core requests)."""

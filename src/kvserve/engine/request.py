@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,6 +48,15 @@ class Request:
     num_kv_blocks: int = 0                      # most KV blocks held at once
     first_scheduled_time: float | None = None
     cache_salt_from: int = 0                    # blocks ending at or before it are hashed without the salt
+    grammar_future: Any = None                  # Future of the compiled grammar template (structured output)
+    grammar: Any = None                         # this request's llguidance matcher, once admitted
+    reasoning: Any = None                       # engine.reasoning.ReasoningState of a thinking request
+    step_logprobs: list = field(default_factory=list)   # this step's TokenLogprobs (update_from_output)
+
+    @property
+    def grammar_active(self) -> bool:
+        """A grammar constrains this request's next token (it has one, and is not reasoning)."""
+        return self.grammar is not None and (self.reasoning is None or self.reasoning.done)
 
     @classmethod
     def from_core_request(cls, req: EngineCoreRequest, arrival_seq: int, max_model_len: int,

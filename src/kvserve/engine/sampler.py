@@ -22,6 +22,7 @@ class SamplingRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far (before this step)
     generator: torch.Generator | None = None  # from make_generator(params.seed)
+    in_reasoning: bool = False                # inside a <think> block: it cannot end the output
 
 
 @dataclass
@@ -69,7 +70,7 @@ class Sampler:
     so the work per step is a handful of batched tensor ops whatever the mix of requests.
 
     Order (each step touches only the rows that use it):
-      raw log_softmax (reported logprobs, vLLM's choice) → logit_bias → min_tokens / ignore_eos
+      raw log_softmax (reported logprobs, vLLM's choice) → grammar bitmask → logit_bias → min_tokens / ignore_eos
       masks → repetition_penalty (prompt + output: positive logits / r, negative * r) →
       presence / frequency penalties (output only: logit -= count * freq + (count > 0) * pres) →
       greedy rows: argmax → temperature → top_k → top_p → min_p → sample.
@@ -83,7 +84,10 @@ class Sampler:
     def __init__(self, eos_token_ids: list[int]):
         self.eos_token_ids = list(eos_token_ids)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[SamplingRequest]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, reqs: list[SamplingRequest],
+                 grammar: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
+        """`grammar`: (rows, bitmask) - row rows[i] may only take the tokens set in bitmask[i]
+        (structured output; applied before everything else but after the raw logprobs)."""
         B = logits.shape[0]
         assert len(reqs) == B, f"{B} rows of logits for {len(reqs)} requests"
         logits = logits.float()
@@ -91,13 +95,13 @@ class Sampler:
         num_top = max((p.logprobs or 0 for p in params), default=0)
         with_ranks = any(p.logprobs is not None for p in params)
 
-        if all(p.greedy and not self._needs_processing(r) for p, r in zip(params, reqs)):
+        if grammar is None and all(p.greedy and not self._needs_processing(r) for p, r in zip(params, reqs)):
             token_ids = logits.argmax(dim=-1)
             lp, ranks, top_ids, top_lp = compute_logprobs(logits, token_ids, num_top, with_ranks)
             return SamplerOutput(token_ids, lp, ranks, top_ids, top_lp)
 
         raw_logits = logits
-        logits = self.process_logits(logits, reqs)
+        logits = self.process_logits(logits, reqs, grammar)
 
         greedy = [p.greedy for p in params]
         if all(greedy):
@@ -108,17 +112,21 @@ class Sampler:
         return SamplerOutput(token_ids, lp, ranks, top_ids, top_lp)
 
     # ---- logits processors ---------------------------------------------------------------------
-    def process_logits(self, logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
-        """logit_bias, min_tokens / ignore_eos masks and penalties, on a float32 copy of `logits`
-        (what greedy rows take the argmax of; temperature and truncation come after)."""
+    def process_logits(self, logits: torch.Tensor, reqs: list[SamplingRequest],
+                       grammar: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+        """Grammar bitmask, logit_bias, min_tokens / ignore_eos masks and penalties, on a float32
+        copy of `logits` (what greedy rows take the argmax of; temperature and truncation come after)."""
         logits = logits.float().clone()
+        if grammar is not None and grammar[0]:
+            from kvserve.structured.backend import apply_bitmask
+            apply_bitmask(logits, *grammar)
         self._apply_bias_and_masks(logits, reqs)
         self._apply_penalties(logits, reqs)
         return logits
 
     def _needs_processing(self, r: SamplingRequest) -> bool:
         p = r.params
-        return bool(p.logit_bias or p.ignore_eos or p.repetition_penalty != 1.0 or p.presence_penalty
+        return bool(r.in_reasoning or p.logit_bias or p.ignore_eos or p.repetition_penalty != 1.0 or p.presence_penalty
                     or p.frequency_penalty or len(r.output_token_ids) < p.min_tokens)
 
     def _apply_bias_and_masks(self, logits: torch.Tensor, reqs: list[SamplingRequest]) -> None:
@@ -139,7 +147,7 @@ class Sampler:
             banned: list[int] = []
             if p.ignore_eos:
                 banned += self.eos_token_ids
-            if len(r.output_token_ids) < p.min_tokens:
+            if len(r.output_token_ids) < p.min_tokens or r.in_reasoning:
                 if not p.ignore_eos:
                     banned += self.eos_token_ids
                 banned += p.stop_token_ids or []

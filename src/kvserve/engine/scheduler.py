@@ -24,8 +24,12 @@ the prefix cache). Admission keeps strict order when the pool is short: no overt
 
 The scheduler is the only writer of request state: `update_from_output` advances the computed
 counts, appends sampled tokens, applies the token-level stops (EOS, stop tokens, length, the
-repetition guard) and frees finished requests. Stop strings are the client's (only text knows
-where they begin): the client aborts a request whose text hit one.
+repetition guard), advances each request's grammar matcher with its accepted tokens (a complete
+grammar ends the request with "stop") and frees finished requests. A request with a grammar
+waits in the queue until its grammar is compiled (kvserve.structured.backend), without holding
+up anyone behind it; each step the rows that sample under a grammar get a `grammar_bitmask_slot`.
+Stop strings are the client's (only text knows where they begin): the client aborts a request
+whose text hit one.
 """
 
 from __future__ import annotations
@@ -33,7 +37,13 @@ from __future__ import annotations
 import time
 
 from kvserve.engine.kv_cache_manager import KVCacheManager
-from kvserve.engine.messages import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvserve.engine.messages import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprob,
+)
 from kvserve.engine.request import Request, Status
 from kvserve.engine.step_cost import StepCostModel
 from kvserve.engine.stop import check_stop
@@ -59,6 +69,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.failed: list[EngineCoreOutput] = []    # requests ended outside a step's results
+        self.decode = None                            # token ids -> text (thinking requests)
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -125,11 +137,33 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is req:
                 return
-        out.scheduled.append(self._entry(req, n))
+        out.scheduled.append(self._entry(req, n, out))
         self._budget -= n
 
-    def _entry(self, req: Request, n: int) -> ScheduledRequest:
-        return ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id))
+    def _entry(self, req: Request, n: int, out: SchedulerOutput) -> ScheduledRequest:
+        entry = ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id))
+        if req.grammar_active and req.num_computed_tokens + n == req.num_tokens:
+            entry.grammar_bitmask_slot = out.num_grammar_rows
+            out.num_grammar_rows += 1
+        return entry
+
+    def _grammar_ready(self, req: Request) -> bool:
+        """False while the request's grammar compiles; its matcher is made once it has."""
+        fut = req.grammar_future
+        if fut is None or req.grammar is not None:
+            return True
+        if not fut.done():
+            return False
+        try:
+            from kvserve.structured.backend import GrammarBackend
+            req.grammar = GrammarBackend.new_matcher(fut)
+        except Exception as e:  # noqa: BLE001 - reported to the request's caller
+            self.finish(req, "error")
+            o = self.make_output(req, [])
+            o.finish_reason, o.error = "error", str(e)
+            self.failed.append(o)
+            return False
+        return True
 
     def _admit_waiting(self, out: SchedulerOutput, long: bool) -> None:
         """Admit waiting requests in order: the short prompts (long=False), then the long ones."""
@@ -138,7 +172,7 @@ class Scheduler:
         first_long = not any(self._is_long(s.request) and s.num_computed_tokens < s.request.num_prompt_tokens
                              for s in out.scheduled)
         admitted = []
-        for req in self.waiting:
+        for req in list(self.waiting):                 # (a grammar that failed to compile leaves it)
             if self._budget <= 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
                 break
             if req.wait_for is not None:
@@ -146,6 +180,8 @@ class Scheduler:
                 if parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens:
                     continue
                 req.wait_for = None
+            if not self._grammar_ready(req):
+                continue
             computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
             cached = len(computed) * self.kv.block_size
             left = req.num_tokens - req.num_computed_tokens - cached
@@ -172,7 +208,7 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             req.status = Status.RUNNING
             admitted.append(req)
-            out.scheduled.append(self._entry(req, n))
+            out.scheduled.append(self._entry(req, n, out))
             self._budget -= n
             if long:
                 partial += 1
@@ -206,6 +242,9 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance every scheduled request by its computed tokens, then append what was sampled."""
         outputs: dict[str, EngineCoreOutput] = {}
+        for o in self.failed:
+            outputs[o.request_id] = o
+        self.failed = []
         for s in sched.scheduled:
             req = s.request
             if req.is_finished:
@@ -222,18 +261,19 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue
             new_ids: list[int] = []
+            lps = list(result.logprobs[row]) if result.logprobs else None
             for j, tok in enumerate(result.sampled_token_ids[row]):
-                req.output_token_ids.append(tok)
-                new_ids.append(tok)
-                self.generation_tokens_total += 1
-                if result.logprobs:
-                    req.cumulative_logprob += result.logprobs[row][j].logprob
-                stop = check_stop(req.params, req.output_token_ids, self.eos_token_ids, req.max_tokens)
-                if stop is not None:
-                    req.finish_reason, req.stop_reason = stop
+                forced = self._append(req, tok, new_ids, lps[j] if lps else None)
+                if req.finish_reason is None and forced:
+                    for f in forced:    # the end of a reasoning block whose budget is spent
+                        self._append(req, f, new_ids, TokenLogprob(f, 0.0, 1) if lps is not None else None,
+                                     forced=True)
+                        if req.finish_reason is not None:
+                            break
+                if req.finish_reason is not None:
                     break
             o = outputs.get(rid)
-            lps = result.logprobs[row][:len(new_ids)] if req.params.logprobs is not None else None
+            lps = req.step_logprobs if req.params.logprobs is not None else None
             if o is None:
                 outputs[rid] = self.make_output(req, new_ids, lps)
             else:
@@ -242,6 +282,38 @@ class Scheduler:
                 self.finish(req, req.finish_reason, req.stop_reason)
                 outputs[rid].finish_reason, outputs[rid].stop_reason = req.finish_reason, req.stop_reason
         return list(outputs.values())
+
+    def _append(self, req: Request, tok: int, new_ids: list[int], lp, forced: bool = False) -> list[int]:
+        """Append one token (sampled, or forced to close a reasoning block): stops, reasoning,
+        grammar. Returns the tokens to force next (a spent reasoning budget)."""
+        if not new_ids:
+            req.step_logprobs = []
+        req.output_token_ids.append(tok)
+        new_ids.append(tok)
+        if lp is not None:
+            req.step_logprobs.append(lp)
+            req.cumulative_logprob += lp.logprob
+        self.generation_tokens_total += 1
+        stop = check_stop(req.params, req.output_token_ids, self.eos_token_ids, req.max_tokens)
+        to_force: list[int] = []
+        rs = req.reasoning
+        if rs is not None and not rs.done and not forced:
+            to_force = rs.feed(tok, self.decode)
+        elif req.grammar is not None and stop is None and not forced:
+            stop = self._advance_grammar(req, tok)
+        if stop is not None:
+            req.finish_reason, req.stop_reason = stop
+        return to_force
+
+    @staticmethod
+    def _advance_grammar(req: Request, tok: int) -> tuple[str, int | str | None] | None:
+        """Feed an accepted token to the request's matcher: ("stop", None) once the grammar is
+        complete (only EOS could follow); a token it refuses (the mask allowed it, so only a bug)
+        ends the request with an error rather than an invalid output."""
+        m = req.grammar
+        if not m.consume_token(tok):
+            return ("error", f"grammar refused token {tok}: {m.get_error()}")
+        return ("stop", None) if m.is_stopped() else None
 
     def make_output(self, req: Request, new_ids: list[int], logprobs=None, prompt_logprobs=None) -> EngineCoreOutput:
         o = EngineCoreOutput(req.request_id, new_ids, req.cumulative_logprob, logprobs,

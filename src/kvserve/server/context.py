@@ -60,13 +60,16 @@ def template_messages(tokenizer, messages: list[ChatMessage],
 
 def build_chat_prompt(tokenizer, messages: list[ChatMessage], *, max_model_len: int,
                       max_tokens: int | None, truncate: str | None,
-                      add_generation_prompt: bool = True, tools: ToolPlan | None = None) -> Prompt:
+                      add_generation_prompt: bool = True, tools: ToolPlan | None = None,
+                      think: bool = False) -> Prompt:
     """Render and tokenize a conversation so that prompt + max_tokens (or + 1) fits the window.
 
     With a tool plan the tools are rendered (unless tool_choice is "none") and a forced
     tool_choice appends the opening of a call after the generation prompt."""
     msgs, tool_defs = template_messages(tokenizer, messages, tools)
     suffix = tools.forcing_prefix if tools is not None and add_generation_prompt else ""
+    if think and add_generation_prompt:    # the answer starts inside a <think> block (server/reasoning.py)
+        suffix = "<think>\n" + suffix
     reserve = max_tokens if max_tokens is not None else 1
     # The tokenizer's sandboxed template raises InvalidRequest(param="messages") itself.
     fitted = fit_chat(tokenizer, msgs, max_model_len - reserve, drop_oldest=truncate == "oldest",
@@ -114,11 +117,19 @@ def build_prompts(tokenizer, req: ChatCompletionRequest | CompletionRequest, *, 
     if isinstance(req, ChatCompletionRequest):
         return [build_chat_prompt(tokenizer, req.messages, max_model_len=max_model_len, max_tokens=max_tokens,
                                   truncate=req.truncate, add_generation_prompt=req.add_generation_prompt,
-                                  tools=tools)]
+                                  tools=tools, think=reasoning_budget(req) is not None)]
     prompts = build_completion_prompts(tokenizer, req.prompt, vocab_size=getattr(tokenizer, "vocab_size", None))
     for p in prompts:
         check_fits(p, max_tokens, max_model_len)
     return prompts
+
+
+def reasoning_budget(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """The reasoning tokens a chat request asked for (reasoning_budget, else reasoning_effort), or None."""
+    from kvserve.server.reasoning import EFFORT_BUDGETS
+    budget = getattr(req, "reasoning_budget", None)
+    effort = getattr(req, "reasoning_effort", None)
+    return budget if budget is not None else EFFORT_BUDGETS.get(effort) if effort else None
 
 
 def check_fits(prompt: Prompt, max_tokens: int | None, max_model_len: int, param: str = "prompt") -> None:

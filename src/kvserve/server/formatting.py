@@ -161,10 +161,12 @@ class TokenTexts:
 def trace(gen: Generation, ps: PromptState, decode, block_size: int) -> dict:
     m = ps.metrics
     ch = ps.choices[0]
-    return build_trace(
+    out = build_trace(
         request_id=gen.id, prompt_text=ps.prompt.text, prompt_ids=ps.prompt.token_ids, num_cached=ps.num_cached,
         prompt_token_texts=gen.prompt_token_texts, timings=gen.timings, metrics=m, output_ids=ch.token_ids,
         output_positions=ch.logprobs, decode=decode, kv_blocks=m.num_kv_blocks if m else 0, block_size=block_size)
+    out["reasoning_token_count"] = ch.reasoning_tokens    # of completion_token_count, inside <think>
+    return out
 
 
 def echo_text(tokenizer, ps: PromptState) -> str:
@@ -188,8 +190,11 @@ def chat_body(gen: Generation, decode, block_size: int) -> dict:
         lp = (chat_logprobs(ch.token_ids, ch.logprobs, gen.top_logprobs, decode)
               if gen.top_logprobs is not None else None)
         content = (ch.content or None) if ch.calls else ch.content
-        choices.append({"index": i, "message": {"role": "assistant", "content": content, "refusal": None,
-                                                "tool_calls": [c.to_dict() for c in ch.calls]},
+        message = {"role": "assistant", "content": content, "refusal": None,
+                   "tool_calls": [c.to_dict() for c in ch.calls]}
+        if ch.reasoning:
+            message["reasoning_content"] = ch.reasoning
+        choices.append({"index": i, "message": message,
                         "logprobs": lp, "finish_reason": "tool_calls" if ch.calls else finish_reason(ch.finish_reason),
                         "stop_reason": ch.stop_reason})
     return _body(gen, "chat.completion", choices, decode, block_size)
@@ -251,12 +256,14 @@ class ChunkWriter:
         lp = None
         if top is not None and d.logprobs:
             lp = (chat_logprobs if self.chat else completion_logprobs)(d.token_ids, d.logprobs, top, self.decode)
-        if d.filtered and not d.text and not d.tool_calls and lp is None and not d.done:
+        if d.filtered and not d.text and not d.reasoning and not d.tool_calls and lp is None and not d.done:
             return None
         fr = "tool_calls" if d.calls else finish_reason(d.finish_reason)
         if self.chat:
             delta: dict[str, Any] = {}
-            if d.text or not (d.filtered or d.done):
+            if d.reasoning:
+                delta["reasoning_content"] = d.reasoning
+            if d.text or not (d.filtered or d.done or d.reasoning):
                 delta["content"] = d.text
             if d.tool_calls:
                 delta["tool_calls"] = d.tool_calls

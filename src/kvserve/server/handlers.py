@@ -36,7 +36,7 @@ from starlette.background import BackgroundTask
 from kvserve.errors import InvalidRequest, KVServeError
 from kvserve.outputs import RequestOutput
 from kvserve.server.admission import Ticket, engine_priority
-from kvserve.server.context import build_prompts, token_texts
+from kvserve.server.context import build_prompts, reasoning_budget, token_texts
 from kvserve.server.formatting import ChunkWriter, TokenTexts, chat_body, completion_body, echo_text, trace
 from kvserve.server.limits import read_body
 from kvserve.server.protocol import (
@@ -48,6 +48,7 @@ from kvserve.server.protocol import (
 )
 from kvserve.server.records import Generation, RequestRecord, Timings
 from kvserve.server.stages import ChoiceDelta, build_stages, run_stages
+from kvserve.server.structured import for_request
 from kvserve.server.tools import make_plan
 
 logger = logging.getLogger("kvserve.server")
@@ -106,13 +107,18 @@ async def generate(server, request: Request, kind: str) -> Response:
         max_tokens = min(settings.default_max_tokens, engine.max_model_len - longest)
     top = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
     echo = not chat and req.echo
+    structured = for_request(req, plan)
+    if structured is not None:    # compiled off the event loop, with a time limit (cached per grammar)
+        await engine.inputs.grammar_compiler().prepare_async(*structured)
     params = to_sampling_params(req, max_tokens, logprobs=max(top or 0, 5) if req.kvserve_trace else top,
                                 prompt_logprobs=req.logprobs if echo else None,
-                                extra_stop=plan.stop if plan is not None else None)
+                                extra_stop=plan.stop if plan is not None else None,
+                                structured=structured[0] if structured else None,
+                                reasoning_budget=reasoning_budget(req))
     check_kv_budget(engine, prompts, max_tokens, params.num_sequences)
     if req.stream and params.best_of is not None and params.best_of > params.n:
         raise InvalidRequest("best_of > n cannot be streamed; drop best_of or stream=false.", param="best_of")
-    gen = Generation.create(kind, prompts, params, lambda: build_stages(plan), model_name=model_name,
+    gen = Generation.create(kind, prompts, params, lambda: build_stages(plan, reasoning=chat), model_name=model_name,
                             timings=timings, top_logprobs=top, trace=req.kvserve_trace, prompt_token_texts=texts,
                             priority=engine_priority(record.key_tier, req.priority))
 

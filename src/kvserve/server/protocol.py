@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvserve.errors import InvalidRequest
-from kvserve.sampling_params import RepetitionGuard, SamplingParams
+from kvserve.sampling_params import RepetitionGuard, SamplingParams, StructuredOutputsParams
 from kvserve.server.limits import load_json
 from kvserve.server.settings import ServerSettings
 from kvserve.server.tools import MAX_TOOLS
@@ -133,6 +133,13 @@ class _Common(_Strict):
     # vLLM's beam-search fields: accepted so that clients get a clear answer, not "unrecognized"
     use_beam_search: bool = False
     length_penalty: float | None = None
+    # structured output (OpenAI's response_format, vLLM's extras): kvserve.server.structured
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -144,9 +151,10 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None   # checked in check_tools (clearer errors)
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     truncate: Literal["oldest"] | None = None
     add_generation_prompt: bool = True
+    reasoning_effort: Literal["low", "medium", "high"] | None = None   # think first (server/reasoning.py)
+    reasoning_budget: int | None = Field(default=None, ge=1)           # ... for at most this many tokens
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -236,10 +244,11 @@ def check_caps(req: _Common, settings: ServerSettings) -> None:
                                      param="top_logprobs")
             if not req.logprobs:
                 raise InvalidRequest("top_logprobs requires logprobs: true.", param="top_logprobs")
-        if req.response_format is not None and req.response_format.get("type") != "text":
-            raise InvalidRequest("Only response_format {\"type\": \"text\"} is supported.",
-                                 param="response_format")
         check_tools(req, settings.max_tools, settings.max_tools_bytes)
+        if (req.reasoning_effort or req.reasoning_budget) and (req.tool_choice == "required"
+                                                               or isinstance(req.tool_choice, dict)):
+            raise InvalidRequest("reasoning cannot be combined with a forced tool_choice; use \"auto\".",
+                                 param="tool_choice")
     else:
         assert isinstance(req, CompletionRequest)
         if req.logprobs is not None and not 0 <= req.logprobs <= settings.max_top_logprobs:
@@ -339,8 +348,9 @@ def check_tools(req: ChatCompletionRequest, max_tools: int = MAX_TOOLS, max_byte
 
 
 def to_sampling_params(req: _Common, max_tokens: int, *, logprobs: int | None,
-                       prompt_logprobs: int | None = None, extra_stop: list[str] | None = None
-                       ) -> SamplingParams:
+                       prompt_logprobs: int | None = None, extra_stop: list[str] | None = None,
+                       structured: StructuredOutputsParams | None = None,
+                       reasoning_budget: int | None = None) -> SamplingParams:
     """SamplingParams for one request; its __post_init__ raises InvalidRequest(param=...).
 
     `extra_stop` holds the server's own stop strings (the end of a single forced tool call)."""
@@ -354,7 +364,8 @@ def to_sampling_params(req: _Common, max_tokens: int, *, logprobs: int | None,
         "max_tokens": max_tokens, "min_tokens": min(req.min_tokens, max_tokens), "stop": stop,
         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
         "include_stop_str_in_output": req.include_stop_str_in_output, "logprobs": logprobs,
-        "prompt_logprobs": prompt_logprobs, "skip_special_tokens": req.skip_special_tokens}
+        "prompt_logprobs": prompt_logprobs, "skip_special_tokens": req.skip_special_tokens,
+        "structured_outputs": structured, "reasoning_budget": reasoning_budget}
     if req.repetition_guard is not None:
         kwargs["repetition_guard"] = RepetitionGuard(req.repetition_guard.window, req.repetition_guard.repeats)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):

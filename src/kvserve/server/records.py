@@ -97,10 +97,14 @@ class ChoiceState:
     finish_reason: str | None = None       # the engine's reason ("repetition", "abort", ...)
     stop_reason: int | str | None = None
     calls: list[ParsedCall] = field(default_factory=list)
+    reasoning: str = ""                    # the `<think>` block's text (ReasoningStage)
+    reasoning_tokens: int = 0
 
     def add(self, d: ChoiceDelta) -> ChoiceDelta:
         """Accumulate one step (as the stages left it); returns it."""
         self.content += d.text
+        self.reasoning += d.reasoning
+        self.reasoning_tokens = max(self.reasoning_tokens, d.reasoning_tokens)
         self.token_ids.extend(d.token_ids)
         if d.logprobs:
             self.logprobs.extend(d.logprobs)

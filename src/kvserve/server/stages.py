@@ -7,7 +7,7 @@ out of it for one choice in one step is a `ChoiceDelta`. Every stage has one met
 `finish_reason` is the choice's last, so a stage that held text back releases it then. The
 formatter (formatting.py: SSE chunk or JSON body) is the end of the line.
 
-    engine client (detokenize, stops, logprobs) -> [tool calls] -> (reasoning) -> (moderation) -> format
+    engine client (detokenize, stops, logprobs) -> [reasoning] -> [tool calls] -> (moderation) -> format
 
 A streamed and a non-streamed answer run through the same stages, so they agree. Adding a stage
 (reasoning split, output moderation) is one line in `build_stages`.
@@ -35,6 +35,8 @@ class ChoiceDelta:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)   # OpenAI `delta.tool_calls` entries
     calls: list[ParsedCall] = field(default_factory=list)            # every call, on the last delta
     filtered: bool = False   # a stage rewrote the text: send only what is left (no empty content)
+    reasoning: str = ""      # reasoning text to send (`<think>` block; ReasoningStage)
+    reasoning_tokens: int = 0   # tokens of the choice's reasoning so far
 
     @property
     def done(self) -> bool:
@@ -71,9 +73,12 @@ class ToolCallStage:
         return delta
 
 
-def build_stages(plan: ToolPlan | None) -> list[Stage]:
-    """One choice's stage list, in order."""
+def build_stages(plan: ToolPlan | None, reasoning: bool = False) -> list[Stage]:
+    """One choice's stage list, in order (chat answers get the reasoning split)."""
     stages: list[Stage] = []
+    if reasoning:
+        from kvserve.server.reasoning import ReasoningStage
+        stages.append(ReasoningStage())
     if plan is not None and plan.active:
         stages.append(ToolCallStage(plan))
     return stages

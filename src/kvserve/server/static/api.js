@@ -5,7 +5,7 @@
 
 const STORAGE = { client: "kvserve.clientId", apiKey: "kvserve.apiKey", settings: "kvserve.settings" };
 
-export const DEFAULT_SETTINGS = { system: "", temperature: 0.7, top_p: 0.95, max_tokens: 512, model: "", theme: "" };
+export const DEFAULT_SETTINGS = { reasoning: "", system: "", temperature: 0.7, top_p: 0.95, max_tokens: 512, model: "", theme: "" };
 
 export function clientId() {
   let id = localStorage.getItem(STORAGE.client);
@@ -84,17 +84,17 @@ export async function listModels() {
   return (r.data || []).map((m) => m.id);
 }
 
-// Stream one chat completion. Calls onDelta(text) for each piece of content and returns
-// {content, finishReason, trace, usage}. Aborting `signal` closes the connection, which makes
+// Stream one chat completion. Calls onDelta(text) for each piece of content (onReasoning(all) for
+// each piece of delta.reasoning_content) and returns {content, reasoning, finishReason, trace, usage}. Aborting `signal` closes the connection, which makes
 // the server abort the request and free its KV blocks.
-export async function streamChat(request, { signal, onDelta }) {
+export async function streamChat(request, { signal, onDelta, onReasoning }) {
   const body = { ...request, stream: true, stream_options: { include_usage: true }, kvserve_trace: true };
-  return streamSSE("/v1/chat/completions", body, { signal, onDelta });
+  return streamSSE("/v1/chat/completions", body, { signal, onDelta, onReasoning });
 }
 
 // POST `body` to `path` and read the chat-completion SSE stream it answers with (the chat
 // endpoint, or an arena battle's side, which the server runs through the same handler).
-export async function streamSSE(path, body, { signal, onDelta }) {
+export async function streamSSE(path, body, { signal, onDelta, onReasoning }) {
   const resp = await fetch(path, {
     method: "POST",
     headers: headers({ "Content-Type": "application/json", Accept: "text/event-stream" }),
@@ -103,7 +103,7 @@ export async function streamSSE(path, body, { signal, onDelta }) {
   });
   if (!resp.ok) throw await errorFrom(resp);
   const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
-  const result = { content: "", finishReason: null, trace: null, usage: null };
+  const result = { content: "", reasoning: "", finishReason: null, trace: null, usage: null };
   let buffer = "";
   const handle = (data) => {
     if (data === "[DONE]") return true;
@@ -114,6 +114,11 @@ export async function streamSSE(path, body, { signal, onDelta }) {
     if (chunk.usage) result.usage = chunk.usage;
     for (const choice of chunk.choices || []) {
       if (choice.index !== 0) continue;
+      const thought = choice.delta?.reasoning_content;
+      if (thought) {
+        result.reasoning += thought;
+        onReasoning?.(result.reasoning);
+      }
       const piece = choice.delta?.content;
       if (piece) {
         result.content += piece;

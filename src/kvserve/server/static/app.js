@@ -131,10 +131,25 @@ async function refreshList() {
 
 // ---- messages ---------------------------------------------------------------------------
 
+// The model's reasoning (<think> block, delta.reasoning_content), collapsed above the answer.
+function reasoningBlock(text) {
+  const details = document.createElement("details");
+  details.className = "reasoning";
+  details.hidden = !text;
+  const summary = document.createElement("summary");
+  summary.textContent = "Reasoning";
+  const pre = document.createElement("div");
+  pre.className = "reasoning-body";
+  pre.textContent = text;
+  details.append(summary, pre);
+  return details;
+}
+
 function renderMessage(msg, index) {
   const node = document.createElement("article");
   node.className = `msg ${msg.role}`;
   node.dataset.index = String(index);
+  if (msg.role === "assistant") node.append(reasoningBlock(msg.meta?.reasoning || msg.reasoning || ""));
   const body = document.createElement("div");
   body.className = "msg-body";
   if (msg.role === "assistant") body.innerHTML = renderMarkdown(msg.content);
@@ -250,16 +265,19 @@ async function generate(index) {
     if (stick) $("messages").scrollTop = $("messages").scrollHeight;
   };
   const request = { model: s.model || undefined, messages, temperature: Number(s.temperature),
-    top_p: Number(s.top_p), max_tokens: Number(s.max_tokens) };
+    top_p: Number(s.top_p), max_tokens: Number(s.max_tokens), reasoning_effort: s.reasoning || undefined };
+  const thinking = node.querySelector(".reasoning");
   let failed = null;
   try {
     const result = await streamChat(request, {
       signal: controller.signal,
       onDelta: (_, content) => { asst.content = content; if (!frame) frame = requestAnimationFrame(paint); },
+      onReasoning: (text) => { thinking.hidden = false; thinking.querySelector(".reasoning-body").textContent = text; },
     });
     asst.content = result.content;
     asst.trace = result.trace;
     asst.meta = { finish_reason: result.finishReason, model: s.model || null, usage: result.usage };
+    if (result.reasoning) asst.meta.reasoning = result.reasoning.slice(0, 12000);
   } catch (e) {
     if (e.name === "AbortError") asst.meta = { stopped: true, model: s.model || null };
     else failed = e;
@@ -326,6 +344,7 @@ function openSettings() {
   $("set-system").value = s.system;
   $("set-temperature").value = s.temperature;
   $("set-top-p").value = s.top_p;
+  $("set-reasoning").value = s.reasoning || "";
   $("set-max-tokens").value = s.max_tokens;
   $("set-api-key").value = apiKey.get();
   $("settings-dialog").showModal();
@@ -339,6 +358,7 @@ async function onSettingsClosed() {
   s.system = $("set-system").value;
   s.temperature = clamp($("set-temperature").value, 0, 2, 0.7);
   s.top_p = clamp($("set-top-p").value, 0.01, 1, 0.95);
+  s.reasoning = $("set-reasoning").value;
   s.max_tokens = Math.round(clamp($("set-max-tokens").value, 1, 32768, 512));
   saveSettings(s);
   const key = $("set-api-key").value.trim();
