@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -140,7 +141,8 @@ def long_prompt_table(label: str, phases: dict[str, PhaseResult]) -> str:
 
 
 def bench_long_prompt(target, tokenizer, cfg: ServeConfig, sc: LongPromptConfig, *, model: str | None = None,
-                      threads: int = 2, api_key: str | None = None, on_event=None) -> tuple[str, dict]:
+                      threads: int = 2, api_key: str | None = None, on_event=None,
+                      server_args: list[str] | None = None) -> tuple[str, dict]:
     """Start the target's server if asked, run the scenario, stop it: (markdown, numbers)."""
     from dataclasses import asdict, replace
 
@@ -155,7 +157,7 @@ def bench_long_prompt(target, tokenizer, cfg: ServeConfig, sc: LongPromptConfig,
     server = None
     if target.launch:
         ctx = sc.long_len + 256
-        server = plan_server(target.launch, model, threads, sc.num_streams + sc.num_long + 1, ctx)
+        server = plan_server(target.launch, model, threads, sc.num_streams + sc.num_long + 1, ctx, server_args)
         emit("launch", label=target.label, cmd=" ".join(server.cmd), note=server.note)
         server.start()
         target.base_url, target.backend = server.base_url, server.backend
@@ -171,3 +173,26 @@ def bench_long_prompt(target, tokenizer, cfg: ServeConfig, sc: LongPromptConfig,
                    "long": [{"prompt_len": r.prompt_len, "ttft_s": r.ttft, "error": r.error} for r in ph.longs]}
             for name, ph in phases.items()}
     return long_prompt_table(target.label, phases), {"label": target.label, "config": asdict(sc), **data}
+
+
+def long_prompt_command(targets: list, tokenizer, cfg: ServeConfig, long_len: int, model: str | None,
+                        threads: int, api_key: str | None, out_dir: Path, server_args: list[str] | None) -> None:
+    """`kvserve bench serve --scenario long-prompt`: each target in turn, one table each."""
+    import os
+
+    from kvserve.bench.common import console, write_outputs
+
+    sc = LongPromptConfig(long_len=long_len)
+    tables, data = [], []
+    for t in targets:
+        md, d = bench_long_prompt(t, tokenizer, cfg, sc, model=model, threads=threads, api_key=api_key,
+                                  server_args=server_args if t.launch == "kvserve" else None,
+                                  on_event=lambda kind, **i: kind == "launch" and console.print(f"starting {i['cmd']}"))
+        tables.append(f"### {t.label}\n\n{md}")
+        data.append(d)
+    table = "\n\n".join(tables)
+    print(f"long-prompt scenario: {sc.num_streams} streams, probes of {cfg.input_len} tokens every "
+          f"{sc.probe_interval_s:g} s, {sc.num_long} long prompts of {long_len} tokens, {threads} threads, "
+          f"load average {os.getloadavg()[0]:.1f}\n")
+    print(table)
+    write_outputs(out_dir, "serve-long-prompt", table, data)

@@ -360,6 +360,8 @@ def serve_command(
     scenario: str = typer.Option("default", help="default, or long-prompt: short probes' TTFT and streams' ITL "
                                  "alone, under load, and while long prompts prefill (bench/scenario.py)."),
     long_len: int = typer.Option(7000, "--long-len", min=1, help="long-prompt scenario: the long prompts' tokens."),
+    server_arg: Annotated[list[str] | None, typer.Option(
+        "--server-arg", help="Extra argument for a launched kvserve (repeatable): --server-arg=--max-step-ms=100")] = None,
     conversation_writers: int = typer.Option(0, "--conversation-writers", min=0,
                                              help="Loops appending to saved conversations during the load "
                                                   "(kvserve servers)."),
@@ -392,7 +394,10 @@ def serve_command(
         else:
             tokenizer = Tokenizer.from_dir(src.path)
         if scenario == "long-prompt":
-            return _long_prompt(targets, tokenizer, cfg, long_len, model, threads, api_key, out_dir)
+            from kvserve.bench.scenario import long_prompt_command
+
+            return long_prompt_command(targets, tokenizer, cfg, long_len, model, threads, api_key, out_dir,
+                                       server_arg)
         if scenario != "default":
             raise InvalidRequest(f"--scenario {scenario!r}: choose default or long-prompt", param="scenario")
         requests = sample_requests(tokenizer, cfg)
@@ -414,7 +419,8 @@ def serve_command(
 
             for t in targets:
                 results.append(bench_target(t, requests, cfg, model=model, threads=threads, api_key=api_key,
-                                            on_event=on_event, profile=profile))
+                                            on_event=on_event, profile=profile,
+                                            server_args=server_arg if t.launch == "kvserve" else None))
     except KVServeError as e:
         console.print(f"error: {e.message}")
         raise typer.Exit(1) from None
@@ -433,21 +439,3 @@ def serve_command(
     save_chart(results, str(out_dir / "serve.png"))
     console.print(f"wrote {out_dir}/serve.md, serve.json, serve.png")
 
-
-def _long_prompt(targets: list[Target], tokenizer, cfg: ServeConfig, long_len: int, model: str | None,
-                 threads: int, api_key: str | None, out_dir: Path) -> None:
-    from kvserve.bench.scenario import LongPromptConfig, bench_long_prompt
-
-    sc = LongPromptConfig(long_len=long_len)
-    tables, data = [], []
-    for t in targets:
-        md, d = bench_long_prompt(t, tokenizer, cfg, sc, model=model, threads=threads, api_key=api_key,
-                                  on_event=lambda kind, **i: kind == "launch" and console.print(f"starting {i['cmd']}"))
-        tables.append(f"### {t.label}\n\n{md}")
-        data.append(d)
-    table = "\n\n".join(tables)
-    print(f"long-prompt scenario: {sc.num_streams} streams, probes of {cfg.input_len} tokens every "
-          f"{sc.probe_interval_s:g} s, {sc.num_long} long prompts of {long_len} tokens, {threads} threads, "
-          f"load average {os.getloadavg()[0]:.1f}\n")
-    print(table)
-    write_outputs(out_dir, "serve-long-prompt", table, data)

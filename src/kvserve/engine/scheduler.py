@@ -252,7 +252,7 @@ class Scheduler:
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.prompt_tokens_total += min(s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += s.num_new_tokens
-            req.num_kv_blocks = max(req.num_kv_blocks, len(self.kv.block_ids(req.request_id)))
+            req.num_kv_blocks = max(req.num_kv_blocks, self.kv.num_held_blocks(req.request_id))
             self.kv.cache_full_blocks(req)
         for rid, (start, entries) in result.prompt_logprobs.items():
             outputs[rid] = self.make_output(self.requests[rid], [], prompt_logprobs=(start, entries))

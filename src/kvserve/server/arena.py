@@ -170,7 +170,17 @@ def _sse_request(request: Request, body: dict) -> Request:
 
 def arena_router(store: ArenaStore, contestants: tuple[Contestant, ...]) -> APIRouter:
     from kvserve.server.handlers import generate
-    from kvserve.server.webui import _json_body, owner_of
+    from kvserve.server.webui import owner_of
+
+    async def _json_body(request: Request) -> dict:
+        """The body under the server's own gates (size, read timeout, JSON depth)."""
+        from starlette.concurrency import run_in_threadpool
+
+        from kvserve.server.limits import load_json, read_body
+
+        settings = request.app.state.server.settings
+        raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+        return await run_in_threadpool(load_json, raw, settings.max_json_depth)
 
     router = APIRouter(prefix="/v1/kvserve/arena")
     by_name = {c.name: c for c in contestants}
