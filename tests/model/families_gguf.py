@@ -44,6 +44,10 @@ def write_gguf(checkpoint: Path, family: str, path: Path, qtype: str = "F32") ->
     rp = c.rope_parameters
     theta = rp.get("full_attention", rp)["rope_theta"]
     w.add_rope_freq_base(theta)
+    scaling = rp.get("full_attention", rp)
+    if scaling.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(scaling["factor"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if getattr(c, "sliding_window", None) and family in ("mistral_swa", "gemma2", "gemma3", "phi3"):
         w.add_sliding_window(c.sliding_window)
