@@ -16,6 +16,7 @@ MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "tie_word_embeddings": True}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None}),
+    "phi3_swa": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 24}),     # Phi-3-mini-4k's window
     "mistral_swa": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24, "head_dim": 16}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
         "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 24, "num_hidden_layers": 4,
