@@ -13,7 +13,7 @@ import torch
 from ggufmaker import CHAT_TEMPLATE, SPECIALS, byte_vocab, permute
 
 # our family -> (GGUF architecture, gguf-py MODEL_ARCH)
-GGUF_ARCH = {"qwen3": "qwen3", "phi3": "phi3", "mistral_swa": "llama", "gemma2": "gemma2", "gemma3": "gemma3",
+GGUF_ARCH = {"qwen3": "qwen3", "phi3": "phi3", "phi3_swa": "phi3", "mistral_swa": "llama", "gemma2": "gemma2", "gemma3": "gemma3",
              "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _MIXTRAL = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
@@ -44,8 +44,12 @@ def write_gguf(checkpoint: Path, family: str, path: Path, qtype: str = "F32") ->
     rp = c.rope_parameters
     theta = rp.get("full_attention", rp)["rope_theta"]
     w.add_rope_freq_base(theta)
+    scaling = rp.get("full_attention", rp)
+    if scaling.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(scaling["factor"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    if getattr(c, "sliding_window", None) and family in ("mistral_swa", "gemma2", "gemma3", "phi3"):
+    if getattr(c, "sliding_window", None) and family in ("mistral_swa", "gemma2", "gemma3", "phi3_swa"):
         w.add_sliding_window(c.sliding_window)
     if family == "gemma2":
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)

@@ -16,6 +16,7 @@ MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "tie_word_embeddings": True}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None}),
+    "phi3_swa": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 24}),     # Phi-3-mini-4k's window
     "mistral_swa": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24, "head_dim": 16}),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
         "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 24, "num_hidden_layers": 4,
@@ -24,7 +25,8 @@ FAMILIES = {
         "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 24, "num_hidden_layers": 6,
         "hidden_size": 48, "intermediate_size": 64,    # six layers: five local, one global (Gemma 3's pattern)
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+                            # the 4B+ models' linear scaling, on the global layers only
+                            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
         "tie_word_embeddings": True}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 8, "num_experts_per_tok": 2,
                                                         "intermediate_size": 32, "sliding_window": None}),

@@ -215,6 +215,7 @@ def test_quantized_experts_are_batch_invariant_and_counted(family, root):
     ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
     ({"mlp_only_layers": [1]}, "mlp_only_layers"),
     ({"hidden_act": "relu"}, "hidden_act"),
+    ({"partial_rotary_factor": 0.5}, "partial rotary"),
 ])
 def test_inconsistent_family_configs_are_one_line_errors(tmp_path, change, match):
     import json
@@ -226,3 +227,25 @@ def test_inconsistent_family_configs_are_one_line_errors(tmp_path, change, match
     with pytest.raises(ModelLoadError, match=match) as e:
         config_from_dir(tmp_path)
     assert "\n" not in str(e.value)
+
+
+def test_phi3_longrope_gguf_is_refused(root, tmp_path):
+    import gguf
+
+    ck = checkpoint("phi3", root)
+    reader = gguf.GGUFReader(ck.gguf)
+    w = gguf.GGUFWriter(str(tmp_path / "long.gguf"), "phi3")
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY
+                        else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data.copy())
+    w.add_tensor("rope_factors_long.weight", torch.ones(8).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="phi3.*LongRoPE"):
+        config_from_gguf(open_gguf(tmp_path / "long.gguf"))

@@ -37,6 +37,10 @@ def hf_family_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
         window = None                                   # a window as long as the context is no window
     kw["sliding_window"] = window
     kw["layer_types"] = layer_types
+    rp = d.get("rope_parameters") or {}
+    if float(rp.get("partial_rotary_factor", d.get("partial_rotary_factor")) or 1.0) != 1.0:
+        raise ModelLoadError(f"unsupported {arch} config: partial rotary embeddings (partial_rotary_factor) "
+                             "are not supported yet")
     if arch == "qwen2":
         kw["attention_bias"] = True
     elif arch == "qwen3":
@@ -46,7 +50,6 @@ def hf_family_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
                   query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or d.get("head_dim") or 256),
                   attn_logit_softcapping=d.get("attn_logit_softcapping"),
                   final_logit_softcapping=d.get("final_logit_softcapping"))
-        rp = d.get("rope_parameters") or {}
         if arch == "gemma3_text":
             kw["qk_norm"] = "head"
             full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}

@@ -46,6 +46,9 @@ def gguf_family_fields(arch: str, field: Callable[[str, Any], Any], names: set[s
                        n_layers: int) -> dict[str, Any]:
     """ModelConfig fields beyond the Llama ones. field(key, default) reads `{arch}.key`."""
     kw: dict[str, Any] = {"architecture": ARCHITECTURES[arch]}
+    if "rope_factors_long.weight" in names:
+        raise ModelLoadError(f"unsupported {arch} GGUF: LongRoPE (rope_factors_long/short, the 128k Phi-3 "
+                             "models) is not supported yet")
     window = field("attention.sliding_window", None)
     pattern = field("attention.sliding_window_pattern", None)
     if arch == "qwen3":
