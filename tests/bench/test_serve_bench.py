@@ -165,13 +165,14 @@ def test_long_prompt_scenario_against_a_launched_kvserve(tmp_path):
     """The three phases run end to end on a small scale and report their numbers (no timing asserted)."""
     from kvserve.bench.scenario import LongPromptConfig, bench_long_prompt
     from kvserve.bench.serve import ServeConfig
-    from kvserve.bench.serve_launch import Target
+    from kvserve.bench.serve_launch import Target, plan_server
     from kvserve.model.loader import load_model
 
     tok = load_model(None).tokenizer
     sc = LongPromptConfig(long_len=400, num_long=1, num_streams=2, stream_output_len=8, probe_output_len=2,
-                          probe_interval_s=0.3, phase_s=1.5, num_alone=2)
-    md, data = bench_long_prompt(Target("kvserve", launch="kvserve"), tok, ServeConfig(input_len=24), sc)
+                          probe_interval_s=0.3, phase_s=3.0, num_alone=2)
+    md, data = bench_long_prompt(Target("kvserve", launch="kvserve"), tok, ServeConfig(input_len=24), sc,
+                                 plan_server=plan_server)
     assert len(data["alone"]["probe_ttft_s"]) == 2 and all(t > 0 for t in data["alone"]["probe_ttft_s"])
     assert data["streams"]["itl_s"] and data["streams"]["probe_ttft_s"]
     [long] = data["long"]["long"]

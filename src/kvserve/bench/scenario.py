@@ -142,12 +142,12 @@ def long_prompt_table(label: str, phases: dict[str, PhaseResult]) -> str:
 
 def bench_long_prompt(target, tokenizer, cfg: ServeConfig, sc: LongPromptConfig, *, model: str | None = None,
                       threads: int = 2, api_key: str | None = None, on_event=None,
-                      server_args: list[str] | None = None) -> tuple[str, dict]:
-    """Start the target's server if asked, run the scenario, stop it: (markdown, numbers)."""
+                      server_args: list[str] | None = None, plan_server=None) -> tuple[str, dict]:
+    """Start the target's server if asked (`plan_server`: bench.serve_launch's), run the scenario,
+    stop it: (markdown, numbers)."""
     from dataclasses import asdict, replace
 
     from kvserve.bench.serve import sample_requests, warmup
-    from kvserve.bench.serve_launch import plan_server
 
     emit = on_event or (lambda kind, **info: None)
     streams = sample_requests(tokenizer, replace(cfg, num_prompts=max(8, sc.num_streams)))
@@ -176,7 +176,8 @@ def bench_long_prompt(target, tokenizer, cfg: ServeConfig, sc: LongPromptConfig,
 
 
 def long_prompt_command(targets: list, tokenizer, cfg: ServeConfig, long_len: int, model: str | None,
-                        threads: int, api_key: str | None, out_dir: Path, server_args: list[str] | None) -> None:
+                        threads: int, api_key: str | None, out_dir: Path, server_args: list[str] | None,
+                        plan_server) -> None:
     """`kvserve bench serve --scenario long-prompt`: each target in turn, one table each."""
     import os
 
@@ -186,7 +187,7 @@ def long_prompt_command(targets: list, tokenizer, cfg: ServeConfig, long_len: in
     tables, data = [], []
     for t in targets:
         md, d = bench_long_prompt(t, tokenizer, cfg, sc, model=model, threads=threads, api_key=api_key,
-                                  server_args=server_args if t.launch == "kvserve" else None,
+                                  server_args=server_args if t.launch == "kvserve" else None, plan_server=plan_server,
                                   on_event=lambda kind, **i: kind == "launch" and console.print(f"starting {i['cmd']}"))
         tables.append(f"### {t.label}\n\n{md}")
         data.append(d)

@@ -397,7 +397,7 @@ def serve_command(
             from kvserve.bench.scenario import long_prompt_command
 
             return long_prompt_command(targets, tokenizer, cfg, long_len, model, threads, api_key, out_dir,
-                                       server_arg)
+                                       server_arg, plan_server)
         if scenario != "default":
             raise InvalidRequest(f"--scenario {scenario!r}: choose default or long-prompt", param="scenario")
         requests = sample_requests(tokenizer, cfg)
