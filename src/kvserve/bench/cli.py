@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from kvserve.bench.common import OUT_DIR, console, progress, progress_events, write_outputs
-from kvserve.bench.serve_launch import serve_command
+from kvserve.bench.serve_cli import serve_command
 from kvserve.bench.throughput import throughput
 from kvserve.errors import KVServeError
 

@@ -1,7 +1,7 @@
 """`kvserve bench serve`, the run around the load: servers started on a free port, their
-memory, one target end to end (start, warm up, load, stop), the report (table, chart) and the
-command itself (`serve_command`). The load and its metrics are in `kvserve.bench.serve`, which
-imports nothing from here.
+memory, one target end to end (start, warm up, load, stop) and the report (table, chart). The
+command itself is `kvserve.bench.serve_cli`; the load and its metrics are in `kvserve.bench.serve`,
+which imports nothing from here.
 
 - kvserve: `python -m kvserve.server serve` with the default (or given) model.
 - llama-cpp: llama.cpp's own HTTP server (`llama-server`, the C++ one, with parallel slots and
@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import math
 import os
 import shutil
 import socket
@@ -32,30 +30,24 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Self
+from typing import Self
 
 import httpx
 import numpy as np
-import typer
 
-from kvserve.bench.common import console, progress, write_outputs
 from kvserve.bench.serve import (
-    BACKENDS,
     BenchRequest,
     ServeConfig,
     ServeMetrics,
     calculate_metrics,
     fetch_profile,
-    parse_goodput,
     profile_delta,
-    profile_table,
     run_load,
-    sample_requests,
     warmup,
 )
-from kvserve.errors import InvalidRequest, KVServeError, ModelLoadError
+from kvserve.errors import InvalidRequest, ModelLoadError
 
 LAUNCHABLE = ("kvserve", "llama-cpp")
 
@@ -333,109 +325,3 @@ def save_chart(results: list[ServeMetrics], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def serve_command(
-    base_url: Annotated[list[str] | None, typer.Option(
-        "--base-url", help="A running OpenAI-compatible server (repeatable), e.g. http://127.0.0.1:8000.")] = None,
-    launch: Annotated[list[str] | None, typer.Option(
-        help="Start this server on a free port first: kvserve, llama-cpp (repeatable; run one after another).")] = None,
-    backend: str = typer.Option("kvserve", help="Extras --base-url servers understand: kvserve, llama-cpp, openai."),
-    model: str = typer.Option(None, help="Model for prompts' tokenizer and launched servers (default: SmolLM2)."),
-    endpoint: str = typer.Option("chat", help="chat (/v1/chat/completions) or completions (/v1/completions)."),
-    num_prompts: int = typer.Option(64, "--num-prompts", min=1),
-    concurrency: int = typer.Option(None, "--concurrency", min=1, help="Most requests in flight (default: no cap)."),
-    request_rate: float = typer.Option(math.inf, "--request-rate", help="Requests/s, Poisson arrivals (inf: all at once)."),
-    burstiness: float = typer.Option(1.0, help="Gamma shape of arrival gaps (1.0: Poisson)."),
-    input_len: int = typer.Option(128, "--input-len", min=1, help="Prompt tokens."),
-    output_len: int = typer.Option(128, "--output-len", min=1, help="Output tokens (EOS ignored where supported)."),
-    range_ratio: float = typer.Option(0.0, help="Draw lengths uniformly from len*[1-r, 1+r] (0: fixed)."),
-    seed: int = typer.Option(0),
-    goodput: Annotated[list[str] | None, typer.Option(help="SLOs in ms for goodput: ttft:500 tpot:100 e2el:20000.")] = None,
-    threads: int = typer.Option(2, min=1, help="CPU threads for launched servers."),
-    api_key: str = typer.Option(None, envvar="OPENAI_API_KEY", help="Bearer key for --base-url servers."),
-    out_dir: Annotated[Path, typer.Option(help="Where serve.md, serve.json and serve.png go.")] = Path("runs/bench"),
-    profile: bool = typer.Option(False, "--profile", help="Print each kvserve server's time per step phase "
-                                 "(schedule, forward, sample, detokenize, HTTP/SSE, ...) during the load."),
-    scenario: str = typer.Option("default", help="default, or long-prompt: short probes' TTFT and streams' ITL "
-                                 "alone, under load, and while long prompts prefill (bench/scenario.py)."),
-    long_len: int = typer.Option(7000, "--long-len", min=1, help="long-prompt scenario: the long prompts' tokens."),
-    server_arg: Annotated[list[str] | None, typer.Option(
-        "--server-arg", help="Extra argument for a launched kvserve (repeatable): --server-arg=--max-step-ms=100")] = None,
-    conversation_writers: int = typer.Option(0, "--conversation-writers", min=0,
-                                             help="Loops appending to saved conversations during the load "
-                                                  "(kvserve servers)."),
-    response_format: str = typer.Option(None, help="A response_format JSON (text or @file) sent with every request."),
-    new_schema: bool = typer.Option(False, "--new-schema-per-request", help="Make each json_schema distinct."),
-) -> None:
-    """Serving benchmark: streaming requests against OpenAI-compatible servers, vLLM's metrics side by side."""
-    from kvserve.model.registry import resolve
-    from kvserve.tokenizer import Tokenizer
-
-    targets = [Target(label=u, base_url=u, backend=backend) for u in base_url or []]
-    targets += [Target(label=name, launch=name) for name in launch or []]
-    try:
-        if backend not in BACKENDS:
-            raise InvalidRequest(f"--backend must be one of {', '.join(BACKENDS)}", param="backend")
-        if not targets:
-            raise InvalidRequest("give --base-url URL or --launch kvserve / --launch llama-cpp")
-        cfg = ServeConfig(num_prompts=num_prompts, concurrency=concurrency, request_rate=request_rate,
-                          burstiness=burstiness, input_len=input_len, output_len=output_len,
-                          range_ratio=range_ratio, endpoint=endpoint, seed=seed, goodput=parse_goodput(goodput),
-                          conversation_writers=conversation_writers,
-                          response_format=json.loads(Path(response_format[1:]).read_text() if response_format
-                                                     and response_format.startswith("@") else response_format)
-                          if response_format else None, new_schema_per_request=new_schema)
-        src = resolve(model)
-        if src.kind == "gguf":
-            from kvserve.model.gguf_loader import open_gguf
-
-            tokenizer = Tokenizer.from_gguf(open_gguf(src.path))
-        else:
-            tokenizer = Tokenizer.from_dir(src.path)
-        if scenario == "long-prompt":
-            from kvserve.bench.scenario import long_prompt_command
-
-            return long_prompt_command(targets, tokenizer, cfg, long_len, model, threads, api_key, out_dir,
-                                       server_arg, plan_server)
-        if scenario != "default":
-            raise InvalidRequest(f"--scenario {scenario!r}: choose default or long-prompt", param="scenario")
-        requests = sample_requests(tokenizer, cfg)
-        results = []
-        with progress() as prog:
-            tasks: dict[str, int] = {}
-
-            def on_event(kind: str, **info) -> None:
-                if kind == "launch":
-                    console.print(f"starting {info['label']}: {info['cmd']}" + (f"  [{info['note']}]" if info["note"] else ""))
-                elif kind == "start":
-                    tasks[info["label"]] = prog.add_task(f"{info['label'][:24]:>24}", total=info["total"])
-                elif kind == "advance":
-                    prog.advance(tasks[info["label"]], info["n"])
-                elif kind == "errors":
-                    console.print(f"{info['label']}: {info['n']} requests failed; first: {info['first']}")
-                elif kind == "no-profile":
-                    console.print(f"{info['label']}: no step profile (--profile reads a kvserve server's /metrics)")
-
-            for t in targets:
-                results.append(bench_target(t, requests, cfg, model=model, threads=threads, api_key=api_key,
-                                            on_event=on_event, profile=profile,
-                                            server_args=server_arg if t.launch == "kvserve" else None))
-    except KVServeError as e:
-        console.print(f"error: {e.message}")
-        raise typer.Exit(1) from None
-    table = markdown_table(results)
-    rate = "inf" if math.isinf(request_rate) else f"{request_rate:g}/s"
-    print(f"{num_prompts} {endpoint} requests, input {input_len} tokens, output {output_len} tokens, "
-          f"concurrency {concurrency or 'unlimited'}, rate {rate}, {threads} threads, "
-          f"load average {os.getloadavg()[0]:.1f}" + (f", goodput SLOs {cfg.goodput} ms" if cfg.goodput else "") + "\n")
-    for m in results:
-        if "conversation_writes" in m.extra:
-            table += f"\n\n{m.label}: {m.extra['conversation_writes']} conversation appends during the load"
-        if "profile" in m.extra:
-            table += f"\n\n{m.label} step profile: " + profile_table(m.extra["profile"])
-    print(table)
-    write_outputs(out_dir, "serve", table, [asdict(m) for m in results])
-    save_chart(results, str(out_dir / "serve.png"))
-    console.print(f"wrote {out_dir}/serve.md, serve.json, serve.png")
-
