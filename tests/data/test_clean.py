@@ -112,6 +112,12 @@ def test_cli_cleans_a_warc_and_html_and_the_tokenizer_reads_the_output(tmp_path)
     bad = subprocess.run([sys.executable, "-m", "kvserve.cli", "data", "clean", str(tmp_path / "nope.warc"),
                           "--out", str(out)], check=False, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
+    (tmp_path / "junk.warc.gz").write_bytes(b"not gzip at all\n" * 10)
+    for args, says in ((["--lang", "english"], "unknown language"), (["--workers", "1"], "not a readable WARC")):
+        bad = subprocess.run([sys.executable, "-m", "kvserve.cli", "data", "clean", str(tmp_path / "junk.warc.gz"),
+                              "--out", str(tmp_path / "junk"), *args], check=False, capture_output=True, text=True,
+                             timeout=120)
+        assert bad.returncode == 1 and says in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
 
     tok = subprocess.run([sys.executable, "-m", "kvserve.cli", "train", "tokenizer", "--corpus", str(out),
                           "--vocab-size", "300", "--out", str(tmp_path / "tok")], check=False, capture_output=True,

@@ -70,6 +70,15 @@ def clean(job: CleanJob) -> dict:
     """Run the pipeline; returns the report (also written to DIR/report.json)."""
     if not 0 < job.dedup_threshold <= 1:
         raise InvalidRequest("the near-duplicate threshold is a Jaccard similarity in (0, 1]", param="threshold")
+    if job.workers < 0:
+        raise InvalidRequest("--workers is 0 (every core) or a positive number", param="workers")
+    if job.config.lang:
+        from lingua import Language
+
+        known = {lang.iso_code_639_1.name.lower() for lang in Language.all()}
+        if bad := [x for x in job.config.lang if x not in known]:
+            raise InvalidRequest(f"unknown language code(s) {', '.join(bad)}: use ISO 639-1 codes such as en, de, fr",
+                                 param="lang")
     files = input_files(job.inputs)
     out = Path(job.out)
     out.mkdir(parents=True, exist_ok=True)

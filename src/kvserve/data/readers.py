@@ -110,7 +110,12 @@ def iter_documents(files: list[Path]) -> Iterator[RawDoc]:
     for path in files:
         kind = _kind(path)
         if kind == "warc":
-            yield from read_warc(path)
+            from warcio.exceptions import ArchiveLoadFailed
+
+            try:
+                yield from read_warc(path)
+            except (ArchiveLoadFailed, OSError, EOFError) as e:
+                raise InvalidRequest(f"{path} is not a readable WARC file ({e})", param="input") from None
         elif kind == "jsonl":
             yield from read_jsonl(path)
         else:
