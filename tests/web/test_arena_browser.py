@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 from test_browser import (  # noqa: F401 - browser is a fixture
     ARTIFACTS,
     CHROMIUM,
-    _free_port,
     browser,
     open_page,
+    run_server,
     wait_until,
 )
 
@@ -31,33 +28,8 @@ CONTESTANTS = [{"name": "terse", "system": "Answer in one word.", "temperature":
 def arena_server(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("arena-data")
     (data_dir / "contestants.json").write_text(json.dumps(CONTESTANTS))
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    log_path = data_dir / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvserve.server", "serve", "--port", str(port),
-                                 "--data-dir", str(data_dir), "--arena-contestants",
-                                 str(data_dir / "contestants.json")], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"kvserve serve exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy in time:\n{log_path.read_text()}")
-            time.sleep(0.5)
+    with run_server(data_dir, "--arena-contestants", str(data_dir / "contestants.json")) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_arena_battle_vote_reveal_and_leaderboard(arena_server, browser):  # noqa: F811 - fixture

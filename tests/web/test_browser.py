@@ -3,6 +3,7 @@ running the real default model. Screenshots go to test-artifacts/."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -30,15 +31,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("kvserve-data")
+@contextlib.contextmanager
+def run_server(data_dir: pathlib.Path, *extra: str):
+    """`kvserve serve` on a free port with the real default model, until healthy; its base URL."""
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = data_dir / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvserve.server", "serve", "--port", str(port),
-                                 "--data-dir", str(data_dir)], stdout=log, stderr=subprocess.STDOUT)
+                                 "--data-dir", str(data_dir), *extra], stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     try:
         while True:
@@ -59,6 +60,12 @@ def server(tmp_path_factory):
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with run_server(tmp_path_factory.mktemp("kvserve-data")) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
