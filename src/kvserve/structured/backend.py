@@ -51,7 +51,12 @@ class GrammarBackend:
             if fut is not None:
                 self._templates.move_to_end(grammar)
                 return fut
-            fut = self._compile_pool.submit(self._compile, grammar)
+            ready = self.compiler.template(grammar)    # compiled by this process's client already
+            if ready is not None:
+                fut = Future()
+                fut.set_result(ready)
+            else:
+                fut = self._compile_pool.submit(self._compile, grammar)
             self._templates[grammar] = fut
             while len(self._templates) > self.cache_size:
                 self._templates.popitem(last=False)
