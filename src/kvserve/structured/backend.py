@@ -83,6 +83,12 @@ class GrammarBackend:
         """Compute the next-token bitmask of each matcher (row i for matchers[i]) on the mask thread."""
         return self._mask_pool.submit(self._fill, matchers)
 
+    def bitmask(self, job: Future, matchers: list) -> torch.Tensor:
+        """The result of start_bitmask(matchers). If the mask thread has not even started on it (a
+        busy machine did not schedule it during the forward), it is computed here instead of
+        waiting for that thread to wake up."""
+        return self._fill(matchers) if job.cancel() else job.result()
+
     def _fill(self, matchers: list) -> torch.Tensor:
         mask = torch.empty((len(matchers), self.words), dtype=torch.int32)
         nbytes = self.words * 4
