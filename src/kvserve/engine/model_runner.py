@@ -119,8 +119,8 @@ class ModelRunner:
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        masks = (self.grammar.start_bitmask([sampled[i].grammar for i in grammar_rows])
-                 if grammar_rows else None)
+        matchers = [sampled[i].grammar for i in grammar_rows]
+        masks = self.grammar.start_bitmask(matchers) if matchers else None
         clock.lap("prepare")
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         clock.lap("forward")
@@ -142,7 +142,8 @@ class ModelRunner:
                                                                                            device=self.device)]
             reqs = [SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
                                     r.reasoning is not None and not r.reasoning.done) for r in sampled]
-            so = self.sampler(rows, reqs, (grammar_rows, masks.result()) if masks is not None else None)
+            grammar = (grammar_rows, self.grammar.bitmask(masks, matchers)) if masks is not None else None
+            so = self.sampler(rows, reqs, grammar)
             token_ids = so.token_ids.tolist()
             out.req_ids = [r.request_id for r in sampled]
             out.sampled_token_ids = [[t] for t in token_ids]

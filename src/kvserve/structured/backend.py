@@ -51,7 +51,12 @@ class GrammarBackend:
             if fut is not None:
                 self._templates.move_to_end(grammar)
                 return fut
-            fut = self._compile_pool.submit(self._compile, grammar)
+            ready = self.compiler.template(grammar)    # compiled by this process's client already
+            if ready is not None:
+                fut = Future()
+                fut.set_result(ready)
+            else:
+                fut = self._compile_pool.submit(self._compile, grammar)
             self._templates[grammar] = fut
             while len(self._templates) > self.cache_size:
                 self._templates.popitem(last=False)
@@ -77,6 +82,12 @@ class GrammarBackend:
     def start_bitmask(self, matchers: list) -> Future:
         """Compute the next-token bitmask of each matcher (row i for matchers[i]) on the mask thread."""
         return self._mask_pool.submit(self._fill, matchers)
+
+    def bitmask(self, job: Future, matchers: list) -> torch.Tensor:
+        """The result of start_bitmask(matchers). If the mask thread has not even started on it (a
+        busy machine did not schedule it during the forward), it is computed here instead of
+        waiting for that thread to wake up."""
+        return self._fill(matchers) if job.cancel() else job.result()
 
     def _fill(self, matchers: list) -> torch.Tensor:
         mask = torch.empty((len(matchers), self.words), dtype=torch.int32)

@@ -143,6 +143,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._verdicts: OrderedDict[str, str] = OrderedDict()
         self._grammars: OrderedDict[str, str] = OrderedDict()    # spec key -> checked grammar text
+        self._templates: OrderedDict[str, Any] = OrderedDict()   # grammar text -> compiled LLMatcher
         self.cache_size = cache_size
 
     def lltokenizer(self):
@@ -154,20 +155,35 @@ class GrammarCompiler:
             return self._lltok
 
     def check(self, grammar: str, param: str = "structured_outputs") -> None:
-        """Compile `grammar` against the tokenizer (or find the verdict); InvalidRequest if it fails."""
+        """Compile `grammar` against the tokenizer (or find the verdict); InvalidRequest if it fails.
+        The compiled matcher is kept as a template (its first mask computed, so copies start warm):
+        an engine core in this process takes it instead of compiling the grammar again."""
         with self._lock:
             err = self._verdicts.get(grammar)
             if err is not None:
                 self._verdicts.move_to_end(grammar)
         if err is None:
             llg = _import_llguidance()
-            err = llg.LLMatcher.validate_grammar(grammar, self.lltokenizer())
+            m = llg.LLMatcher(self.lltokenizer(), grammar, log_level=0)
+            err = m.get_error() if m.is_error() else ""
+            if not err:
+                import torch
+                buf = torch.empty((self.vocab_size + 31) // 32, dtype=torch.int32)
+                m.unsafe_compute_mask_ptr(buf.data_ptr(), buf.numel() * 4)
             with self._lock:
                 self._verdicts[grammar] = err
-                while len(self._verdicts) > self.cache_size:
-                    self._verdicts.popitem(last=False)
+                if not err:
+                    self._templates[grammar] = m
+                for cache in (self._verdicts, self._templates):
+                    while len(cache) > self.cache_size:
+                        cache.popitem(last=False)
         if err:
             raise InvalidRequest(f"The grammar for {param} does not compile: {err}", param=param)
+
+    def template(self, grammar: str):
+        """The compiled matcher for a grammar this compiler checked (None if it was not, or evicted)."""
+        with self._lock:
+            return self._templates.get(grammar)
 
     def warm_up(self) -> None:
         """Pay the first request's one-time costs now (imports, the llguidance tokenizer, the
