@@ -193,3 +193,7 @@ def test_kv_exhaustion_preempts_and_outputs_match_an_unloaded_run(tmp_path, mode
     assert preemptions and max(preemptions) > 0, text[:2000]
     used = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvserve:kv_cache_usage_perc")]
     assert used == [0.0]
+    # n sequences that could never be resident at once (prompt + 8 x 64 > 24 x 16 tokens): a clear 400
+    r = httpx.post(url, headers=hdr(keys["k"]), timeout=60, json={"prompt": prompts[0], "max_tokens": 64, "n": 8})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert "KV cache" in r.json()["error"]["message"]
