@@ -21,7 +21,7 @@ import numpy as np
 # The server's step-time target for long prompts' chunks, measured on a 2-core CPU with the default
 # model (BENCHMARKS.md, issue 24): short enough that a new request waits little and streams keep
 # their pace, long enough that a prompt prefilled alone loses little to the per-step overhead.
-DEFAULT_MAX_STEP_MS = 250.0
+DEFAULT_MAX_STEP_MS = 100.0
 
 # Starting guesses (seconds): a 2-core AVX2 CPU running the default 135M model.
 _PRIOR = np.array([3e-3, 1.2e-3, 2e-4, 5e-7])
