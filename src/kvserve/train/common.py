@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import time
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
@@ -42,6 +43,18 @@ def model_config(size: str, vocab_size: int, eos_token_id: int | list[int] | Non
     return ModelConfig(architecture="llama", vocab_size=vocab_size, rms_norm_eps=1e-5, rope_theta=10000.0,
                        max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
                        eos_token_id=eos_token_id, name=f"kvserve-{size}", **MODEL_SIZES[size])
+
+
+def epoch_batch(cursor: int, n: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1) -> list[int]:
+    """This rank's item indices for step `cursor` of a pass over n items, batch_size per step,
+    reshuffled each epoch from (seed, epoch) so a resumed run draws the same batches."""
+    per_epoch = max(1, n // batch_size)
+    epoch, k = divmod(cursor, per_epoch)
+    order = list(range(n))
+    random.Random(seed * 1000003 + epoch).shuffle(order)
+    chosen = order[k * batch_size:(k + 1) * batch_size]
+    share = len(chosen) // world_size
+    return chosen[rank * share:(rank + 1) * share]
 
 
 def trainable(model: LlamaForCausalLM) -> LlamaForCausalLM:

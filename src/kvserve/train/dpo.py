@@ -14,14 +14,13 @@ and each reply is content + end-of-turn, tokenized the way SFT and serving see i
 from __future__ import annotations
 
 import copy
-import random
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.tokenizer import Tokenizer
-from kvserve.train.common import frozen, init_distributed, pad_rows, token_logprobs, trainable
+from kvserve.train.common import epoch_batch, frozen, init_distributed, pad_rows, token_logprobs, trainable
 from kvserve.train.export import export_hf
 from kvserve.train.loop import LoopConfig, run_loop
 from kvserve.train.sft import read_jsonl
@@ -99,13 +98,8 @@ def dpo(cfg: DPOConfig) -> dict:
     pos = {"cursor": 0}
 
     def step_fn(step: int) -> dict:
-        epoch, k = divmod(pos["cursor"], per_epoch)
+        idx = epoch_batch(pos["cursor"], len(pairs), cfg.batch_size, cfg.seed, info.rank, info.world_size)
         pos["cursor"] += 1
-        order = list(range(len(pairs)))
-        random.Random(cfg.seed * 1000003 + epoch).shuffle(order)
-        chosen = order[k * cfg.batch_size:(k + 1) * cfg.batch_size]
-        share = len(chosen) // info.world_size
-        idx = chosen[info.rank * share:(info.rank + 1) * share]
         batch = [pairs[i] for i in idx]
         lp = reply_logprobs(model, [b[0] for b in batch] + [b[1] for b in batch], [b[2] for b in batch] * 2,
                             pad_id)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.errors import InvalidRequest
-from kvserve.train.common import init_distributed, pad_rows, trainable
+from kvserve.train.common import epoch_batch, init_distributed, pad_rows, trainable
 from kvserve.train.dpo import encode_pair
 from kvserve.train.export import export_hf
 from kvserve.train.loop import LoopConfig, run_loop
@@ -160,13 +160,9 @@ def reward(cfg: RewardConfig) -> dict:
         return float((margins > 0).float().mean())
 
     def step_fn(step: int) -> dict:
-        epoch, k = divmod(pos["cursor"], per_epoch)
+        idx = epoch_batch(pos["cursor"], len(train), cfg.batch_size, cfg.seed, info.rank, info.world_size)
         pos["cursor"] += 1
-        order = list(range(len(train)))
-        random.Random(cfg.seed * 1000003 + epoch).shuffle(order)
-        chosen = order[k * cfg.batch_size:(k + 1) * cfg.batch_size]
-        share = len(chosen) // info.world_size
-        batch = [train[i] for i in chosen[info.rank * share:(info.rank + 1) * share]]
+        batch = [train[i] for i in idx]
         r = rm([b[0] for b in batch] + [b[1] for b in batch], pad_id)
         rc, rr = r[:len(batch)], r[len(batch):]
         loss = bradley_terry_loss(rc, rr).mean()
