@@ -17,7 +17,7 @@ def _start(max_tokens: int = 48) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "kvserve.cli", "chat", "--temperature", "0",
                              "--max-tokens", str(max_tokens), "--stats"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
 
 
 def test_chat_commands_and_history():
