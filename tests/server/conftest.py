@@ -170,3 +170,101 @@ def hardened_server(tmp_path_factory, model_server) -> ModelServer:
                           "--header-timeout", "1")
     server.keys = keys
     return server
+
+
+# ---- shared state: real Redis and PostgreSQL (state_servers.py) ------------------------------
+
+@pytest.fixture(scope="session")
+def redis_server():
+    from state_servers import RedisServer, Unavailable
+
+    try:
+        server = RedisServer()
+    except Unavailable as e:
+        pytest.skip(f"no Redis: {e}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    from state_servers import PostgresServer, Unavailable
+
+    try:
+        server = PostgresServer()
+    except Unavailable as e:
+        pytest.skip(f"no PostgreSQL: {e}")
+    yield server
+    server.stop()
+
+
+KEY_BACKENDS = ("sqlite", "postgres", "postgres+redis")
+
+
+class KeyStores:
+    """Opens connections to one key store of the given backend, as the server and the CLI each do."""
+
+    def __init__(self, backend: str, tmp_path: pathlib.Path, request):
+        self.backend = backend
+        self.db_path = tmp_path / "kvserve.db"
+        self.database_url = request.getfixturevalue("postgres_server").new_database() if "postgres" in backend else None
+        self.redis_url = request.getfixturevalue("redis_server").fresh_url() if "redis" in backend else None
+        self.opened: list = []
+
+    def open(self):
+        from kvserve.server.backends import open_key_backend
+
+        store = open_key_backend(self.db_path, self.database_url, self.redis_url)
+        self.opened.append(store)
+        return store
+
+    def cli_args(self) -> list[str]:
+        args = ["--data-dir", str(self.db_path.parent)]
+        if self.database_url:
+            args += ["--database-url", self.database_url]
+        if self.redis_url:
+            args += ["--redis-url", self.redis_url]
+        return args
+
+    def raw(self) -> bytes:
+        """Everything the store has written, as bytes (to check what is never stored)."""
+        if self.database_url is None:
+            return b"".join(p.read_bytes() for p in self.db_path.parent.iterdir() if p.is_file())
+        import psycopg
+
+        with psycopg.connect(self.database_url) as conn:
+            rows = [conn.execute(f"SELECT * FROM {t}").fetchall() for t in ("api_keys", "usage_ledger")]
+        return repr(rows).encode()
+
+
+@pytest.fixture(params=KEY_BACKENDS)
+def key_stores(request, tmp_path):
+    """A `KeyStores` for each key backend: SQLite, PostgreSQL, PostgreSQL behind the Redis cache."""
+    stores = KeyStores(request.param, tmp_path, request)
+    yield stores
+    for store in stores.opened:
+        store.close()
+
+
+@pytest.fixture(params=("memory", "redis"))
+def make_limiter(request):
+    """Factory of rate limiters for each backend; with Redis every one made shares the buckets
+    (as replicas do), each through its own client."""
+    from kvserve.server.ratelimit import RateLimiter
+
+    if request.param == "memory":
+        shared = RateLimiter()
+        yield lambda: shared
+        return
+    from kvserve.server.backends.redis_state import RedisRateLimiter, connect_redis
+
+    url = request.getfixturevalue("redis_server").fresh_url()
+    clients: list = []
+
+    def make():
+        clients.append(connect_redis(url))
+        return RedisRateLimiter(clients[-1])
+
+    yield make
+    for client in clients:
+        client.close()

@@ -1,4 +1,7 @@
-"""The gateway without a model: keys DB, buckets, admission, validation and auth over real HTTP."""
+"""The gateway without a model: keys DB, buckets, admission, validation and auth over real HTTP.
+
+The stores run on each backend: embedded (SQLite + memory) and shared (PostgreSQL + Redis, real
+servers started by the fixtures), and the HTTP tests run against a gateway on each."""
 
 from __future__ import annotations
 
@@ -9,48 +12,60 @@ import sqlite3
 
 import httpx
 import pytest
+from conftest import InProcessServer
 from typer.testing import CliRunner
 
 from kvserve.errors import InvalidRequest, Overloaded, RateLimitError
 from kvserve.server.admission import Admission, ladder_decision
 from kvserve.server.cli import keys_app
-from kvserve.server.keys import KeyStore
-from kvserve.server.ratelimit import RateLimiter
 from kvserve.server.settings import ServerSettings
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
+@pytest.fixture(scope="module", params=("embedded", "shared"))
+def gateway(request, tmp_path_factory):
+    """The gateway on the embedded stores, then on PostgreSQL + Redis."""
+    settings = ServerSettings(load_model=False, data_dir=tmp_path_factory.mktemp("gw"))
+    if request.param == "shared":
+        settings.database_url = request.getfixturevalue("postgres_server").new_database()
+        settings.redis_url = request.getfixturevalue("redis_server").fresh_url()
+    with InProcessServer(settings) as srv:
+        yield srv
+
+
 # ---- keys and ledger ------------------------------------------------------------------------
 
-def test_keys_stored_only_as_hashes(tmp_path):
-    store = KeyStore(tmp_path / "k.db")
+def test_keys_stored_only_as_hashes(key_stores):
+    store = key_stores.open()
     assert not store.auth_required()
     key = store.create("alice", rpm=10, tier="free")
     assert store.auth_required()
     assert store.lookup(key).name == "alice" and store.lookup(key).tier == "free"
+    assert store.lookup(key).rpm == 10   # a second lookup comes from the cache when there is one
     assert store.lookup(key + "x") is None and store.lookup("") is None
     store.close()
-    raw = b"".join(p.read_bytes() for p in tmp_path.iterdir())
+    raw = key_stores.raw()
     assert key.encode() not in raw and key[8:].encode() not in raw
     with pytest.raises(InvalidRequest) as e:
-        KeyStore(tmp_path / "k.db").create("alice")
+        key_stores.open().create("alice")
     assert e.value.param == "name"
 
 
-def test_revoke_keeps_auth_on_and_rejects_key(tmp_path):
-    store = KeyStore(tmp_path / "k.db")
+def test_revoke_keeps_auth_on_and_rejects_key(key_stores):
+    store = key_stores.open()
     key = store.create("bob")
-    other = KeyStore(tmp_path / "k.db")  # a second connection (the CLI) revokes
+    assert store.lookup(key).name == "bob"
+    other = key_stores.open()  # a second connection (the CLI) revokes
     assert other.revoke("bob") and not other.revoke("bob")
     assert store.lookup(key) is None  # the server's cache notices the other connection's commit
     assert store.auth_required()
 
 
-def test_usage_ledger_accumulates_per_key_per_day(tmp_path):
-    store = KeyStore(tmp_path / "k.db")
+def test_usage_ledger_accumulates_per_key_per_day(key_stores):
+    store = key_stores.open()
     store.record_usage("alice", 10, 5, 2)
-    store.record_usage("alice", 1, 1, 0)
+    key_stores.open().record_usage("alice", 1, 1, 0)   # another replica adds to the same row
     store.record_usage(None, 3, 3, 0)
     rows = {r["key_name"]: r for r in store.usage()}
     assert rows["alice"]["requests"] == 2 and rows["alice"]["prompt_tokens"] == 11
@@ -59,13 +74,14 @@ def test_usage_ledger_accumulates_per_key_per_day(tmp_path):
     assert [r["key_name"] for r in store.usage("alice")] == ["alice"]
 
 
-def test_keys_cli(tmp_path):
+def test_keys_cli(key_stores):
     runner = CliRunner()
-    dd = ["--data-dir", str(tmp_path)]
+    dd = key_stores.cli_args()
     r = runner.invoke(keys_app, ["create", "--name", "carol", "--rpm", "5", "--tier", "free", *dd])
     assert r.exit_code == 0, r.output
     key = r.stdout.strip().splitlines()[0]
     assert key.startswith("kvs-")
+    assert key_stores.open().lookup(key).name == "carol"   # the server's store sees the CLI's key
     r = runner.invoke(keys_app, ["list", *dd])
     assert "carol" in r.stdout and key not in r.stdout
     assert runner.invoke(keys_app, ["create", "--name", "carol", *dd]).exit_code == 1
@@ -76,24 +92,26 @@ def test_keys_cli(tmp_path):
 
 # ---- rate limits and admission --------------------------------------------------------------
 
-def test_request_bucket():
-    limiter = RateLimiter()
+def test_request_bucket(make_limiter):
+    limiter = make_limiter()
     limiter.acquire_request("k", 2)
-    limiter.acquire_request("k", 2)
+    make_limiter().acquire_request("k", 2)   # with Redis: another replica, the same bucket
     with pytest.raises(RateLimitError) as e:
         limiter.acquire_request("k", 2)
     assert 0 < e.value.retry_after <= 30
     limiter.acquire_request("other", 2)  # buckets are per key
     limiter.acquire_request("k", None)  # no limit
+    headers = dict(limiter.headers("k", 2, None))
+    assert headers[b"x-ratelimit-limit-requests"] == b"2" and headers[b"x-ratelimit-remaining-requests"] == b"0"
 
 
-def test_token_bucket_reserve_and_refund():
-    limiter = RateLimiter()
+def test_token_bucket_reserve_and_refund(make_limiter):
+    limiter = make_limiter()
     assert limiter.reserve_tokens("k", 100, 80) == 80
     with pytest.raises(RateLimitError):
-        limiter.reserve_tokens("k", 100, 30)
+        make_limiter().reserve_tokens("k", 100, 30)
     limiter.refund_tokens("k", 100, 50)  # the request used 30 of its 80
-    assert limiter.reserve_tokens("k", 100, 30) == 30
+    assert make_limiter().reserve_tokens("k", 100, 30) == 30
     with pytest.raises(RateLimitError) as e:
         limiter.reserve_tokens("k", 100, 101)  # can never fit: do not retry
     assert e.value.should_retry is False and e.value.param == "max_tokens"
@@ -247,6 +265,17 @@ def test_auth_cannot_be_bypassed(gateway, tmp_path):
     assert r.status_code == 401 and json.loads(r.text)["error"]["code"] == "invalid_api_key"
 
 
-def test_sqlite_is_wal(gateway):
+def test_stores_are_durable(gateway):
+    """SQLite in WAL mode; in PostgreSQL, each store's schema at its latest migration."""
+    url = gateway.state.settings.database_url
+    if url:
+        import psycopg
+
+        from kvserve.server.backends import pg_conversations, pg_keys
+
+        with psycopg.connect(url) as conn:
+            versions = dict(conn.execute("SELECT component, version FROM kvserve_schema_version").fetchall())
+        assert versions == {"keys": len(pg_keys.MIGRATIONS), "conversations": len(pg_conversations.MIGRATIONS)}
+        return
     with sqlite3.connect(gateway.state.settings.db_path) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"

@@ -21,15 +21,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kvserve
 from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound, Overloaded
 from kvserve.server.admission import Admission
+from kvserve.server.backends import open_backends
 from kvserve.server.cache_scope import CacheScope
 from kvserve.server.conformance import mount_conformance
 from kvserve.server.handlers import mount
-from kvserve.server.keys import KeyStore
 from kvserve.server.limits import read_body
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GatewayMiddleware
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
-from kvserve.server.ratelimit import RateLimiter
 from kvserve.server.settings import ServerSettings
 
 logger = logging.getLogger("kvserve.server")
@@ -44,8 +43,9 @@ class ServerState:
         self.load_error: str | None = None
         self.on_load_failed = None   # set by `kvserve serve`: stop the server, exit non-zero
         self.engine_restarts = 0
-        self.keystore = KeyStore(settings.db_path)
-        self.limiter = RateLimiter()
+        self.backends = open_backends(settings)   # keys, buckets, counters, conversations (backends/)
+        self.keystore = self.backends.keys
+        self.limiter = self.backends.limiter
         self.cache_scope = CacheScope(settings.prefix_cache_scope, settings.shared_prompts)
         self.admission = Admission(settings)
         self.http_ns = 0    # the generation handlers' time on the event loop (stages, formatting, writes)
@@ -155,7 +155,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         if state.engine is not None:
             with contextlib.suppress(Exception):
                 await state.engine.shutdown()
-        state.keystore.close()
+        state.backends.close()
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
@@ -250,12 +250,12 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     if importlib.util.find_spec("kvserve.server.webui") is not None:
         from kvserve.server.webui import mount_webui
 
-        mount_webui(app, settings.db_path, settings.store_limits())
+        mount_webui(app, settings.db_path, settings.store_limits(), store=state.backends.conversations)
         from kvserve.server.arena import mount_arena
 
         mount_arena(app, settings.db_path, settings.arena_contestants)
     mount_conformance(app, state)   # /v1/models/{id}, /tokenizer_info, /openapi.json
 
     app.add_middleware(GatewayMiddleware, keystore=state.keystore, api_key=settings.api_key,
-                       limiter=state.limiter)
+                       limiter=state.limiter, counters=state.backends.counters)
     return app

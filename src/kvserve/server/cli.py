@@ -11,11 +11,20 @@ import typer
 
 from kvserve.engine.step_cost import DEFAULT_MAX_STEP_MS
 from kvserve.errors import KVServeError
-from kvserve.server.keys import KeyStore
+from kvserve.server.backends import open_key_backend
+from kvserve.server.backends.base import redact
 from kvserve.server.settings import ServerSettings, default_data_dir
 
 DATA_DIR_HELP = "Directory for the keys/usage database (default $KVSERVE_DATA_DIR or ~/.kvserve)."
 DataDir = Annotated[pathlib.Path | None, typer.Option(help=DATA_DIR_HELP)]
+DatabaseUrl = Annotated[str | None, typer.Option(
+    "--database-url", envvar="KVSERVE_DATABASE_URL",
+    help="PostgreSQL for keys, usage and conversations, shared by several servers "
+         "(postgresql://user:pass@host:5432/db; default: the SQLite file in --data-dir).")]
+RedisUrl = Annotated[str | None, typer.Option(
+    "--redis-url", envvar="KVSERVE_REDIS_URL",
+    help="Redis for rate limits, the key-lookup cache and live counters, shared by several servers "
+         "(redis://host:6379/0; default: this process's memory).")]
 
 
 def _setup_logging() -> None:
@@ -34,6 +43,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, help="Port to listen on."),
     data_dir: DataDir = None,
+    database_url: DatabaseUrl = None,
+    redis_url: RedisUrl = None,
     api_key: str = typer.Option(None, "--api-key", envvar="KVSERVE_API_KEY",
                                 help="Require this key (on top of any created with `kvserve keys`)."),
     served_model_name: str = typer.Option(None, help="Name clients use in \"model\"."),
@@ -105,7 +116,8 @@ def serve(
         default_max_tokens=default_max_tokens, engine_process=engine_process, engine_kwargs=engine_kwargs,
         prefix_cache_scope=prefix_cache_scope, shared_prompts=shared, max_body_bytes=max_body_bytes,
         conversation_quota_bytes=conversation_quota_bytes, header_timeout_s=header_timeout,
-        body_timeout_s=body_timeout, arena_contestants=arena_contestants)
+        body_timeout_s=body_timeout, arena_contestants=arena_contestants, database_url=database_url,
+        redis_url=redis_url)
     try:
         sock = serving.bind(host, port)
     except KVServeError as e:
@@ -117,8 +129,8 @@ def serve(
         sock.close()
         typer.echo(f"error: {e.message}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"kvserve: listening on http://{host}:{port} (OpenAI API under /v1; keys in {settings.db_path})",
-               err=True)
+    where = redact(database_url) if database_url else settings.db_path
+    typer.echo(f"kvserve: listening on http://{host}:{port} (OpenAI API under /v1; keys in {where})", err=True)
     code = serving.run(app, sock, header_timeout_s=header_timeout, grace_s=shutdown_grace)
     if code:
         typer.echo(f"error: the model could not be loaded: {app.state.server.load_error}", err=True)
@@ -128,8 +140,26 @@ def serve(
 keys_app = typer.Typer(help="Create, list and revoke API keys; show usage.", no_args_is_help=True)
 
 
-def _store(data_dir: pathlib.Path | None) -> KeyStore:
-    return KeyStore(ServerSettings(load_model=False, data_dir=data_dir or default_data_dir()).db_path)
+def _store(data_dir: pathlib.Path | None, database_url: str | None = None, redis_url: str | None = None):
+    """The key store the server uses: the SQLite file in the data dir, or --database-url (with
+    --redis-url, the servers' key cache sees the change at once)."""
+    try:
+        return open_key_backend(ServerSettings(load_model=False, data_dir=data_dir or default_data_dir()).db_path,
+                                database_url, redis_url)
+    except KVServeError as e:
+        typer.echo(f"error: {e.message}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _run(store, method: str, *args):
+    """One store call, the store closed after, a store error printed on one line (exit 1)."""
+    try:
+        return getattr(store, method)(*args)
+    except KVServeError as e:
+        typer.echo(f"error: {e.message}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        store.close()
 
 
 @keys_app.command("create")
@@ -139,22 +169,26 @@ def keys_create(
     tpm: int = typer.Option(None, "--tpm", help="Tokens per minute, prompt + max_tokens (default: unlimited)."),
     tier: str = typer.Option("paid", "--tier", help="paid or free (paid is served first under load)."),
     data_dir: DataDir = None,
+    database_url: DatabaseUrl = None,
+    redis_url: RedisUrl = None,
 ) -> None:
     """Create a key and print it. It is shown only this once: only its hash is stored."""
-    store = _store(data_dir)
+    store = _store(data_dir, database_url, redis_url)
     try:
         key = store.create(name, tier=tier, rpm=rpm, tpm=tpm)
     except KVServeError as e:
         typer.echo(f"error: {e.message}", err=True)
         raise typer.Exit(1) from None
+    finally:
+        store.close()
     typer.echo(key)
     typer.echo(f"created key {name!r} (tier {tier}); store it now, it cannot be shown again", err=True)
 
 
 @keys_app.command("list")
-def keys_list(data_dir: DataDir = None) -> None:
+def keys_list(data_dir: DataDir = None, database_url: DatabaseUrl = None, redis_url: RedisUrl = None) -> None:
     """List keys (names, prefixes, limits; never the keys themselves)."""
-    keys = _store(data_dir).list()
+    keys = _run(_store(data_dir, database_url, redis_url), "list")
     if not keys:
         typer.echo("no keys (the server is open until the first key is created)")
         return
@@ -166,9 +200,9 @@ def keys_list(data_dir: DataDir = None) -> None:
 
 @keys_app.command("revoke")
 def keys_revoke(name: str = typer.Argument(..., help="The key's name."),
-                data_dir: DataDir = None) -> None:
+                data_dir: DataDir = None, database_url: DatabaseUrl = None, redis_url: RedisUrl = None) -> None:
     """Revoke a key; requests with it get 401 from then on."""
-    if not _store(data_dir).revoke(name):
+    if not _run(_store(data_dir, database_url, redis_url), "revoke", name):
         typer.echo(f"error: no active key named {name!r} (see `kvserve keys list`)", err=True)
         raise typer.Exit(1)
     typer.echo(f"revoked {name!r}")
@@ -176,9 +210,9 @@ def keys_revoke(name: str = typer.Argument(..., help="The key's name."),
 
 @keys_app.command("usage")
 def keys_usage(name: str = typer.Argument(None, help="Only this key."),
-               data_dir: DataDir = None) -> None:
+               data_dir: DataDir = None, database_url: DatabaseUrl = None, redis_url: RedisUrl = None) -> None:
     """Tokens used per key per day (UTC)."""
-    rows = _store(data_dir).usage(name)
+    rows = _run(_store(data_dir, database_url, redis_url), "usage", name)
     if not rows:
         typer.echo("no usage recorded")
         return

@@ -66,7 +66,33 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
+def new_key(name: str, tier: str, rpm: int | None, tpm: int | None) -> str:
+    """Check a new key's fields (InvalidRequest with `param` when wrong) and draw the key."""
+    if not name or len(name) > 64 or not all(c.isalnum() or c in "-_." for c in name):
+        raise InvalidRequest("Key names are 1-64 characters of letters, digits, '-', '_' or '.'.",
+                             param="name")
+    if tier not in TIERS:
+        raise InvalidRequest(f"Tier must be one of {', '.join(TIERS)}.", param="tier")
+    for label, value in (("rpm", rpm), ("tpm", tpm)):
+        if value is not None and value <= 0:
+            raise InvalidRequest(f"--{label} must be a positive integer.", param=label)
+    return "kvs-" + secrets.token_urlsafe(32)
+
+
+def duplicate_key(name: str) -> InvalidRequest:
+    return InvalidRequest(f"A key named {name!r} already exists; pick another name or "
+                          f"revoke it first with `kvserve keys revoke {name}`.", param="name")
+
+
+def today() -> str:
+    """The usage ledger's day (UTC)."""
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d")
+
+
 class KeyStore:
+    """The embedded key store and usage ledger (SQLite). Other stores implement the same methods
+    (backends/base.py `KeyBackend`; backends/pg_keys.py for PostgreSQL)."""
+
     def __init__(self, db_path: pathlib.Path):
         self.db_path = pathlib.Path(db_path)
         self._lock = threading.Lock()
@@ -88,15 +114,7 @@ class KeyStore:
     def create(self, name: str, *, tier: str = "paid", rpm: int | None = None,
                tpm: int | None = None) -> str:
         """Create a key and return it; only its hash is stored, so this is the one time it is seen."""
-        if not name or len(name) > 64 or not all(c.isalnum() or c in "-_." for c in name):
-            raise InvalidRequest("Key names are 1-64 characters of letters, digits, '-', '_' or '.'.",
-                                 param="name")
-        if tier not in TIERS:
-            raise InvalidRequest(f"Tier must be one of {', '.join(TIERS)}.", param="tier")
-        for label, value in (("rpm", rpm), ("tpm", tpm)):
-            if value is not None and value <= 0:
-                raise InvalidRequest(f"--{label} must be a positive integer.", param=label)
-        key = "kvs-" + secrets.token_urlsafe(32)
+        key = new_key(name, tier, rpm, tpm)
         with self._lock:
             try:
                 self._conn.execute(
@@ -105,9 +123,7 @@ class KeyStore:
                     (name, hash_key(key), key[:8], tier, rpm, tpm, time.time()))
                 self._version = None  # data_version only moves for other connections' commits
             except sqlite3.IntegrityError:
-                raise InvalidRequest(f"A key named {name!r} already exists; pick another name or "
-                                     f"revoke it first with `kvserve keys revoke {name}`.",
-                                     param="name") from None
+                raise duplicate_key(name) from None
         return key
 
     def revoke(self, name: str) -> bool:
@@ -158,7 +174,7 @@ class KeyStore:
 
     def record_usage(self, key_name: str | None, prompt_tokens: int, completion_tokens: int,
                      cached_tokens: int, *, requests: int = 1) -> None:
-        day = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d")
+        day = today()
         with self._lock:
             self._conn.execute(
                 "INSERT INTO usage_ledger (key_name, day, requests, prompt_tokens, completion_tokens,"

@@ -8,7 +8,10 @@ needs a key.
 
 Every authenticated route takes one token from the key's request bucket here (429 when empty),
 so /tokenize and the conversation API are limited like generation, and every response to a
-limited key carries the `x-ratelimit-*` headers.
+limited key carries the `x-ratelimit-*` headers. When a shared store (Redis, PostgreSQL) is
+unreachable, auth and the bucket answer 503 with Retry-After (backends/). It also counts, in the
+live counters (backends/), the requests let through (`requests`) and those refused
+(`rate_limited`, `refused_401`, `refused_503`).
 
 Each request gets a `RequestRecord` (records.py) in `scope["state"]["record"]`: its id, arrival
 time and caller (key, name, tier), set before any route runs. Handlers read the caller from it
@@ -27,8 +30,8 @@ import time
 import uuid
 
 from kvserve.errors import AuthenticationError, KVServeError, RateLimitError
-from kvserve.server.keys import ApiKey, KeyStore
-from kvserve.server.ratelimit import RateLimiter
+from kvserve.server.backends.base import CounterBackend, KeyBackend, RateLimitBackend
+from kvserve.server.keys import ApiKey
 from kvserve.server.records import RequestRecord
 
 access_log = logging.getLogger("kvserve.access")
@@ -59,11 +62,13 @@ async def send_error(send, err: KVServeError, headers: list[tuple[bytes, bytes]]
 
 
 class GatewayMiddleware:
-    def __init__(self, app, keystore: KeyStore, api_key: str | None = None, limiter: RateLimiter | None = None):
+    def __init__(self, app, keystore: KeyBackend, api_key: str | None = None, limiter: RateLimitBackend | None = None,
+                 counters: CounterBackend | None = None):
         self.app = app
         self.keystore = keystore
         self.api_key = api_key
         self.limiter = limiter
+        self.counters = counters
 
     def authenticate(self, scope: dict) -> ApiKey | None:
         """The caller's key, None when auth is off; raises AuthenticationError."""
@@ -83,6 +88,14 @@ class GatewayMiddleware:
                                       "with `kvserve keys create --name NAME`.")
         return key
 
+    def _count(self, name: str) -> None:
+        """A live counter (shared by replicas when in Redis); losing one never fails a request."""
+        if self.counters is not None:
+            try:
+                self.counters.incr(name)
+            except KVServeError:
+                pass
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -101,7 +114,10 @@ class GatewayMiddleware:
                 extra = [rid_header]
                 key = record.key
                 if key is not None and self.limiter is not None and (key.rpm or key.tpm):
-                    extra += self.limiter.headers(key.name, key.rpm, key.tpm)
+                    try:
+                        extra += self.limiter.headers(key.name, key.rpm, key.tpm)
+                    except KVServeError:   # the shared store went away: the answer goes out without them
+                        pass
                 message["headers"] = list(message.get("headers", [])) + extra
             await send(message)
 
@@ -109,20 +125,19 @@ class GatewayMiddleware:
             if not is_public(record.path):
                 try:
                     key = self.authenticate(scope)
-                except AuthenticationError as err:
-                    await send_error(send_wrapped, err)
-                    return
-                if key is not None:
-                    record.key, record.key_name, record.key_tier = key, key.name, key.tier
-                    state["key_name"] = key.name
-                    if self.limiter is not None:
-                        try:
+                    if key is not None:
+                        record.key, record.key_name, record.key_tier = key, key.name, key.tier
+                        state["key_name"] = key.name
+                        if self.limiter is not None:
                             self.limiter.acquire_request(key.name, key.rpm)
-                        except RateLimitError as err:
-                            retry = str(max(1, int(err.retry_after + 0.999))).encode()
-                            await send_error(send_wrapped, err, [(b"retry-after", retry),
-                                                                 (b"x-should-retry", b"true")])
-                            return
+                except KVServeError as err:   # 401, 429, or 503 when a shared store is down
+                    self._count("rate_limited" if isinstance(err, RateLimitError) else f"refused_{err.status}")
+                    retry_after = getattr(err, "retry_after", None)
+                    headers = [] if retry_after is None else [
+                        (b"retry-after", str(max(1, int(retry_after + 0.999))).encode()), (b"x-should-retry", b"true")]
+                    await send_error(send_wrapped, err, headers)
+                    return
+            self._count("requests")
             await self.app(scope, receive, send_wrapped)
         finally:
             access_log.info(record.access_log_line())

@@ -54,7 +54,11 @@ class TokenBucket:
 
 
 class RateLimiter:
-    """Buckets per key name, created on first use from the key's rpm/tpm."""
+    """Buckets per key name, created on first use from the key's rpm/tpm, in this process's memory.
+
+    The refusal messages and headers are built here from three bucket primitives (`_take`,
+    `_give`, `_peek`); a shared store overrides only those (backends/redis_state.py keeps every
+    bucket in Redis so all replicas draw from the same one)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -67,61 +71,76 @@ class RateLimiter:
             self._buckets[(key_name, kind)] = bucket
         return bucket
 
+    # --- the bucket primitives (kind is "rpm" or "tpm") ---
+
+    def _take(self, key_name: str, kind: str, per_minute: int, amount: float) -> float:
+        """Take `amount` if it is there and return 0; else take nothing and return the seconds
+        until it would be (inf when it never fits)."""
+        with self._lock:
+            bucket = self._bucket(key_name, kind, per_minute)
+            wait = bucket.wait_time(amount, time.monotonic())
+            if wait == 0:
+                bucket.take(amount)
+            return wait
+
+    def _give(self, key_name: str, kind: str, per_minute: int, amount: float) -> None:
+        with self._lock:
+            self._bucket(key_name, kind, per_minute).give_back(amount, time.monotonic())
+
+    def _peek(self, key_name: str, kind: str, per_minute: int) -> float:
+        """The tokens in the bucket now."""
+        with self._lock:
+            bucket = self._bucket(key_name, kind, per_minute)
+            bucket._refill(time.monotonic())
+            return bucket.tokens
+
+    # --- what the gateway calls ---
+
     def acquire_request(self, key_name: str, rpm: int | None) -> None:
         if rpm is None:
             return
-        with self._lock:
-            bucket = self._bucket(key_name, "rpm", rpm)
-            wait = bucket.wait_time(1, time.monotonic())
-            if wait > 0:
-                raise RateLimitError(
-                    f"Rate limit reached for key {key_name!r}: {rpm} requests per minute. "
-                    f"Retry after {math.ceil(wait)} s, or ask for a higher --rpm.",
-                    retry_after=wait)
-            bucket.take(1)
+        wait = self._take(key_name, "rpm", rpm, 1)
+        if wait > 0:
+            raise RateLimitError(
+                f"Rate limit reached for key {key_name!r}: {rpm} requests per minute. "
+                f"Retry after {math.ceil(wait)} s, or ask for a higher --rpm.",
+                retry_after=wait)
 
     def reserve_tokens(self, key_name: str, tpm: int | None, amount: int) -> int:
         """Reserve `amount` tokens; returns what was reserved (0 when the key has no tpm limit)."""
         if tpm is None:
             return 0
-        with self._lock:
-            bucket = self._bucket(key_name, "tpm", tpm)
-            wait = bucket.wait_time(amount, time.monotonic())
-            if math.isinf(wait):
-                err = RateLimitError(
-                    f"This request needs {amount} tokens (prompt + max_tokens) but key {key_name!r} "
-                    f"is limited to {tpm} tokens per minute. Lower max_tokens or shorten the prompt.",
-                    param="max_tokens", retry_after=60.0)
-                err.should_retry = False
-                raise err
-            if wait > 0:
-                raise RateLimitError(
-                    f"Token rate limit reached for key {key_name!r}: {tpm} tokens per minute and this "
-                    f"request reserves {amount}. Retry after {math.ceil(wait)} s.", retry_after=wait)
-            bucket.take(amount)
-            return amount
+        wait = self._take(key_name, "tpm", tpm, amount)
+        if math.isinf(wait):
+            err = RateLimitError(
+                f"This request needs {amount} tokens (prompt + max_tokens) but key {key_name!r} "
+                f"is limited to {tpm} tokens per minute. Lower max_tokens or shorten the prompt.",
+                param="max_tokens", retry_after=60.0)
+            err.should_retry = False
+            raise err
+        if wait > 0:
+            raise RateLimitError(
+                f"Token rate limit reached for key {key_name!r}: {tpm} tokens per minute and this "
+                f"request reserves {amount}. Retry after {math.ceil(wait)} s.", retry_after=wait)
+        return amount
 
     def refund_tokens(self, key_name: str, tpm: int | None, amount: int) -> None:
         if tpm is None or amount <= 0:
             return
-        with self._lock:
-            self._bucket(key_name, "tpm", tpm).give_back(amount, time.monotonic())
+        self._give(key_name, "tpm", tpm, amount)
 
     def headers(self, key_name: str, rpm: int | None, tpm: int | None) -> list[tuple[bytes, bytes]]:
         """OpenAI's x-ratelimit-* headers for the key's buckets (none for an unlimited bucket)."""
         out: list[tuple[bytes, bytes]] = []
-        now = time.monotonic()
-        with self._lock:
-            for kind, per_minute in (("requests", rpm), ("tokens", tpm)):
-                if per_minute is None:
-                    continue
-                bucket = self._bucket(key_name, "rpm" if kind == "requests" else "tpm", per_minute)
-                bucket._refill(now)
-                remaining = max(0, math.floor(bucket.tokens))
-                reset = (bucket.capacity - bucket.tokens) / bucket.refill_per_s
-                out += [(f"x-ratelimit-limit-{kind}".encode(), str(per_minute).encode()),
-                        (f"x-ratelimit-remaining-{kind}".encode(), str(remaining).encode()),
-                        (f"x-ratelimit-reset-{kind}".encode(), _duration(reset).encode())]
+        for kind, per_minute in (("requests", rpm), ("tokens", tpm)):
+            if per_minute is None:
+                continue
+            tokens = self._peek(key_name, "rpm" if kind == "requests" else "tpm", per_minute)
+            remaining = max(0, math.floor(tokens))
+            reset = (per_minute - tokens) / (per_minute / 60.0)
+            out += [(f"x-ratelimit-limit-{kind}".encode(), str(per_minute).encode()),
+                    (f"x-ratelimit-remaining-{kind}".encode(), str(remaining).encode()),
+                    (f"x-ratelimit-reset-{kind}".encode(), _duration(reset).encode())]
         return out
 
 

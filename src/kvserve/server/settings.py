@@ -28,6 +28,11 @@ class ServerSettings:
     shared_prompts: list[str] = field(default_factory=list)
 
     data_dir: pathlib.Path = field(default_factory=default_data_dir)
+    # Shared state (server/backends/): PostgreSQL for keys, usage and conversations instead of the
+    # SQLite file in data_dir; Redis for the key-lookup cache, rate-limit buckets and live counters
+    # instead of this process's memory. None: the embedded stores.
+    database_url: str | None = None
+    redis_url: str | None = None
     api_key: str | None = None  # a key accepted on top of the database's keys (name "api-key")
     arena_contestants: str | None = None  # JSON file of arena contestants (server/arena.py); None = defaults
 

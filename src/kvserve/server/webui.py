@@ -31,6 +31,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest, KVServeError
+from kvserve.server.backends.base import ConversationBackend
 from kvserve.server.conversations import ConversationStore, StoreLimits
 from kvserve.server.limits import load_json, read_body
 
@@ -59,7 +60,7 @@ def owner_of(request: Request) -> str:
     return f"client:{client}"
 
 
-def conversations_router(store: ConversationStore) -> APIRouter:
+def conversations_router(store: ConversationBackend) -> APIRouter:
     router = APIRouter(prefix="/v1/kvserve/conversations")
     lim = store.limits
 
@@ -115,9 +116,12 @@ async def _kvserve_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(exc.to_dict(), status_code=exc.status)
 
 
-def mount_webui(app: FastAPI, db_path: pathlib.Path, limits: StoreLimits | None = None) -> None:
-    """Serve the chat page at `/`, its assets at `/static/*` and the conversation API."""
-    store = ConversationStore(db_path, limits)
+def mount_webui(app: FastAPI, db_path: pathlib.Path, limits: StoreLimits | None = None,
+                store: ConversationBackend | None = None) -> None:
+    """Serve the chat page at `/`, its assets at `/static/*` and the conversation API, on `store`
+    (a backend from server/backends/) or else the SQLite store at `db_path`."""
+    if store is None:
+        store = ConversationStore(db_path, limits)
     app.state.conversation_store = store
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)

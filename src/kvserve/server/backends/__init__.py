@@ -1,0 +1,36 @@
+"""Shared state: one backend interface per store, so several kvserve processes can share it.
+
+Every piece of state the gateway keeps lives behind one of these interfaces (base.py):
+
+    store              embedded default (one process)       shared (several processes/machines)
+    -----------------  -----------------------------------  ------------------------------------
+    keys               SQLite   keys.KeyStore                PostgreSQL  pg_keys.PostgresKeyStore
+    key-lookup cache   (in the SQLite store's memory)        Redis  redis_state.CachedKeyStore
+    usage ledger       SQLite   keys.KeyStore                PostgreSQL  pg_keys.PostgresKeyStore
+    rate-limit buckets memory   ratelimit.RateLimiter        Redis  redis_state.RedisRateLimiter (Lua)
+    conversations      SQLite   conversations.ConversationStore  PostgreSQL pg_conversations
+    live counters      memory   counters.MemoryCounters      Redis  redis_state.RedisCounters
+
+`open_backends(settings)` picks them from `--database-url` (PostgreSQL: keys, ledger,
+conversations) and `--redis-url` (Redis: key cache, buckets, counters); with neither, the server
+behaves exactly as before. Redis holds only what can be rebuilt (a cache, buckets that refill,
+counters); everything that must survive a crash is in the database.
+
+PostgreSQL schemas are migrations under a version table (postgres.py `migrate`): each store
+owns a component name and an ordered list of steps. A new store (e.g. stored responses) adds
+`pg_<store>.py` with its own component and steps, a Protocol in base.py, and one line in
+`open_backends`; nothing else changes.
+"""
+
+from kvserve.server.backends.base import (
+    ConversationBackend,
+    CounterBackend,
+    KeyBackend,
+    RateLimitBackend,
+    StateBackends,
+    open_backends,
+    open_key_backend,
+)
+
+__all__ = ["ConversationBackend", "CounterBackend", "KeyBackend", "RateLimitBackend", "StateBackends",
+           "open_backends", "open_key_backend"]
