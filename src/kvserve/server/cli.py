@@ -12,7 +12,7 @@ import typer
 from kvserve.engine.step_cost import DEFAULT_MAX_STEP_MS
 from kvserve.errors import KVServeError
 from kvserve.server.backends import open_key_backend
-from kvserve.server.backends.base import redact
+from kvserve.server.backends.common import redact
 from kvserve.server.settings import ServerSettings, default_data_dir
 
 DATA_DIR_HELP = "Directory for the keys/usage database (default $KVSERVE_DATA_DIR or ~/.kvserve)."

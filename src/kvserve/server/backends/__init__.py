@@ -22,15 +22,8 @@ owns a component name and an ordered list of steps. A new store (e.g. stored res
 `open_backends`; nothing else changes.
 """
 
-from kvserve.server.backends.base import (
-    ConversationBackend,
-    CounterBackend,
-    KeyBackend,
-    RateLimitBackend,
-    StateBackends,
-    open_backends,
-    open_key_backend,
-)
+from kvserve.server.backends.base import ConversationBackend, CounterBackend, KeyBackend, RateLimitBackend
+from kvserve.server.backends.factory import StateBackends, open_backends, open_key_backend
 
 __all__ = ["ConversationBackend", "CounterBackend", "KeyBackend", "RateLimitBackend", "StateBackends",
            "open_backends", "open_key_backend"]

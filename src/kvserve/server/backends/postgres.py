@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvserve.errors import KVServeError
-from kvserve.server.backends.base import StateStoreUnavailable, redact
+from kvserve.server.backends.common import StateStoreUnavailable, redact
 
 VERSION_TABLE = "kvserve_schema_version"
 _MIGRATION_LOCK = 0x6B7673  # pg_advisory_xact_lock key shared by every kvserve ("kvs")

@@ -26,7 +26,7 @@ import json
 import math
 from typing import Any
 
-from kvserve.server.backends.base import StateStoreUnavailable, redact
+from kvserve.server.backends.common import StateStoreUnavailable, redact
 from kvserve.server.keys import ApiKey, hash_key
 from kvserve.server.ratelimit import RateLimiter
 

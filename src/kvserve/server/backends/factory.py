@@ -1,0 +1,108 @@
+"""`open_backends(settings)`: the stores a server uses, picked from --database-url / --redis-url.
+
+Redis and psycopg are imported only when their URL is given.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvserve.server.backends.base import ConversationBackend, CounterBackend, KeyBackend, RateLimitBackend
+from kvserve.server.backends.common import DATABASE_SCHEMES, REDIS_SCHEMES, check_url
+
+if TYPE_CHECKING:
+    from kvserve.server.settings import ServerSettings
+
+logger = logging.getLogger("kvserve.server")
+
+
+@dataclass
+class StateBackends:
+    """The stores one server uses; `close()` closes all of them."""
+
+    keys: KeyBackend
+    limiter: RateLimitBackend
+    counters: CounterBackend
+    conversations: ConversationBackend | None = None
+    _closers: list[Any] = field(default_factory=list)
+
+    def close(self) -> None:
+        _close_all(self._closers)
+
+
+def _close_all(closers: list[Any]) -> None:
+    for closer in closers:
+        try:
+            closer()
+        except Exception:   # closing a store that lost its server must not stop the others
+            logger.warning("closing a state store failed", exc_info=True)
+
+
+def open_key_backend(db_path, database_url: str | None = None, redis_url: str | None = None,
+                     redis_client: Any = None, db: Any = None) -> KeyBackend:
+    """The key store alone (the `kvserve keys` CLI): SQLite at `db_path`, or PostgreSQL (on the
+    pool `db` when given); with Redis, changes also invalidate the servers' key-lookup cache at once."""
+    if database_url:
+        from kvserve.server.backends.pg_keys import PostgresKeyStore
+
+        store: Any = PostgresKeyStore(check_url(database_url, "--database-url", DATABASE_SCHEMES), db=db)
+    else:
+        from kvserve.server.keys import KeyStore
+
+        store = KeyStore(db_path)
+    if redis_url or redis_client is not None:
+        from kvserve.server.backends.redis_state import CachedKeyStore, connect_redis
+
+        client = redis_client or connect_redis(check_url(redis_url, "--redis-url", REDIS_SCHEMES))
+        store = CachedKeyStore(store, client, owns_client=redis_client is None)
+    return store
+
+
+def open_backends(settings: ServerSettings, *, conversations: bool = True) -> StateBackends:
+    """The stores `settings` asks for: the embedded ones unless --database-url / --redis-url."""
+    redis_client = None
+    closers: list[Any] = []
+    try:
+        if settings.redis_url:
+            from kvserve.server.backends.redis_state import connect_redis
+
+            redis_client = connect_redis(check_url(settings.redis_url, "--redis-url", REDIS_SCHEMES))
+            closers.append(redis_client.close)
+        db = None
+        if settings.database_url:
+            from kvserve.server.backends.postgres import Database
+
+            db = Database(check_url(settings.database_url, "--database-url", DATABASE_SCHEMES))
+            closers.insert(0, db.close)
+        keys = open_key_backend(settings.db_path, settings.database_url, redis_client=redis_client, db=db)
+        closers.insert(0, keys.close)
+        if redis_client is not None:
+            from kvserve.server.backends.redis_state import RedisCounters, RedisRateLimiter
+
+            limiter: Any = RedisRateLimiter(redis_client)
+            counters: Any = RedisCounters(redis_client)
+        else:
+            from kvserve.server.backends.counters import MemoryCounters
+            from kvserve.server.ratelimit import RateLimiter
+
+            limiter, counters = RateLimiter(), MemoryCounters()
+        convs: Any = None
+        if conversations:
+            if settings.database_url:
+                from kvserve.server.backends.pg_conversations import PostgresConversationStore
+
+                convs = PostgresConversationStore(settings.database_url, settings.store_limits(), db=db)
+            else:
+                from kvserve.server.conversations import ConversationStore
+
+                convs = ConversationStore(settings.db_path, settings.store_limits())
+            closers.insert(0, convs.close)
+        # Stored responses (the Responses API) plug in here the same way: SQLite by default,
+        # pg_responses.PostgresResponseStore when settings.database_url is set.
+    except BaseException:
+        _close_all(closers)
+        raise
+    return StateBackends(keys=keys, limiter=limiter, counters=counters, conversations=convs,
+                         _closers=closers)
