@@ -1,4 +1,5 @@
-"""The saved-conversation API over a real SQLite file, through a tiny app that mounts only the page."""
+"""The saved-conversation API through a tiny app that mounts only the page, on each store: a real
+SQLite file and a real PostgreSQL database (started by the fixtures)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
+from kvserve.server.backends.pg_conversations import PostgresConversationStore
 from kvserve.server.conversations import StoreLimits
 from kvserve.server.webui import CLIENT_HEADER, mount_webui
 
@@ -15,7 +17,35 @@ ALICE = {CLIENT_HEADER: "browser-alice-0001"}
 BOB = {CLIENT_HEADER: "browser-bob-000002"}
 
 
-def make_app(db_path, limits: StoreLimits | None = None) -> FastAPI:
+class Stores:
+    """Opens stores on one backing (a new store on the same backing is a restart)."""
+
+    def __init__(self, backend: str, tmp_path, request):
+        self.backend = backend
+        self.db_path = tmp_path / "conversations.db"
+        self.url = request.getfixturevalue("postgres_server").new_database() if backend == "postgres" else None
+        self.opened: list = []
+
+    def open(self, limits: StoreLimits | None = None):
+        if self.url is None:
+            return None   # mount_webui opens the SQLite store at the path
+        store = PostgresConversationStore(self.url, limits)
+        self.opened.append(store)
+        return store
+
+    def app(self, limits: StoreLimits | None = None) -> FastAPI:
+        return make_app(self.db_path, limits, self.open(limits))
+
+
+@pytest.fixture(params=("sqlite", "postgres"))
+def stores(request, tmp_path):
+    backing = Stores(request.param, tmp_path, request)
+    yield backing
+    for store in backing.opened:
+        store.close()
+
+
+def make_app(db_path, limits: StoreLimits | None = None, store=None) -> FastAPI:
     app = FastAPI()
 
     # Stands in for the server's auth middleware only in what it hands the page: the key name.
@@ -24,13 +54,13 @@ def make_app(db_path, limits: StoreLimits | None = None) -> FastAPI:
         request.state.key_name = request.headers.get("x-test-key-name")
         return await call_next(request)
 
-    mount_webui(app, db_path, limits)
+    mount_webui(app, db_path, limits, store=store)
     return app
 
 
 @pytest.fixture
-def client(tmp_path):
-    with TestClient(make_app(tmp_path / "conversations.db")) as c:
+def client(stores):
+    with TestClient(stores.app()) as c:
         yield c
 
 
@@ -120,16 +150,16 @@ def test_missing_or_bad_client_id_and_bad_json(client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "title"
 
 
-def test_survives_a_restart_and_uses_wal(tmp_path):
-    db = tmp_path / "conversations.db"
-    with TestClient(make_app(db)) as c:
+def test_survives_a_restart_and_uses_wal(stores):
+    with TestClient(stores.app()) as c:
         conv = c.post("/v1/kvserve/conversations", json={"title": "kept",
                                                             "messages": [{"role": "user", "content": "q"}]},
                       headers=ALICE).json()
-    with TestClient(make_app(db)) as c:
+    with TestClient(stores.app()) as c:
         got = c.get(f"/v1/kvserve/conversations/{conv['id']}", headers=ALICE).json()
     assert got["title"] == "kept" and got["messages"][0]["content"] == "q"
-    assert sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    if stores.url is None:
+        assert sqlite3.connect(stores.db_path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
 def test_page_and_assets_are_served_with_a_strict_policy(client):
@@ -142,11 +172,11 @@ def test_page_and_assets_are_served_with_a_strict_policy(client):
     assert "javascript" in client.get("/static/app.js").headers["content-type"]
 
 
-def test_owner_quota_body_cap_and_json_limits(tmp_path):
+def test_owner_quota_body_cap_and_json_limits(stores):
     """Per-owner storage quota (413 storage_quota_exceeded; deleting frees it), the body cap (413)
     and the JSON limits (deep nesting, lone surrogates: 400, never a 500)."""
     limits = StoreLimits(max_owner_bytes=10_000, max_body_bytes=50_000)
-    with TestClient(make_app(tmp_path / "q.db", limits)) as c:
+    with TestClient(stores.app(limits)) as c:
         conv = c.post("/v1/kvserve/conversations", json={}, headers=ALICE).json()
         url = f"/v1/kvserve/conversations/{conv['id']}/messages"
         big = [{"role": "user", "content": "x" * 4000}]
