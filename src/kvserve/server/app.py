@@ -22,6 +22,7 @@ import kvserve
 from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound, Overloaded
 from kvserve.server.admission import Admission
 from kvserve.server.backends import open_backends
+from kvserve.server.backends.counters import CountersCollector
 from kvserve.server.cache_scope import CacheScope
 from kvserve.server.conformance import mount_conformance
 from kvserve.server.handlers import mount
@@ -51,6 +52,7 @@ class ServerState:
         self.http_ns = 0    # the generation handlers' time on the event loop (stages, formatting, writes)
         self.metrics = ServerMetrics(self.engine_stats, lambda: self.model_name or "")
         self.metrics.gateway_waiting.set_function(lambda: self.admission.num_waiting)
+        self.metrics.registry.register(CountersCollector(self.backends.counters))
 
     @property
     def model_name(self) -> str | None:

@@ -21,3 +21,27 @@ class MemoryCounters:
 
     def close(self) -> None:
         pass
+
+
+class CountersCollector:
+    """Prometheus view of the live counters: `kvserve:gateway_requests_total{outcome=...}` (summed
+    over every replica when the counters are in Redis; left out of a scrape when Redis is down)."""
+
+    def __init__(self, counters) -> None:
+        self.counters = counters
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        from kvserve.errors import KVServeError
+
+        try:
+            counts = self.counters.snapshot()
+        except KVServeError:
+            return
+        family = CounterMetricFamily("kvserve:gateway_requests", "Requests the gateway let through "
+                                     "(outcome=requests) or refused (rate_limited, refused_401, refused_503), "
+                                     "over every server sharing the counters.", labels=["outcome"])
+        for name, value in sorted(counts.items()):
+            family.add_metric([name], float(value))
+        yield family
