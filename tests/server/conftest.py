@@ -87,7 +87,9 @@ class ModelServer:
         self.proc: subprocess.Popen | None = None
         self.log_path = data_dir / f"server-{self.port}.log"
 
-    def start(self, timeout: float = 600) -> ModelServer:
+    def start(self, timeout: float = 600, *, wait_for_model: bool = True) -> ModelServer:
+        """Start the server and wait until /health is 200 (or, without `wait_for_model`, until it
+        answers at all: the gateway is up and the model still loading)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
@@ -100,7 +102,7 @@ class ModelServer:
                 raise RuntimeError(f"server exited: {self.log_path.read_text()[-3000:]}")
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 r = httpx.get(self.base_url + "/health", timeout=2)
-                if r.status_code == 200:
+                if r.status_code == 200 or not wait_for_model:
                     return self
                 if r.json().get("status") == "error":   # the model failed to load, or the engine died
                     raise RuntimeError(f"server unhealthy: {r.text}: {self.log_path.read_text()[-3000:]}")

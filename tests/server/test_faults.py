@@ -1,8 +1,10 @@
 """Fault tests on real processes, each bounded in time (generous timeouts, no timing assertions):
 
-* SIGKILL of the server while generation and conversation writes are in flight: the database
-  passes `PRAGMA integrity_check`, every generation that got its response is in the usage ledger
-  and every conversation append that got a 200 is stored;
+* SIGKILL of the server while generation and conversation writes are in flight, on SQLite and on
+  PostgreSQL (`--database-url`): the SQLite file passes `PRAGMA integrity_check`, every generation
+  that got its response is in the usage ledger, every conversation append that got a 200 is
+  stored, the keys are as they were, and a server restarted on the same store accepts the key,
+  refuses the revoked one and returns the whole conversation;
 * SIGTERM with a stream in flight: the server stops accepting, the stream finishes, the process
   exits 0 and the request is in the ledger;
 * the engine process killed (`--engine-process`): in-flight requests end with a retryable 503,
@@ -23,8 +25,11 @@ import threading
 import time
 
 import httpx
+import psycopg
 import pytest
+from conftest import ModelServer
 
+from kvserve.server.backends import open_key_backend
 from kvserve.server.keys import KeyStore
 
 HELLO = [{"role": "user", "content": "Name a colour."}]
@@ -41,9 +46,15 @@ def hdr(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
 
-def test_sigkill_with_writes_in_flight(tmp_path, model_server):
-    keys = make_keys(tmp_path, "w")
-    srv = model_server(tmp_path, "--max-model-len", "256")
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+def test_sigkill_with_writes_in_flight(tmp_path, model_server, request, store):
+    database = request.getfixturevalue("postgres_server").new_database() if store == "postgres" else None
+    extra = ("--database-url", database) if database else ()
+    keys_store = open_key_backend(tmp_path / "kvserve.db", database)
+    keys = {n: keys_store.create(n) for n in ("w", "gone")}
+    keys_store.revoke("gone")
+    keys_before = keys_store.list()
+    srv = model_server(tmp_path, "--max-model-len", "256", *extra)
     answered, appended, stop = [], [], threading.Event()
     conv = httpx.post(srv.base_url + "/v1/kvserve/conversations", json={"title": "log"}, headers=hdr(keys["w"]),
                       timeout=60).json()["id"]
@@ -83,13 +94,31 @@ def test_sigkill_with_writes_in_flight(tmp_path, model_server):
         for f in futures:
             f.result()
     assert len(answered) >= 8 and len(appended) >= 8
-    with sqlite3.connect(tmp_path / "kvserve.db") as conn:
-        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        stored = {row[0] for row in conn.execute("SELECT content FROM messages")}
-    ledger = {r["key_name"]: r for r in KeyStore(tmp_path / "kvserve.db").usage()}["w"]
+    if database is None:
+        with sqlite3.connect(tmp_path / "kvserve.db") as conn:
+            assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+            stored = {row[0] for row in conn.execute("SELECT content FROM messages")}
+    else:
+        with psycopg.connect(database) as conn:
+            stored = {row[0] for row in conn.execute("SELECT content FROM messages")}
+    ledger = {r["key_name"]: r for r in keys_store.usage()}["w"]
     assert ledger["requests"] >= len(answered)
     assert ledger["completion_tokens"] >= sum(answered)
     assert set(appended) <= stored
+    assert keys_store.list() == keys_before   # keys intact (the revoked one still revoked)
+
+    # restarted on the same store (its gateway; the model need not finish loading): the key
+    # works, the revoked one does not, the conversation is whole
+    srv = ModelServer(tmp_path, "--max-model-len", "256", *extra)
+    try:
+        srv.start(wait_for_model=False)
+        assert httpx.get(srv.base_url + "/v1/models", headers=hdr(keys["w"]), timeout=60).status_code == 200
+        assert httpx.get(srv.base_url + "/v1/models", headers=hdr(keys["gone"]), timeout=60).status_code == 401
+        got = httpx.get(srv.base_url + f"/v1/kvserve/conversations/{conv}", headers=hdr(keys["w"]), timeout=60)
+        assert len(got.json()["messages"]) == len(stored)
+    finally:
+        srv.stop()
+        keys_store.close()
 
 
 def test_sigterm_finishes_the_stream_then_exits_0(tmp_path, model_server):
