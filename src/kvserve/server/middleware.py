@@ -10,8 +10,9 @@ Every authenticated route takes one token from the key's request bucket here (42
 so /tokenize and the conversation API are limited like generation, and every response to a
 limited key carries the `x-ratelimit-*` headers. When a shared store (Redis, PostgreSQL) is
 unreachable, auth and the bucket answer 503 with Retry-After (backends/). It also counts, in the
-live counters (backends/), the requests let through (`requests`) and those refused
-(`rate_limited`, `refused_401`, `refused_503`).
+live counters (backends/), the authenticated-route requests let through (`requests`) and those
+refused (`rate_limited`, `refused_401`, `refused_503`). With a shared store these checks are
+network round trips, so they run in a worker thread rather than on the event loop.
 
 Each request gets a `RequestRecord` (records.py) in `scope["state"]["record"]`: its id, arrival
 time and caller (key, name, tier), set before any route runs. Handlers read the caller from it
@@ -22,6 +23,7 @@ response is done. Routes that only need the caller's name (the web page's conver
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -69,6 +71,8 @@ class GatewayMiddleware:
         self.api_key = api_key
         self.limiter = limiter
         self.counters = counters
+        # A shared store is a network round trip: run the gate in a worker thread, off the event loop.
+        self.offload = any(getattr(x, "remote", False) for x in (keystore, limiter, counters))
 
     def authenticate(self, scope: dict) -> ApiKey | None:
         """The caller's key, None when auth is off; raises AuthenticationError."""
@@ -87,6 +91,17 @@ class GatewayMiddleware:
             raise AuthenticationError("Invalid or revoked API key. Check the key, or create a new one "
                                       "with `kvserve keys create --name NAME`.")
         return key
+
+    def _gate(self, scope: dict, state: dict, record: RequestRecord) -> None:
+        """Authenticate, take a token from the key's request bucket, count the request; raises
+        the KVServeError to answer with."""
+        key = self.authenticate(scope)
+        if key is not None:
+            record.key, record.key_name, record.key_tier = key, key.name, key.tier
+            state["key_name"] = key.name
+            if self.limiter is not None:
+                self.limiter.acquire_request(key.name, key.rpm)
+        self._count("requests")
 
     def _count(self, name: str) -> None:
         """A live counter (shared by replicas when in Redis); losing one never fails a request."""
@@ -115,7 +130,10 @@ class GatewayMiddleware:
                 key = record.key
                 if key is not None and self.limiter is not None and (key.rpm or key.tpm):
                     try:
-                        extra += self.limiter.headers(key.name, key.rpm, key.tpm)
+                        if self.offload:
+                            extra += await asyncio.to_thread(self.limiter.headers, key.name, key.rpm, key.tpm)
+                        else:
+                            extra += self.limiter.headers(key.name, key.rpm, key.tpm)
                     except KVServeError:   # the shared store went away: the answer goes out without them
                         pass
                 message["headers"] = list(message.get("headers", [])) + extra
@@ -124,12 +142,10 @@ class GatewayMiddleware:
         try:
             if not is_public(record.path):
                 try:
-                    key = self.authenticate(scope)
-                    if key is not None:
-                        record.key, record.key_name, record.key_tier = key, key.name, key.tier
-                        state["key_name"] = key.name
-                        if self.limiter is not None:
-                            self.limiter.acquire_request(key.name, key.rpm)
+                    if self.offload:
+                        await asyncio.to_thread(self._gate, scope, state, record)
+                    else:
+                        self._gate(scope, state, record)
                 except KVServeError as err:   # 401, 429, or 503 when a shared store is down
                     self._count("rate_limited" if isinstance(err, RateLimitError) else f"refused_{err.status}")
                     retry_after = getattr(err, "retry_after", None)
@@ -137,7 +153,6 @@ class GatewayMiddleware:
                         (b"retry-after", str(max(1, int(retry_after + 0.999))).encode()), (b"x-should-retry", b"true")]
                     await send_error(send_wrapped, err, headers)
                     return
-            self._count("requests")
             await self.app(scope, receive, send_wrapped)
         finally:
             access_log.info(record.access_log_line())

@@ -55,6 +55,8 @@ def _no_nul(value: object, param: str) -> None:
 
 
 class PostgresConversationStore(ConversationStore):
+    remote = True   # a network round trip per call (the gateway runs it off the event loop)
+
     def __init__(self, url: str, limits: StoreLimits | None = None, *, db: Database | None = None):
         self.limits = limits or StoreLimits()
         self.db = db or Database(url)

@@ -44,6 +44,8 @@ _USAGE_COLS = ("key_name", "day", "requests", "prompt_tokens", "completion_token
 
 
 class PostgresKeyStore:
+    remote = True   # a network round trip per call (the gateway runs it off the event loop)
+
     def __init__(self, url: str, *, db: Database | None = None):
         self.db = db or Database(url)
         self._owns_db = db is None

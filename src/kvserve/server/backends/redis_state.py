@@ -110,6 +110,7 @@ def connect_redis(url: str) -> Any:
 
 class RedisRateLimiter(RateLimiter):
     """RateLimiter whose buckets live in Redis (see the module's docstring)."""
+    remote = True   # a network round trip per call (the gateway runs it off the event loop)
 
     def __init__(self, client: Any) -> None:
         super().__init__()
@@ -134,6 +135,7 @@ class RedisRateLimiter(RateLimiter):
 
 class CachedKeyStore:
     """A key store with its lookups cached in Redis (see the module's docstring)."""
+    remote = True   # a network round trip per call (the gateway runs it off the event loop)
 
     def __init__(self, store: Any, client: Any, *, ttl_s: float = 30.0, miss_ttl_s: float = 5.0,
                  owns_client: bool = False) -> None:
@@ -146,6 +148,7 @@ class CachedKeyStore:
         self._gen_key = PREFIX + "keycache:gen"
         self._entry = PREFIX + "keycache:"
         self._any_key = PREFIX + "keycache:any"
+        self._auth_on = False
 
     def close(self) -> None:
         self.store.close()
@@ -175,11 +178,15 @@ class CachedKeyStore:
 
     @redis_errors
     def auth_required(self) -> bool:
-        if self.client.get(self._any_key):
-            return True   # keys are never deleted (revoked ones still count): once on, always on
+        # Keys are never deleted (revoked ones still count): once auth is on it stays on, so
+        # that answer is kept here and in Redis for good.
+        if self._auth_on or self.client.get(self._any_key):
+            self._auth_on = True
+            return True
         required = self.store.auth_required()
         if required:
             self.client.set(self._any_key, "1")
+            self._auth_on = True
         return required
 
     @redis_errors
@@ -207,6 +214,7 @@ class CachedKeyStore:
 
 class RedisCounters:
     """Named cumulative counters in one Redis hash, summed over every replica."""
+    remote = True   # a network round trip per call (the gateway runs it off the event loop)
 
     def __init__(self, client: Any) -> None:
         self.client = client
