@@ -37,3 +37,14 @@ def test_model_that_cannot_load_exits_non_zero(tmp_path):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "could not be loaded" in errors[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_unreachable_state_store_is_one_line_and_exit_1(tmp_path):
+    """--redis-url / --database-url that nothing answers: one line naming the store, no password."""
+    dead = free_port()
+    r = serve(tmp_path, "--port", str(free_port()), "--redis-url", f"redis://127.0.0.1:{dead}/0",
+              "--database-url", f"postgresql://kvserve:s3cret@127.0.0.1:{dead}/kvserve", timeout=120)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: Cannot reach Redis"), r.stderr
+    assert "s3cret" not in r.stderr and "listening" not in r.stderr + r.stdout
