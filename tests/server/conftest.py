@@ -74,6 +74,18 @@ def gateway(tmp_path_factory):
         yield srv
 
 
+@pytest.fixture(scope="module", params=("embedded", "shared"))
+def gateway_on_each_backend(request, tmp_path_factory):
+    """The gateway (no model) on the embedded stores, then on PostgreSQL + Redis (real servers);
+    a module that wants its tests run on both overrides `gateway` with it."""
+    settings = ServerSettings(load_model=False, data_dir=tmp_path_factory.mktemp("gw"))
+    if request.param == "shared":
+        settings.database_url = request.getfixturevalue("postgres_server").new_database()
+        settings.redis_url = request.getfixturevalue("redis_server").fresh_url()
+    with InProcessServer(settings) as srv:
+        yield srv
+
+
 class ModelServer:
     """`python -m kvserve.server serve` in a subprocess, with the real default model."""
 

@@ -1,5 +1,6 @@
 """The arena's API on a real gateway (no model) and its ratings: votes stored per owner, names hidden
-until the vote, and a leaderboard that recovers planted strengths from 1,000 simulated votes."""
+until the vote, and a leaderboard that recovers planted strengths from 1,000 simulated votes. The
+gateway runs on the embedded stores (SQLite) and on the shared ones (PostgreSQL + Redis)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,18 @@ import httpx
 import numpy as np
 import pytest
 
-from kvserve.server.arena import DEFAULT_CONTESTANTS, ArenaStore
+from kvserve.server.arena import DEFAULT_CONTESTANTS
 from kvserve.server.arena_ratings import leaderboard
 
 ALICE = {"X-KVServe-Client": "arena-alice-0001"}
 BOB = {"X-KVServe-Client": "arena-bob-000002"}
+
+
+@pytest.fixture(scope="module")
+def gateway(gateway_on_each_backend):
+    return gateway_on_each_backend
+
+
 PLANTED = {"alpha": 1250.0, "bravo": 1100.0, "charlie": 1000.0, "delta": 950.0, "echo": 800.0}
 
 
@@ -29,7 +37,7 @@ def simulate(n: int, seed: int) -> list[tuple[str, str, str]]:
 
 
 def test_leaderboard_recovers_planted_strengths_from_1000_votes(gateway):
-    store = ArenaStore(gateway.state.settings.db_path)
+    store = gateway.app.state.arena_store   # the server's own: SQLite, or PostgreSQL
     for a, b, winner in simulate(1000, seed=7):
         store.record("client:simulator", a, b, winner)
     r = httpx.get(gateway.base_url + "/v1/kvserve/arena/leaderboard", headers=ALICE, timeout=60)

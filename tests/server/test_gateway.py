@@ -12,7 +12,6 @@ import sqlite3
 
 import httpx
 import pytest
-from conftest import InProcessServer
 from typer.testing import CliRunner
 
 from kvserve.errors import InvalidRequest, Overloaded, RateLimitError
@@ -23,15 +22,9 @@ from kvserve.server.settings import ServerSettings
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-@pytest.fixture(scope="module", params=("embedded", "shared"))
-def gateway(request, tmp_path_factory):
-    """The gateway on the embedded stores, then on PostgreSQL + Redis."""
-    settings = ServerSettings(load_model=False, data_dir=tmp_path_factory.mktemp("gw"))
-    if request.param == "shared":
-        settings.database_url = request.getfixturevalue("postgres_server").new_database()
-        settings.redis_url = request.getfixturevalue("redis_server").fresh_url()
-    with InProcessServer(settings) as srv:
-        yield srv
+@pytest.fixture(scope="module")
+def gateway(gateway_on_each_backend):
+    return gateway_on_each_backend
 
 
 # ---- keys and ledger ------------------------------------------------------------------------
@@ -271,11 +264,12 @@ def test_stores_are_durable(gateway):
     if url:
         import psycopg
 
-        from kvserve.server.backends import pg_conversations, pg_keys
+        from kvserve.server.backends import pg_arena, pg_conversations, pg_keys
 
         with psycopg.connect(url) as conn:
             versions = dict(conn.execute("SELECT component, version FROM kvserve_schema_version").fetchall())
-        assert versions == {"keys": len(pg_keys.MIGRATIONS), "conversations": len(pg_conversations.MIGRATIONS)}
+        assert versions == {"keys": len(pg_keys.MIGRATIONS), "conversations": len(pg_conversations.MIGRATIONS),
+                            "arena": len(pg_arena.MIGRATIONS)}
         return
     with sqlite3.connect(gateway.state.settings.db_path) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"

@@ -255,7 +255,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         mount_webui(app, settings.db_path, settings.store_limits(), store=state.backends.conversations)
         from kvserve.server.arena import mount_arena
 
-        mount_arena(app, settings.db_path, settings.arena_contestants)
+        mount_arena(app, settings.db_path, settings.arena_contestants, store=state.backends.arena)
     mount_conformance(app, state)   # /v1/models/{id}, /tokenizer_info, /openapi.json
 
     app.add_middleware(GatewayMiddleware, keystore=state.keystore, api_key=settings.api_key,

@@ -229,8 +229,10 @@ def arena_router(store: ArenaStore, contestants: tuple[Contestant, ...]) -> APIR
     return router
 
 
-def mount_arena(app: FastAPI, db_path: pathlib.Path, contestants_file: str | None = None) -> ArenaStore:
-    store = ArenaStore(db_path)
+def mount_arena(app: FastAPI, db_path: pathlib.Path, contestants_file: str | None = None, store=None):
+    """The arena's routes on `store` (a backend from server/backends/), else the SQLite store at `db_path`."""
+    if store is None:
+        store = ArenaStore(db_path)
     app.state.arena_store = store
     app.include_router(arena_router(store, load_contestants(contestants_file)))
     return store

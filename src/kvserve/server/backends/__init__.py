@@ -9,10 +9,11 @@ Every piece of state the gateway keeps lives behind one of these interfaces (bas
     usage ledger       SQLite   keys.KeyStore                PostgreSQL  pg_keys.PostgresKeyStore
     rate-limit buckets memory   ratelimit.RateLimiter        Redis  redis_state.RedisRateLimiter (Lua)
     conversations      SQLite   conversations.ConversationStore  PostgreSQL pg_conversations
+    arena battles      SQLite   arena.ArenaStore             PostgreSQL  pg_arena.PostgresArenaStore
     live counters      memory   counters.MemoryCounters      Redis  redis_state.RedisCounters
 
-`open_backends(settings)` picks them from `--database-url` (PostgreSQL: keys, ledger,
-conversations) and `--redis-url` (Redis: key cache, buckets, counters); with neither, the server
+`open_backends(settings)` (factory.py) picks them from `--database-url` (PostgreSQL: keys, ledger,
+conversations, arena) and `--redis-url` (Redis: key cache, buckets, counters); with neither, the server
 behaves exactly as before. Redis holds only what can be rebuilt (a cache, buckets that refill,
 counters); everything that must survive a crash is in the database.
 
@@ -22,8 +23,14 @@ owns a component name and an ordered list of steps. A new store (e.g. stored res
 `open_backends`; nothing else changes.
 """
 
-from kvserve.server.backends.base import ConversationBackend, CounterBackend, KeyBackend, RateLimitBackend
+from kvserve.server.backends.base import (
+    ArenaBackend,
+    ConversationBackend,
+    CounterBackend,
+    KeyBackend,
+    RateLimitBackend,
+)
 from kvserve.server.backends.factory import StateBackends, open_backends, open_key_backend
 
-__all__ = ["ConversationBackend", "CounterBackend", "KeyBackend", "RateLimitBackend", "StateBackends",
+__all__ = ["ArenaBackend", "ConversationBackend", "CounterBackend", "KeyBackend", "RateLimitBackend", "StateBackends",
            "open_backends", "open_key_backend"]

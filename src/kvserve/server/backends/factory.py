@@ -9,7 +9,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvserve.server.backends.base import ConversationBackend, CounterBackend, KeyBackend, RateLimitBackend
+from kvserve.server.backends.base import (
+    ArenaBackend,
+    ConversationBackend,
+    CounterBackend,
+    KeyBackend,
+    RateLimitBackend,
+)
 from kvserve.server.backends.common import DATABASE_SCHEMES, REDIS_SCHEMES, check_url
 
 if TYPE_CHECKING:
@@ -26,6 +32,7 @@ class StateBackends:
     limiter: RateLimitBackend
     counters: CounterBackend
     conversations: ConversationBackend | None = None
+    arena: ArenaBackend | None = None   # None: the arena opens its SQLite store itself
     _closers: list[Any] = field(default_factory=list)
 
     def close(self) -> None:
@@ -99,10 +106,16 @@ def open_backends(settings: ServerSettings, *, conversations: bool = True) -> St
 
                 convs = ConversationStore(settings.db_path, settings.store_limits())
             closers.insert(0, convs.close)
+        arena: Any = None
+        if conversations and db is not None:
+            from kvserve.server.backends.pg_arena import PostgresArenaStore
+
+            arena = PostgresArenaStore(settings.database_url, db=db)
+            closers.insert(0, arena.close)
         # Stored responses (the Responses API) plug in here the same way: SQLite by default,
         # pg_responses.PostgresResponseStore when settings.database_url is set.
     except BaseException:
         _close_all(closers)
         raise
-    return StateBackends(keys=keys, limiter=limiter, counters=counters, conversations=convs,
+    return StateBackends(keys=keys, limiter=limiter, counters=counters, conversations=convs, arena=arena,
                          _closers=closers)
