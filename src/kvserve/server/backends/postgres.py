@@ -1,6 +1,6 @@
 """PostgreSQL plumbing for the stores: a small connection pool and schema migrations.
 
-`Database(url)` holds up to `size` psycopg 3 connections in autocommit mode; `with db.connection()
+`Database(url)` holds up to `size` (8) psycopg 3 connections in autocommit mode; `with db.connection()
 as conn:` borrows one (a broken one is dropped, so a restarted PostgreSQL is reconnected on the
 next request), and `with db.transaction() as conn:` runs a block in one transaction.
 
@@ -47,7 +47,7 @@ def pg_errors(fn):
 class Database:
     """A pool of autocommit connections to one PostgreSQL database."""
 
-    def __init__(self, url: str, size: int = 4, connect_timeout_s: int = 5):
+    def __init__(self, url: str, size: int = 8, connect_timeout_s: int = 5):
         import psycopg
 
         self.url = url
@@ -73,8 +73,8 @@ class Database:
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[Any]:
-        if self._closed:
-            raise KVServeError("The database connection pool is closed.")
+        if self._closed:   # the server is shutting down
+            raise StateStoreUnavailable("The server is shutting down; retry on another.", retry_after=1.0)
         self._slots.acquire()
         conn = None
         try:
