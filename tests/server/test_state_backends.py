@@ -186,3 +186,15 @@ def test_two_gateways_share_buckets_and_live_counters(redis_server, postgres_ser
         assert metrics.status_code == 429
         text = a.state.metrics.render().decode()
         assert 'kvserve:gateway_requests_total{outcome="rate_limited"} 4.0' in text
+
+
+def test_sqlite_keys_are_not_shared_through_redis(redis_server, tmp_path):
+    """Servers on their own SQLite files but one Redis (shared limits only) keep their own keys:
+    a key of one is never accepted by the other through a shared cache."""
+    url = redis_server.fresh_url()
+    a, b = open_key_backend(tmp_path / "a.db", None, url), open_key_backend(tmp_path / "b.db", None, url)
+    key = a.create("hank")
+    assert a.lookup(key).name == "hank" and a.lookup(key).name == "hank"
+    assert b.lookup(key) is None
+    a.close()
+    b.close()

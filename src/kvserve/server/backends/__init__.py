@@ -5,7 +5,7 @@ Every piece of state the gateway keeps lives behind one of these interfaces (bas
     store              embedded default (one process)       shared (several processes/machines)
     -----------------  -----------------------------------  ------------------------------------
     keys               SQLite   keys.KeyStore                PostgreSQL  pg_keys.PostgresKeyStore
-    key-lookup cache   (in the SQLite store's memory)        Redis  redis_state.CachedKeyStore
+    key-lookup cache   (in the SQLite store's memory)        Redis  redis_state.CachedKeyStore (keys in PostgreSQL)
     usage ledger       SQLite   keys.KeyStore                PostgreSQL  pg_keys.PostgresKeyStore
     rate-limit buckets memory   ratelimit.RateLimiter        Redis  redis_state.RedisRateLimiter (Lua)
     conversations      SQLite   conversations.ConversationStore  PostgreSQL pg_conversations

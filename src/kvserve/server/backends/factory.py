@@ -50,7 +50,10 @@ def _close_all(closers: list[Any]) -> None:
 def open_key_backend(db_path, database_url: str | None = None, redis_url: str | None = None,
                      redis_client: Any = None, db: Any = None) -> KeyBackend:
     """The key store alone (the `kvserve keys` CLI): SQLite at `db_path`, or PostgreSQL (on the
-    pool `db` when given); with Redis, changes also invalidate the servers' key-lookup cache at once."""
+    pool `db` when given) with, when Redis is given too, the key-lookup cache in front (changes
+    made here then invalidate every server's cache at once). SQLite keys are never cached in
+    Redis: they are this machine's, already in memory, and servers with different SQLite files
+    sharing one Redis must not accept each other's keys."""
     if database_url:
         from kvserve.server.backends.pg_keys import PostgresKeyStore
 
@@ -59,7 +62,7 @@ def open_key_backend(db_path, database_url: str | None = None, redis_url: str | 
         from kvserve.server.keys import KeyStore
 
         store = KeyStore(db_path)
-    if redis_url or redis_client is not None:
+    if database_url and (redis_url or redis_client is not None):
         from kvserve.server.backends.redis_state import CachedKeyStore, connect_redis
 
         client = redis_client or connect_redis(check_url(redis_url, "--redis-url", REDIS_SCHEMES))
@@ -67,8 +70,9 @@ def open_key_backend(db_path, database_url: str | None = None, redis_url: str | 
     return store
 
 
-def open_backends(settings: ServerSettings, *, conversations: bool = True) -> StateBackends:
-    """The stores `settings` asks for: the embedded ones unless --database-url / --redis-url."""
+def open_backends(settings: ServerSettings, *, page_stores: bool = True) -> StateBackends:
+    """The stores `settings` asks for: the embedded ones unless --database-url / --redis-url
+    (`page_stores=False`: without the web page's conversations and arena)."""
     redis_client = None
     closers: list[Any] = []
     try:
@@ -96,7 +100,7 @@ def open_backends(settings: ServerSettings, *, conversations: bool = True) -> St
 
             limiter, counters = RateLimiter(), MemoryCounters()
         convs: Any = None
-        if conversations:
+        if page_stores:
             if settings.database_url:
                 from kvserve.server.backends.pg_conversations import PostgresConversationStore
 
@@ -107,7 +111,7 @@ def open_backends(settings: ServerSettings, *, conversations: bool = True) -> St
                 convs = ConversationStore(settings.db_path, settings.store_limits())
             closers.insert(0, convs.close)
         arena: Any = None
-        if conversations and db is not None:
+        if page_stores and db is not None:
             from kvserve.server.backends.pg_arena import PostgresArenaStore
 
             arena = PostgresArenaStore(settings.database_url, db=db)
