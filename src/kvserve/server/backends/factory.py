@@ -54,6 +54,8 @@ def open_key_backend(db_path, database_url: str | None = None, redis_url: str | 
     made here then invalidate every server's cache at once). SQLite keys are never cached in
     Redis: they are this machine's, already in memory, and servers with different SQLite files
     sharing one Redis must not accept each other's keys."""
+    if redis_url:
+        check_url(redis_url, "--redis-url", REDIS_SCHEMES)
     if database_url:
         from kvserve.server.backends.pg_keys import PostgresKeyStore
 
@@ -65,7 +67,7 @@ def open_key_backend(db_path, database_url: str | None = None, redis_url: str | 
     if database_url and (redis_url or redis_client is not None):
         from kvserve.server.backends.redis_state import CachedKeyStore, connect_redis
 
-        client = redis_client or connect_redis(check_url(redis_url, "--redis-url", REDIS_SCHEMES))
+        client = redis_client or connect_redis(redis_url)
         store = CachedKeyStore(store, client, owns_client=redis_client is None)
     return store
 
