@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import shutil
 import statistics as st
 import sys
 import tempfile
@@ -48,7 +49,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
     redis_srv, pg = RedisServer(), PostgresServer()
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="kvserve-bench-"))
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="kvserve-bench-state-"))
     try:
         r_url, db_url = redis_srv.fresh_url(), pg.new_database()
         big = 10**9
@@ -99,6 +100,7 @@ def main() -> None:
     finally:
         redis_srv.stop()
         pg.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
