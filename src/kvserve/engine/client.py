@@ -317,12 +317,20 @@ class MPClient(EngineClient):
 
 
 def make_engine_client(model: str | None = None, *, engine_process: bool = False, weight_format: str = "auto",
-                       **engine_kwargs) -> EngineClient:
+                       replicas: int = 1, prefill_replicas: int = 0, decode_replicas: int = 0,
+                       ray_address: str | None = None, **engine_kwargs) -> EngineClient:
     """Load `model` and return a client for it (blocking: call it from a thread). With
-    `engine_process`, the engine runs in its own process."""
+    `engine_process`, the engine runs in its own process; with several replicas (or a Ray address,
+    or prefill/decode pools) in Ray actors behind one client (engine/ray_client.py)."""
     from kvserve.engine.config import EngineConfig
 
     cfg = EngineConfig(weight_format=weight_format, **engine_kwargs)   # bad options fail here, in this process
+    if replicas > 1 or prefill_replicas or decode_replicas or ray_address:
+        from kvserve.engine.ray_client import RayClient, check_pools
+
+        check_pools(replicas, prefill_replicas, decode_replicas, engine_process)
+        return RayClient.launch(model, weight_format, engine_kwargs, replicas=replicas, ray_address=ray_address,
+                                prefill_replicas=prefill_replicas, decode_replicas=decode_replicas)
     if engine_process:
         return MPClient.launch(model, weight_format, engine_kwargs)
     from kvserve.engine.core import EngineCore
