@@ -334,9 +334,9 @@ def make_engine_client(model: str | None = None, *, engine_process: bool = False
     if engine_process:
         return MPClient.launch(model, weight_format, engine_kwargs)
     from kvserve.engine.core import EngineCore
-    from kvserve.model.loader import load_model
+    from kvserve.engine.executor import load_engine_model
 
-    loaded = load_model(model, weight_format=weight_format)
+    loaded = load_engine_model(model, weight_format, cfg)
     core = EngineCore(loaded.model, cfg, loaded.tokenizer.eos_token_ids, loaded.tokenizer)
     return InprocClient(core, loaded.tokenizer, loaded.source.name)
 

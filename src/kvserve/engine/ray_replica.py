@@ -33,13 +33,13 @@ class EngineReplica:
     def __init__(self, spec: bytes):
         from kvserve.engine.config import EngineConfig
         from kvserve.engine.core import EngineCore
+        from kvserve.engine.executor import load_engine_model
         from kvserve.engine.process import tokenizer_spec
-        from kvserve.model.loader import load_model
 
         s = msgspec.json.decode(spec)
         self.index = s.get("index", 0)
         cfg = EngineConfig(weight_format=s["weight_format"], **s["engine_kwargs"])
-        loaded = load_model(s["model"], weight_format=s["weight_format"])
+        loaded = load_engine_model(s["model"], s["weight_format"], cfg)
         self.core = EngineCore(loaded.model, cfg, loaded.tokenizer.eos_token_ids, loaded.tokenizer)
         self._ready = encode(EngineReady(
             model_name=loaded.source.name, max_model_len=self.core.max_model_len, block_size=self.core.block_size,
