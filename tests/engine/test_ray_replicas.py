@@ -66,7 +66,7 @@ def hit_rate(client, prompts, tag: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def replicas():
+def replicas(ray_cluster):
     c = make_engine_client(None, replicas=2, kv_cache_memory="64MiB")
     yield c
     asyncio.run(c.shutdown())

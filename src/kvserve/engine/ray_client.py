@@ -74,6 +74,20 @@ def check_pools(replicas: int, prefill_replicas: int, decode_replicas: int, engi
                              "process)", param="engine_process")
 
 
+def _reclaim_signals() -> None:
+    """Ray's core worker installs a C-level SIGTERM/SIGINT handler in the driver that aborts the
+    process; re-register this process's own Python handlers (the server's graceful shutdown) on
+    top of it. Only the main thread may, and the server starts its engine client there."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        handler = signal.getsignal(sig)
+        if handler is not None:
+            signal.signal(sig, handler)
+
+
 @dataclass
 class Replica:
     index: int
@@ -162,6 +176,7 @@ class RayClient(EngineClient):
 
     async def start(self) -> None:
         await super().start()
+        _reclaim_signals()
         for rep in self.replicas:
             if rep.reader is None:
                 rep.reader = threading.Thread(target=self._read, args=(rep,), daemon=True,
