@@ -135,7 +135,9 @@ def test_killed_replica_loses_no_request_that_had_not_streamed(replicas):
 
         prompts = {f"long{i}": tok.encode(f"{system_prompt(TOPICS[i])} Tell me a story.") for i in range(8)}
         tasks = [asyncio.create_task(one(rid, ids)) for rid, ids in prompts.items()]
-        while len(streamed) < 8:
+        for _ in range(6000):
+            if len(streamed) == 8:
+                break
             await asyncio.sleep(0.05)
         fresh = {f"fresh{i}": tok.encode(f"{system_prompt(TOPICS[i])} Question {i}?") for i in range(10, 20)}
         tasks += [asyncio.create_task(one(rid, ids)) for rid, ids in fresh.items()]

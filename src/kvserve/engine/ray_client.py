@@ -74,6 +74,35 @@ def check_pools(replicas: int, prefill_replicas: int, decode_replicas: int, engi
                              "process)", param="engine_process")
 
 
+_HEAD_THREAD_DONE = threading.Event()
+
+
+def _start_local_cluster(num_cpus: int) -> None:
+    """Start a local Ray cluster from a thread that lives until the client shuts down. Ray starts
+    its head processes with PR_SET_PDEATHSIG, which fires when the *thread* that started them
+    ends, and the server builds its engine client on a loading thread that ends once loaded."""
+    import ray
+
+    started: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False)
+            started.append(None)
+        except BaseException as e:   # noqa: BLE001 - handed to the caller
+            started.append(e)
+            return
+        _HEAD_THREAD_DONE.wait()
+
+    _HEAD_THREAD_DONE.clear()
+    thread = threading.Thread(target=run, name="kvserve-ray-head", daemon=True)
+    thread.start()
+    while not started and thread.is_alive():
+        time.sleep(0.05)
+    if not started or started[0] is not None:
+        raise ModelLoadError(f"could not start a local Ray cluster: {started[0] if started else 'unknown error'}")
+
+
 def _reclaim_signals() -> None:
     """Ray's core worker installs a C-level SIGTERM/SIGINT handler in the driver that aborts the
     process; re-register this process's own Python handlers (the server's graceful shutdown) on
@@ -147,7 +176,7 @@ class RayClient(EngineClient):
             if ray_address:
                 ray.init(address=ray_address, include_dashboard=False)
             else:
-                ray.init(num_cpus=max(2, len(roles)), include_dashboard=False)
+                _start_local_cluster(max(2, len(roles)))
                 owns = True
         kwargs = {"num_threads": 1, **engine_kwargs}
         actor_cls = ray.remote(num_cpus=1, max_restarts=0, concurrency_groups={"poll": 1, "prefill": 32, "kv": 1})(
@@ -167,6 +196,7 @@ class RayClient(EngineClient):
                     ray.kill(a)
             if owns:
                 ray.shutdown()
+                _HEAD_THREAD_DONE.set()
             last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise ModelLoadError(f"an engine replica could not start: {last}") from None
         client = cls(readies[0], actors, roles, pids, owns)
@@ -200,6 +230,7 @@ class RayClient(EngineClient):
                 await asyncio.to_thread(r.reader.join, 5)
         if self._owns_cluster:
             await asyncio.to_thread(ray.shutdown)
+            _HEAD_THREAD_DONE.set()
 
     # ---- the replicas' outputs --------------------------------------------------------------
     def _read(self, rep: Replica) -> None:
@@ -329,15 +360,16 @@ class RayClient(EngineClient):
         except LookupError:
             self._fail_all("every engine replica is gone")
             return
+        self.router.replicas[index].in_flight += len(group) - 1     # counted per core request
         for r in group:
             self._where[r.request_id] = index
             self._reqs[r.request_id] = r
         data = [encode(r) for r in group]
-        if self.disaggregated and self._prefill(first, index, data):
+        if self.disaggregated and self._prefill(first, index, data, [r.request_id for r in group]):
             return
         self.replicas[index].actor.submit.remote(data)
 
-    def _prefill(self, first: EngineCoreRequest, decode_index: int, data: list[bytes]) -> bool:
+    def _prefill(self, first: EngineCoreRequest, decode_index: int, data: list[bytes], ids: list[str]) -> bool:
         """Disaggregated: run the prompt on a prefill replica; when its KV payload is ready, hand
         it (an object-store reference: the bytes go replica to replica) to the decode replica."""
         decoders = frozenset(r.index for r in self.replicas if r.role != "prefill")
@@ -349,16 +381,24 @@ class RayClient(EngineClient):
                                       sampling_params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
                                       want_prompt_logprobs=False, structured_output=None, reasoning_end_ids=None)
         t0 = time.monotonic()
-        ref = self.replicas[p].actor.prefill.options(concurrency_group="prefill").remote(encode(pre))
-        ref.future().add_done_callback(lambda fut: self._call_soon(self._prefilled, p, decode_index, ref, fut,
-                                                                   data, first.request_id, t0))
+        status, ref = self.replicas[p].actor.prefill.options(concurrency_group="prefill", num_returns=2).remote(
+            encode(pre))
+        status.future().add_done_callback(lambda fut: self._call_soon(self._prefilled, p, decode_index, ref, fut,
+                                                                   data, ids, t0))
         return True
 
-    def _prefilled(self, p: int, d: int, ref, fut, data: list[bytes], core_id: str, t0: float) -> None:
+    def _prefilled(self, p: int, d: int, ref, fut, data: list[bytes], ids: list[str], t0: float) -> None:
         """On the event loop, once the prefill replica answered (or died)."""
+        core_id = ids[0]
         self.router.done(p)
         if self._where.get(core_id) != d or not self.replicas[d].alive:
-            return                  # aborted meanwhile, or its decode replica died and it moved on
+            return                  # its decode replica died meanwhile and it moved on
+        if core_id not in self.outputs.parent_of:   # the client gave up while it prefilled
+            for cid in ids:
+                if self._where.pop(cid, None) is not None:
+                    self._reqs.pop(cid, None)
+                    self.router.done(d)
+            return
         now = time.monotonic()
         if fut.exception() is None:
             pool = self.pools["prefill"]

@@ -97,10 +97,12 @@ class EngineReplica:
         self._inbox.put(self.kv_transfer.decode_payload(kv))
         self.submit(msgs)
 
-    def prefill(self, msg: bytes) -> bytes:
-        """Disaggregated prefill: run this request (max_tokens 1) and return its prompt's KV
-        payload once it finished (runs in the actor's "prefill" group: several may wait)."""
-        return self.kv_transfer.prefill(decode_input(msg), self._inbox.put)
+    def prefill(self, msg: bytes) -> tuple[bytes, bytes]:
+        """Disaggregated prefill: run this request (max_tokens 1) and return (a small status, its
+        prompt's KV payload) once it finished; called with num_returns=2, so the gateway waits on
+        the status and hands the payload's reference on without fetching it. Runs in the actor's
+        "prefill" group: several may wait."""
+        return b"ok", self.kv_transfer.prefill(decode_input(msg), self._inbox.put)
 
     def outputs(self, timeout: float = 0.2) -> list[bytes]:
         try:
