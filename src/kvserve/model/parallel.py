@@ -115,8 +115,8 @@ def shard_model(full: LlamaForCausalLM, rank: int, world: int) -> TPModel:
     local = dataclasses.replace(cfg, num_key_value_heads=k1 - k0, num_attention_heads=(k1 - k0) * g,
                                 head_dim=cfg.head_dim)
     embed = full.embed_tokens.data if full.embed_tokens is not None else full.embed(
-        torch.arange(cfg.vocab_size)).float()
-    model = TPModel(local, embed, layers, full.norm, full.lm_head, KernelBackend.pytorch())
+        torch.arange(cfg.vocab_size, device=full.norm.weight.device)).float()
+    model = TPModel(local, embed, layers, full.norm, full.lm_head, full.backend)
     model.rank, model.world = rank, world
     return model
 
@@ -141,7 +141,7 @@ class TPModel(LlamaForCausalLM):
             return
         workers, self.workers = self.workers, ()
         try:
-            torch.distributed.broadcast(torch.zeros(6, dtype=torch.long), 0)
+            torch.distributed.broadcast(torch.zeros(6, dtype=torch.long, device=self.norm.weight.device), 0)
         except Exception:   # noqa: BLE001, S110 - a worker already gone: it is killed below
             pass
         for p in workers:
@@ -160,30 +160,32 @@ def _broadcast_step(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadat
                     kv_dtype: torch.dtype) -> None:
     t, b = ids.numel(), meta.num_seqs
     width = meta.block_tables.shape[1]
-    head = torch.tensor([1, t, b, width, num_blocks, _DTYPES.index(kv_dtype)], dtype=torch.long)
+    dev = ids.device            # NCCL broadcasts device tensors, gloo CPU ones: the model's device
+    head = torch.tensor([1, t, b, width, num_blocks, _DTYPES.index(kv_dtype)], dtype=torch.long, device=dev)
     torch.distributed.broadcast(head, 0)
-    flat = torch.cat([ids.cpu().long(), pos.cpu().long(), torch.tensor(meta.query_start_loc),
-                      torch.tensor(meta.seq_lens), meta.slot_mapping.cpu(), meta.block_tables.cpu().reshape(-1)])
+    flat = torch.cat([ids.long(), pos.long(), torch.tensor(meta.query_start_loc, device=dev),
+                      torch.tensor(meta.seq_lens, device=dev), meta.slot_mapping.to(dev),
+                      meta.block_tables.to(dev).reshape(-1)])
     torch.distributed.broadcast(flat, 0)
 
 
-def _worker_loop(model: TPModel, block_size: int) -> None:
+def _worker_loop(model: TPModel, block_size: int, device: str = "cpu") -> None:
     """Ranks 1..: run every step rank 0 broadcasts, until it broadcasts op 0."""
     caches: list[torch.Tensor] = []
     cfg = model.config
     with torch.inference_mode():
         while True:
-            head = torch.empty(6, dtype=torch.long)
+            head = torch.empty(6, dtype=torch.long, device=device)
             torch.distributed.broadcast(head, 0)
             op, t, b, width, num_blocks, dt = head.tolist()
             if op == 0:
                 return
-            flat = torch.empty(3 * t + 2 * b + 1 + b * width, dtype=torch.long)
+            flat = torch.empty(3 * t + 2 * b + 1 + b * width, dtype=torch.long, device=device)
             torch.distributed.broadcast(flat, 0)
             ids, pos, qsl, lens, slots, tables = flat.split([t, t, b + 1, b, t, b * width])
             if not caches or caches[0].shape[1] != num_blocks:
                 shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-                caches = [torch.empty(shape, dtype=_DTYPES[dt]) for _ in range(cfg.num_hidden_layers)]
+                caches = [torch.empty(shape, dtype=_DTYPES[dt], device=device) for _ in range(cfg.num_hidden_layers)]
             meta = AttentionMetadata(qsl.tolist(), lens.tolist(), slots, tables.view(b, width), block_size)
             model(ids, pos, meta, caches)
 
@@ -194,16 +196,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _load_full(model: str | None):
+def _device(rank: int) -> str:
+    return f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+
+
+def _load_full(model: str | None, device: str = "cpu"):
     from kvserve.model.loader import load_model
-    return load_model(model, weight_format="fp32", backend=KernelBackend.pytorch())
+    return load_model(model, weight_format="fp32", backend=KernelBackend.pytorch(device))
 
 
 def launch(model: str | None, world: int, *, block_size: int = 16, num_threads: int | None = None,
            timeout: float = 600):
     """Rank 0 in this process, ranks 1.. as child processes; returns (LoadedModel of the full
     model, rank 0's TPModel). Blocking."""
-    loaded = _load_full(model)
+    loaded = _load_full(model, _device(0))
     check_supported(loaded.config, world)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     port = _free_port()
@@ -239,10 +245,13 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(spec["num_threads"])
     torch.distributed.init_process_group(spec["backend"], init_method=f"tcp://127.0.0.1:{spec['port']}",
                                          rank=spec["rank"], world_size=spec["world"], timeout=timedelta(hours=24))
-    loaded = _load_full(spec["model"])
+    device = _device(spec["rank"])
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    loaded = _load_full(spec["model"], device)
     model = shard_model(loaded.model, spec["rank"], spec["world"])
     del loaded
-    _worker_loop(model, spec["block_size"])
+    _worker_loop(model, spec["block_size"], device)
     torch.distributed.destroy_process_group()
     return 0
 
