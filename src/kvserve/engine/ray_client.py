@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from kvserve.engine.client import EngineClient, EngineDeadError
+from kvserve.engine.client_base import EngineClient, EngineDeadError
 from kvserve.engine.messages import (
     AbortRequests,
     CoreInput,
@@ -47,74 +47,14 @@ from kvserve.engine.messages import (
     encode,
 )
 from kvserve.engine.processing import EngineInfo
+from kvserve.engine.ray_cluster import HEAD_THREAD_DONE, reclaim_signals, start_local_cluster
 from kvserve.engine.router import PrefixAffinityRouter
-from kvserve.errors import InvalidRequest, ModelLoadError
+from kvserve.errors import ModelLoadError
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve.engine")
 
 _GAUGES = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_total", "kv_blocks_free")
-
-
-def check_pools(replicas: int, prefill_replicas: int, decode_replicas: int, engine_process: bool = False) -> None:
-    """One-line errors for replica counts that cannot run."""
-    for name, v in (("replicas", replicas), ("prefill_replicas", prefill_replicas),
-                    ("decode_replicas", decode_replicas)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (name == "replicas" and v < 1):
-            raise InvalidRequest(f"{name} must be a {'positive' if name == 'replicas' else 'non-negative'} "
-                                 f"integer, got {v!r}", param=name)
-    if (prefill_replicas > 0) != (decode_replicas > 0):
-        raise InvalidRequest("disaggregated serving needs both pools: give --prefill-replicas and "
-                             "--decode-replicas at least 1 each", param="prefill_replicas")
-    if prefill_replicas and replicas > 1:
-        raise InvalidRequest("give either --replicas or --prefill-replicas/--decode-replicas, not both",
-                             param="replicas")
-    if engine_process:
-        raise InvalidRequest("--engine-process does not apply to Ray replicas (each already runs in its own "
-                             "process)", param="engine_process")
-
-
-_HEAD_THREAD_DONE = threading.Event()
-
-
-def _start_local_cluster(num_cpus: int) -> None:
-    """Start a local Ray cluster from a thread that lives until the client shuts down. Ray starts
-    its head processes with PR_SET_PDEATHSIG, which fires when the *thread* that started them
-    ends, and the server builds its engine client on a loading thread that ends once loaded."""
-    import ray
-
-    started: list[BaseException | None] = []
-
-    def run() -> None:
-        try:
-            ray.init(num_cpus=num_cpus, include_dashboard=False)
-            started.append(None)
-        except BaseException as e:   # noqa: BLE001 - handed to the caller
-            started.append(e)
-            return
-        _HEAD_THREAD_DONE.wait()
-
-    _HEAD_THREAD_DONE.clear()
-    thread = threading.Thread(target=run, name="kvserve-ray-head", daemon=True)
-    thread.start()
-    while not started and thread.is_alive():
-        time.sleep(0.05)
-    if not started or started[0] is not None:
-        raise ModelLoadError(f"could not start a local Ray cluster: {started[0] if started else 'unknown error'}")
-
-
-def _reclaim_signals() -> None:
-    """Ray's core worker installs a C-level SIGTERM/SIGINT handler in the driver that aborts the
-    process; re-register this process's own Python handlers (the server's graceful shutdown) on
-    top of it. Only the main thread may, and the server starts its engine client there."""
-    import signal
-
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        handler = signal.getsignal(sig)
-        if handler is not None:
-            signal.signal(sig, handler)
 
 
 @dataclass
@@ -176,7 +116,7 @@ class RayClient(EngineClient):
             if ray_address:
                 ray.init(address=ray_address, include_dashboard=False)
             else:
-                _start_local_cluster(max(2, len(roles)))
+                start_local_cluster(max(2, len(roles)))
                 owns = True
         kwargs = {"num_threads": 1, **engine_kwargs}
         actor_cls = ray.remote(num_cpus=1, max_restarts=0, concurrency_groups={"poll": 1, "prefill": 32, "kv": 1})(
@@ -196,7 +136,7 @@ class RayClient(EngineClient):
                     ray.kill(a)
             if owns:
                 ray.shutdown()
-                _HEAD_THREAD_DONE.set()
+                HEAD_THREAD_DONE.set()
             last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise ModelLoadError(f"an engine replica could not start: {last}") from None
         client = cls(readies[0], actors, roles, pids, owns)
@@ -206,7 +146,7 @@ class RayClient(EngineClient):
 
     async def start(self) -> None:
         await super().start()
-        _reclaim_signals()
+        reclaim_signals()
         for rep in self.replicas:
             if rep.reader is None:
                 rep.reader = threading.Thread(target=self._read, args=(rep,), daemon=True,
@@ -230,7 +170,7 @@ class RayClient(EngineClient):
                 await asyncio.to_thread(r.reader.join, 5)
         if self._owns_cluster:
             await asyncio.to_thread(ray.shutdown)
-            _HEAD_THREAD_DONE.set()
+            HEAD_THREAD_DONE.set()
 
     # ---- the replicas' outputs --------------------------------------------------------------
     def _read(self, rep: Replica) -> None:
