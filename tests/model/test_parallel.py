@@ -66,4 +66,5 @@ def test_tp2_engine_greedy_equals_tp1(tp2):
     for name, model in (("tp1", loaded.model), ("tp2", rank0)):
         llm = LLM(model, tokenizer=loaded.tokenizer, kv_cache_memory="32MiB", kv_cache_dtype="fp32")
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.stats()["num_steps"] > 0          # the engine's introspection works on a shard too
     assert outs["tp2"] == outs["tp1"]

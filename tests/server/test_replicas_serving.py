@@ -1,6 +1,7 @@
 """`kvserve serve --replicas 2` as a real process: the gateway loads two engine replicas as Ray
 actors (a local Ray cluster it starts and stops), reports the Ray engine client in /health, answers
-chat completions streamed and not, and leaves no Ray process behind when it stops."""
+chat completions streamed and not, and leaves no Ray process behind when it stops; and
+`kvserve serve --tensor-parallel-size 2` answers and takes its other rank down when it stops."""
 
 from __future__ import annotations
 
@@ -36,3 +37,16 @@ def test_serve_with_two_replicas(tmp_path, model_server):
     server.stop()
     assert server.proc.returncode == 0
     assert _ray_processes() <= before
+
+
+def test_serve_with_tensor_parallel_size_2(tmp_path, model_server):
+    server = model_server(tmp_path, "--tensor-parallel-size", "2", "--kv-cache-memory", "64MiB",
+                          "--max-model-len", "512")
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    assert "kvserve:engine_steps_total" in httpx.get(server.base_url + "/metrics").text
+    server.stop()
+    assert server.proc.returncode == 0
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    assert f"\"parent_pid\": {server.proc.pid}" not in ps        # the other rank ended with the server

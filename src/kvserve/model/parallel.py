@@ -70,6 +70,7 @@ class ParallelLayer(nn.Module):
         k0, k1 = split(layer.num_kv_heads, world)[rank]
         i0, i1 = split(layer.intermediate_size, world)[rank]
         self.group = group
+        self.mlp = self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None   # dense Llama shape
         self.head_dim, self.num_kv_heads, self.num_heads = d, k1 - k0, (k1 - k0) * g
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         for name in ("scale", "sliding_window", "local_rope", "softcap", "qk_norm", "act", "q_norm", "k_norm",
