@@ -116,6 +116,9 @@ def serve_command(
     for m in results:
         if "conversation_writes" in m.extra:
             table += f"\n\n{m.label}: {m.extra['conversation_writes']} conversation appends during the load"
+        if "pools" in m.extra:
+            from kvserve.bench.pools import pools_line
+            table += "\n\n" + pools_line(m.label, m.extra["pools"])
         if "profile" in m.extra:
             table += f"\n\n{m.label} step profile: " + profile_table(m.extra["profile"])
     print(table)

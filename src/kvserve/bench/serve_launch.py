@@ -37,6 +37,7 @@ from typing import Self
 import httpx
 import numpy as np
 
+from kvserve.bench.pools import fetch_pools, pools_delta
 from kvserve.bench.serve import (
     BenchRequest,
     ServeConfig,
@@ -237,6 +238,7 @@ def bench_target(target: Target, requests: list[BenchRequest], cfg: ServeConfig,
         served = server.model_name() if server else None
         asyncio.run(warmup(target.base_url, cfg, target.backend, served, api_key))
         before = fetch_profile(target.base_url, api_key) if profile and target.backend == "kvserve" else None
+        pools_before = fetch_pools(target.base_url, api_key) if target.backend == "kvserve" else None
         emit("start", label=target.label, total=len(requests))
         sampler = MemorySampler(server.pid) if server else contextlib.nullcontext()
         with sampler:
@@ -254,6 +256,8 @@ def bench_target(target: Target, requests: list[BenchRequest], cfg: ServeConfig,
         m.max_concurrency = cfg.concurrency
         if writes is not None:
             m.extra["conversation_writes"] = writes
+        if pools_before is not None:       # a disaggregated server: TTFT and ITL per pool
+            m.extra["pools"] = pools_delta(pools_before, fetch_pools(target.base_url, api_key) or {})
         if profile:
             after = fetch_profile(target.base_url, api_key) if before is not None else None
             if after is not None:

@@ -13,12 +13,15 @@ core: EngineCoreRequest / AbortRequests in, EngineCoreOutputs back.
 * MPClient: the core in `python -m kvserve.engine.process`, msgpack over two local ZMQ sockets
   (PUSH requests, PULL outputs). The model is loaded once, in the engine process, which sends the
   tokenizer back in its first message. The HTTP process stays responsive while the model computes.
+* RayClient (engine/ray_client.py): N replicas as Ray actors behind one client, routed by
+  prefix-cache affinity; `make_engine_client(replicas=N | prefill_replicas=P, decode_replicas=D)`.
+
+The interface and the machinery the transports share are in engine/client_base.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import queue
 import shutil
@@ -27,10 +30,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
+from kvserve.engine.client_base import EngineClient, EngineDeadError  # noqa: F401 - the interface, re-exported
 from kvserve.engine.messages import (
-    AbortRequests,
     CoreInput,
     EngineCoreOutputs,
     EngineFailed,
@@ -39,138 +42,8 @@ from kvserve.engine.messages import (
     decode_output,
     encode,
 )
-from kvserve.engine.processing import EngineInfo, InputProcessor, OutputProcessor
-from kvserve.errors import InvalidRequest, KVServeError, ModelLoadError
-from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
-
-
-class EngineDeadError(KVServeError):
-    """The engine stopped (its process died): 503 with Retry-After, as the server restarts it."""
-
-    status = 503
-    type = "server_error"
-    code = "engine_error"
-    retry_after = 5.0
-
-
-class EngineClient:
-    """Shared by both transports; a subclass provides `_send(messages)` and the delivery of
-    EngineCoreOutputs to `_on_outputs` on the event loop."""
-
-    kind = ""
-
-    def __init__(self, tokenizer, info: EngineInfo, enable_prefix_caching: bool = True):
-        self.tokenizer = tokenizer
-        self.info = info
-        self.inputs = InputProcessor(tokenizer, info, enable_prefix_caching)
-        self.outputs = OutputProcessor(tokenizer)
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._stats: dict = {}
-        self._dead: str | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    # ---- the interface ----------------------------------------------------------------------
-    @property
-    def model_name(self) -> str:
-        return self.info.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
-
-    @property
-    def block_size(self) -> int:
-        return self.info.block_size
-
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        from kvserve.structured.grammar import available
-        if available():    # the first structured request should not pay for imports and setup
-            threading.Thread(target=self.inputs.grammar_compiler().warm_up, daemon=True,
-                             name="kvserve-grammar-warmup").start()
-
-    async def shutdown(self) -> None:
-        raise NotImplementedError
-
-    def stats(self) -> dict:
-        return dict(self._stats)
-
-    def health(self) -> None:
-        """Raises EngineDeadError when the engine can no longer serve."""
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
-                       priority: int = 0, cache_salt: str | None = None, cache_salt_from: int = 0,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
-        self.health()
-        if request_id in self.outputs.requests:
-            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
-        reqs = self.inputs.requests(request_id, list(prompt_token_ids), params, priority=priority,
-                                    cache_salt=cache_salt, cache_salt_from=cache_salt_from)
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
-        self.outputs.add(request_id, prompt, reqs)
-        self._send(reqs)
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self._abort(request_id)
-
-    async def abort(self, request_id: str) -> None:
-        self._abort(request_id)
-
-    # ---- shared machinery -------------------------------------------------------------------
-    def _send(self, msgs: list[CoreInput]) -> None:
-        raise NotImplementedError
-
-    def _abort(self, request_id: str) -> None:
-        ids = self.outputs.core_ids(request_id)
-        self.outputs.abort(request_id)
-        if ids and self._dead is None:
-            self._send([AbortRequests(ids)])
-
-    def _on_outputs(self, outs: EngineCoreOutputs) -> None:
-        """On the event loop: core outputs -> RequestOutputs -> each request's queue."""
-        if outs.stats is not None:
-            self._stats = outs.stats
-        results, to_abort = self.outputs.process(outs)
-        if to_abort:
-            self._send([AbortRequests(to_abort)])
-        for r in results:
-            q = self._queues.get(r.request_id)
-            if q is not None:
-                q.put_nowait(r if r.error is None else EngineDeadError(r.error))
-
-    def _call_soon(self, fn: Callable, *args) -> None:
-        """From the engine's thread: run fn on the event loop the client was last started on."""
-        loop = self._loop
-        if loop is not None:
-            with contextlib.suppress(RuntimeError):   # the loop closed under us: nobody is listening
-                loop.call_soon_threadsafe(fn, *args)
-
-    def fail_all(self, message: str) -> None:
-        """Mark the engine dead and end every waiting request with EngineDeadError (event loop)."""
-        self._fail_all(message)
-
-    def _fail_all(self, message: str) -> None:
-        """On the event loop: the engine is gone; every waiting request gets the error."""
-        self._dead = message
-        for rid, q in list(self._queues.items()):
-            self.outputs.abort(rid)
-            q.put_nowait(EngineDeadError(message))
+from kvserve.engine.processing import EngineInfo
+from kvserve.errors import ModelLoadError
 
 
 class InprocClient(EngineClient):
@@ -317,18 +190,27 @@ class MPClient(EngineClient):
 
 
 def make_engine_client(model: str | None = None, *, engine_process: bool = False, weight_format: str = "auto",
-                       **engine_kwargs) -> EngineClient:
+                       replicas: int = 1, prefill_replicas: int = 0, decode_replicas: int = 0,
+                       ray_address: str | None = None, **engine_kwargs) -> EngineClient:
     """Load `model` and return a client for it (blocking: call it from a thread). With
-    `engine_process`, the engine runs in its own process."""
+    `engine_process`, the engine runs in its own process; with several replicas (or a Ray address,
+    or prefill/decode pools) in Ray actors behind one client (engine/ray_client.py)."""
     from kvserve.engine.config import EngineConfig
 
     cfg = EngineConfig(weight_format=weight_format, **engine_kwargs)   # bad options fail here, in this process
+    if replicas > 1 or prefill_replicas or decode_replicas or ray_address:
+        from kvserve.engine.ray_client import RayClient
+        from kvserve.engine.ray_cluster import check_pools
+
+        check_pools(replicas, prefill_replicas, decode_replicas, engine_process)
+        return RayClient.launch(model, weight_format, engine_kwargs, replicas=replicas, ray_address=ray_address,
+                                prefill_replicas=prefill_replicas, decode_replicas=decode_replicas)
     if engine_process:
         return MPClient.launch(model, weight_format, engine_kwargs)
     from kvserve.engine.core import EngineCore
-    from kvserve.model.loader import load_model
+    from kvserve.engine.executor import load_engine_model
 
-    loaded = load_model(model, weight_format=weight_format)
+    loaded = load_engine_model(model, weight_format, cfg)
     core = EngineCore(loaded.model, cfg, loaded.tokenizer.eos_token_ids, loaded.tokenizer)
     return InprocClient(core, loaded.tokenizer, loaded.source.name)
 

@@ -36,9 +36,12 @@ class EngineConfig:
     # Where the KV cache and the step's tensors live: "cpu", "cuda[:N]", or "auto" (cuda when torch
     # sees a GPU). The model must be loaded on the same device.
     device: str = "cpu"
+    # Split each layer's heads and MLP over this many processes (model/parallel.py; fp32 PyTorch path).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills",
+                     "tensor_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidRequest(f"{name} must be a positive integer, got {v!r}", param=name)

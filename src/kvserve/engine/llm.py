@@ -18,7 +18,6 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.errors import InvalidRequest
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.loader import load_model
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer
@@ -36,7 +35,8 @@ class LLM:
                                      param="tokenizer")
             net, tok, name = model, tokenizer, model.config.name or "model"
         else:
-            loaded = load_model(model, weight_format=weight_format)
+            from kvserve.engine.executor import load_engine_model
+            loaded = load_engine_model(model, weight_format, cfg)
             net, tok, name = loaded.model, loaded.tokenizer, loaded.source.name
         self.engine = LLMEngine(net, tok, cfg, model_name=name)
         self._ids = itertools.count()

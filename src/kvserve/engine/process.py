@@ -52,10 +52,10 @@ def main(argv: list[str]) -> int:
     try:
         from kvserve.engine.config import EngineConfig
         from kvserve.engine.core import EngineCore
-        from kvserve.model.loader import load_model
+        from kvserve.engine.executor import load_engine_model
 
         cfg = EngineConfig(weight_format=spec["weight_format"], **spec["engine_kwargs"])
-        loaded = load_model(spec["model"], weight_format=spec["weight_format"])
+        loaded = load_engine_model(spec["model"], spec["weight_format"], cfg)
         core = EngineCore(loaded.model, cfg, loaded.tokenizer.eos_token_ids, loaded.tokenizer)
         from kvserve.structured.grammar import available
         if available():

@@ -67,6 +67,15 @@ def serve(
                                         help="Run the engine in its own process (msgpack over a local ZMQ "
                                              "socket), so the HTTP process stays responsive while the model "
                                              "computes."),
+    replicas: int = typer.Option(1, min=1, help="Engine replicas as Ray actors behind this gateway, routed by "
+                                                 "prefix-cache affinity (a local Ray cluster unless --ray-address)."),
+    ray_address: str = typer.Option(None, "--ray-address", help="Join this Ray cluster (HOST:PORT or auto) "
+                                                                "for the replicas."),
+    prefill_replicas: int = typer.Option(0, min=0, help="Disaggregated serving: replicas that only prefill "
+                                                        "prompts and ship their KV blocks to the decode pool."),
+    decode_replicas: int = typer.Option(0, min=0, help="Disaggregated serving: replicas that decode."),
+    tensor_parallel_size: int = typer.Option(1, min=1, help="Split each layer's heads and MLP over this many "
+                                                            "processes (torch.distributed)."),
     prefix_cache_scope: str = typer.Option("key", help="Who shares prefix-cache blocks: key (each API key "
                                                        "its own), tier, or global (single tenant)."),
     shared_prompt: list[str] = typer.Option(None, "--shared-prompt",  # noqa: B008 - typer's idiom
@@ -105,6 +114,12 @@ def serve(
                                              ("long_prefill_token_threshold", long_prefill_token_threshold),
                                              ("max_num_partial_prefills", max_num_partial_prefills),
                                              ("max_step_ms", max_step_ms)] if v is not None}
+    engine_kwargs.update({k: v for k, v in [("replicas", replicas), ("ray_address", ray_address),
+                                            ("prefill_replicas", prefill_replicas),
+                                            ("decode_replicas", decode_replicas),
+                                            ("tensor_parallel_size", tensor_parallel_size)] if v})
+    if engine_kwargs.get("tensor_parallel_size") == 1:
+        del engine_kwargs["tensor_parallel_size"]
     if kv_cache_memory:
         engine_kwargs["kv_cache_memory"] = (int(kv_cache_memory) if kv_cache_memory.isdigit() else
                                             float(kv_cache_memory) if kv_cache_memory.replace(".", "", 1).isdigit()

@@ -5,7 +5,9 @@ engine's own timestamps (RequestMetrics). Gauges and cumulative counters are rea
 `engine.stats()` at scrape time by a custom collector, so they cannot drift from the engine;
 among them the step profile, `kvserve:phase_seconds_total{phase=...}` (see PHASE_HELP), with
 `kvserve:engine_steps_total` and the batched tokens and requests to divide it by; for a MoE model,
-`kvserve:moe_expert_tokens_total{layer=..., expert=...}`, the tokens each expert was routed.
+`kvserve:moe_expert_tokens_total{layer=..., expert=...}`, the tokens each expert was routed; with
+disaggregated pools, `kvserve:pool_*_total{pool=prefill|decode}` (time to first token and
+inter-token latency per pool).
 Each app has its own registry, so several apps can live in one process (tests).
 """
 
@@ -65,6 +67,7 @@ class _EngineCollector:
         for phase, seconds in (stats.get("phase_seconds") or {}).items():
             phases.add_metric(labels + [phase], seconds)
         yield phases
+        yield from _pool_families(stats.get("pools") or {}, labels)
         moe = stats.get("moe_expert_tokens") or []
         if moe:
             experts = CounterMetricFamily(P + "moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",
@@ -73,6 +76,26 @@ class _EngineCollector:
                 for expert, n in enumerate(counts):
                     experts.add_metric(labels + [str(layer), str(expert)], float(n))
             yield experts
+
+
+# disaggregated serving (engine/ray_client.py): stats["pools"][pool] key -> (metric name, help)
+POOL_STATS = {
+    "requests": ("pool_requests", "Requests that got their first token from this pool."),
+    "ttft_seconds_sum": ("pool_ttft_seconds", ("Summed time to first token in this pool (prefill: the prompt "
+                                              "on the prefill replica; decode: from the KV hand-over).")),
+    "itl_seconds_sum": ("pool_itl_seconds", "Summed inter-token gaps of this pool's streams."),
+    "itl_count": ("pool_itl_tokens", "Tokens those inter-token gaps were counted over."),
+}
+
+
+def _pool_families(pools: dict, labels: list[str]) -> Iterator:
+    if not pools:
+        return
+    for key, (name, doc) in POOL_STATS.items():
+        family = CounterMetricFamily(P + name, doc, labels=["model_name", "pool"])
+        for pool, values in pools.items():
+            family.add_metric(labels + [pool], float(values.get(key, 0)))
+        yield family
 
 
 class ServerMetrics:

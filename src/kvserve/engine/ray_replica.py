@@ -1,0 +1,121 @@
+"""EngineReplica: one EngineCore inside a Ray actor (the peer of engine/ray_client.py's RayClient).
+
+The actor loads the model, runs the core's busy loop in a thread of its own and exposes three
+methods that carry only bytes (msgspec/msgpack messages of kvserve.engine.messages, tensors as raw
+bytes with a msgpack header): nothing of ours is pickled on its way across Ray.
+
+    ready()            -> EngineReady (what the gateway needs: window, block size, the tokenizer)
+    submit([msg...])   client messages in (EngineCoreRequest, AbortRequests), in order
+    outputs(timeout)   long poll: every EngineCoreOutputs produced since the last call
+
+`submit` runs in the actor's default concurrency group (one thread: calls run in the order they
+were sent), `outputs` in its own group, so a waiting poll never holds a submit back.
+
+A replica may also take a role in disaggregated serving (engine/disagg.py): a prefill replica
+exports the KV blocks of a finished prompt, a decode replica imports them into its prefix cache
+before the request that uses them is admitted.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import msgspec
+
+from kvserve.engine.messages import CoreInput, EngineReady, Shutdown, decode_input, encode
+
+logger = logging.getLogger("kvserve.engine")
+
+
+class EngineReplica:
+    def __init__(self, spec: bytes):
+        from kvserve.engine.config import EngineConfig
+        from kvserve.engine.core import EngineCore
+        from kvserve.engine.executor import load_engine_model
+        from kvserve.engine.process import tokenizer_spec
+
+        s = msgspec.json.decode(spec)
+        self.index = s.get("index", 0)
+        cfg = EngineConfig(weight_format=s["weight_format"], **s["engine_kwargs"])
+        loaded = load_engine_model(s["model"], s["weight_format"], cfg)
+        self.core = EngineCore(loaded.model, cfg, loaded.tokenizer.eos_token_ids, loaded.tokenizer)
+        self._ready = encode(EngineReady(
+            model_name=loaded.source.name, max_model_len=self.core.max_model_len, block_size=self.core.block_size,
+            vocab_size=loaded.model.config.vocab_size, kv_cache_limited=self.core.context_limited_by_kv,
+            enable_prefix_caching=cfg.enable_prefix_caching, tokenizer=tokenizer_spec(loaded.tokenizer)))
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.kv_transfer = None
+        if s.get("role"):
+            from kvserve.engine.disagg import KVTransfer
+            self.kv_transfer = KVTransfer(self.core, s["role"])
+        self._thread = threading.Thread(target=self._run, name="kvserve-replica", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        emit = self._outbox.put
+        if self.kv_transfer is not None:
+            emit = self.kv_transfer.wrap_emit(emit)
+        self.core.run_busy_loop(self._poll, emit)
+
+    def _poll(self, timeout: float) -> list[CoreInput]:
+        msgs = []
+        try:
+            msgs.append(self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait())
+            while True:
+                msgs.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        if self.kv_transfer is not None:
+            msgs = self.kv_transfer.on_inputs(msgs)
+        return msgs
+
+    # ---- the actor's methods ----------------------------------------------------------------
+    def ready(self) -> bytes:
+        return self._ready
+
+    def stats(self) -> bytes:
+        """The core's stats as msgpack (the gateway's first snapshot; later ones ride on outputs)."""
+        return msgspec.msgpack.encode(self.core.stats())
+
+    def pid(self) -> int:
+        import os
+        return os.getpid()
+
+    def submit(self, msgs: list[bytes]) -> None:
+        for data in msgs:
+            try:
+                self._inbox.put(decode_input(data))
+            except msgspec.DecodeError as e:    # not a message of ours: drop it, keep serving
+                logger.error("replica %d dropped an undecodable message: %s", self.index, e)
+
+    def submit_with_kv(self, kv: bytes, msgs: list[bytes]) -> None:
+        """Disaggregated decode: the prompt's KV blocks (engine/disagg.py's payload), then the
+        request that continues from them; both reach the core in the same poll, in this order."""
+        self._inbox.put(self.kv_transfer.decode_payload(kv))
+        self.submit(msgs)
+
+    def prefill(self, msg: bytes) -> tuple[bytes, bytes]:
+        """Disaggregated prefill: run this request (max_tokens 1) and return (a small status, its
+        prompt's KV payload) once it finished; called with num_returns=2, so the gateway waits on
+        the status and hands the payload's reference on without fetching it. Runs in the actor's
+        "prefill" group: several may wait."""
+        return b"ok", self.kv_transfer.prefill(decode_input(msg), self._inbox.put)
+
+    def outputs(self, timeout: float = 0.2) -> list[bytes]:
+        try:
+            items = [self._outbox.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        try:
+            while True:
+                items.append(self._outbox.get_nowait())
+        except queue.Empty:
+            pass
+        return [encode(o) if isinstance(o, msgspec.Struct) else o for o in items]
+
+    def shutdown(self) -> None:
+        self._inbox.put(Shutdown())
+        self._thread.join(10)
