@@ -120,7 +120,7 @@ async def generate(server, request: Request, kind: str) -> Response:
         raise InvalidRequest("best_of > n cannot be streamed; drop best_of or stream=false.", param="best_of")
     gen = Generation.create(kind, prompts, params, lambda: build_stages(plan, reasoning=chat), model_name=model_name,
                             timings=timings, top_logprobs=top, trace=req.kvserve_trace, prompt_token_texts=texts,
-                            priority=engine_priority(record.key_tier, req.priority))
+                            priority=engine_priority(record.key_tier, req.priority), engine=engine)
 
     # 5. token reservation, then an admission slot
     reserve = sum(len(p.token_ids) + max_tokens * params.num_sequences for p in prompts)
@@ -180,7 +180,7 @@ async def _engine_outputs(server, gen: Generation, salt: str | None, client_salt
                           ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from the engine, every prompt of the request merged into one stream.
     `salt` scopes the prefix cache (cache_scope.py); declared shared prompts stay unsalted."""
-    engine, scope = server.engine, server.cache_scope
+    engine, scope = gen.engine, server.cache_scope
     gen.streams = [engine.generate(ps.prompt.token_ids, gen.params, ps.request_id, priority=gen.priority,
                                    cache_salt=salt, prompt=ps.prompt.text,
                                    cache_salt_from=scope.shared_prefix(engine.tokenizer, ps.prompt.token_ids,
@@ -231,7 +231,7 @@ async def _deltas(server, gen: Generation, salt: str | None, client_salt: str | 
         if out.finished:
             ps.final = out   # one metrics observation per engine request that finished
             server.metrics.observe_request(out.metrics, out.outputs[0].finish_reason if out.outputs else None,
-                                           gateway_wait_s=gen.timings.gateway_wait_s)
+                                           gateway_wait_s=gen.timings.gateway_wait_s, model=gen.model_name)
         for c in out.outputs:
             if c.index >= len(ps.choices) or not (c.text_delta or c.token_ids_delta or c.finish_reason):
                 continue
@@ -260,7 +260,7 @@ async def _events(server, gen: Generation, record: RequestRecord, deltas: AsyncI
             yield writer.echo(pi * n, n, text)
         async for pi, ci, d in deltas:
             t0 = time.perf_counter_ns()
-            tr = (trace(gen, gen.prompts[0], writer.decode, server.engine.block_size)
+            tr = (trace(gen, gen.prompts[0], writer.decode, gen.engine.block_size)
                   if d.done and gen.trace and pi == ci == 0 else None)
             if (event := writer.choice(pi * n + ci, d, tr)) is not None:
                 yield event      # returns once the response has written it
@@ -302,7 +302,7 @@ async def _release(server, gen: Generation, record: RequestRecord, status: int, 
             for ps in gen.prompts:
                 if ps.final is None:
                     with contextlib.suppress(Exception):  # already gone is fine
-                        await server.engine.abort(ps.request_id)
+                        await gen.engine.abort(ps.request_id)
         if gen.ticket is not None:
             gen.ticket.release()
         prompt, completion, cached = gen.usage_counts()

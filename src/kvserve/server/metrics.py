@@ -97,11 +97,11 @@ class ServerMetrics:
         r.register(_EngineCollector(stats, model_name))
 
     def observe_request(self, m: RequestMetrics | None, finish_reason: str | None, *,
-                        gateway_wait_s: float = 0.0) -> None:
+                        gateway_wait_s: float = 0.0, model: str | None = None) -> None:
         """Record one finished engine request (call once per request that produced a token)."""
         if m is None or m.first_token_time is None:
             return
-        name = self.model_name()
+        name = model or self.model_name()
         self.ttft.labels(name).observe(max(0.0, m.first_token_time - m.arrival_time))
         for a, b in zip(m.token_times, m.token_times[1:]):
             self.itl.labels(name).observe(max(0.0, b - a))

@@ -146,6 +146,7 @@ class Generation:
     top_logprobs: int | None        # what the client asked for (None: no logprobs in the answer)
     trace: bool                     # kvserve_trace requested
     priority: int = 0
+    engine: Any = None              # the EngineClient serving it (the model pool's resolve)
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_token_texts: list[str] = field(default_factory=list)   # for the trace
