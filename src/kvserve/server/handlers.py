@@ -81,8 +81,10 @@ async def generate(server, request: Request, kind: str) -> Response:
     check_caps(req, settings)
     timings = Timings(t0=record.t0, parsed=time.monotonic())
 
-    # 2. gates
-    engine, model_name = server.require_engine(req.model)
+    # 2. gates: the model ("auto": the router picks one; features.py), the ladder, the semantic cache
+    features = server.features
+    requested, route = await features.route(req, kind, record.key_tier)
+    engine, model_name = server.require_engine(requested)
     key = record.key
     headers: dict[str, str] = {}
     max_tokens = req.requested_max_tokens()
@@ -90,6 +92,10 @@ async def generate(server, request: Request, kind: str) -> Response:
     if cap is not None and (max_tokens is None or max_tokens > cap):
         max_tokens = cap
         headers[CAP_HEADER] = str(cap)
+    cached, cache_plan = await features.from_cache(req, kind, model_name, record.key_name, CAP_HEADER in headers,
+                                                   route)
+    if cached is not None:
+        return cached
 
     # 3. the prompt(s)
     plan = make_plan(req.tools, req.tool_choice, req.parallel_tool_calls) if chat else None
@@ -120,7 +126,9 @@ async def generate(server, request: Request, kind: str) -> Response:
         raise InvalidRequest("best_of > n cannot be streamed; drop best_of or stream=false.", param="best_of")
     gen = Generation.create(kind, prompts, params, lambda: build_stages(plan, reasoning=chat), model_name=model_name,
                             timings=timings, top_logprobs=top, trace=req.kvserve_trace, prompt_token_texts=texts,
-                            priority=engine_priority(record.key_tier, req.priority), engine=engine)
+                            priority=engine_priority(record.key_tier, req.priority), engine=engine,
+                            cost_per_token=server.pool.entry(model_name).cost_per_token, cache_plan=cache_plan,
+                            trace_extra={"router": route} if route else {})
 
     # 5. token reservation, then an admission slot
     reserve = sum(len(p.token_ids) + max_tokens * params.num_sequences for p in prompts)
@@ -315,6 +323,10 @@ async def _release(server, gen: Generation, record: RequestRecord, status: int, 
                 await asyncio.to_thread(server.keystore.record_usage, record.key_name, prompt, completion, cached)
             except Exception:
                 logger.exception("usage ledger write failed")
+            try:
+                server.features.store(gen, gen.cache_plan, status)
+            except Exception:
+                logger.exception("semantic cache write failed")
     record.generation = gen.log(status, error)
 
 

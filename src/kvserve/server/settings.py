@@ -62,6 +62,7 @@ class ServerSettings:
     max_running: int = 32
     max_waiting: int = 128
     # Degradation ladder, by current queue length: cap max_tokens, then reject free tier, then all.
+    ladder_route_cheaper_at: int | None = 32   # "auto" requests go to the cheapest model (router.py)
     ladder_cap_at: int | None = 64
     ladder_cap_max_tokens: int = 128
     ladder_reject_free_at: int | None = 96
