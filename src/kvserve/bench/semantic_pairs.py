@@ -33,6 +33,11 @@ INTENTS: list[tuple[str, list, list[str]]] = [
                                "Tell me the population of {x}."]),
     ("language", COUNTRIES, ["What language do people speak in {x}?", "What is the official language of {x}?",
                              "Which language is spoken in {x}?", "What languages are spoken in {x}?"]),
+    ("flag", COUNTRIES, ["What are the colors of the flag of {x}?", "What colors are on {x}'s flag?",
+                         "Which colors does the flag of {x} have?", "What does the flag of {x} look like?",
+                         "Describe the colors of the {x} flag."]),
+    ("died", PEOPLE, ["When did {x} die?", "What year did {x} die?", "In which year did {x} pass away?",
+                      "When was the death of {x}?", "Tell me when {x} died."]),
     ("born", PEOPLE, ["When was {x} born?", "What year was {x} born?", "What is the birth year of {x}?",
                       "In which year was {x} born?", "Tell me when {x} was born."]),
     ("known", PEOPLE, ["What is {x} known for?", "What is {x} famous for?", "Why is {x} famous?",
@@ -97,7 +102,66 @@ def pairs(seed: int = 0) -> tuple[list[str], list[Pair]]:
             miss = other[i % len(other)]
             out.append(Pair(s, _fill(first, miss), False, intent))
             out.append(Pair(s, _fill(rng.choice(phrasings), miss), False, intent))
+            out.append(Pair(s, _fill(rng.choice(phrasings), other[(i + 1) % len(other)]), False, intent))
             for sib_intent, sib_values, sib_phrasings in INTENTS:   # same entity, another question
                 if sib_intent != intent and sib_values is values and v not in kept[sib_intent]:
                     out.append(Pair(s, _fill(rng.choice(sib_phrasings), v), False, sib_intent))
     return stored, out
+
+
+def evaluate(threshold: float | None = None, seed: int = 0) -> dict:
+    """Store every stored query in a fresh SemanticCache (SQLite in a temp dir, the real encoder),
+    ask every pair, and count: paraphrase hits on the right entry, wrong-entry hits, false hits;
+    and the lookup time (CPU seconds of this process per lookup, and wall p50)."""
+    import asyncio
+    import statistics
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from kvserve.server.embeddings import Embedder
+    from kvserve.server.protocol import ChatCompletionRequest
+    from kvserve.server.semantic_cache import CacheOptions, SemanticCache, SQLiteBackend, make_plan
+
+    stored, asked = pairs(seed)
+    options = CacheOptions() if threshold is None else CacheOptions(threshold=threshold)
+
+    def req(text: str) -> ChatCompletionRequest:
+        return ChatCompletionRequest(messages=[{"role": "user", "content": text}], temperature=0)
+
+    async def run() -> dict:
+        with tempfile.TemporaryDirectory() as d:
+            cache = SemanticCache(SQLiteBackend(Path(d) / "c.db"), Embedder(), options)
+            ids = {}
+            for s in stored:
+                plan = make_plan(req(s), "m", None, options)
+                await cache.lookup(plan)
+                cache.store(plan, f"answer to {s}", "stop", 10, 5)
+                ids[s] = f"answer to {s}"
+            hits = wrong = false = 0
+            walls, cpu0 = [], time.process_time()
+            for p in asked:
+                t = time.perf_counter()
+                hit = await cache.lookup(make_plan(req(p.query), "m", None, options))
+                walls.append(time.perf_counter() - t)
+                if p.same:
+                    hits += hit is not None and hit.entry.answer == ids[p.stored]
+                    wrong += hit is not None and hit.entry.answer != ids[p.stored]
+                else:
+                    false += hit is not None
+            cpu = time.process_time() - cpu0
+            cache.close()
+        same = sum(p.same for p in asked)
+        return {"pairs": len(asked), "paraphrases": same, "near_misses": len(asked) - same,
+                "hit_rate": hits / same, "wrong_entry": wrong, "false_hit_rate": false / (len(asked) - same),
+                "lookup_cpu_ms": 1000 * cpu / len(asked), "lookup_wall_p50_ms": 1000 * statistics.median(walls),
+                "threshold": options.threshold}
+
+    return asyncio.run(run())
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(evaluate(float(sys.argv[1]) if len(sys.argv) > 1 else None), indent=2))

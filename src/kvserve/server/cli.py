@@ -37,6 +37,8 @@ def serve(
                                                help="JSON/TOML file: {\"models\": [{name, path, kv_cache_memory, "
                                                     "cost_per_1k_tokens, ...}], \"router\": {...}, "
                                                     "\"semantic_cache\": {...}} (docs/models.md)."),
+    router_opt: str = typer.Option(None, "--router", help="Serve a router under this name (e.g. auto): it sends each "
+                               "request to the cheapest model predicted good enough (docs/models.md)."),
     semantic_cache: str = typer.Option("on", "--semantic-cache", help="on or off: answer repeated and "
                                        "paraphrased requests from the semantic cache (docs/models.md)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
@@ -108,12 +110,15 @@ def serve(
                                             else kv_cache_memory)
     try:
         models, router, cache_options = _model_specs(model or [], models_config)
+        router_name = router_opt
     except KVServeError as e:
         typer.echo(f"error: {e.message}", err=True)
         raise typer.Exit(2) from None
     if semantic_cache not in ("on", "off"):
         typer.echo("error: --semantic-cache must be on or off", err=True)
         raise typer.Exit(2)
+    if router_name:
+        router = {**(router or {}), "name": router_name}
     single = models[0] if len(models) == 1 and not models_config else None
     settings = ServerSettings(
         model=single.path if single else None, models=[] if single else models, router=router,

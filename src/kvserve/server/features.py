@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
 
+from kvserve.errors import Overloaded
 from kvserve.server.embeddings import Embedder, mount_embeddings
 from kvserve.server.semantic_cache import (
     CacheOptions,
@@ -92,6 +93,9 @@ class ServerFeatures:
         if self.router is None or req.model != self.router.name:
             return req.model, None
         decision = await self.router.choose(req, kind, overloaded=self.state.admission.prefers_cheaper(tier))
+        if decision["model"] is None:
+            raise Overloaded("The models are still loading; retry in a few seconds.", retry_after=5.0,
+                             code="model_not_ready")
         self.router_decisions.labels(self.router.name, decision["model"], decision["reason"]).inc()
         return decision["model"], decision
 
