@@ -52,3 +52,16 @@ def test_long_input_truncated_like_reference(reference):
     assert tokens == 256
     ref = torch.from_numpy(reference.encode([text], normalize_embeddings=True, convert_to_numpy=True))
     assert (ours[0] @ ref[0]).item() >= 1 - 1e-4
+
+
+def test_llm_embed_is_the_same_encoder():
+    from kvserve import LLM
+    from kvserve.errors import InvalidRequest
+
+    llm = LLM.__new__(LLM)      # embed needs no generative model
+    one = llm.embed(SENTENCES[0])
+    many = llm.embed(SENTENCES[:3])
+    assert len(one) == 1 and len(many) == 3 and len(many[0]) == 384
+    assert max(abs(a - b) for a, b in zip(one[0], many[0])) < 1e-5
+    with pytest.raises(InvalidRequest):
+        llm.embed([])

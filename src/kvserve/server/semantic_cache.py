@@ -218,8 +218,15 @@ class SemanticCache:
     async def lookup(self, plan: CachePlan) -> Hit | None:
         t0 = time.perf_counter()
         vecs, _ = await self.embedder.encode([normalize(plan.query)], use="semantic_cache")
-        plan.vector = vecs[0].numpy()
-        found = self.backend.nearest(plan.partition, plan.vector, time.time(), self.options.ttl_s)
+        hit = self.match(plan, vecs[0].numpy())
+        if hit is not None:
+            hit.lookup_ms = (time.perf_counter() - t0) * 1000
+        return hit
+
+    def match(self, plan: CachePlan, vector: np.ndarray) -> Hit | None:
+        """The hit for a plan whose normalized query embeds to `vector` (kept in the plan for the store)."""
+        plan.vector = vector
+        found = self.backend.nearest(plan.partition, vector, time.time(), self.options.ttl_s)
         if found is None:
             return None
         entry, sim = found
@@ -227,7 +234,7 @@ class SemanticCache:
         if sim < need:
             return None
         self.backend.touch(entry, time.time())
-        return Hit(entry, sim, (time.perf_counter() - t0) * 1000)
+        return Hit(entry, sim)
 
     def store(self, plan: CachePlan, answer: str, finish_reason: str, prompt_tokens: int,
               completion_tokens: int) -> None:
