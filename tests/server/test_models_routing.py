@@ -28,7 +28,7 @@ def srv(model_server, tmp_path_factory):
                     "cost_per_1k_tokens": 2.0},
                    {"name": "tiny", "path": str(tiny), "kv_cache_memory": "16MiB", "cost_per_1k_tokens": 0.5}],
         "router": {"name": "auto", "levels": {"tiny": 0, "smol": 1}}}))
-    return model_server(root, "--models-config", str(config))
+    return model_server(root, "--models-config", str(config), "--semantic-cache", "on")
 
 
 def chat(srv, content: str, model: str | None = None, **kw) -> httpx.Response:
