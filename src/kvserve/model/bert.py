@@ -117,7 +117,8 @@ class SentenceEncoder:
     """Text -> unit vectors. Thread-safe (one forward at a time); `encode` takes a list of strings."""
 
     def __init__(self, model: BertEncoder, tokenizer, *, name: str = DEFAULT_EMBEDDING_MODEL,
-                 max_seq_length: int = 256, chunk_tokens: int = 8192, bf16: bool | None = None):
+                 max_seq_length: int = 256, chunk_tokens: int = 8192, bf16: bool | None = None,
+                 small_tokens: int = 256):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.tokenizer.no_padding()
@@ -126,6 +127,7 @@ class SentenceEncoder:
         self.dim = model.config.hidden_size
         self.max_seq_length = max_seq_length
         self.chunk_tokens = chunk_tokens
+        self.small_tokens = small_tokens
         self._lock = threading.Lock()
         self.bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported() if bf16 is None else bf16
 
@@ -144,10 +146,25 @@ class SentenceEncoder:
             if len(ids) > self.max_seq_length:
                 ids = ids[:self.max_seq_length - 1] + ids[-1:]
             rows.append(ids)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16)
+        # A few short texts (a cache lookup, a router decision) run on this thread alone: splitting
+        # a [12, 384] matmul across cores costs more in wake-ups than it saves, and far more when
+        # the cores are busy. torch's thread count is per calling thread (OpenMP), so the engine's
+        # threads are unaffected.
+        threads = torch.get_num_threads()
+        small = sum(len(r) for r in rows) <= self.small_tokens
+        if small:
+            torch.set_num_threads(1)
+        try:
+            return self._forward(rows, autocast)
+        finally:
+            if small:
+                torch.set_num_threads(threads)
+
+    def _forward(self, rows: list[list[int]], autocast) -> tuple[torch.Tensor, int]:
         out = torch.empty(len(rows), self.dim)
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
         start = 0
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16)
         with self._lock, torch.inference_mode(), autocast:
             while start < len(order):
                 end = start
