@@ -124,3 +124,9 @@ def test_semantic_cache_off_and_cli_errors(model_server, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvserve.server", "serve", "--model", "=x", "--port", "1"],
                          check=False, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "NAME=PATH" in bad.stderr
+    config = tmp_path / "bad.json"
+    config.write_text('{"models": [{"name": "a", "path": "x"}, {"name": "a", "path": "y"}]}')
+    bad = subprocess.run([sys.executable, "-m", "kvserve.server", "serve", "--models-config", str(config),
+                          "--port", "1", "--data-dir", str(tmp_path)], check=False, capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode != 0 and "share a name" in bad.stderr

@@ -49,6 +49,8 @@ def serve(
     served_model_name: str = typer.Option(None, help="Name clients use in \"model\"."),
     max_running: int = typer.Option(32, help="Requests handed to the engine at once."),
     max_waiting: int = typer.Option(128, help="Requests that may wait for a slot; beyond it, 503."),
+    ladder_route_cheaper_at: int = typer.Option(32, help="Queue length at which the router (model \"auto\") "
+                                                "sends every request to the cheapest model."),
     ladder_cap_at: int = typer.Option(64, help="Queue length at which max_tokens is capped."),
     ladder_cap_max_tokens: int = typer.Option(128, help="The max_tokens cap under load."),
     ladder_reject_free_at: int = typer.Option(96, help="Queue length at which free-tier keys get 503."),
@@ -125,6 +127,7 @@ def serve(
         semantic_cache=semantic_cache == "on", semantic_cache_options=cache_options,
         served_model_name=served_model_name or (single.name if single else None), data_dir=data_dir or default_data_dir(),
         api_key=api_key, max_running=max_running, max_waiting=max_waiting, ladder_cap_at=ladder_cap_at,
+        ladder_route_cheaper_at=ladder_route_cheaper_at,
         ladder_cap_max_tokens=ladder_cap_max_tokens, ladder_reject_free_at=ladder_reject_free_at,
         default_max_tokens=default_max_tokens, engine_process=engine_process, engine_kwargs=engine_kwargs,
         prefix_cache_scope=prefix_cache_scope, shared_prompts=shared, max_body_bytes=max_body_bytes,
