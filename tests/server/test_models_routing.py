@@ -65,6 +65,8 @@ def test_router_sends_easy_to_cheap_and_hard_to_strong(srv):
     rows = dict(re.findall(r'^kvserve:router_decisions_total\{.*model_name="(\w+)".*\} (\S+)$', metrics, re.MULTILINE))
     assert float(rows["tiny"]) >= 1 and float(rows["smol"]) >= 1
     assert 'kvserve:request_success_total{finished_reason="length",model_name="tiny"}' in metrics
+    for name in ("tiny", "smol"):      # each model's own engine, in the engine gauges and counters
+        assert re.search(rf'^kvserve:generation_tokens_total{{model_name="{name}"}} [1-9]', metrics, re.MULTILINE)
 
 
 def test_semantic_cache_over_http(srv):

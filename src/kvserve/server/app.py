@@ -48,7 +48,7 @@ class ServerState:
         self.cache_scope = CacheScope(settings.prefix_cache_scope, settings.shared_prompts)
         self.admission = Admission(settings)
         self.http_ns = 0    # the generation handlers' time on the event loop (stages, formatting, writes)
-        self.metrics = ServerMetrics(self.engine_stats, lambda: self.model_name or "")
+        self.metrics = ServerMetrics(self.engine_stats, lambda: self.model_name or "", self.all_engine_stats)
         self.metrics.gateway_waiting.set_function(lambda: self.admission.num_waiting)
         self.features = ServerFeatures.create(self)   # embeddings, semantic cache, router
 
@@ -89,6 +89,14 @@ class ServerState:
         stats["phase_seconds"] = {**(stats.get("phase_seconds") or {}),
                                   "output": engine.outputs.process_ns / 1e9, "http": self.http_ns / 1e9}
         return stats
+
+    def all_engine_stats(self) -> dict[str, dict]:
+        """{served name: engine_stats} of every loaded model (the metrics' engine gauges and counters)."""
+        out = {e.name: self.engine_stats(e.name) or {} for e in self.pool.loaded()}
+        for name, stats in out.items():      # the event loop's `http` time once, on the default model
+            if name != self.model_name:
+                stats.get("phase_seconds", {}).pop("http", None)
+        return out
 
     def require_engine(self, requested: str | None):
         """(engine, served name) for a request's `model`: the pool's `resolve` (404 / 503)."""

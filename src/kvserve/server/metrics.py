@@ -49,34 +49,42 @@ PHASE_HELP = ("Cumulative wall time per phase. In the engine (thread or process)
 
 
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], dict | None], model_name: Callable[[], str]):
+    """One sample per served model (`per_model`: {name: stats}; else the one model's)."""
+
+    def __init__(self, stats: Callable[[], dict | None], model_name: Callable[[], str],
+                 per_model: Callable[[], dict[str, dict]] | None = None):
         self._stats = stats
         self._model_name = model_name
+        self._per_model = per_model
 
     def collect(self) -> Iterator:
-        stats = self._stats() or {}
-        labels = [self._model_name()]
+        models = self._per_model() if self._per_model is not None else {self._model_name(): self._stats() or {}}
+        if not models:
+            models = {self._model_name(): {}}
         for key, (name, kind, doc) in ENGINE_STATS.items():
             family_cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             family = family_cls(P + name, doc, labels=["model_name"])
-            family.add_metric(labels, float(stats.get(key, 0) or 0))
+            for model, stats in models.items():
+                family.add_metric([model], float(stats.get(key, 0) or 0))
             yield family
         phases = CounterMetricFamily(P + "phase_seconds", PHASE_HELP, labels=["model_name", "phase"])
-        for phase, seconds in (stats.get("phase_seconds") or {}).items():
-            phases.add_metric(labels + [phase], seconds)
+        for model, stats in models.items():
+            for phase, seconds in (stats.get("phase_seconds") or {}).items():
+                phases.add_metric([model, phase], seconds)
         yield phases
-        moe = stats.get("moe_expert_tokens") or []
-        if moe:
-            experts = CounterMetricFamily(P + "moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",
-                                          labels=["model_name", "layer", "expert"])
-            for layer, counts in enumerate(moe):
+        experts = CounterMetricFamily(P + "moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",
+                                      labels=["model_name", "layer", "expert"])
+        for model, stats in models.items():
+            for layer, counts in enumerate(stats.get("moe_expert_tokens") or []):
                 for expert, n in enumerate(counts):
-                    experts.add_metric(labels + [str(layer), str(expert)], float(n))
+                    experts.add_metric([model, str(layer), str(expert)], float(n))
+        if experts.samples:
             yield experts
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], dict | None], model_name: Callable[[], str]):
+    def __init__(self, stats: Callable[[], dict | None], model_name: Callable[[], str],
+                 per_model: Callable[[], dict[str, dict]] | None = None):
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r = self.registry
@@ -94,7 +102,7 @@ class ServerMetrics:
                                lab + ["finished_reason"], registry=r)
         self.gateway_waiting = Gauge(P + "gateway_requests_waiting",
                                      "Requests waiting in the gateway's admission queue.", registry=r)
-        r.register(_EngineCollector(stats, model_name))
+        r.register(_EngineCollector(stats, model_name, per_model))
 
     def observe_request(self, m: RequestMetrics | None, finish_reason: str | None, *,
                         gateway_wait_s: float = 0.0, model: str | None = None) -> None:
