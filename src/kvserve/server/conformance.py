@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 import kvserve
+from kvserve.server.embeddings import EmbeddingRequest
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,7 +49,11 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
-    max_model_len: int
+    max_model_len: int | None = None          # generative models
+    cost_per_1k_tokens: float | None = None   # generative models (docs/routing.md)
+    kvserve_kind: Literal["embedding", "router"] | None = None
+    dimensions: int | None = None             # the embedding model
+    routes_to: list[str] | None = None        # the router
 
 
 class ModelList(BaseModel):
@@ -104,6 +109,7 @@ BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionRequest,
     ("/tokenize", "post"): TokenizeRequest,
     ("/detokenize", "post"): DetokenizeRequest,
+    ("/v1/embeddings", "post"): EmbeddingRequest,
     (CONV, "post"): ConversationCreate,
     (CONV + "/{conv_id}", "patch"): ConversationUpdate,
     (CONV + "/{conv_id}/messages", "post"): MessagesPut,
