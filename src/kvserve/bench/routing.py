@@ -3,7 +3,9 @@
 1. embeddings: sentences/s of `model/bert.py` on 1,000 sentences in batches (wall and this
    process's CPU seconds, fp32 and the bf16 path);
 2. a semantic-cache hit end to end: a real `kvserve serve` (default model, `--router auto`), one
-   question asked, then paraphrases of it over HTTP: wall p50 per request;
+   question asked, then paraphrases of it over HTTP: wall p50 per request, and the lookup's own
+   time (embedding + match, `kvserve_trace.semantic_cache.lookup_ms`), and the floor: the same
+   request refused at validation (a 400), i.e. HTTP, middleware and parsing alone;
 3. the router's overhead: `kvserve_trace.router.router_ms` of model "auto" requests (p50).
 """
 
@@ -73,17 +75,23 @@ def server(requests: int = 40) -> dict:
                 return c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": q}],
                                                             "max_tokens": 16, "temperature": 0, **kw})
             ask("What is the capital of France?")
-            hits, routes = [], []
+            hits, lookups, routes, floors = [], [], [], []
             for i in range(requests):
                 t = time.perf_counter()
-                r = ask(PARAPHRASES[i % len(PARAPHRASES)])
+                r = ask(PARAPHRASES[i % len(PARAPHRASES)], kvserve_trace=True)
                 hits.append(time.perf_counter() - t)
                 assert r.headers.get("x-kvserve-cache") == "semantic", r.text
+                lookups.append(r.json()["kvserve_trace"]["semantic_cache"]["lookup_ms"])
+                t = time.perf_counter()
+                assert ask("What is the capital of France?", temperature=5).status_code == 400
+                floors.append(time.perf_counter() - t)   # the same HTTP path, refused at validation
                 r = ask(f"Write a function number {i} that parses JSON, with tests.", model="auto", cache=False,
                         max_tokens=1, kvserve_trace=True)
                 routes.append(r.json()["kvserve_trace"]["router"]["router_ms"])
         return {"cache_hit_p50_ms": round(1000 * statistics.median(hits), 2),
                 "cache_hit_min_ms": round(1000 * min(hits), 2),
+                "cache_lookup_p50_ms": round(statistics.median(lookups), 2),
+                "http_floor_p50_ms": round(1000 * statistics.median(floors), 2),
                 "router_p50_ms": round(statistics.median(routes), 2), "router_min_ms": round(min(routes), 2),
                 "requests": requests}
     finally:

@@ -97,9 +97,12 @@ class SQLiteBackend:
                         "created REAL, last_used REAL)")
         self.db.execute("CREATE INDEX IF NOT EXISTS semantic_cache_partition ON semantic_cache(partition)")
         self.db.execute("CREATE INDEX IF NOT EXISTS semantic_cache_lru ON semantic_cache(last_used)")
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.commit()
         self.lock = threading.Lock()
         self.mirror: dict[str, list[Entry]] = {}
+        self.touched: dict[str, float] = {}    # hits' last_used times, written with the next put or close
 
     def _partition(self, partition: str) -> list[Entry]:
         got = self.mirror.get(partition)
@@ -120,8 +123,15 @@ class SQLiteBackend:
             i = int(np.argmax(sims))
             return live[i], float(sims[i])
 
+    def _flush_touched(self) -> None:
+        if self.touched:
+            self.db.executemany("UPDATE semantic_cache SET last_used = ? WHERE id = ?",
+                                [(t, i) for i, t in self.touched.items()])
+            self.touched.clear()
+
     def put(self, entry, max_entries):
         with self.lock:
+            self._flush_touched()      # the LRU order below needs the hits' times
             self.db.execute("INSERT OR REPLACE INTO semantic_cache VALUES (?,?,?,?,?,?,?,?,?,?)",
                             (entry.id, entry.partition, entry.query, entry.vector.astype(np.float32).tobytes(),
                              entry.answer, entry.finish_reason, entry.prompt_tokens, entry.completion_tokens,
@@ -138,13 +148,15 @@ class SQLiteBackend:
             self.db.commit()
 
     def touch(self, entry, now):
+        """A hit: kept in memory (no disk write on the hit's path) until the next put or close."""
         with self.lock:
             entry.last_used = now
-            self.db.execute("UPDATE semantic_cache SET last_used = ? WHERE id = ?", (now, entry.id))
-            self.db.commit()
+            self.touched[entry.id] = now
 
     def close(self) -> None:
         with self.lock:
+            self._flush_touched()
+            self.db.commit()
             self.db.close()
 
 
