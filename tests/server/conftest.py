@@ -2,7 +2,9 @@
 
 `gateway` runs the app in-process under uvicorn with no model (auth, validation, limits);
 `model_server` launches `python -m kvserve.server serve` as a subprocess with the real
-default model, and waits for /health to turn 200.
+default model, and waits for /health to turn 200. Its semantic cache is off unless the test
+passes `--semantic-cache` (tests of other features send the same prompt twice and expect the
+model to answer both).
 
 The model-server tests run once per engine client: a module-scoped fixture that takes
 `engine_kind` ("inproc": the engine core in a thread of the server; "process": the engine in its
@@ -94,6 +96,8 @@ class ModelServer:
         self.data_dir = data_dir
         self.engine = engine
         self.args = args + (("--engine-process",) if engine == "process" else ())
+        if "--semantic-cache" not in args:   # tests of other features expect every request to run the model
+            self.args += ("--semantic-cache", "off")
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None

@@ -181,6 +181,8 @@ def plan_server(name: str, model: str | None, threads: int, concurrency: int, ct
                "--max-running", str(max(32, concurrency)), "--max-waiting", str(max(128, 4 * concurrency))]
         if model:
             cmd += ["--model", model]
+        if "--semantic-cache" not in extra:   # measure the engine, not answers replayed from the cache
+            cmd += ["--semantic-cache", "off"]
         env = {"OMP_NUM_THREADS": str(threads)}   # torch's intra-op threads in the server
         return LaunchedServer(name, cmd + extra, "kvserve", port, env=env)
     if name != "llama-cpp":

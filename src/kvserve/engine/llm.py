@@ -42,6 +42,16 @@ class LLM:
         self._ids = itertools.count()
         self.last_aborted: RequestOutput | None = None
 
+    def embed(self, texts: str | Seq[str]) -> list[list[float]]:
+        """Sentence embeddings (all-MiniLM-L6-v2, 384 floats, unit length) of one text or a list,
+        in input order: the server's /v1/embeddings encoder (kvserve.model.bert)."""
+        from kvserve.model.bert import check_inputs, default_encoder
+
+        items = [texts] if isinstance(texts, str) else list(texts)
+        check_inputs(items)
+        vecs, _ = default_encoder().encode(items)
+        return vecs.tolist()
+
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 

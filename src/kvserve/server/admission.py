@@ -4,8 +4,9 @@ At most `max_running` requests are inside the engine at once. Others wait here, 
 first (paid tier before free, then arrival order); the queue holds at most `max_waiting`, and a
 request that finds it full is refused at once with 503 + Retry-After instead of piling up.
 Before that hard wall, a degradation ladder keyed on the queue length trades quality for
-availability in steps: first cap max_tokens (the response says so in a header), then refuse the
-free tier, then refuse everyone.
+availability in steps: first route requests for the "auto" model to the cheapest model
+(`prefers_cheaper`, read by the router), then cap max_tokens (the response says so in a header),
+then refuse the free tier, then refuse everyone.
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ class Admission:
     @property
     def num_waiting(self) -> int:
         return sum(1 for _, _, fut in self._heap if not fut.done())
+
+    def prefers_cheaper(self, tier: str) -> bool:
+        """The ladder's first rung, before any max_tokens cap: past `ladder_route_cheaper_at` waiting
+        requests, the router ("auto") sends requests to the cheapest model."""
+        at = getattr(self.settings, "ladder_route_cheaper_at", None)
+        return at is not None and self.num_waiting >= at
 
     def check(self, tier: str) -> LadderDecision:
         """Apply the ladder now (raises Overloaded); call before any expensive work."""

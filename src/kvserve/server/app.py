@@ -19,16 +19,18 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
-from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound, Overloaded
+from kvserve.errors import InvalidRequest, KVServeError
 from kvserve.server.admission import Admission
 from kvserve.server.backends import open_backends
 from kvserve.server.backends.counters import CountersCollector
 from kvserve.server.cache_scope import CacheScope
 from kvserve.server.conformance import mount_conformance
+from kvserve.server.features import ServerFeatures
 from kvserve.server.handlers import mount
 from kvserve.server.limits import read_body
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GatewayMiddleware
+from kvserve.server.models import ModelPool
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
 from kvserve.server.settings import ServerSettings
 
@@ -36,98 +38,77 @@ logger = logging.getLogger("kvserve.server")
 
 
 class ServerState:
-    """What the routes share: settings, the engine once loaded, keys, limits, admission, metrics."""
+    """What the routes share: settings, the model pool (models.py), keys, limits, admission, metrics."""
 
     def __init__(self, engine, settings: ServerSettings):
         self.settings = settings
-        self.engine = engine
-        self.load_error: str | None = None
-        self.on_load_failed = None   # set by `kvserve serve`: stop the server, exit non-zero
-        self.engine_restarts = 0
+        self.pool = ModelPool(settings, engine=engine)
         self.backends = open_backends(settings)   # keys, buckets, counters, conversations (backends/)
         self.keystore = self.backends.keys
         self.limiter = self.backends.limiter
         self.cache_scope = CacheScope(settings.prefix_cache_scope, settings.shared_prompts)
         self.admission = Admission(settings)
         self.http_ns = 0    # the generation handlers' time on the event loop (stages, formatting, writes)
-        self.metrics = ServerMetrics(self.engine_stats, lambda: self.model_name or "")
+        self.metrics = ServerMetrics(self.engine_stats, lambda: self.model_name or "", self.all_engine_stats)
         self.metrics.gateway_waiting.set_function(lambda: self.admission.num_waiting)
         self.metrics.registry.register(CountersCollector(self.backends.counters))
+        self.features = ServerFeatures.create(self)   # embeddings, semantic cache, router
+
+    # The default (first) model, as the single-model server had it.
+    @property
+    def engine(self):
+        return self.pool.default.engine
 
     @property
     def model_name(self) -> str | None:
-        if self.engine is None:
-            return None
-        return self.settings.served_model_name or self.engine.model_name
+        return self.pool.default.name if self.engine is not None else None
 
-    def engine_stats(self) -> dict | None:
-        """The engine's stats, its step profile (`phase_seconds`) completed with the two phases
-        that run on this server's event loop: `output` (the engine client's output processing:
-        detokenization, stop strings, RequestOutputs) and `http` (stages, SSE/JSON formatting and
-        the socket writes)."""
-        if self.engine is None:
+    @property
+    def load_error(self) -> str | None:
+        return next((e.load_error for e in self.pool.entries if e.load_error), None)
+
+    @property
+    def engine_restarts(self) -> int:
+        return sum(e.restarts for e in self.pool.entries)
+
+    @property
+    def on_load_failed(self):
+        return self.pool.on_load_failed
+
+    @on_load_failed.setter
+    def on_load_failed(self, fn) -> None:   # set by `kvserve serve`: stop the server, exit non-zero
+        self.pool.on_load_failed = fn
+
+    def engine_stats(self, name: str | None = None) -> dict | None:
+        """A model's engine stats (default: the first model's), its step profile (`phase_seconds`)
+        completed with the two phases that run on this server's event loop: `output` (the engine
+        client's output processing: detokenization, stop strings, RequestOutputs) and `http`
+        (stages, SSE/JSON formatting and the socket writes; counted for the server as a whole)."""
+        engine = self.pool.entry(name).engine if name else self.engine
+        if engine is None:
             return None
-        stats = self.engine.stats()
+        stats = engine.stats()
         stats["phase_seconds"] = {**(stats.get("phase_seconds") or {}),
-                                  "output": self.engine.outputs.process_ns / 1e9, "http": self.http_ns / 1e9}
+                                  "output": engine.outputs.process_ns / 1e9, "http": self.http_ns / 1e9}
         return stats
 
+    def all_engine_stats(self) -> dict[str, dict]:
+        """{served name: engine_stats} of every loaded model (the metrics' engine gauges and counters)."""
+        out = {e.name: self.engine_stats(e.name) or {} for e in self.pool.loaded()}
+        for name, stats in out.items():      # the event loop's `http` time once, on the default model
+            if name != self.model_name:
+                stats.get("phase_seconds", {}).pop("http", None)
+        return out
+
     def require_engine(self, requested: str | None):
-        if self.engine is None:
-            msg = (f"The model failed to load: {self.load_error}" if self.load_error else
-                   "The model is still loading; retry in a few seconds.")
-            raise Overloaded(msg, retry_after=5.0, code="model_not_ready")
-        name = self.model_name
-        if requested not in (None, "", name, self.engine.model_name):
-            raise ModelNotFound(f"The model {requested!r} does not exist on this server; it serves {name!r} "
-                                "(GET /v1/models).", param="model")
-        return self.engine, name
+        """(engine, served name) for a request's `model`: the pool's `resolve` (404 / 503)."""
+        return self.pool.resolve(requested)
 
     def load(self) -> None:
-        """Runs in a background thread: build the engine client (blocking), then start it. The
-        client is the only handle on the engine: in this process or in its own (--engine-process)."""
-        from kvserve.engine.client import make_engine_client
-
-        s = self.settings
-        try:
-            engine = make_engine_client(s.model, engine_process=s.engine_process, weight_format=s.weight_format,
-                                        **s.engine_kwargs)
-        except Exception as e:
-            self.load_error = str(e)
-            if not isinstance(e, KVServeError):
-                logger.exception("model load failed")
-            if self.on_load_failed is not None:
-                self.on_load_failed(self.load_error)   # `kvserve serve` prints it and exits 1
-            elif isinstance(e, KVServeError):
-                logger.error("model load failed: %s", e)
-            return
-        fut = asyncio.run_coroutine_threadsafe(engine.start(), self.loop)
-        fut.result()
-        self.engine = engine
-        logger.info("model %s loaded", engine.model_name)
-
-
-    async def watch_engine(self, every_s: float = 0.5) -> None:
-        """Restart an engine process that died: its in-flight requests end with a retryable 503
-        (EngineDeadError), /health says "loading" and new requests get 503 + Retry-After until the
-        new engine is up. An in-process engine dies only with this process."""
-        while True:
-            await asyncio.sleep(every_s)
-            engine = self.engine
-            if engine is None or getattr(engine, "kind", None) != "process":
-                continue
-            try:
-                engine.health()
-                continue
-            except KVServeError as e:
-                message = e.message
-            logger.error("the engine process died (%s); restarting it", message)
-            self.engine = None
-            self.engine_restarts += 1
-            engine.fail_all(message)
-            with contextlib.suppress(Exception):
-                await engine.shutdown()
-            threading.Thread(target=self.load, name="kvserve-model-reload", daemon=True).start()
+        """Runs in a background thread: build every model's engine client (blocking), then start it.
+        The client is the only handle on an engine: in this process or in its own (--engine-process)."""
+        self.pool.loop = self.loop
+        self.pool.load()
 
 
 def _error_response(err: KVServeError) -> JSONResponse:
@@ -146,17 +127,16 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
-        if state.engine is not None:
-            await state.engine.start()
-        elif settings.load_model:
+        state.pool.loop = state.loop
+        await state.pool.start()
+        if settings.load_model and len(state.pool.loaded()) < len(state.pool.entries):
             threading.Thread(target=state.load, name="kvserve-model-load", daemon=True).start()
-        watchdog = asyncio.create_task(state.watch_engine()) if settings.load_model else None
+        watchdog = asyncio.create_task(state.pool.watch()) if settings.load_model else None
         yield
         if watchdog is not None:
             watchdog.cancel()
-        if state.engine is not None:
-            with contextlib.suppress(Exception):
-                await state.engine.shutdown()
+        await state.pool.shutdown()
+        state.features.close()
         state.backends.close()
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
@@ -184,23 +164,21 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        data = []
-        if state.engine is not None:
-            data.append({"id": state.model_name, "object": "model", "created": int(time.time()),
-                         "owned_by": "kvserve", "max_model_len": state.engine.max_model_len})
-        return {"object": "list", "data": data}
+        now = int(time.time())
+        return {"object": "list", "data": state.pool.cards(now) + state.features.model_cards(now)}
 
     @app.get("/health")
     async def health() -> Response:
         """Open without a key, so it says only ok / loading / error and which engine client runs;
         the reason for an error is in the server's log."""
-        if state.engine is None:
+        if any(e.engine is None for e in state.pool.entries):
             body = {"status": "error"} if state.load_error else {"status": "loading"}
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         kind = getattr(state.engine, "kind", None)   # which engine client: "inproc" or "process"
         try:
-            if hasattr(state.engine, "health"):
-                state.engine.health()   # raises when the engine (process) is gone
+            for e in state.pool.entries:
+                if hasattr(e.engine, "health"):
+                    e.engine.health()   # raises when the engine (process) is gone
         except KVServeError:
             return JSONResponse({"status": "error", "engine": kind}, status_code=503,
                                 headers={"Retry-After": "5"})
@@ -257,6 +235,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
 
         mount_arena(app, settings.db_path, settings.arena_contestants, store=state.backends.arena)
     mount_conformance(app, state)   # /v1/models/{id}, /tokenizer_info, /openapi.json
+    state.features.mount(app)       # /v1/embeddings
 
     app.add_middleware(GatewayMiddleware, keystore=state.keystore, api_key=settings.api_key,
                        limiter=state.limiter, counters=state.backends.counters)

@@ -39,7 +39,17 @@ def _setup_logging() -> None:
 
 
 def serve(
-    model: str = typer.Option(None, "--model", help="Model name or path (default: the embedded SmolLM2)."),
+    model: list[str] = typer.Option(None, "--model",  # noqa: B008 - typer's idiom
+                                    help="Model name or path (default: the embedded SmolLM2); NAME=PATH serves it "
+                                         "as NAME. Repeatable: each model gets its own engine and KV budget."),
+    models_config: pathlib.Path = typer.Option(None, "--models-config",  # noqa: B008
+                                               help="JSON/TOML file: {\"models\": [{name, path, kv_cache_memory, "
+                                                    "cost_per_1k_tokens, ...}], \"router\": {...}, "
+                                                    "\"semantic_cache\": {...}} (docs/models.md)."),
+    router_opt: str = typer.Option(None, "--router", help="Serve a router under this name (e.g. auto): it sends each "
+                               "request to the cheapest model predicted good enough (docs/models.md)."),
+    semantic_cache: str = typer.Option("on", "--semantic-cache", help="on or off: answer repeated and "
+                                       "paraphrased requests from the semantic cache (docs/models.md)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, help="Port to listen on."),
     data_dir: DataDir = None,
@@ -50,6 +60,8 @@ def serve(
     served_model_name: str = typer.Option(None, help="Name clients use in \"model\"."),
     max_running: int = typer.Option(32, help="Requests handed to the engine at once."),
     max_waiting: int = typer.Option(128, help="Requests that may wait for a slot; beyond it, 503."),
+    ladder_route_cheaper_at: int = typer.Option(32, help="Queue length at which the router (model \"auto\") "
+                                                "sends every request to the cheapest model."),
     ladder_cap_at: int = typer.Option(64, help="Queue length at which max_tokens is capped."),
     ladder_cap_max_tokens: int = typer.Option(128, help="The max_tokens cap under load."),
     ladder_reject_free_at: int = typer.Option(96, help="Queue length at which free-tier keys get 503."),
@@ -124,9 +136,24 @@ def serve(
         engine_kwargs["kv_cache_memory"] = (int(kv_cache_memory) if kv_cache_memory.isdigit() else
                                             float(kv_cache_memory) if kv_cache_memory.replace(".", "", 1).isdigit()
                                             else kv_cache_memory)
+    try:
+        models, router, cache_options = _model_specs(model or [], models_config)
+        router_name = router_opt
+    except KVServeError as e:
+        typer.echo(f"error: {e.message}", err=True)
+        raise typer.Exit(2) from None
+    if semantic_cache not in ("on", "off"):
+        typer.echo("error: --semantic-cache must be on or off", err=True)
+        raise typer.Exit(2)
+    if router_name:
+        router = {**(router or {}), "name": router_name}
+    single = models[0] if len(models) == 1 and not models_config else None
     settings = ServerSettings(
-        model=model, served_model_name=served_model_name, data_dir=data_dir or default_data_dir(),
+        model=single.path if single else None, models=[] if single else models, router=router,
+        semantic_cache=semantic_cache == "on", semantic_cache_options=cache_options,
+        served_model_name=served_model_name or (single.name if single else None), data_dir=data_dir or default_data_dir(),
         api_key=api_key, max_running=max_running, max_waiting=max_waiting, ladder_cap_at=ladder_cap_at,
+        ladder_route_cheaper_at=ladder_route_cheaper_at,
         ladder_cap_max_tokens=ladder_cap_max_tokens, ladder_reject_free_at=ladder_reject_free_at,
         default_max_tokens=default_max_tokens, engine_process=engine_process, engine_kwargs=engine_kwargs,
         prefix_cache_scope=prefix_cache_scope, shared_prompts=shared, max_body_bytes=max_body_bytes,
@@ -150,6 +177,20 @@ def serve(
     if code:
         typer.echo(f"error: the model could not be loaded: {app.state.server.load_error}", err=True)
         raise typer.Exit(code)
+
+
+def _model_specs(values: list[str], config: pathlib.Path | None) -> tuple[list, dict | None, dict]:
+    """The ModelSpecs of `--model` (repeatable) and `--models-config`, the router and cache config."""
+    from kvserve.server.models import ModelSpec, read_config
+
+    specs = [ModelSpec.parse(v) for v in values]
+    router, cache = None, {}
+    if config is not None:
+        data = read_config(config)
+        specs += [ModelSpec.from_dict(d) for d in data.get("models", [])]
+        router = data.get("router")
+        cache = data.get("semantic_cache") or {}
+    return specs or [ModelSpec(name=None, path=None)], router, cache
 
 
 keys_app = typer.Typer(help="Create, list and revoke API keys; show usage.", no_args_is_help=True)

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 import kvserve
-from kvserve.errors import ModelNotFound
+from kvserve.server.embeddings import EmbeddingRequest
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,7 +49,11 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
-    max_model_len: int
+    max_model_len: int | None = None          # generative models
+    cost_per_1k_tokens: float | None = None   # generative models (docs/routing.md)
+    kvserve_kind: Literal["embedding", "router"] | None = None
+    dimensions: int | None = None             # the embedding model
+    routes_to: list[str] | None = None        # the router
 
 
 class ModelList(BaseModel):
@@ -105,6 +109,7 @@ BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionRequest,
     ("/tokenize", "post"): TokenizeRequest,
     ("/detokenize", "post"): DetokenizeRequest,
+    ("/v1/embeddings", "post"): EmbeddingRequest,
     (CONV, "post"): ConversationCreate,
     (CONV + "/{conv_id}", "patch"): ConversationUpdate,
     (CONV + "/{conv_id}/messages", "post"): MessagesPut,
@@ -156,11 +161,12 @@ def mount_conformance(app: FastAPI, state) -> None:
 
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str) -> dict:
-        engine, name = state.require_engine(None)
-        if model_id not in (name, engine.model_name):
-            raise ModelNotFound(f"The model {model_id!r} does not exist on this server; it serves {name!r}.",
-                                param="model")
-        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
+        now = int(time.time())
+        for card in state.features.model_cards(now):
+            if card["id"] == model_id:
+                return card
+        engine, name = state.require_engine(model_id or None)   # the pool's resolve: 404 / 503
+        return {"id": name, "object": "model", "created": now, "owned_by": "kvserve",
                 "max_model_len": engine.max_model_len}
 
     @app.get("/tokenizer_info")

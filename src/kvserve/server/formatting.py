@@ -166,6 +166,7 @@ def trace(gen: Generation, ps: PromptState, decode, block_size: int) -> dict:
         prompt_token_texts=gen.prompt_token_texts, timings=gen.timings, metrics=m, output_ids=ch.token_ids,
         output_positions=ch.logprobs, decode=decode, kv_blocks=m.num_kv_blocks if m else 0, block_size=block_size)
     out["reasoning_token_count"] = ch.reasoning_tokens    # of completion_token_count, inside <think>
+    out.update(gen.trace_extra)    # the router's decision, when it chose the model
     return out
 
 
@@ -177,7 +178,7 @@ def echo_text(tokenizer, ps: PromptState) -> str:
 
 def _body(gen: Generation, obj: str, choices: list[dict], decode, block_size: int) -> dict:
     body = {"id": gen.id, "object": obj, "created": gen.created, "model": gen.model_name,
-            "choices": choices, "usage": usage(*gen.usage_counts()), "system_fingerprint": None}
+            "choices": choices, "usage": usage(*gen.usage_counts()) | gen.usage_extra(), "system_fingerprint": None}
     if gen.trace:
         body["kvserve_trace"] = trace(gen, gen.prompts[0], decode, block_size)
     return body
@@ -279,7 +280,7 @@ class ChunkWriter:
 
     def usage(self) -> str:
         final = self._chunk([])
-        final["usage"] = usage(*self.gen.usage_counts())
+        final["usage"] = usage(*self.gen.usage_counts()) | self.gen.usage_extra()
         return sse(final)
 
     @staticmethod

@@ -81,8 +81,10 @@ async def generate(server, request: Request, kind: str) -> Response:
     check_caps(req, settings)
     timings = Timings(t0=record.t0, parsed=time.monotonic())
 
-    # 2. gates
-    engine, model_name = server.require_engine(req.model)
+    # 2. gates: the model ("auto": the router picks one; features.py), the ladder, the semantic cache
+    features = server.features
+    requested, route = await features.route(req, kind, record.key_tier)
+    engine, model_name = server.require_engine(requested)
     key = record.key
     headers: dict[str, str] = {}
     max_tokens = req.requested_max_tokens()
@@ -90,6 +92,11 @@ async def generate(server, request: Request, kind: str) -> Response:
     if cap is not None and (max_tokens is None or max_tokens > cap):
         max_tokens = cap
         headers[CAP_HEADER] = str(cap)
+    cached, cache_plan = await features.from_cache(req, kind, model_name, record.key_name, CAP_HEADER in headers,
+                                                   route)
+    if cached is not None:      # a request served, with no tokens computed
+        await asyncio.to_thread(server.keystore.record_usage, record.key_name, 0, 0, 0)
+        return cached
 
     # 3. the prompt(s)
     plan = make_plan(req.tools, req.tool_choice, req.parallel_tool_calls) if chat else None
@@ -120,7 +127,9 @@ async def generate(server, request: Request, kind: str) -> Response:
         raise InvalidRequest("best_of > n cannot be streamed; drop best_of or stream=false.", param="best_of")
     gen = Generation.create(kind, prompts, params, lambda: build_stages(plan, reasoning=chat), model_name=model_name,
                             timings=timings, top_logprobs=top, trace=req.kvserve_trace, prompt_token_texts=texts,
-                            priority=engine_priority(record.key_tier, req.priority))
+                            priority=engine_priority(record.key_tier, req.priority), engine=engine,
+                            cost_per_token=server.pool.entry(model_name).cost_per_token, cache_plan=cache_plan,
+                            trace_extra={"router": route} if route else {})
 
     # 5. token reservation, then an admission slot
     reserve = sum(len(p.token_ids) + max_tokens * params.num_sequences for p in prompts)
@@ -180,7 +189,7 @@ async def _engine_outputs(server, gen: Generation, salt: str | None, client_salt
                           ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from the engine, every prompt of the request merged into one stream.
     `salt` scopes the prefix cache (cache_scope.py); declared shared prompts stay unsalted."""
-    engine, scope = server.engine, server.cache_scope
+    engine, scope = gen.engine, server.cache_scope
     gen.streams = [engine.generate(ps.prompt.token_ids, gen.params, ps.request_id, priority=gen.priority,
                                    cache_salt=salt, prompt=ps.prompt.text,
                                    cache_salt_from=scope.shared_prefix(engine.tokenizer, ps.prompt.token_ids,
@@ -231,7 +240,7 @@ async def _deltas(server, gen: Generation, salt: str | None, client_salt: str | 
         if out.finished:
             ps.final = out   # one metrics observation per engine request that finished
             server.metrics.observe_request(out.metrics, out.outputs[0].finish_reason if out.outputs else None,
-                                           gateway_wait_s=gen.timings.gateway_wait_s)
+                                           gateway_wait_s=gen.timings.gateway_wait_s, model=gen.model_name)
         for c in out.outputs:
             if c.index >= len(ps.choices) or not (c.text_delta or c.token_ids_delta or c.finish_reason):
                 continue
@@ -260,7 +269,7 @@ async def _events(server, gen: Generation, record: RequestRecord, deltas: AsyncI
             yield writer.echo(pi * n, n, text)
         async for pi, ci, d in deltas:
             t0 = time.perf_counter_ns()
-            tr = (trace(gen, gen.prompts[0], writer.decode, server.engine.block_size)
+            tr = (trace(gen, gen.prompts[0], writer.decode, gen.engine.block_size)
                   if d.done and gen.trace and pi == ci == 0 else None)
             if (event := writer.choice(pi * n + ci, d, tr)) is not None:
                 yield event      # returns once the response has written it
@@ -302,7 +311,7 @@ async def _release(server, gen: Generation, record: RequestRecord, status: int, 
             for ps in gen.prompts:
                 if ps.final is None:
                     with contextlib.suppress(Exception):  # already gone is fine
-                        await server.engine.abort(ps.request_id)
+                        await gen.engine.abort(ps.request_id)
         if gen.ticket is not None:
             gen.ticket.release()
         prompt, completion, cached = gen.usage_counts()
@@ -315,6 +324,10 @@ async def _release(server, gen: Generation, record: RequestRecord, status: int, 
                 await asyncio.to_thread(server.keystore.record_usage, record.key_name, prompt, completion, cached)
             except Exception:
                 logger.exception("usage ledger write failed")
+            try:
+                server.features.store(gen, gen.cache_plan, status)
+            except Exception:
+                logger.exception("semantic cache write failed")
     record.generation = gen.log(status, error)
 
 

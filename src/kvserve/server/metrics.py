@@ -51,30 +51,37 @@ PHASE_HELP = ("Cumulative wall time per phase. In the engine (thread or process)
 
 
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], dict | None], model_name: Callable[[], str]):
+    """One sample per served model (`per_model`: {name: stats}; else the one model's)."""
+
+    def __init__(self, stats: Callable[[], dict | None], model_name: Callable[[], str],
+                 per_model: Callable[[], dict[str, dict]] | None = None):
         self._stats = stats
         self._model_name = model_name
+        self._per_model = per_model
 
     def collect(self) -> Iterator:
-        stats = self._stats() or {}
-        labels = [self._model_name()]
+        models = self._per_model() if self._per_model is not None else {self._model_name(): self._stats() or {}}
+        if not models:
+            models = {self._model_name(): {}}
         for key, (name, kind, doc) in ENGINE_STATS.items():
             family_cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             family = family_cls(P + name, doc, labels=["model_name"])
-            family.add_metric(labels, float(stats.get(key, 0) or 0))
+            for model, stats in models.items():
+                family.add_metric([model], float(stats.get(key, 0) or 0))
             yield family
         phases = CounterMetricFamily(P + "phase_seconds", PHASE_HELP, labels=["model_name", "phase"])
-        for phase, seconds in (stats.get("phase_seconds") or {}).items():
-            phases.add_metric(labels + [phase], seconds)
+        for model, stats in models.items():
+            for phase, seconds in (stats.get("phase_seconds") or {}).items():
+                phases.add_metric([model, phase], seconds)
         yield phases
-        yield from _pool_families(stats.get("pools") or {}, labels)
-        moe = stats.get("moe_expert_tokens") or []
-        if moe:
-            experts = CounterMetricFamily(P + "moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",
-                                          labels=["model_name", "layer", "expert"])
-            for layer, counts in enumerate(moe):
+        yield from _pool_families(models)
+        experts = CounterMetricFamily(P + "moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",
+                                      labels=["model_name", "layer", "expert"])
+        for model, stats in models.items():
+            for layer, counts in enumerate(stats.get("moe_expert_tokens") or []):
                 for expert, n in enumerate(counts):
-                    experts.add_metric(labels + [str(layer), str(expert)], float(n))
+                    experts.add_metric([model, str(layer), str(expert)], float(n))
+        if experts.samples:
             yield experts
 
 
@@ -88,18 +95,21 @@ POOL_STATS = {
 }
 
 
-def _pool_families(pools: dict, labels: list[str]) -> Iterator:
+def _pool_families(models: dict[str, dict]) -> Iterator:
+    pools = {model: stats.get("pools") for model, stats in models.items() if stats.get("pools")}
     if not pools:
         return
     for key, (name, doc) in POOL_STATS.items():
         family = CounterMetricFamily(P + name, doc, labels=["model_name", "pool"])
-        for pool, values in pools.items():
-            family.add_metric(labels + [pool], float(values.get(key, 0)))
+        for model, by_pool in pools.items():
+            for pool, values in by_pool.items():
+                family.add_metric([model, pool], float(values.get(key, 0)))
         yield family
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], dict | None], model_name: Callable[[], str]):
+    def __init__(self, stats: Callable[[], dict | None], model_name: Callable[[], str],
+                 per_model: Callable[[], dict[str, dict]] | None = None):
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r = self.registry
@@ -117,14 +127,14 @@ class ServerMetrics:
                                lab + ["finished_reason"], registry=r)
         self.gateway_waiting = Gauge(P + "gateway_requests_waiting",
                                      "Requests waiting in the gateway's admission queue.", registry=r)
-        r.register(_EngineCollector(stats, model_name))
+        r.register(_EngineCollector(stats, model_name, per_model))
 
     def observe_request(self, m: RequestMetrics | None, finish_reason: str | None, *,
-                        gateway_wait_s: float = 0.0) -> None:
+                        gateway_wait_s: float = 0.0, model: str | None = None) -> None:
         """Record one finished engine request (call once per request that produced a token)."""
         if m is None or m.first_token_time is None:
             return
-        name = self.model_name()
+        name = model or self.model_name()
         self.ttft.labels(name).observe(max(0.0, m.first_token_time - m.arrival_time))
         for a, b in zip(m.token_times, m.token_times[1:]):
             self.itl.labels(name).observe(max(0.0, b - a))

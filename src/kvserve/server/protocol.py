@@ -155,6 +155,7 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     reasoning_effort: Literal["low", "medium", "high"] | None = None   # think first (server/reasoning.py)
     reasoning_budget: int | None = Field(default=None, ge=1)           # ... for at most this many tokens
+    cache: bool | None = None   # false: never answered from (nor stored in) the semantic cache
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -146,6 +146,10 @@ class Generation:
     top_logprobs: int | None        # what the client asked for (None: no logprobs in the answer)
     trace: bool                     # kvserve_trace requested
     priority: int = 0
+    engine: Any = None              # the EngineClient serving it (the model pool's resolve)
+    cost_per_token: float | None = None   # the model's configured price: usage.kvserve_cost
+    cache_plan: Any = None          # the semantic cache's key (features.py); stored on success
+    trace_extra: dict = field(default_factory=dict)   # e.g. the router's decision
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_token_texts: list[str] = field(default_factory=list)   # for the trace
@@ -170,6 +174,13 @@ class Generation:
         completion = sum(len(ch.token_ids) for ps in self.prompts for ch in ps.choices)
         cached = sum(ps.num_cached for ps in self.prompts)
         return prompt, completion, cached
+
+    def usage_extra(self) -> dict:
+        """Usage fields beyond OpenAI's: the cost at the model's configured price per token."""
+        if self.cost_per_token is None:
+            return {}
+        prompt, completion, _ = self.usage_counts()
+        return {"kvserve_cost": round((prompt + completion) * self.cost_per_token, 8)}
 
     def log(self, status: int, error: str | None) -> GenerationLog:
         prompt, completion, cached = self.usage_counts()

@@ -21,6 +21,13 @@ class ServerSettings:
     engine_process: bool = False   # run the engine in its own process (msgpack over local ZMQ sockets)
     weight_format: str = "auto"
     engine_kwargs: dict = field(default_factory=dict)
+    # Several models (server/models.py): ModelSpecs from `--model NAME=PATH` or a config file; when
+    # empty, the one model above. `router`: the "auto" model's config (server/router.py), or None.
+    models: list = field(default_factory=list)
+    router: dict | None = None
+    # The semantic cache (server/semantic_cache.py): on by default; its options (threshold, ttl_s, ...).
+    semantic_cache: bool = True
+    semantic_cache_options: dict = field(default_factory=dict)
 
     # Prefix-cache isolation (cache_scope.py): "key" | "tier" | "global", and operator-declared
     # prompts (e.g. a public system prompt) whose blocks every caller may hit.
@@ -60,6 +67,7 @@ class ServerSettings:
     max_running: int = 32
     max_waiting: int = 128
     # Degradation ladder, by current queue length: cap max_tokens, then reject free tier, then all.
+    ladder_route_cheaper_at: int | None = 32   # "auto" requests go to the cheapest model (router.py)
     ladder_cap_at: int | None = 64
     ladder_cap_max_tokens: int = 128
     ladder_reject_free_at: int | None = 96

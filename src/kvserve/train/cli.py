@@ -39,6 +39,24 @@ def _threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+@train_app.command("router")
+def router_cmd(
+    out: str = typer.Option("router.json", "--out", help="Where the classifier (JSON) goes."),
+    data: str = typer.Option(None, "--data", help="JSONL of {\"prompt\", \"label\": 0|1|\"easy\"|\"hard\"}; "
+                                                   "default: the built-in labelled prompts."),
+) -> None:
+    """Train the model router's classifier (logistic regression over sentence embeddings)."""
+    from kvserve.train.router import labelled_prompts, read_labelled, train_router
+
+    try:
+        rows = read_labelled(data) if data else labelled_prompts()
+        clf = train_router(rows)
+    except KVServeError as e:
+        _fail(e)
+    Path(out).write_text(json.dumps(clf))
+    _summary({"out": out, **clf}, ("out", "examples", "heldout_accuracy", "classes"))
+
+
 @train_app.command("tokenizer")
 def tokenizer_cmd(
     out: str = OUT,

@@ -81,7 +81,7 @@ export const conversations = {
 
 export async function listModels() {
   const r = await api("GET", "/v1/models");
-  return (r.data || []).map((m) => m.id);
+  return (r.data || []).filter((m) => m.kvserve_kind !== "embedding").map((m) => m.id);
 }
 
 // Stream one chat completion. Calls onDelta(text) for each piece of content (onReasoning(all) for
@@ -111,6 +111,8 @@ export async function streamSSE(path, body, { signal, onDelta, onReasoning }) {
     try { chunk = JSON.parse(data); } catch { return false; }
     if (chunk.error) throw new ApiError(500, chunk.error.message || "The server reported an error.", chunk);
     if (chunk.kvserve_trace) result.trace = chunk.kvserve_trace;
+    if (chunk.kvserve_cache) result.cache = chunk.kvserve_cache;
+    if (chunk.model) result.model = chunk.model;
     if (chunk.usage) result.usage = chunk.usage;
     for (const choice of chunk.choices || []) {
       if (choice.index !== 0) continue;

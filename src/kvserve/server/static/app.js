@@ -163,11 +163,16 @@ function renderMessage(msg, index) {
   const actions = document.createElement("div");
   actions.className = "msg-actions";
   if (msg.meta?.stopped) actions.append(Object.assign(document.createElement("span"), { className: "badge", textContent: "stopped" }));
+  if (msg.meta?.cache === "semantic") {
+    actions.append(Object.assign(document.createElement("span"), { className: "badge cached", textContent: "cached",
+      title: `Answered from the semantic cache${msg.trace?.semantic_cache ? `: matched "${msg.trace.semantic_cache.matched_query}"` : ""}` }));
+  }
+  if (msg.meta?.routed) actions.append(Object.assign(document.createElement("span"), { className: "badge", textContent: `routed to ${msg.meta.routed}` }));
   actions.append(button("Copy", "btn-small", (e) => copyText(msg.content, e.target), { "aria-label": "Copy message" }));
   if (msg.role === "assistant") {
     actions.append(button("Inspect", "btn-small inspect", (e) => openInspector(msg, e.target), { "aria-label": "Inspect this answer" }));
     if (index === state.current.messages.length - 1) {
-      actions.append(button("↻ Regenerate", "btn-small regenerate", () => generate(index), { "aria-label": "Regenerate answer" }));
+      actions.append(button("↻ Regenerate", "btn-small regenerate", () => generate(index, { fresh: true }), { "aria-label": "Regenerate answer" }));
     }
   }
   node.append(actions);
@@ -241,7 +246,7 @@ async function send(text) {
   await generate(index + 1);
 }
 
-async function generate(index) {
+async function generate(index, { fresh = false } = {}) {
   if (state.generating) return;
   const conv = state.current;
   const s = state.settings;
@@ -265,7 +270,8 @@ async function generate(index) {
     if (stick) $("messages").scrollTop = $("messages").scrollHeight;
   };
   const request = { model: s.model || undefined, messages, temperature: Number(s.temperature),
-    top_p: Number(s.top_p), max_tokens: Number(s.max_tokens), reasoning_effort: s.reasoning || undefined };
+    top_p: Number(s.top_p), max_tokens: Number(s.max_tokens), reasoning_effort: s.reasoning || undefined,
+    cache: fresh ? false : undefined };   // a regenerated answer is a new one, never the cached one
   const thinking = node.querySelector(".reasoning");
   let failed = null;
   try {
@@ -277,6 +283,8 @@ async function generate(index) {
     asst.content = result.content;
     asst.trace = result.trace;
     asst.meta = { finish_reason: result.finishReason, model: s.model || null, usage: result.usage };
+    if (result.cache) asst.meta.cache = result.cache;
+    if (result.model && s.model && result.model !== s.model) asst.meta.routed = result.model;
     if (result.reasoning) asst.meta.reasoning = result.reasoning.slice(0, 12000);
   } catch (e) {
     if (e.name === "AbortError") asst.meta = { stopped: true, model: s.model || null };

@@ -168,6 +168,15 @@ export function renderInspector(container, message) {
     return;
   }
   if (trace.request_id) container.append(el("p", { class: "hint mono", text: trace.request_id }));
+  if (trace.semantic_cache) {
+    const c = trace.semantic_cache;
+    container.append(el("p", { class: "hint", text: `Answered from the semantic cache: matched "${c.matched_query}" ` +
+      `(similarity ${c.similarity}, stored ${c.age_s} s ago, lookup ${c.lookup_ms} ms).` }));
+  }
+  if (trace.router) {
+    container.append(el("p", { class: "hint", text: `Router: sent to ${trace.router.model} (${trace.router.reason}` +
+      `${trace.router.level !== undefined ? `, level ${trace.router.level}` : ""}, ${trace.router.router_ms} ms).` }));
+  }
   container.append(summary(trace));
   container.append(section("Timeline", timeline(trace)));
   const cached = num(trace.cached_prompt_tokens) ?? 0;

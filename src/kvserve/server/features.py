@@ -1,0 +1,182 @@
+"""The routing step's optional parts, held together for the app: the sentence encoder behind
+/v1/embeddings, the semantic cache (semantic_cache.py) and the model router (router.py).
+
+The generation handler calls, in order: `route(req)` (which model a request with model "auto"
+goes to), the pool's `resolve`, then `from_cache(...)` (a cached answer as a Response, or None
+and the request's CachePlan), and, when the answer is complete, `store(gen, plan)`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import Counter
+
+from kvserve.errors import Overloaded
+from kvserve.server.embeddings import Embedder, mount_embeddings
+from kvserve.server.semantic_cache import (
+    CacheOptions,
+    CachePlan,
+    SemanticCache,
+    SQLiteBackend,
+    bypass_reason,
+    make_plan,
+)
+
+CACHE_HEADER = "x-kvserve-cache"
+
+
+class ServerFeatures:
+    def __init__(self, state, embedder: Embedder, cache: SemanticCache | None, router=None):
+        self.state = state
+        self.embedder = embedder
+        self.cache = cache
+        self.router = router
+        r = state.metrics.registry
+        self.cache_queries = Counter("kvserve:semantic_cache_queries", "Chat requests looked up in the semantic "
+                                     "cache, by result (hit, miss, or the bypass reason).", ["model_name", "result"],
+                                     registry=r)
+        self.cache_hits = Counter("kvserve:semantic_cache_hits", "Chat requests answered from the semantic cache.",
+                                  ["model_name"], registry=r)
+        self.router_decisions = Counter("kvserve:router_decisions", "Requests the router sent to each model.",
+                                        ["router", "model_name", "reason"], registry=r)
+
+    @classmethod
+    def create(cls, state) -> ServerFeatures:
+        s = state.settings
+        embedder = Embedder(state.metrics.registry)
+        cache = None
+        if s.semantic_cache and s.load_model:
+            options = CacheOptions.from_dict(s.semantic_cache_options or {})
+            cache = SemanticCache(SQLiteBackend(s.data_dir / "semantic_cache.db"), embedder, options)
+        router = None
+        if s.router:
+            from kvserve.server.router import Router
+
+            router = Router.from_config(s.router, state.pool, embedder)
+        feats = cls(state, embedder, cache, router)
+        if (cache is not None or router is not None) and s.load_model:   # load the encoder in the background
+            threading.Thread(target=feats._warm, name="kvserve-encoder-load", daemon=True).start()
+        return feats
+
+    def _warm(self) -> None:
+        try:
+            self.embedder.encode_sync(["warm up"], use="warmup")
+            if self.router is not None:
+                self.router.load()
+        except Exception:   # reported on first use instead
+            import logging
+
+            logging.getLogger("kvserve.server").exception("sentence encoder / router failed to load")
+
+    def mount(self, app: FastAPI) -> None:
+        mount_embeddings(app, self.state, self.embedder)
+
+    def model_cards(self, created: int) -> list[dict]:
+        cards = [self.embedder.card(created)]
+        if self.router is not None:
+            cards.insert(0, self.router.card(created))
+        return cards
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+
+    # ---- the router -----------------------------------------------------------------------
+    async def route(self, req, kind: str, tier: str) -> tuple[str | None, dict | None]:
+        """The model a request goes to, and the router's decision for the trace (None: not routed)."""
+        if self.router is None or req.model != self.router.name:
+            return req.model, None
+        decision = await self.router.choose(req, kind, overloaded=self.state.admission.prefers_cheaper(tier))
+        if decision["model"] is None:
+            raise Overloaded("The models are still loading; retry in a few seconds.", retry_after=5.0,
+                             code="model_not_ready")
+        self.router_decisions.labels(self.router.name, decision["model"], decision["reason"]).inc()
+        return decision["model"], decision
+
+    # ---- the semantic cache ---------------------------------------------------------------
+    async def from_cache(self, req, kind: str, model_name: str, key_name: str | None, capped: bool,
+                         route: dict | None = None) -> tuple[Response | None, CachePlan | None]:
+        if self.cache is None or kind != "chat":
+            return None, None
+        reason = "max_tokens_capped" if capped else bypass_reason(req, self.cache.options)
+        if reason is not None:
+            self.cache_queries.labels(model_name, "bypass_" + reason).inc()
+            return None, None
+        plan = make_plan(req, model_name, key_name, self.cache.options)
+        try:
+            hit = await self.cache.lookup(plan)
+        except Exception:   # noqa: BLE001 - the encoder failed to load: serve without the cache
+            self.cache_queries.labels(model_name, "error").inc()
+            return None, None
+        if hit is None:
+            self.cache_queries.labels(model_name, "miss").inc()
+            return None, plan
+        self.cache_queries.labels(model_name, "hit").inc()
+        self.cache_hits.labels(model_name).inc()
+        return hit_response(req, model_name, hit, route), None
+
+    def store(self, gen, plan: CachePlan | None, status: int) -> None:
+        """After a complete answer: store it under the request's plan (one choice, no tool calls)."""
+        if self.cache is None or plan is None or status != 200 or len(gen.prompts) != 1:
+            return
+        ch = gen.prompts[0].choices
+        if len(ch) != 1 or ch[0].calls or ch[0].reasoning:
+            return
+        prompt, completion, _ = gen.usage_counts()
+        self.cache.store(plan, ch[0].content, ch[0].finish_reason or "", prompt, completion)
+
+
+def hit_response(req, model_name: str, hit, route: dict | None) -> Response:
+    """A cached answer, shaped as a normal chat completion (SSE chunks when streaming) with
+    `kvserve_cache: "semantic"` and the `x-kvserve-cache: semantic` header."""
+    e = hit.entry
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    usage = {"prompt_tokens": e.prompt_tokens, "completion_tokens": e.completion_tokens,
+             "total_tokens": e.prompt_tokens + e.completion_tokens, "prompt_tokens_details": {"cached_tokens": 0},
+             "kvserve_compute_tokens": 0}
+    trace = None
+    if req.kvserve_trace:
+        trace = {"semantic_cache": hit.trace_fields(time.time()), "completion_token_count": e.completion_tokens}
+        if route is not None:
+            trace["router"] = route
+    headers = {CACHE_HEADER: "semantic"}
+    finish = e.finish_reason
+    if not req.stream:
+        body = {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": e.answer, "refusal": None,
+                                                     "tool_calls": []},
+                             "logprobs": None, "finish_reason": finish, "stop_reason": None}],
+                "usage": usage, "system_fingerprint": None, "kvserve_cache": "semantic"}
+        if trace is not None:
+            body["kvserve_trace"] = trace
+        return JSONResponse(body, headers=headers)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(choices: list, **extra) -> str:
+        c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+             "choices": choices, "kvserve_cache": "semantic"}
+        if include_usage:
+            c["usage"] = None
+        c.update(extra)
+        return f"data: {json.dumps(c)}\n\n"
+
+    def events():
+        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
+        words = e.answer.split(" ")
+        for i in range(0, len(words), 16):   # a few pieces, as a stream would bring them
+            text = " ".join(words[i:i + 16]) + (" " if i + 16 < len(words) else "")
+            yield chunk([{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}])
+        last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+        yield chunk([last], **({"kvserve_trace": trace} if trace is not None else {}))
+        if include_usage:
+            yield chunk([], usage=usage)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

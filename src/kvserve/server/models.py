@@ -1,0 +1,216 @@
+"""The server's models: a pool of named engine clients, and `resolve(name)`.
+
+A server serves one or more generative models, each behind its own EngineClient (in this process,
+in its own process, or any other kind that speaks the EngineClient interface) with its own KV
+budget. `ModelPool.resolve(name)` is the one place where the `model` a client sent becomes an
+engine: None or "" is the default (first) model, an unknown name is a 404 `model_not_found`, a
+model still loading (or reloading after its engine process died) a 503 with Retry-After. Aliases
+(a model's own name beside its served name) and future kinds of names (adapters with a `parent`)
+plug in here, as extra entries or as a lookup before the 404.
+
+Models are described by `ModelSpec`s: from `--model NAME=PATH` (repeatable), or from a config file
+(JSON or TOML: `{"models": [{"name", "path", "kv_cache_memory", "cost_per_1k_tokens",
+"engine_process", ...}], "router": {...}}`), or, with neither, the single model of the settings.
+Engine options (max_model_len, kv_cache_memory, ...) given on the command line apply to every
+model; a spec's own `engine` options override them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import pathlib
+import threading
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound, Overloaded
+
+logger = logging.getLogger("kvserve.server")
+ENGINE_KEYS = ("max_model_len", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
+               "long_prefill_token_threshold", "max_num_partial_prefills", "max_step_ms", "threads")
+
+
+@dataclass
+class ModelSpec:
+    """One served model: a name clients send, what to load, and how."""
+
+    name: str | None                  # None: the engine's own model name
+    path: str | None                  # built-in name, .gguf file or HF directory; None: the default model
+    engine: dict = field(default_factory=dict)   # EngineConfig overrides (kv_cache_memory, ...)
+    engine_process: bool | None = None
+    weight_format: str | None = None
+    cost_per_1k_tokens: float = 1.0   # for the router and the usage's cost
+
+    @classmethod
+    def parse(cls, text: str) -> ModelSpec:
+        """`NAME=PATH` or `PATH` (the name is then the engine's)."""
+        name, sep, path = text.partition("=")
+        if not sep:
+            return cls(name=None, path=text or None)
+        if not name.strip() or not path.strip():
+            raise InvalidRequest(f"--model {text!r}: expected NAME=PATH", param="model")
+        return cls(name=name.strip(), path=path.strip())
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelSpec:
+        if not isinstance(d, dict) or "path" not in d and "name" not in d:
+            raise InvalidRequest(f"model entry {d!r}: needs at least name or path", param="models")
+        engine = dict(d.get("engine") or {})
+        engine.update({k: d[k] for k in ENGINE_KEYS if k in d})
+        return cls(name=d.get("name"), path=d.get("path"), engine=engine, engine_process=d.get("engine_process"),
+                   weight_format=d.get("weight_format"), cost_per_1k_tokens=float(d.get("cost_per_1k_tokens", 1.0)))
+
+
+def read_config(path: str | pathlib.Path) -> dict:
+    """The models config file (JSON, or TOML by its suffix) as a dict; a clear error when bad."""
+    p = pathlib.Path(path)
+    try:
+        text = p.read_text()
+        data = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+    except OSError as e:
+        raise InvalidRequest(f"--models-config {p}: {e.strerror}", param="models_config") from None
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        raise InvalidRequest(f"--models-config {p}: not valid {'TOML' if p.suffix == '.toml' else 'JSON'}: {e}",
+                             param="models_config") from None
+    if not isinstance(data, dict) or not isinstance(data.get("models", []), list):
+        raise InvalidRequest(f"--models-config {p}: expected {{\"models\": [...]}}", param="models_config")
+    return data
+
+
+@dataclass
+class ModelEntry:
+    spec: ModelSpec
+    engine: Any = None                # an EngineClient once loaded
+    name: str | None = None           # the served name (spec.name, or the engine's once loaded)
+    load_error: str | None = None
+    restarts: int = 0
+
+    @property
+    def cost_per_token(self) -> float:
+        return self.spec.cost_per_1k_tokens / 1000.0
+
+
+class ModelPool:
+    """Named engine clients. Agnostic of the client kind: it calls `make_engine_client`-like
+    factories, `start()`, `shutdown()`, `health()` and reads `model_name`/`max_model_len`."""
+
+    def __init__(self, settings, specs: list[ModelSpec] | None = None, engine=None):
+        self.settings = settings
+        specs = specs or list(getattr(settings, "models", None) or []) or \
+            [ModelSpec(name=settings.served_model_name, path=settings.model)]
+        names = [s.name for s in specs if s.name]
+        if len(set(names)) != len(names):
+            raise InvalidRequest(f"two models share a name: {sorted(names)}", param="model")
+        self.entries = [ModelEntry(s, name=s.name) for s in specs]
+        if engine is not None:             # create_app(engine, ...): a prebuilt client for the first model
+            self.entries[0].engine = engine
+            self.entries[0].name = self.entries[0].name or engine.model_name
+        self.on_load_failed = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- lookups --------------------------------------------------------------------------
+    @property
+    def default(self) -> ModelEntry:
+        return self.entries[0]
+
+    def loaded(self) -> list[ModelEntry]:
+        return [e for e in self.entries if e.engine is not None]
+
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries if e.name]
+
+    def entry(self, requested: str | None) -> ModelEntry:
+        """The entry `requested` names (None/"": the default); 404 when no model has that name."""
+        if requested in (None, ""):
+            return self.default
+        for e in self.entries:
+            if requested == e.name or (e.engine is not None and requested == e.engine.model_name
+                                       and not any(o.name == requested for o in self.entries)):
+                return e
+        served = ", ".join(repr(n) for n in self.names()) or "its model"
+        raise ModelNotFound(f"The model {requested!r} does not exist on this server; it serves {served} "
+                            "(GET /v1/models).", param="model")
+
+    def resolve(self, requested: str | None):
+        """(engine client, served name) for the model a request names; raises 404 / 503."""
+        e = self.entry(requested)
+        if e.engine is None:
+            msg = (f"The model {e.name or e.spec.path or 'default'} failed to load: {e.load_error}"
+                   if e.load_error else "The model is still loading; retry in a few seconds.")
+            raise Overloaded(msg, retry_after=5.0, code="model_not_ready")
+        return e.engine, e.name
+
+    # ---- life cycle -----------------------------------------------------------------------
+    def load_entry(self, e: ModelEntry) -> bool:
+        """Build one engine client (blocking; runs in a thread) and start it on the server's loop."""
+        from kvserve.engine.client import make_engine_client
+
+        s, spec = self.settings, e.spec
+        kwargs = {**s.engine_kwargs, **spec.engine}
+        try:
+            engine = make_engine_client(spec.path, weight_format=spec.weight_format or s.weight_format,
+                                        engine_process=s.engine_process if spec.engine_process is None
+                                        else spec.engine_process, **kwargs)
+        except Exception as ex:
+            e.load_error = str(ex) if isinstance(ex, KVServeError) else f"{type(ex).__name__}: {ex}"
+            if not isinstance(ex, KVServeError):
+                logger.exception("model load failed")
+            return False
+        asyncio.run_coroutine_threadsafe(engine.start(), self.loop).result()
+        e.name = e.name or engine.model_name
+        e.engine = engine
+        logger.info("model %s loaded (%s)", e.name, engine.model_name)
+        return True
+
+    def load(self) -> None:
+        """Runs in a background thread: every model in turn; a failure stops the server (as with
+        one model) through `on_load_failed`."""
+        for e in self.entries:
+            if e.engine is None and not self.load_entry(e):
+                msg = e.load_error if len(self.entries) == 1 else f"{e.spec.name or e.spec.path}: {e.load_error}"
+                if self.on_load_failed is not None:
+                    self.on_load_failed(msg)
+                else:
+                    logger.error("model load failed: %s", msg)
+                return
+
+    async def start(self) -> None:
+        for e in self.loaded():
+            await e.engine.start()
+
+    async def shutdown(self) -> None:
+        for e in self.loaded():
+            with contextlib.suppress(Exception):
+                await e.engine.shutdown()
+
+    async def watch(self, every_s: float = 0.5) -> None:
+        """Restart any engine process that died; its model answers 503 until it is back."""
+        while True:
+            await asyncio.sleep(every_s)
+            for e in self.entries:
+                engine = e.engine
+                if engine is None or getattr(engine, "kind", None) != "process":
+                    continue
+                try:
+                    engine.health()
+                    continue
+                except KVServeError as ex:
+                    message = ex.message
+                logger.error("the engine process of %s died (%s); restarting it", e.name, message)
+                e.engine = None
+                e.restarts += 1
+                engine.fail_all(message)
+                with contextlib.suppress(Exception):
+                    await engine.shutdown()
+                threading.Thread(target=self.load_entry, args=(e,), name="kvserve-model-reload",
+                                 daemon=True).start()
+
+    def cards(self, created: int) -> list[dict]:
+        """/v1/models entries of the loaded models."""
+        return [{"id": e.name, "object": "model", "created": created, "owned_by": "kvserve",
+                 "max_model_len": e.engine.max_model_len, "cost_per_1k_tokens": e.spec.cost_per_1k_tokens}
+                for e in self.loaded()]

@@ -1,0 +1,263 @@
+"""The semantic cache: answer a chat request from a stored answer to the same question, asked
+with other words.
+
+A request's key has two parts. The *exact* part must match byte for byte: the model, the key's
+name (answers are not shared across keys unless `shared` is set), every request field that can
+change the answer (temperature, top_p, max_tokens, seed, stop, response_format, ...), the system
+prompt and every message before the last, and the facts of the last user message
+(semantic_text.facts: numbers, operators, names, negation). Its hash is the entry's *partition*.
+The *semantic* part is the embedding of the last user message, normalized: within the partition,
+the nearest stored query hits when its cosine is >= `threshold` (a lower `arithmetic_threshold`
+when the facts alone are the whole question, e.g. "6 times 7" vs "what's 6 multiplied by 7").
+
+Never cached (counted as bypasses): `"cache": false`, requests with tools, n > 1 or logprobs,
+temperature above `max_temperature`, creative prompts (semantic_text.is_creative), a last message
+that is not the user's. Only answers that finished normally (stop or length, no tool calls) are
+stored. Entries expire after `ttl_s` and the least recently used go past `max_entries`.
+
+Storage is a `CacheBackend`: the default keeps entries in SQLite on disk (semantic_cache.db in
+the data directory, 0600) with an in-memory mirror of each partition's vectors; because the exact
+part partitions the space, a lookup scans only the handful of vectors that share its partition.
+A shared backend (Redis) implements the same four methods.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from kvserve.server import storage
+from kvserve.server.semantic_text import facts, is_creative, normalize
+
+# Request fields that never change the answer's text (everything else is in the exact part).
+NEUTRAL_FIELDS = {"messages", "model", "stream", "stream_options", "user", "store", "metadata", "service_tier",
+                  "kvserve_trace", "priority", "cache", "cache_salt"}
+
+
+@dataclass
+class CacheOptions:
+    threshold: float = 0.85
+    arithmetic_threshold: float = 0.6
+    max_temperature: float = 1.0
+    ttl_s: float = 24 * 3600.0
+    max_entries: int = 10_000
+    shared: bool = False            # share answers across API keys
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CacheOptions:
+        from kvserve.errors import InvalidRequest
+
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise InvalidRequest(f"semantic_cache: unknown option(s) {sorted(unknown)}", param="semantic_cache")
+        return cls(**d)
+
+
+@dataclass
+class Entry:
+    id: str
+    partition: str
+    query: str
+    vector: np.ndarray
+    answer: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    created: float
+    last_used: float
+
+
+class CacheBackend(Protocol):
+    def nearest(self, partition: str, vector: np.ndarray, now: float, max_age_s: float) -> tuple[Entry, float] | None:
+        """The closest live entry of the partition and its cosine, or None."""
+
+    def put(self, entry: Entry, max_entries: int) -> None:
+        """Store an entry, evicting the least recently used past `max_entries`."""
+
+    def touch(self, entry: Entry, now: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SQLiteBackend:
+    """Entries in SQLite; each partition's vectors mirrored in memory on first use."""
+
+    def __init__(self, path: pathlib.Path):
+        self.db = storage.connect(path, check_same_thread=False)
+        self.db.execute("CREATE TABLE IF NOT EXISTS semantic_cache (id TEXT PRIMARY KEY, partition TEXT, query TEXT, "
+                        "vector BLOB, answer TEXT, finish_reason TEXT, prompt_tokens INT, completion_tokens INT, "
+                        "created REAL, last_used REAL)")
+        self.db.execute("CREATE INDEX IF NOT EXISTS semantic_cache_partition ON semantic_cache(partition)")
+        self.db.execute("CREATE INDEX IF NOT EXISTS semantic_cache_lru ON semantic_cache(last_used)")
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.commit()
+        self.lock = threading.Lock()
+        self.mirror: dict[str, list[Entry]] = {}
+        self.touched: dict[str, float] = {}    # hits' last_used times, written with the next put or close
+
+    def _partition(self, partition: str) -> list[Entry]:
+        got = self.mirror.get(partition)
+        if got is None:
+            rows = self.db.execute("SELECT id, partition, query, vector, answer, finish_reason, prompt_tokens, "
+                                   "completion_tokens, created, last_used FROM semantic_cache WHERE partition = ?",
+                                   (partition,)).fetchall()
+            got = [Entry(r[0], r[1], r[2], np.frombuffer(r[3], dtype=np.float32), *r[4:]) for r in rows]
+            self.mirror[partition] = got
+        return got
+
+    def nearest(self, partition, vector, now, max_age_s):
+        with self.lock:
+            live = [e for e in self._partition(partition) if now - e.created <= max_age_s]
+            if not live:
+                return None
+            sims = np.stack([e.vector for e in live]) @ vector
+            i = int(np.argmax(sims))
+            return live[i], float(sims[i])
+
+    def _flush_touched(self) -> None:
+        if self.touched:
+            self.db.executemany("UPDATE semantic_cache SET last_used = ? WHERE id = ?",
+                                [(t, i) for i, t in self.touched.items()])
+            self.touched.clear()
+
+    def put(self, entry, max_entries):
+        with self.lock:
+            self._flush_touched()      # the LRU order below needs the hits' times
+            self.db.execute("INSERT OR REPLACE INTO semantic_cache VALUES (?,?,?,?,?,?,?,?,?,?)",
+                            (entry.id, entry.partition, entry.query, entry.vector.astype(np.float32).tobytes(),
+                             entry.answer, entry.finish_reason, entry.prompt_tokens, entry.completion_tokens,
+                             entry.created, entry.last_used))
+            self._partition(entry.partition).append(entry)
+            (count,) = self.db.execute("SELECT COUNT(*) FROM semantic_cache").fetchone()
+            if count > max_entries:
+                old = self.db.execute("SELECT id, partition FROM semantic_cache ORDER BY last_used LIMIT ?",
+                                      (count - max_entries,)).fetchall()
+                self.db.executemany("DELETE FROM semantic_cache WHERE id = ?", [(i,) for i, _ in old])
+                for i, p in old:
+                    if p in self.mirror:
+                        self.mirror[p] = [e for e in self.mirror[p] if e.id != i]
+            self.db.commit()
+
+    def touch(self, entry, now):
+        """A hit: kept in memory (no disk write on the hit's path) until the next put or close."""
+        with self.lock:
+            entry.last_used = now
+            self.touched[entry.id] = now
+
+    def close(self) -> None:
+        with self.lock:
+            self._flush_touched()
+            self.db.commit()
+            self.db.close()
+
+
+@dataclass
+class CachePlan:
+    """One request's cache key, made before generation; `vector` is filled by the lookup."""
+
+    partition: str
+    query: str
+    vector: np.ndarray | None = None
+    arithmetic: bool = False
+
+
+@dataclass
+class Hit:
+    entry: Entry
+    similarity: float
+    lookup_ms: float = 0.0
+    trace: dict = field(default_factory=dict)
+
+    def trace_fields(self, now: float) -> dict:
+        return {"matched_query": self.entry.query, "similarity": round(self.similarity, 4),
+                "age_s": round(now - self.entry.created, 1), "lookup_ms": round(self.lookup_ms, 2)}
+
+
+def _text(content) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    return "".join(getattr(p, "text", "") or "" for p in content)
+
+
+def bypass_reason(req, options: CacheOptions) -> str | None:
+    """Why a chat request is not served from (nor stored in) the cache, or None."""
+    if getattr(req, "cache", None) is False:
+        return "opt_out"
+    if getattr(req, "tools", None):
+        return "tools"
+    if req.n != 1 or req.best_of not in (None, 1) or getattr(req, "logprobs", None):
+        return "params"
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if temperature > options.max_temperature:
+        return "temperature"
+    last = req.messages[-1] if req.messages else None
+    text = _text(last.content) if last is not None else None
+    if last is None or last.role != "user" or not text:
+        return "not_user"
+    if is_creative(text):
+        return "creative"
+    return None
+
+
+def make_plan(req, model_name: str, key_name: str | None, options: CacheOptions) -> CachePlan:
+    """The request's partition (the exact part, hashed) and its normalized query."""
+    last = _text(req.messages[-1].content) or ""
+    f = facts(last)
+    exact = {"model": model_name, "scope": None if options.shared else key_name, "facts": f.key(),
+             "history": [[m.role, _text(m.content)] for m in req.messages[:-1]],
+             "params": req.model_dump(exclude=NEUTRAL_FIELDS, exclude_none=True, mode="json")}
+    digest = hashlib.sha256(json.dumps(exact, sort_keys=True, default=str).encode()).hexdigest()
+    return CachePlan(partition=digest, query=last, arithmetic=f.arithmetic)
+
+
+class SemanticCache:
+    """Lookups and stores; the embedding is the server's shared encoder (embeddings.Embedder)."""
+
+    def __init__(self, backend: CacheBackend, embedder, options: CacheOptions):
+        self.backend = backend
+        self.embedder = embedder
+        self.options = options
+
+    async def lookup(self, plan: CachePlan) -> Hit | None:
+        t0 = time.perf_counter()
+        vecs, _ = await self.embedder.encode([normalize(plan.query)], use="semantic_cache")
+        hit = self.match(plan, vecs[0].numpy())
+        if hit is not None:
+            hit.lookup_ms = (time.perf_counter() - t0) * 1000
+        return hit
+
+    def match(self, plan: CachePlan, vector: np.ndarray) -> Hit | None:
+        """The hit for a plan whose normalized query embeds to `vector` (kept in the plan for the store)."""
+        plan.vector = vector
+        found = self.backend.nearest(plan.partition, vector, time.time(), self.options.ttl_s)
+        if found is None:
+            return None
+        entry, sim = found
+        need = self.options.arithmetic_threshold if plan.arithmetic else self.options.threshold
+        if sim < need:
+            return None
+        self.backend.touch(entry, time.time())
+        return Hit(entry, sim)
+
+    def store(self, plan: CachePlan, answer: str, finish_reason: str, prompt_tokens: int,
+              completion_tokens: int) -> None:
+        if plan.vector is None or finish_reason not in ("stop", "length"):
+            return
+        now = time.time()
+        self.backend.put(Entry(uuid.uuid4().hex, plan.partition, plan.query, plan.vector, answer, finish_reason,
+                               prompt_tokens, completion_tokens, now, now), self.options.max_entries)
+
+    def describe(self) -> dict:
+        return asdict(self.options)
+
+    def close(self) -> None:
+        self.backend.close()

@@ -1,0 +1,134 @@
+"""Several models in one real server (`--models-config`: the default SmolLM2 as "smol" and a tiny
+random GGUF as "tiny", each with its own engine, KV budget and price), the "auto" router, the
+semantic cache over HTTP, and /v1/embeddings (float, base64, batch, errors)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import struct
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from ggufmaker import make_tiny_llama_gguf
+
+
+@pytest.fixture(scope="module")
+def srv(model_server, tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    tiny = make_tiny_llama_gguf(root / "tiny.gguf", ctx=256)
+    config = root / "models.json"
+    config.write_text(json.dumps({
+        "models": [{"name": "smol", "path": "smollm2-135m-instruct", "kv_cache_memory": "96MiB",
+                    "cost_per_1k_tokens": 2.0},
+                   {"name": "tiny", "path": str(tiny), "kv_cache_memory": "16MiB", "cost_per_1k_tokens": 0.5}],
+        "router": {"name": "auto", "levels": {"tiny": 0, "smol": 1}}}))
+    return model_server(root, "--models-config", str(config), "--semantic-cache", "on")
+
+
+def chat(srv, content: str, model: str | None = None, **kw) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0, **kw}
+    if model is not None:
+        body["model"] = model
+    return httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=120)
+
+
+def test_models_listed_and_resolved(srv):
+    ids = {m["id"]: m for m in httpx.get(srv.base_url + "/v1/models").json()["data"]}
+    assert {"smol", "tiny", "auto", "all-minilm-l6-v2"} <= set(ids)
+    assert ids["tiny"]["max_model_len"] == 256 and ids["smol"]["max_model_len"] > 256
+    assert ids["auto"]["routes_to"] == ["tiny", "smol"]           # cheapest first
+    assert httpx.get(srv.base_url + "/v1/models/tiny").json()["id"] == "tiny"
+    r = chat(srv, "Say hi", "tiny", cache=False)
+    assert r.status_code == 200 and r.json()["model"] == "tiny"
+    assert r.json()["usage"]["kvserve_cost"] == pytest.approx(r.json()["usage"]["total_tokens"] * 0.5 / 1000)
+    assert chat(srv, "Say hi", cache=False).json()["model"] == "smol"      # no model: the first one
+    r = chat(srv, "Say hi", "nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert "'smol', 'tiny'" in r.json()["error"]["message"]
+    assert httpx.get(srv.base_url + "/v1/models/nope").status_code == 404
+
+
+def test_router_sends_easy_to_cheap_and_hard_to_strong(srv):
+    easy = chat(srv, "Hi, how are you?", "auto", cache=False, kvserve_trace=True)
+    hard = chat(srv, "Write a thread pool in Rust with tests and explain every design choice.", "auto",
+                cache=False, kvserve_trace=True)
+    assert easy.json()["model"] == "tiny" and hard.json()["model"] == "smol"
+    route = hard.json()["kvserve_trace"]["router"]
+    assert route["reason"] == "classifier" and route["level"] == 1 and route["router_ms"] >= 0
+    metrics = httpx.get(srv.base_url + "/metrics").text
+    rows = dict(re.findall(r'^kvserve:router_decisions_total\{.*model_name="(\w+)".*\} (\S+)$', metrics, re.MULTILINE))
+    assert float(rows["tiny"]) >= 1 and float(rows["smol"]) >= 1
+    assert 'kvserve:request_success_total{finished_reason="length",model_name="tiny"}' in metrics
+    for name in ("tiny", "smol"):      # each model's own engine, in the engine gauges and counters
+        assert re.search(rf'^kvserve:generation_tokens_total{{model_name="{name}"}} [1-9]', metrics, re.MULTILINE)
+
+
+def test_semantic_cache_over_http(srv):
+    first = chat(srv, "What is the capital of Italy?", "smol")
+    assert first.status_code == 200 and "x-kvserve-cache" not in first.headers
+    answer = first.json()["choices"][0]["message"]["content"]
+    with httpx.stream("POST", srv.base_url + "/v1/chat/completions", timeout=60, json={
+            "model": "smol", "messages": [{"role": "user", "content": "Which city is the capital of Italy?"}],
+            "max_tokens": 8, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "kvserve_trace": True}) as r:
+        assert r.headers["x-kvserve-cache"] == "semantic"
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all(e["kvserve_cache"] == "semantic" for e in events)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"]) == answer
+    assert events[-2]["kvserve_trace"]["semantic_cache"]["matched_query"] == "What is the capital of Italy?"
+    assert events[-1]["usage"]["kvserve_compute_tokens"] == 0
+    for miss in (chat(srv, "What is the capital of Greece?", "smol"),            # another entity
+                 chat(srv, "What is the capital of Italy?", "smol", cache=False),  # opted out
+                 chat(srv, "What is the capital of Italy?", "tiny"),             # another model
+                 chat(srv, "What is the capital of Italy?", "smol", max_tokens=9),  # another answer-changing param
+                 chat(srv, "Write a poem about the capital of Italy", "smol")):  # creative
+        assert miss.status_code == 200 and "x-kvserve-cache" not in miss.headers
+    metrics = httpx.get(srv.base_url + "/metrics").text
+    assert re.search(r'kvserve:semantic_cache_hits_total\{model_name="smol"\} [1-9]', metrics)
+    assert 'result="bypass_creative"' in metrics and 'result="bypass_opt_out"' in metrics
+    assert "kvserve:embedding_latency_seconds_count" in metrics
+
+
+def test_embeddings_endpoint(srv):
+    url = srv.base_url + "/v1/embeddings"
+    r = httpx.post(url, json={"input": ["The cat sat.", "A dog ran."], "model": "all-minilm-l6-v2"}, timeout=60)
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "list" and body["model"] == "all-minilm-l6-v2"
+    vecs = [d["embedding"] for d in body["data"]]
+    assert [d["index"] for d in body["data"]] == [0, 1] and len(vecs[0]) == 384
+    assert abs(sum(x * x for x in vecs[0]) - 1) < 1e-4 and body["usage"]["prompt_tokens"] > 4
+    b64 = httpx.post(url, json={"input": "The cat sat.", "encoding_format": "base64"}, timeout=60).json()
+    raw = base64.b64decode(b64["data"][0]["embedding"])
+    assert max(abs(a - b) for a, b in zip(struct.unpack("<384f", raw), vecs[0])) < 1e-6
+    for bad, code in (({"input": []}, 400), ({"input": [1, 2, 3]}, 400), ({"input": "x", "model": "smol"}, 404),
+                      ({"input": "x", "dimensions": 10}, 400), ({"input": "x", "nope": 1}, 400), ({}, 400)):
+        r = httpx.post(url, json=bad, timeout=60)
+        assert r.status_code == code and r.json()["error"]["message"], bad
+
+
+def test_semantic_cache_off_and_cli_errors(model_server, tmp_path):
+    from ggufmaker import make_tiny_llama_gguf as make
+
+    tiny = make(tmp_path / "t.gguf")
+    srv = model_server(tmp_path, "--model", f"t={tiny}", "--semantic-cache", "off")
+    assert next(m["id"] for m in httpx.get(srv.base_url + "/v1/models").json()["data"]) == "t"
+    for _ in range(2):
+        r = chat(srv, "What is 2+2?")
+        assert r.status_code == 200 and r.json()["model"] == "t" and "x-kvserve-cache" not in r.headers
+    import subprocess
+
+    bad = subprocess.run([sys.executable, "-m", "kvserve.server", "serve", "--model", "=x", "--port", "1"],
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "NAME=PATH" in bad.stderr
+    config = tmp_path / "bad.json"
+    config.write_text('{"models": [{"name": "a", "path": "x"}, {"name": "a", "path": "y"}]}')
+    bad = subprocess.run([sys.executable, "-m", "kvserve.server", "serve", "--models-config", str(config),
+                          "--port", "1", "--data-dir", str(tmp_path)], check=False, capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode != 0 and "share a name" in bad.stderr
