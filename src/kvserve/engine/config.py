@@ -50,7 +50,8 @@ class EngineConfig:
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1e7):
             raise InvalidRequest(f"max_step_ms must be a number of milliseconds >= 0, got {m!r}", param="max_step_ms")
         if self.kv_cache_dtype not in _DTYPES:
-            raise InvalidRequest(f"kv_cache_dtype must be one of {sorted(_DTYPES)}", param="kv_cache_dtype")
+            raise InvalidRequest(f"kv_cache_dtype must be one of auto, fp16, bf16, fp32, int8; got {self.kv_cache_dtype!r}",
+                                 param="kv_cache_dtype")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         try:

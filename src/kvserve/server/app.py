@@ -102,7 +102,10 @@ class ServerState:
         fut = asyncio.run_coroutine_threadsafe(engine.start(), self.loop)
         fut.result()
         self.engine = engine
-        logger.info("model %s loaded", engine.model_name)
+        st = engine.stats()
+        kv = (f"; KV cache {st['kv_cache_dtype']}: {st['kv_cache_bytes_per_token']} bytes per token, "
+              f"{st['kv_cache_capacity_tokens']} tokens fit" if "kv_cache_capacity_tokens" in st else "")
+        logger.info("model %s loaded%s", engine.model_name, kv)
 
 
     async def watch_engine(self, every_s: float = 0.5) -> None:

@@ -108,3 +108,4 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     h = high.reshape(n, 2, 4, 32)
     qh = (h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4) | (h[:, :, 3] << 6)).reshape(n, 64)
     return np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(n, 2)], axis=1)
+
