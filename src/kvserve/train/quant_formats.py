@@ -70,19 +70,27 @@ def _safe_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.where(b == 0, 0.0, a / np.where(b == 0, 1.0, b)).astype(np.float32)
 
 
+def _f16_at_least(x: np.ndarray, limit: np.ndarray) -> np.ndarray:
+    """fp16(x), one fp16 step up where rounding went below x (so x / d never exceeds `limit`)."""
+    d = _f16(x)
+    low = d.astype(np.float32) < x
+    d[low] = np.nextafter(d[low], np.float16(np.inf))
+    return d
+
+
 def _q4_k(x: np.ndarray) -> np.ndarray:
+    # Scales and offsets are rounded *up* to their 6-bit grids, so every sub-block's range stays
+    # covered (no clipping): the error is at most half a step of the effective scale.
     n = x.shape[0]
     sub = x.reshape(n, 8, 32)
-    lo = np.minimum(sub.min(axis=-1), 0.0)                        # offsets are subtracted: min <= 0
-    hi = sub.max(axis=-1)
-    scale = (hi - lo) / 15.0                                      # [n, 8]
-    mins = -lo
-    d = _f16(scale.max(axis=-1) / 63.0)                           # [n]
-    dmin = _f16(mins.max(axis=-1) / 63.0)
-    sc = np.clip(np.rint(_safe_div(scale, d.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(_safe_div(mins, dmin.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
-    eff_d = d.astype(np.float32)[:, None] * sc.astype(np.float32)            # what the reader multiplies
+    mins = -np.minimum(sub.min(axis=-1), 0.0)                      # offsets are subtracted: x >= -min
+    dmin = _f16_at_least(mins.max(axis=-1) / 63.0, 63)
+    m = np.clip(np.ceil(_safe_div(mins, dmin.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
     eff_m = dmin.astype(np.float32)[:, None] * m.astype(np.float32)
+    scale = (sub.max(axis=-1) + eff_m) / 15.0                      # [n, 8]: 15 steps cover [-eff_m, max]
+    d = _f16_at_least(scale.max(axis=-1) / 63.0, 63)
+    sc = np.clip(np.ceil(_safe_div(scale, d.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
+    eff_d = d.astype(np.float32)[:, None] * sc.astype(np.float32)            # what the reader multiplies
     q = np.clip(np.rint(_safe_div(sub + eff_m[..., None], eff_d[..., None])), 0, 15).astype(np.uint8)
     scales = np.empty((n, 12), dtype=np.uint8)
     scales[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
@@ -98,9 +106,12 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     sub = x.reshape(n, 16, 16)
     idx = np.abs(sub).argmax(axis=-1)
     vmax = np.take_along_axis(sub, idx[..., None], axis=-1)[..., 0]      # signed value of largest magnitude
-    scale = vmax / -32.0                                                # it maps to q - 32 = -32
-    d = _f16(np.abs(scale).max(axis=-1) / 127.0)
-    sc = np.clip(np.rint(_safe_div(scale, d.astype(np.float32)[:, None])), -128, 127).astype(np.int8)
+    # vmax maps to q - 32 = -32; the other sign has only 31 steps, so the scale also covers its largest
+    opposite = np.max(np.where(np.sign(sub) == -np.sign(vmax)[..., None], np.abs(sub), 0.0), axis=-1)
+    scale = -np.sign(vmax) * np.maximum(np.abs(vmax) / 32.0, opposite / 31.0)
+    d = _f16_at_least(np.abs(scale).max(axis=-1) / 127.0, 127)
+    mag = np.clip(np.ceil(_safe_div(np.abs(scale), d.astype(np.float32)[:, None])), 0, 127)   # up: no clipping
+    sc = (np.sign(scale) * mag).astype(np.int8)
     eff = d.astype(np.float32)[:, None] * sc.astype(np.float32)
     q = (np.clip(np.rint(_safe_div(sub, eff[..., None])), -32, 31) + 32).astype(np.uint8).reshape(n, 2, 128)
     low, high = q & 0x0F, q >> 4
@@ -108,4 +119,3 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     h = high.reshape(n, 2, 4, 32)
     qh = (h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4) | (h[:, :, 3] << 6)).reshape(n, 64)
     return np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(n, 2)], axis=1)
-

@@ -195,3 +195,20 @@ def summary_table(rows: list[dict]) -> str:
         change = f"{100 * (res.perplexity / ref.perplexity - 1):+.2f}%" if res and ref else "-"
         out.append(f"| {r['model']} | {r['bytes']:,} | {r['bytes'] / ref_b:.3f}x | {ppl} | {change} |")
     return "\n".join(out)
+
+
+def dequantize_to_hf(model: str | None, out: str | Path) -> Path:
+    """Write any model kvserve loads (default: the built-in Q4_1 GGUF) as an fp32 Hugging Face
+    directory: the "own fp32 weights" a re-quantization starts from."""
+    import json
+
+    from kvserve.model.loader import load_model
+    from kvserve.train.export import export_hf
+
+    lm = load_model(model, weight_format="fp32")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lm.tokenizer.hf.save(str(out / "tokenizer.json"))
+    tok_cfg = {"chat_template": lm.tokenizer.chat_template} if lm.tokenizer.has_chat_template else {}
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    return export_hf(lm.model, out, out, lm.tokenizer.eos_token_ids)
