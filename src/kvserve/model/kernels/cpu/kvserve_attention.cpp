@@ -54,39 +54,12 @@ inline float load1(const kvs::bf16 *p) {
     return f;
 }
 
-// int8 rows carry a scale: a value is float(q) * scale, widened with one rounding (the same in
-// attend_tile's widening copy, so a tile and a lone query still see the same K/V bits).
+// int8 rows carry a scale per row, folded out of the inner loops: a score is
+// (dot(q, float(k)) * scale) * k_scale, and a V row enters the sum with weight p * v_scale times
+// float(v). attend_tile widens int8 rows without their scales and applies them the same way, so a
+// tile and a lone query still compute the same bits.
 template <typename KV>
 constexpr bool kScaled = std::is_same<KV, int8_t>::value;
-template <typename KV>
-inline __m256 loads8(const KV *p, __m256 s) {
-    if constexpr (kScaled<KV>) return _mm256_mul_ps(load8(p), s);
-    else return load8(p);
-}
-template <typename KV>
-inline float loads1(const KV *p, float s) {
-    if constexpr (kScaled<KV>) return load1(p) * s;
-    else return load1(p);
-}
-
-template <typename KV>
-inline float dots(const float *a, const KV *b, int n, float sc) {
-    const __m256 vs = _mm256_set1_ps(sc);
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), loads8(b + i, vs), acc);
-    float s = hsum(acc);
-    for (; i < n; i++) s += a[i] * loads1(b + i, sc);
-    return s;
-}
-
-template <typename KV>
-inline void axpys(float *y, float a, const KV *x, int n, float sc) {
-    const __m256 av = _mm256_set1_ps(a), vs = _mm256_set1_ps(sc);
-    int i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, loads8(x + i, vs), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * loads1(x + i, sc);
-}
 
 template <typename KV>
 inline float dot(const float *a, const KV *b, int n) {
@@ -153,13 +126,13 @@ void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, in
         for (int g = 0; g < G; g++) {
             float *sg = s + (size_t)g * L, mx = -INFINITY, sum = 0.0f;
             for (int t = 0; t < L; t++) {
-                sg[t] = dots(q + (size_t)g * D, K + off[t], D, ks(t)) * scale;
+                sg[t] = dot(q + (size_t)g * D, K + off[t], D) * scale * ks(t);
                 mx = sg[t] > mx ? sg[t] : mx;
             }
             for (int t = 0; t < L; t++) sum += (sg[t] = expf(sg[t] - mx));
             float *o = out + (size_t)g * D;
             for (int i = 0; i < D; i++) o[i] = 0.0f;
-            for (int t = 0; t < L; t++) axpys(o, sg[t] / sum, V + off[t], D, vs(t));
+            for (int t = 0; t < L; t++) axpy(o, sg[t] / sum * vs(t), V + off[t], D);
         }
         return;
     }
@@ -181,17 +154,18 @@ void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, in
             for (int c = 0; c < nd; c++) qv[c] = _mm256_loadu_ps(qg + 8 * c);
             for (int j = 0; j < 8; j++) {
                 const KV *k = K + off[t + j];
-                const __m256 sc = _mm256_set1_ps(ks(t + j));
-                __m256 a = _mm256_mul_ps(qv[0], loads8(k, sc));
-                for (int c = 1; c < nd; c++) a = _mm256_fmadd_ps(qv[c], loads8(k + 8 * c, sc), a);
+                __m256 a = _mm256_mul_ps(qv[0], load8(k));
+                for (int c = 1; c < nd; c++) a = _mm256_fmadd_ps(qv[c], load8(k + 8 * c), a);
                 acc[j] = a;
             }
-            _mm256_storeu_ps(s + (size_t)g * L + t, _mm256_mul_ps(hsum8(acc), vscale));
+            __m256 sv = _mm256_mul_ps(hsum8(acc), vscale);
+            if constexpr (kScaled<KV>) sv = _mm256_mul_ps(sv, _mm256_loadu_ps(ksc + t));
+            _mm256_storeu_ps(s + (size_t)g * L + t, sv);
         }
     }
     for (int j = 0; j < 16 && j < L; j++) prefetch_row(V + off[j]);
     for (; t < L; t++)
-        for (int g = 0; g < G; g++) s[(size_t)g * L + t] = dots(q + (size_t)g * D, K + off[t], D, ks(t)) * scale;
+        for (int g = 0; g < G; g++) s[(size_t)g * L + t] = dot(q + (size_t)g * D, K + off[t], D) * scale * ks(t);
     for (int g = 0; g < G; g++) {
         float *sg = s + (size_t)g * L;
         const float sum = softmax_row(sg, L);
@@ -199,9 +173,9 @@ void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, in
         for (int c = 0; c < nd; c++) acc[c] = _mm256_setzero_ps();
         for (int tt = 0; tt < L; tt++) {
             if (g == 0 && tt + 16 < L) prefetch_row(V + off[tt + 16]);
-            const __m256 p = _mm256_broadcast_ss(sg + tt), sc = _mm256_set1_ps(vs(tt));
+            const __m256 p = kScaled<KV> ? _mm256_set1_ps(sg[tt] * vs(tt)) : _mm256_broadcast_ss(sg + tt);
             const KV *v = V + off[tt];
-            for (int c = 0; c < nd; c++) acc[c] = _mm256_fmadd_ps(p, loads8(v + 8 * c, sc), acc[c]);
+            for (int c = 0; c < nd; c++) acc[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), acc[c]);
         }
         const __m256 vinv = _mm256_set1_ps(1.0f / sum);
         for (int c = 0; c < nd; c++) _mm256_storeu_ps(out + (size_t)g * D + 8 * c, _mm256_mul_ps(acc[c], vinv));
@@ -217,7 +191,10 @@ void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, in
 // instead of once per query.
 template <int ND>
 void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf, int L0, int NQ, int G,
-               float scale, std::vector<float> &S, float *out, size_t out_stride) {
+               float scale, std::vector<float> &S, float *out, size_t out_stride, const float *ksc,
+               const float *vsc) {
+    // ksc/vsc: per-row scales of int8 rows widened unscaled (nullptr for float caches), applied
+    // exactly as attend_rows<int8_t> applies them
     constexpr int D = ND * 8;
     const int Lmax = L0 + NQ - 1, R = NQ * G;
     S.resize((size_t)R * Lmax);
@@ -237,7 +214,9 @@ void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf
                     for (int c = 1; c < ND; c++) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k + 8 * c), a);
                     acc[j] = a;
                 }
-                _mm256_storeu_ps(S.data() + (size_t)(i * G + g) * Lmax + t, _mm256_mul_ps(hsum8(acc), vscale));
+                __m256 sv = _mm256_mul_ps(hsum8(acc), vscale);
+                if (ksc) sv = _mm256_mul_ps(sv, _mm256_loadu_ps(ksc + t));
+                _mm256_storeu_ps(S.data() + (size_t)(i * G + g) * Lmax + t, sv);
             }
         }
     }
@@ -248,7 +227,8 @@ void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf
         for (int g = 0; g < G; g++) {
             float *sg = S.data() + (size_t)(i * G + g) * Lmax;
             const float *qg = q + (size_t)i * q_stride + (size_t)g * D;
-            for (int t = L & ~7; t < L; t++) sg[t] = dot(qg, kf + (size_t)t * D, D) * scale;
+            for (int t = L & ~7; t < L; t++)
+                sg[t] = ksc ? dot(qg, kf + (size_t)t * D, D) * scale * ksc[t] : dot(qg, kf + (size_t)t * D, D) * scale;
             inv[i * G + g] = 1.0f / softmax_row(sg, L);
         }
     }
@@ -263,7 +243,7 @@ void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf
                 __m256 acc[ND];
                 for (int c = 0; c < ND; c++) acc[c] = _mm256_loadu_ps(ar + 8 * c);
                 for (int tt = b0; tt < b1; tt++) {
-                    const __m256 p = _mm256_broadcast_ss(sg + tt);
+                    const __m256 p = vsc ? _mm256_set1_ps(sg[tt] * vsc[tt]) : _mm256_broadcast_ss(sg + tt);
                     const float *v = vf + (size_t)tt * D;
                     for (int c = 0; c < ND; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
                 }
@@ -333,10 +313,22 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
     // then every query of the tile through the same arithmetic as a lone query (attend_rows), with
     // the loops turned so that a block of keys serves all the tile's queries while it is in L1.
     const int Lmax = L0 + NQ - 1;
-    thread_local std::vector<float> kf, vf, scores;
+    const bool q8 = kv_dtype == KV_INT8;
+    if (q8 && (D % 8 || (D != 32 && D != 64 && D != 128))) {   // no tile code for this head size:
+        for (int i = 0; i < NQ; i++) {                        // each query alone (the same arithmetic)
+            thread_local std::vector<float> sc1;
+            sc1.resize((size_t)(L0 + i) * G);
+            attend_group(q + (size_t)i * q_stride, K, V, kv_dtype, block_stride, tok_stride, head_off, table,
+                         block_size, L0 + i, D, G, scale, sc1.data(), out + (size_t)i * out_stride);
+        }
+        return;
+    }
+    thread_local std::vector<float> kf, vf, scores, ksc, vsc;
     thread_local std::vector<size_t> offs;
     kf.resize((size_t)Lmax * D);
     vf.resize((size_t)Lmax * D);
+    ksc.resize(q8 ? Lmax + 8 : 0);
+    vsc.resize(q8 ? Lmax + 8 : 0);
     for (int b = 0, t0 = 0; t0 < Lmax; b++, t0 += block_size) {
         const size_t base = (size_t)table[b] * block_stride + head_off;
         for (int i = 0; i < block_size && t0 + i < Lmax; i++) {
@@ -345,21 +337,21 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
             if (kv_dtype == 0) {
                 memcpy(kd, (const float *)K + src, D * sizeof(float));
                 memcpy(vd, (const float *)V + src, D * sizeof(float));
-            } else if (kv_dtype == KV_INT8) {   // float(q) * scale, exactly as attend_rows<int8_t> reads it
+            } else if (kv_dtype == KV_INT8) {   // float(q); the row's scale applied as attend_rows<int8_t> does
                 const int8_t *kr = (const int8_t *)K + src, *vr = (const int8_t *)V + src;
                 uint16_t hk, hv;
                 memcpy(&hk, kr + D, 2);
                 memcpy(&hv, vr + D, 2);
-                const float ks = _cvtsh_ss(hk), vs = _cvtsh_ss(hv);
-                const __m256 ksv = _mm256_set1_ps(ks), vsv = _mm256_set1_ps(vs);
+                ksc[t0 + i] = _cvtsh_ss(hk);
+                vsc[t0 + i] = _cvtsh_ss(hv);
                 int d = 0;
                 for (; d + 8 <= D; d += 8) {
-                    _mm256_storeu_ps(kd + d, loads8(kr + d, ksv));
-                    _mm256_storeu_ps(vd + d, loads8(vr + d, vsv));
+                    _mm256_storeu_ps(kd + d, load8(kr + d));
+                    _mm256_storeu_ps(vd + d, load8(vr + d));
                 }
                 for (; d < D; d++) {
-                    kd[d] = loads1(kr + d, ks);
-                    vd[d] = loads1(vr + d, vs);
+                    kd[d] = load1(kr + d);
+                    vd[d] = load1(vr + d);
                 }
             } else {
                 int d = 0;
@@ -374,10 +366,11 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
             }
         }
     }
+    const float *ks = q8 ? ksc.data() : nullptr, *vs = q8 ? vsc.data() : nullptr;
     switch (D % 8 ? 0 : D / 8) {
-        case 4: tile_rows<4>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride); return;
-        case 8: tile_rows<8>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride); return;
-        case 16: tile_rows<16>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride); return;
+        case 4: tile_rows<4>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
+        case 8: tile_rows<8>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
+        case 16: tile_rows<16>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
         default: break;
     }
     offs.resize(Lmax);
