@@ -120,6 +120,8 @@ def awq_scale(cfg: ModelConfig, weights: dict[str, torch.Tensor], tok: Tokenizer
             else:   # o_proj: its input is the attention output, a mix of V rows
                 s_kv = s.view(hkv, hq // hkv, d)[:, 0].reshape(-1)
                 w[a + "v_proj.weight"] = w[a + "v_proj.weight"] / s_kv[:, None]
+                if a + "v_proj.bias" in w:
+                    w[a + "v_proj.bias"] = w[a + "v_proj.bias"] / s_kv
             bar.step(f"layer {i} {group}")
     bar.close()
     return w, {"output_error_plain": plain_total, "output_error_calibrated": best_total,
