@@ -15,11 +15,31 @@ scales are never worse than it on the calibration data.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from kvserve.model.config import ModelConfig
 from kvserve.tokenizer import Tokenizer
 from kvserve.train.quant_formats import fake_quantize
+
+
+class Progress:
+    """A one-line progress bar on stderr (tqdm's, when the stream is a terminal or asked for)."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=True,
+                        dynamic_ncols=True, mininterval=0.5)
+
+    def step(self, label: str) -> None:
+        self.bar.set_postfix_str(label, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
 
 ALPHAS = tuple(i / 10 for i in range(11))
 ROWS_PER_GROUP = 256
@@ -89,8 +109,6 @@ def awq_scale(cfg: ModelConfig, weights: dict[str, torch.Tensor], tok: Tokenizer
               n_tokens: int = 4096, progress: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
     """Scaled copies of `weights` (HF names, fp32) for `qtype`, and a report of the output
     errors on the calibration rows, plain rounding vs scaled, summed over the model."""
-    from kvserve.train.quantize import Progress
-
     stats = _collect(cfg, weights, tok, text, n_tokens)
     w = {k: v.clone() for k, v in weights.items()}
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

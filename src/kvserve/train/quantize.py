@@ -16,7 +16,6 @@ quantization's own (not that of the serving kernels' int8 activations).
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,23 +91,6 @@ def _from_checkpoint(path: Path) -> Source:
     return Source(cfg, net.hf_state_dict(), Tokenizer.from_dir(tok_dir), None, path.parent.name)
 
 
-class Progress:
-    """A one-line progress bar on stderr (tqdm's, when the stream is a terminal or asked for)."""
-
-    def __init__(self, total: int, desc: str, enabled: bool = True):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=True,
-                        dynamic_ncols=True, mininterval=0.5)
-
-    def step(self, label: str) -> None:
-        self.bar.set_postfix_str(label, refresh=False)
-        self.bar.update(1)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
 def heldout_text(path: str | None) -> str:
     if path:
         return Path(path).read_text(encoding="utf-8")
@@ -161,6 +143,8 @@ def quantize(qc: QuantizeConfig) -> dict:
         text = Path(qc.calibrate).read_text(encoding="utf-8")
         weights, report = awq_scale(src.config, weights, src.tokenizer, text, qtype, qc.calib_tokens, qc.progress)
     n_tensors = len([k for k in weights if not (k == "lm_head.weight" and src.config.tie_word_embeddings)])
+    from kvserve.train.calibrate import Progress
+
     bar = Progress(n_tensors, f"quantize {qtype}", qc.progress)
     Path(qc.out).parent.mkdir(parents=True, exist_ok=True)
     try:
