@@ -197,6 +197,10 @@ def _mount() -> None:
 
     app.command(help="Serve the OpenAI-compatible API and the web chat page.")(serve)
     app.add_typer(keys_app, name="keys")
+    if importlib.util.find_spec("kvserve.train.quantize_cli") is not None:
+        from kvserve.train.quantize_cli import quantize_cmd
+
+        app.command("quantize")(quantize_cmd)
     # Sub-apps whose modules may be absent in a partial install.
     for module, attr, name in (("kvserve.bench.cli", "app", "bench"), ("kvserve.train.cli", "train_app", "train"),
                                ("kvserve.train.cli", "eval_app", "eval"),

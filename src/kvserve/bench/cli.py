@@ -31,6 +31,9 @@ def latency(
     threads: int = typer.Option(2, min=1, help="CPU threads for every engine."),
     weight_format: str = typer.Option("auto", help="kvserve weight format: auto, gguf, fp32, bf16, fp16."),
     peer: Annotated[list[str] | None, typer.Option(help="Also run: llama-cpp, transformers (repeatable).")] = None,
+    kv_cache_dtype: Annotated[list[str] | None, typer.Option(
+        "--kv-cache-dtype", help="kvserve's KV cache: fp16 (default), bf16, fp32, int8; repeat for an A/B "
+                                 "(runs interleaved, one row each).")] = None,
     out_dir: Annotated[Path, typer.Option(help="Where the table (.md, .json) and chart (.png) go.")] = OUT_DIR,
 ) -> None:
     """Prefill tokens/s of an N-token prompt and single-stream decode tokens/s for M tokens."""
@@ -46,7 +49,8 @@ def latency(
     results = []
     for n in lengths:
         cfg = LatencyConfig(model=model, prompt_tokens=n, decode_tokens=decode_tokens, repeats=repeats,
-                            threads=threads, weight_format=weight_format, peers=list(peer or []))
+                            threads=threads, weight_format=weight_format, peers=list(peer or []),
+                            kv_cache_dtypes=list(kv_cache_dtype or ["fp16"]))
         with progress() as prog:
             try:
                 results += run_latency(cfg, progress_events(prog))

@@ -8,9 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.errors import InvalidRequest
-
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+from kvserve.model.kv_quant import KV_DTYPES as _DTYPES
 
 
 @dataclass
@@ -30,7 +28,9 @@ class EngineConfig:
     max_num_partial_prefills: int = 2
     max_step_ms: float | None = None
     max_model_len: int | None = None       # default: the model's context length
-    kv_cache_dtype: str = "fp16"           # fp16 (as llama.cpp), bf16 or fp32: the C attention reads all three
+    # fp16 (as llama.cpp; also "auto"), bf16, fp32, or int8 (rows with their own scale, model/kv_quant.py,
+    # ~1.9x the tokens per byte): the C attention reads them all
+    kv_cache_dtype: str = "fp16"
     weight_format: str = "auto"
     num_threads: int | None = None         # torch intra-op threads (default: all cores)
     # Where the KV cache and the step's tensors live: "cpu", "cuda[:N]", or "auto" (cuda when torch
@@ -53,7 +53,8 @@ class EngineConfig:
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1e7):
             raise InvalidRequest(f"max_step_ms must be a number of milliseconds >= 0, got {m!r}", param="max_step_ms")
         if self.kv_cache_dtype not in _DTYPES:
-            raise InvalidRequest(f"kv_cache_dtype must be one of {sorted(_DTYPES)}", param="kv_cache_dtype")
+            raise InvalidRequest(f"kv_cache_dtype must be one of auto, fp16, bf16, fp32, int8; got {self.kv_cache_dtype!r}",
+                                 param="kv_cache_dtype")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         try:

@@ -72,6 +72,9 @@ class EngineCore:
         self.clock = PhaseClock()
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.torch_kv_dtype, eos_token_ids,
                                   device=config.device, clock=self.clock)
+        self.kv_bytes_per_token = per_block // config.block_size
+        logger.info("KV cache: %s, %d bytes per token, %d tokens fit (%d blocks of %d)", self.kv_dtype_name,
+                    self.kv_bytes_per_token, num_blocks * config.block_size, num_blocks, config.block_size)
         self.grammar = None     # structured output (kvserve.structured), built at the first grammar
         self.tokenizer = tokenizer
         self._arrival = itertools.count()
@@ -209,6 +212,10 @@ class EngineCore:
             clock.lap("messages")
 
     # ---- introspection ----------------------------------------------------------------------
+    @property
+    def kv_dtype_name(self) -> str:
+        return str(self.config.torch_kv_dtype).removeprefix("torch.")
+
     def stats(self) -> dict:
         kv, s = self.kv, self.scheduler
         return {
@@ -228,5 +235,8 @@ class EngineCore:
             "num_batched_requests": self.num_batched_requests,
             "phase_seconds": self.clock.seconds(),
             "block_size": self.block_size,
+            "kv_cache_dtype": self.kv_dtype_name,
+            "kv_cache_bytes_per_token": self.kv_bytes_per_token,
+            "kv_cache_capacity_tokens": kv.num_blocks * self.block_size,
             "moe_expert_tokens": self.runner.model.expert_token_counts(),   # [layer][expert]; [] if dense
         }

@@ -29,6 +29,7 @@ import torch
 from kvserve.engine.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from kvserve.engine.sampler import Sampler, SamplingRequest, compute_logprobs
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.kv_quant import bytes_per_token, cache_shape
 from kvserve.model.llama import LlamaForCausalLM
 
 
@@ -73,7 +74,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
-        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
         # torch.empty: pages become resident only when a block is first written.
         self.kv_caches = [torch.empty(shape, dtype=kv_dtype, device=self.device)
                           for _ in range(cfg.num_hidden_layers)]
@@ -83,8 +84,7 @@ class ModelRunner:
     @staticmethod
     def bytes_per_block(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
         cfg = model.config
-        itemsize = torch.empty(0, dtype=kv_dtype).element_size()
-        return 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize * cfg.num_hidden_layers
+        return block_size * bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -14,6 +14,9 @@ A step's batch is flattened: sequence i contributes query tokens
 its first seq_lens[i] tokens with a causal mask aligned bottom-right. New K/V are written to
 `slot_mapping` first, then read back through the block table: attention reads the pool
 directly, no contiguous per-request copy is kept between steps.
+
+An int8 cache (model/kv_quant.py) has rows of head_dim + 2: the values and their own fp16 scale;
+rows are quantized as they are written and widened to float where they are read.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.model.kv_quant import quantize_rows, to_compute
 
 if TYPE_CHECKING:
     from kvserve.model.kernels.backend import KernelBackend
@@ -66,16 +71,20 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     """Store new keys/values [T, Hkv, D] at their slots."""
     _, nb, bs, h, d = kv_cache.shape
     flat = kv_cache.view(2, nb * bs, h, d)
+    if kv_cache.dtype == torch.int8:
+        k, v = quantize_rows(k), quantize_rows(v)
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence's first n tokens, [n, Hkv, D]."""
+    """K and V of one sequence's first n tokens, [n, Hkv, D] (an int8 cache's rows widened to fp32)."""
     bs = kv_cache.shape[2]
     blocks = block_table[: (n + bs - 1) // bs]
     k = kv_cache[0, blocks].flatten(0, 1)[:n]
     v = kv_cache[1, blocks].flatten(0, 1)[:n]
+    if kv_cache.dtype == torch.int8:
+        return to_compute(k, torch.float32), to_compute(v, torch.float32)
     return k, v
 
 
@@ -103,8 +112,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         bs = meta.block_size
         nblk = (max_len + bs - 1) // bs
         tables = meta.block_tables[:, :nblk]
-        k = kv_cache[0, tables].flatten(1, 2)[:, :max_len].to(dtype)    # [B, L, Hkv, D]
-        v = kv_cache[1, tables].flatten(1, 2)[:, :max_len].to(dtype)
+        k = to_compute(kv_cache[0, tables].flatten(1, 2)[:, :max_len], dtype)    # [B, L, Hkv, D]
+        v = to_compute(kv_cache[1, tables].flatten(1, 2)[:, :max_len], dtype)
         lens = torch.tensor(meta.seq_lens, device=k.device)
         mask = torch.arange(max_len, device=k.device)[None, :] < lens[:, None]    # [B, L]
         # Padding slots were never written (the pool is torch.empty): they may hold NaN/Inf,
@@ -135,8 +144,8 @@ def _windowed(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, 
         n = meta.seq_lens[i]
         first = 0 if window is None else max(0, n - (e - s) - window + 1) // bs
         blocks = meta.block_tables[i, first:(n + bs - 1) // bs]
-        k = kv_cache[0, blocks].flatten(0, 1)[:n - first * bs].to(dtype)
-        v = kv_cache[1, blocks].flatten(0, 1)[:n - first * bs].to(dtype)
+        k = to_compute(kv_cache[0, blocks].flatten(0, 1)[:n - first * bs], dtype)
+        v = to_compute(kv_cache[1, blocks].flatten(0, 1)[:n - first * bs], dtype)
         outs.append(attend(q[s:e], k, v, scale, window, softcap))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 

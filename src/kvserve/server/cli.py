@@ -75,6 +75,9 @@ def serve(
                                       "predicted time stays under this many ms (0: no target)."),
     kv_cache_memory: str = typer.Option(None, help="KV cache size: bytes, a size such as 2GiB, or a fraction "
                                                    "of RAM such as 0.2 (default 1GiB)."),
+    kv_cache_dtype: str = typer.Option("fp16", "--kv-cache-dtype", help="KV cache element type: auto (fp16), "
+                                       "fp16, bf16, fp32, or int8 (per-row scales: ~1.9x the tokens in the same "
+                                       "memory)."),
     engine_process: bool = typer.Option(False, "--engine-process",
                                         help="Run the engine in its own process (msgpack over a local ZMQ "
                                              "socket), so the HTTP process stays responsive while the model "
@@ -125,7 +128,8 @@ def serve(
     engine_kwargs: dict = {k: v for k, v in [("max_model_len", max_model_len),
                                              ("long_prefill_token_threshold", long_prefill_token_threshold),
                                              ("max_num_partial_prefills", max_num_partial_prefills),
-                                             ("max_step_ms", max_step_ms)] if v is not None}
+                                             ("max_step_ms", max_step_ms),
+                                             ("kv_cache_dtype", kv_cache_dtype)] if v is not None}
     engine_kwargs.update({k: v for k, v in [("replicas", replicas), ("ray_address", ray_address),
                                             ("prefill_replicas", prefill_replicas),
                                             ("decode_replicas", decode_replicas),

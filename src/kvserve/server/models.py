@@ -163,7 +163,10 @@ class ModelPool:
         asyncio.run_coroutine_threadsafe(engine.start(), self.loop).result()
         e.name = e.name or engine.model_name
         e.engine = engine
-        logger.info("model %s loaded (%s)", e.name, engine.model_name)
+        st = engine.stats()
+        kv = (f"; KV cache {st['kv_cache_dtype']}: {st['kv_cache_bytes_per_token']} bytes per token, "
+              f"{st['kv_cache_capacity_tokens']} tokens fit" if "kv_cache_capacity_tokens" in st else "")
+        logger.info("model %s loaded (%s)%s", e.name, engine.model_name, kv)
         return True
 
     def load(self) -> None:

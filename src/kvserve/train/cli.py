@@ -259,7 +259,7 @@ def perplexity_cmd(
     paged_chunk: int = typer.Option(None, "--paged-chunk", min=1, help="Score through the serving path: the "
                                     "paged KV cache, this many tokens per forward pass (1 = every token decoded)."),
     kv_cache_dtype: Annotated[list[str] | None, typer.Option(
-        "--kv-cache-dtype", help="With --paged-chunk: fp16 (default), bf16, fp32; repeatable.")] = None,
+        "--kv-cache-dtype", help="With --paged-chunk: fp16 (default), bf16, fp32, int8; repeatable.")] = None,
 ) -> None:
     """Perplexity and bits per byte of a model on a text (a table when several formats or peers)."""
     from kvserve.errors import InvalidRequest

@@ -50,11 +50,12 @@ def paged_logits(model: LlamaForCausalLM, ids: torch.Tensor, chunk: int, kv_dtyp
     """Logits [len(ids), V] of one sequence computed the way the engine serves it: through the
     paged KV cache (of `kv_dtype`), `chunk` tokens per forward pass (1: every token a decode step)."""
     from kvserve.model.attention import AttentionMetadata
+    from kvserve.model.kv_quant import cache_shape
 
     cfg = model.config
     n = len(ids)
     blocks = (n + block_size - 1) // block_size
-    kv = [torch.zeros(2, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=kv_dtype)
+    kv = [torch.zeros(cache_shape(blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, kv_dtype), dtype=kv_dtype)
           for _ in range(cfg.num_hidden_layers)]
     table = list(range(blocks))
     out = []

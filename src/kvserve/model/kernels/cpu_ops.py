@@ -15,7 +15,7 @@
   chunked; with batch invariance off (backend.attn_c_max_query), a sequence with more query
   tokens than that in the step takes PyTorch's SDPA instead (a GEMM per head).
 
-`prepare` returns None for what the C code does not handle (a KV cache other than fp32/bf16/fp16,
+`prepare` returns None for what the C code does not handle (a KV cache other than fp32/bf16/fp16/int8,
 non-contiguous caches, positions past the RoPE table, autograd), and the model runs its TorchOps.
 """
 
@@ -31,7 +31,8 @@ from kvserve.model.kernels.build import KvsWeight
 from kvserve.model.kernels.gguf_linear import GGUFQuantLinear
 from kvserve.model.ops import Step, TorchOps
 
-KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # the kernels' kv_dtype argument
+# the kernels' kv_dtype argument; int8: rows of head_dim values + an fp16 scale (model/kv_quant.py)
+KV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 
 
 class KvsLayerDesc(ctypes.Structure):
@@ -191,13 +192,13 @@ def paged_decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: torch.Te
                            seq_lens: list[int] | torch.Tensor, scale: float) -> torch.Tensor | None:
     """The C decode attention, reading K/V in place through the block tables (no gather copy, no
     GQA repeat). q [B, Hq, D] float32 (one query per sequence, at position seq_lens[i] - 1),
-    kv_cache [2, num_blocks, block_size, Hkv, D] fp32/bf16/fp16, block_tables [B, max_blocks]
+    kv_cache [2, num_blocks, block_size, Hkv, D] fp32/bf16/fp16 (int8: D + 2), block_tables [B, max_blocks]
     -> [B, Hq, D], or None where it does not apply."""
     if (q.dtype != torch.float32 or kv_cache.dtype not in KV_DTYPE_CODES or q.device.type != "cpu"
             or not kv_cache.is_contiguous() or q.dim() != 3):
         return None
-    _, num_blocks, block_size, hkv, d = kv_cache.shape
-    b, hq, _ = q.shape
+    _, num_blocks, block_size, hkv, _ = kv_cache.shape
+    b, hq, d = q.shape
     if hq % hkv or block_tables.shape[0] != b:
         return None
     q = q.contiguous()

@@ -1,8 +1,9 @@
 // Small fused ops: paged attention over the KV cache, read in place through the block tables (no
-// gather copy, GQA without repeating K/V), for an fp32 or bf16 cache; and RMSNorm.
+// gather copy, GQA without repeating K/V), for an fp32, bf16, fp16 or int8 cache; and RMSNorm.
 //
 //   q        [T, Hq, D]                          (already rotated)
-//   kv_cache [2, num_blocks, block_size, Hkv, D] (K then V), this layer's; float32 or bfloat16
+//   kv_cache [2, num_blocks, block_size, Hkv, D] (K then V), this layer's; float32, bf16 or f16,
+//            or int8 [.., Hkv, D + 2]: each row's D values then its fp16 scale (x = q * scale)
 //   tables   [B, max_blocks] int64, one row per sequence
 //   out      [T, Hq, D]
 //
@@ -20,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "kvserve_kernels.h"
@@ -39,6 +41,10 @@ inline __m256 load8(const kvs::bf16 *p) {  // bf16 -> fp32 is a 16-bit shift
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 inline __m256 load8(const kvs::f16 *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+inline __m256 load8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+inline float load1(const int8_t *p) { return (float)*p; }
 inline float load1(const float *p) { return *p; }
 inline float load1(const kvs::f16 *p) { return _cvtsh_ss(p->bits); }
 inline float load1(const kvs::bf16 *p) {
@@ -47,6 +53,13 @@ inline float load1(const kvs::bf16 *p) {
     __builtin_memcpy(&f, &u, 4);
     return f;
 }
+
+// int8 rows carry a scale per row, folded out of the inner loops: a score is
+// (dot(q, float(k)) * scale) * k_scale, and a V row enters the sum with weight p * v_scale times
+// float(v). attend_tile widens int8 rows without their scales and applies them the same way, so a
+// tile and a lone query still compute the same bits.
+template <typename KV>
+constexpr bool kScaled = std::is_same<KV, int8_t>::value;
 
 template <typename KV>
 inline float dot(const float *a, const KV *b, int n) {
@@ -105,18 +118,21 @@ inline float softmax_row(float *sg, int L) {
 // streams past. ND = D / 8 is a compile-time constant (0: other head sizes, plain loops).
 template <typename KV, int ND>
 void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, int L, int D, int G,
-                 float scale, float *s, float *out) {
+                 float scale, float *s, float *out, const float *ksc = nullptr, const float *vsc = nullptr) {
+    // ksc/vsc: the rows' scales (int8 rows only; unused for float types)
+    const auto ks = [&](int t) { return kScaled<KV> ? ksc[t] : 1.0f; };
+    const auto vs = [&](int t) { return kScaled<KV> ? vsc[t] : 1.0f; };
     if (ND == 0) {
         for (int g = 0; g < G; g++) {
             float *sg = s + (size_t)g * L, mx = -INFINITY, sum = 0.0f;
             for (int t = 0; t < L; t++) {
-                sg[t] = dot(q + (size_t)g * D, K + off[t], D) * scale;
+                sg[t] = dot(q + (size_t)g * D, K + off[t], D) * scale * ks(t);
                 mx = sg[t] > mx ? sg[t] : mx;
             }
             for (int t = 0; t < L; t++) sum += (sg[t] = expf(sg[t] - mx));
             float *o = out + (size_t)g * D;
             for (int i = 0; i < D; i++) o[i] = 0.0f;
-            for (int t = 0; t < L; t++) axpy(o, sg[t] / sum, V + off[t], D);
+            for (int t = 0; t < L; t++) axpy(o, sg[t] / sum * vs(t), V + off[t], D);
         }
         return;
     }
@@ -142,12 +158,14 @@ void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, in
                 for (int c = 1; c < nd; c++) a = _mm256_fmadd_ps(qv[c], load8(k + 8 * c), a);
                 acc[j] = a;
             }
-            _mm256_storeu_ps(s + (size_t)g * L + t, _mm256_mul_ps(hsum8(acc), vscale));
+            __m256 sv = _mm256_mul_ps(hsum8(acc), vscale);
+            if constexpr (kScaled<KV>) sv = _mm256_mul_ps(sv, _mm256_loadu_ps(ksc + t));
+            _mm256_storeu_ps(s + (size_t)g * L + t, sv);
         }
     }
     for (int j = 0; j < 16 && j < L; j++) prefetch_row(V + off[j]);
     for (; t < L; t++)
-        for (int g = 0; g < G; g++) s[(size_t)g * L + t] = dot(q + (size_t)g * D, K + off[t], D) * scale;
+        for (int g = 0; g < G; g++) s[(size_t)g * L + t] = dot(q + (size_t)g * D, K + off[t], D) * scale * ks(t);
     for (int g = 0; g < G; g++) {
         float *sg = s + (size_t)g * L;
         const float sum = softmax_row(sg, L);
@@ -155,7 +173,7 @@ void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, in
         for (int c = 0; c < nd; c++) acc[c] = _mm256_setzero_ps();
         for (int tt = 0; tt < L; tt++) {
             if (g == 0 && tt + 16 < L) prefetch_row(V + off[tt + 16]);
-            const __m256 p = _mm256_broadcast_ss(sg + tt);
+            const __m256 p = kScaled<KV> ? _mm256_set1_ps(sg[tt] * vs(tt)) : _mm256_broadcast_ss(sg + tt);
             const KV *v = V + off[tt];
             for (int c = 0; c < nd; c++) acc[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), acc[c]);
         }
@@ -173,7 +191,10 @@ void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, in
 // instead of once per query.
 template <int ND>
 void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf, int L0, int NQ, int G,
-               float scale, std::vector<float> &S, float *out, size_t out_stride) {
+               float scale, std::vector<float> &S, float *out, size_t out_stride, const float *ksc,
+               const float *vsc) {
+    // ksc/vsc: per-row scales of int8 rows widened unscaled (nullptr for float caches), applied
+    // exactly as attend_rows<int8_t> applies them
     constexpr int D = ND * 8;
     const int Lmax = L0 + NQ - 1, R = NQ * G;
     S.resize((size_t)R * Lmax);
@@ -193,7 +214,9 @@ void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf
                     for (int c = 1; c < ND; c++) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k + 8 * c), a);
                     acc[j] = a;
                 }
-                _mm256_storeu_ps(S.data() + (size_t)(i * G + g) * Lmax + t, _mm256_mul_ps(hsum8(acc), vscale));
+                __m256 sv = _mm256_mul_ps(hsum8(acc), vscale);
+                if (ksc) sv = _mm256_mul_ps(sv, _mm256_loadu_ps(ksc + t));
+                _mm256_storeu_ps(S.data() + (size_t)(i * G + g) * Lmax + t, sv);
             }
         }
     }
@@ -204,7 +227,8 @@ void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf
         for (int g = 0; g < G; g++) {
             float *sg = S.data() + (size_t)(i * G + g) * Lmax;
             const float *qg = q + (size_t)i * q_stride + (size_t)g * D;
-            for (int t = L & ~7; t < L; t++) sg[t] = dot(qg, kf + (size_t)t * D, D) * scale;
+            for (int t = L & ~7; t < L; t++)
+                sg[t] = ksc ? dot(qg, kf + (size_t)t * D, D) * scale * ksc[t] : dot(qg, kf + (size_t)t * D, D) * scale;
             inv[i * G + g] = 1.0f / softmax_row(sg, L);
         }
     }
@@ -219,7 +243,7 @@ void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf
                 __m256 acc[ND];
                 for (int c = 0; c < ND; c++) acc[c] = _mm256_loadu_ps(ar + 8 * c);
                 for (int tt = b0; tt < b1; tt++) {
-                    const __m256 p = _mm256_broadcast_ss(sg + tt);
+                    const __m256 p = vsc ? _mm256_set1_ps(sg[tt] * vsc[tt]) : _mm256_broadcast_ss(sg + tt);
                     const float *v = vf + (size_t)tt * D;
                     for (int c = 0; c < ND; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
                 }
@@ -245,24 +269,39 @@ void attend_group(const float *q, const void *K, const void *V, int kv_dtype, si
                   float *out) {
     // Row offsets of the L tokens, block by block (no division per row).
     thread_local std::vector<size_t> offs;
+    thread_local std::vector<float> ksc, vsc;
     offs.resize(L);
     for (int b = 0, t0 = 0; t0 < L; b++, t0 += block_size) {
         const size_t base = (size_t)table[b] * block_stride + head_off;
         for (int i = 0; i < block_size && t0 + i < L; i++) offs[t0 + i] = base + (size_t)i * tok_stride;
     }
-#define KVS_ROWS(KV)                                                                                           \
+    if (kv_dtype == KV_INT8) {   // each row's fp16 scale sits right after its D values
+        ksc.resize(L);
+        vsc.resize(L);
+        const int8_t *k8 = (const int8_t *)K, *v8 = (const int8_t *)V;
+        for (int t = 0; t < L; t++) {
+            uint16_t hk, hv;
+            memcpy(&hk, k8 + offs[t] + D, 2);
+            memcpy(&hv, v8 + offs[t] + D, 2);
+            ksc[t] = _cvtsh_ss(hk);
+            vsc[t] = _cvtsh_ss(hv);
+        }
+    }
+#define KVS_ROWS(KV, KS, VS)                                                                                   \
     switch (D % 8 ? 0 : D / 8) {                                                                               \
-        case 4: attend_rows<KV, 4>(q, (const KV *)K, (const KV *)V, offs.data(), L, D, G, scale, scores, out); break; \
-        case 8: attend_rows<KV, 8>(q, (const KV *)K, (const KV *)V, offs.data(), L, D, G, scale, scores, out); break; \
-        case 16: attend_rows<KV, 16>(q, (const KV *)K, (const KV *)V, offs.data(), L, D, G, scale, scores, out); break; \
-        default: attend_rows<KV, 0>(q, (const KV *)K, (const KV *)V, offs.data(), L, D, G, scale, scores, out); break; \
+        case 4: attend_rows<KV, 4>(q, (const KV *)K, (const KV *)V, offs.data(), L, D, G, scale, scores, out, KS, VS); break; \
+        case 8: attend_rows<KV, 8>(q, (const KV *)K, (const KV *)V, offs.data(), L, D, G, scale, scores, out, KS, VS); break; \
+        case 16: attend_rows<KV, 16>(q, (const KV *)K, (const KV *)V, offs.data(), L, D, G, scale, scores, out, KS, VS); break; \
+        default: attend_rows<KV, 0>(q, (const KV *)K, (const KV *)V, offs.data(), L, D, G, scale, scores, out, KS, VS); break; \
     }
     if (kv_dtype == 1) {
-        KVS_ROWS(bf16)
+        KVS_ROWS(bf16, nullptr, nullptr)
     } else if (kv_dtype == 2) {
-        KVS_ROWS(f16)
+        KVS_ROWS(f16, nullptr, nullptr)
+    } else if (kv_dtype == KV_INT8) {
+        KVS_ROWS(int8_t, ksc.data(), vsc.data())
     } else {
-        KVS_ROWS(float)
+        KVS_ROWS(float, nullptr, nullptr)
     }
 #undef KVS_ROWS
 }
@@ -274,10 +313,22 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
     // then every query of the tile through the same arithmetic as a lone query (attend_rows), with
     // the loops turned so that a block of keys serves all the tile's queries while it is in L1.
     const int Lmax = L0 + NQ - 1;
-    thread_local std::vector<float> kf, vf, scores;
+    const bool q8 = kv_dtype == KV_INT8;
+    if (q8 && (D % 8 || (D != 32 && D != 64 && D != 128))) {   // no tile code for this head size:
+        for (int i = 0; i < NQ; i++) {                        // each query alone (the same arithmetic)
+            thread_local std::vector<float> sc1;
+            sc1.resize((size_t)(L0 + i) * G);
+            attend_group(q + (size_t)i * q_stride, K, V, kv_dtype, block_stride, tok_stride, head_off, table,
+                         block_size, L0 + i, D, G, scale, sc1.data(), out + (size_t)i * out_stride);
+        }
+        return;
+    }
+    thread_local std::vector<float> kf, vf, scores, ksc, vsc;
     thread_local std::vector<size_t> offs;
     kf.resize((size_t)Lmax * D);
     vf.resize((size_t)Lmax * D);
+    ksc.resize(q8 ? Lmax + 8 : 0);
+    vsc.resize(q8 ? Lmax + 8 : 0);
     for (int b = 0, t0 = 0; t0 < Lmax; b++, t0 += block_size) {
         const size_t base = (size_t)table[b] * block_stride + head_off;
         for (int i = 0; i < block_size && t0 + i < Lmax; i++) {
@@ -286,6 +337,22 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
             if (kv_dtype == 0) {
                 memcpy(kd, (const float *)K + src, D * sizeof(float));
                 memcpy(vd, (const float *)V + src, D * sizeof(float));
+            } else if (kv_dtype == KV_INT8) {   // float(q); the row's scale applied as attend_rows<int8_t> does
+                const int8_t *kr = (const int8_t *)K + src, *vr = (const int8_t *)V + src;
+                uint16_t hk, hv;
+                memcpy(&hk, kr + D, 2);
+                memcpy(&hv, vr + D, 2);
+                ksc[t0 + i] = _cvtsh_ss(hk);
+                vsc[t0 + i] = _cvtsh_ss(hv);
+                int d = 0;
+                for (; d + 8 <= D; d += 8) {
+                    _mm256_storeu_ps(kd + d, load8(kr + d));
+                    _mm256_storeu_ps(vd + d, load8(vr + d));
+                }
+                for (; d < D; d++) {
+                    kd[d] = load1(kr + d);
+                    vd[d] = load1(vr + d);
+                }
             } else {
                 int d = 0;
                 for (; d + 8 <= D; d += 8) {
@@ -299,10 +366,11 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
             }
         }
     }
+    const float *ks = q8 ? ksc.data() : nullptr, *vs = q8 ? vsc.data() : nullptr;
     switch (D % 8 ? 0 : D / 8) {
-        case 4: tile_rows<4>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride); return;
-        case 8: tile_rows<8>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride); return;
-        case 16: tile_rows<16>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride); return;
+        case 4: tile_rows<4>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
+        case 8: tile_rows<8>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
+        case 16: tile_rows<16>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
         default: break;
     }
     offs.resize(Lmax);
@@ -327,14 +395,15 @@ void rms_norm_row(const float *x, const float *w, int n, float eps, float *y) {
 extern "C" {
 
 // Paged attention for T query tokens (see the top of this file). kv_dtype: 0 float32, 1 bfloat16,
-// 2 float16.
+// 2 float16, 3 int8 rows with scales.
 void kvs_paged_attention(const float *q, const void *kv_cache, int kv_dtype, int num_blocks, int block_size,
                          int Hq, int Hkv, int D, const int64_t *tables, int max_blocks, const int64_t *seq_of,
                          const int64_t *positions, int T, float scale, float *out, int nth) {
     const int group = Hq / Hkv;
-    const size_t tok_stride = (size_t)Hkv * D;
+    const int row = kvs::kv_row(D, kv_dtype);
+    const size_t tok_stride = (size_t)Hkv * row;
     const size_t block_stride = (size_t)block_size * tok_stride;
-    const size_t esize = kv_dtype ? 2 : 4;
+    const size_t esize = kvs::kv_esize(kv_dtype);
     const char *K = (const char *)kv_cache;
     const char *V = K + (size_t)num_blocks * block_stride * esize;
     const int items = T * Hkv;
@@ -349,7 +418,7 @@ void kvs_paged_attention(const float *q, const void *kv_cache, int kv_dtype, int
             const int L = (int)positions[t] + 1;
             scores.resize((size_t)group * L);
             kvs::attend_group(q + ((size_t)t * Hq + (size_t)h * group) * D, K, V, kv_dtype, block_stride, tok_stride,
-                              h * D, tables + (size_t)seq_of[t] * max_blocks, block_size, L, D, group, scale,
+                              h * row, tables + (size_t)seq_of[t] * max_blocks, block_size, L, D, group, scale,
                               scores.data(), out + ((size_t)t * Hq + (size_t)h * group) * D);
         }
     }

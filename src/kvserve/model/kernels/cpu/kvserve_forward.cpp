@@ -15,7 +15,7 @@
 //
 // Numerics match the per-layer PyTorch path of the same weights: the same int8 activation
 // quantization and tiles, RoPE from the model's own cos/sin tables (every rope scaling), and K/V
-// rounded to the cache dtype before attention reads them back.
+// rounded to the cache dtype (int8 rows: quantized with their own scale) before attention reads them back.
 
 #include <immintrin.h>
 #include <math.h>
@@ -36,7 +36,7 @@ struct kvs_layer_desc {
     const kvs_weight *o;        // [H, Hq*D]
     const kvs_weight *gate_up;  // [2*I, H]: gate rows then up rows
     const kvs_weight *down;     // [H, I]
-    void *kv_cache;             // [2, num_blocks, block_size, Hkv, D], dtype per kvs_forward's kv_dtype
+    void *kv_cache;             // [2, num_blocks, block_size, Hkv, kv_row(D)], dtype per kvs_forward's kv_dtype
 };
 
 struct kvs_model_desc {
@@ -79,14 +79,36 @@ inline void store_kv(void *dst, int kv_dtype, const float *src, int n) {
     }
 }
 
+// One head's D floats -> an int8 row and its fp16 scale (model/kv_quant.py's quantize_rows, bit for
+// bit: scale = f16(max|x| / 127), q = clamp(round_half_even(x / scale), -127, 127)).
+inline void store_row_q8(int8_t *dst, const float *src, int D) {
+    float amax = 0.0f;
+    for (int i = 0; i < D; i++) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
+    const uint16_t h = _cvtss_sh(amax / 127.0f, _MM_FROUND_TO_NEAREST_INT);
+    const float scale = _cvtsh_ss(h);
+    for (int i = 0; i < D; i++) {
+        float q = scale > 0.0f ? nearbyintf(src[i] / scale) : 0.0f;
+        q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+        dst[i] = (int8_t)q;
+    }
+    memcpy(dst + D, &h, 2);
+}
+
 // One token's qkv row: RoPE on its q and k heads in place, then k and v into the cache at `slot`.
 void rope_and_store(const kvs_model_desc *m, float *r, int64_t position, int64_t slot, char *Kc, char *Vc,
                     int kv_dtype, int block_size) {
     const int Hq = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim, qd = Hq * D, kvd = Hkv * D;
     const float *c = m->cos + (size_t)position * D, *s = m->sin + (size_t)position * D;
     for (int h = 0; h < Hq + Hkv; h++) rope_head(r + (size_t)h * D, c, s, D);
-    const size_t esize = kv_dtype ? 2 : 4;
-    const size_t off = ((size_t)slot / block_size) * block_size * kvd + ((size_t)slot % block_size) * kvd;
+    const size_t esize = kvs::kv_esize(kv_dtype), tok = (size_t)Hkv * kvs::kv_row(D, kv_dtype);
+    const size_t off = ((size_t)slot / block_size) * block_size * tok + ((size_t)slot % block_size) * tok;
+    if (kv_dtype == kvs::KV_INT8) {
+        for (int h = 0; h < Hkv; h++) {
+            store_row_q8((int8_t *)Kc + off + (size_t)h * (D + 2), r + qd + (size_t)h * D, D);
+            store_row_q8((int8_t *)Vc + off + (size_t)h * (D + 2), r + qd + kvd + (size_t)h * D, D);
+        }
+        return;
+    }
     store_kv(Kc + off * esize, kv_dtype, r + qd, kvd);
     store_kv(Vc + off * esize, kv_dtype, r + qd + kvd, kvd);
 }
@@ -115,8 +137,8 @@ void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<i
                   const int64_t *positions, const int64_t *seq_of, const int64_t *tables, int max_blocks,
                   const char *Kc, const char *Vc, int kv_dtype, int block_size, float *out) {
     const int Hq = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim;
-    const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd, group = Hq / Hkv;
-    const size_t tok_stride = (size_t)kvd, block_stride = (size_t)block_size * tok_stride;
+    const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd, group = Hq / Hkv, row = kvs::kv_row(D, kv_dtype);
+    const size_t tok_stride = (size_t)Hkv * row, block_stride = (size_t)block_size * tok_stride;
     const int ntiles = (int)tiles.size() - 1;
     thread_local std::vector<float> scores;   // kept between calls: no allocation per layer
 #pragma omp for schedule(dynamic, 1)
@@ -131,10 +153,10 @@ void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<i
         const int64_t *table = tables + (size_t)seq_of[t0] * max_blocks;
         if (n == 1) {
             scores.resize((size_t)L0 * group);
-            kvs::attend_group(q, Kc, Vc, kv_dtype, block_stride, tok_stride, h * D, table, block_size, L0, D, group,
+            kvs::attend_group(q, Kc, Vc, kv_dtype, block_stride, tok_stride, h * row, table, block_size, L0, D, group,
                               m->scale, scores.data(), o);
         } else {
-            kvs::attend_tile(q, qkv_rows, Kc, Vc, kv_dtype, block_stride, tok_stride, h * D, table, block_size, L0, n,
+            kvs::attend_tile(q, qkv_rows, Kc, Vc, kv_dtype, block_stride, tok_stride, h * row, table, block_size, L0, n,
                              D, group, m->scale, o, qd);
         }
     }
@@ -158,8 +180,8 @@ int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block
     std::vector<int8_t> xq((size_t)T * kmax);
     std::vector<float> xd((size_t)T * (kmax / kvs::QK)), xs((size_t)T * (kmax / kvs::QK));
     std::vector<float> qkv((size_t)T * qkv_rows), attn((size_t)T * qd), gu((size_t)T * 2 * I);
-    const size_t tok_stride = (size_t)kvd, block_stride = (size_t)block_size * tok_stride;
-    const size_t esize = kv_dtype ? 2 : 4;
+    const size_t tok_stride = (size_t)Hkv * kvs::kv_row(D, kv_dtype), block_stride = (size_t)block_size * tok_stride;
+    const size_t esize = kvs::kv_esize(kv_dtype);
     const std::vector<int> tiles = attention_tiles(T, nullptr, seq_of, positions);
     if (nth < 1) nth = 1;
 
@@ -238,8 +260,8 @@ void kvs_rope_kv_attention(const kvs_model_desc *m, float *qkv, int T, const int
                            float *out, int nth) {
     const int Hq = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim;
     const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd;
-    const size_t tok_stride = (size_t)kvd, block_stride = (size_t)block_size * tok_stride;
-    const size_t esize = kv_dtype ? 2 : 4;
+    const size_t tok_stride = (size_t)Hkv * kvs::kv_row(D, kv_dtype), block_stride = (size_t)block_size * tok_stride;
+    const size_t esize = kvs::kv_esize(kv_dtype);
     char *Kc = (char *)kv_cache;
     char *Vc = Kc + (size_t)num_blocks * block_stride * esize;
     const std::vector<int> tiles = attention_tiles(T, attend, seq_of, positions);

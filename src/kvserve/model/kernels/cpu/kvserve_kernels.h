@@ -2,7 +2,7 @@
 //
 //   kvserve_kernels.cpp   packed GGUF weights: repack, activation quantization, int8 matmul tiles
 //   kvserve_gemm_avx512.cpp  the same tiles with AVX-512 VNNI (16 rows per register), same results
-//   kvserve_attention.cpp paged attention (fp32 or bf16 KV cache), RMSNorm
+//   kvserve_attention.cpp paged attention (fp32, bf16, fp16 or int8 KV cache), RMSNorm
 //   kvserve_forward.cpp   a whole forward pass of the Llama layer stack in one call (small batches)
 
 #pragma once
@@ -48,7 +48,8 @@ void linear_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const f
 
 // The G query heads of one KV head (q and out: G rows of D floats) against a sequence's first L
 // cached tokens, read through the block table; head_off = kv head * D within a token's K/V row.
-// kv_dtype 0 = float32, 1 = bfloat16, 2 = float16. scores: scratch of G * L floats.
+// kv_dtype 0 = float32, 1 = bfloat16, 2 = float16, 3 = int8 rows (D values, then the row's fp16
+// scale: kv_row(D, 3) = D + 2 bytes; strides and head_off count row elements). scores: G * L floats.
 void attend_group(const float *q, const void *K, const void *V, int kv_dtype, size_t block_stride,
                   size_t tok_stride, int head_off, const int64_t *table, int block_size, int L, int D, int G,
                   float scale, float *scores, float *out);
@@ -75,6 +76,11 @@ void rms_norm_row(const float *x, const float *w, int n, float eps, float *y);
 // one): the linker keeps one copy of an inline function, and it must be the AVX2 build.
 #ifndef KVS_NO_INLINE_HELPERS
 namespace kvs {
+
+// KV-cache rows: an int8 cache (kv_dtype 3) stores D values and the row's fp16 scale (model/kv_quant.py).
+constexpr int KV_INT8 = 3;
+inline int kv_row(int D, int kv_dtype) { return kv_dtype == KV_INT8 ? D + 2 : D; }
+inline size_t kv_esize(int kv_dtype) { return kv_dtype == KV_INT8 ? 1 : kv_dtype ? 2 : 4; }
 
 // float -> bfloat16, round to nearest even (what torch's .to(torch.bfloat16) does).
 inline uint16_t f32_to_bf16(float f) {
