@@ -127,13 +127,13 @@ def test_greedy_equals_without_speculation_alone_and_batched(base, spec):
 def test_greedy_with_chunked_prefill_stops_and_n(loaded, base):
     spec = make(loaded, speculative={"method": "ngram", "max_batch_rows": 0}, num_speculative_tokens=16,
                 max_num_batched_tokens=32)
-    prompts = [chat_ids(base, t) for t in GROUNDED[:2] + OPEN[:1]]
+    prompts = [chat_ids(base, t) for t in GROUNDED[:1] + OPEN[:1]]
     tok = base.get_tokenizer()
     stop_id = tok.encode(" mill", add_special_tokens=False)[0]
     cases = [SamplingParams(temperature=0, max_tokens=23),
-             SamplingParams(temperature=0, max_tokens=64, stop=["1900", "library"]),
-             SamplingParams(temperature=0, max_tokens=64, stop_token_ids=[stop_id]),
-             SamplingParams(temperature=0, max_tokens=40, n=2, logprobs=0),
+             SamplingParams(temperature=0, max_tokens=50, stop=["1900", "library"]),
+             SamplingParams(temperature=0, max_tokens=50, stop_token_ids=[stop_id]),
+             SamplingParams(temperature=0, max_tokens=30, n=2, logprobs=0),
              SamplingParams(temperature=0, max_tokens=30, min_tokens=20, repetition_penalty=1.3)]
     for params in cases:
         want = [sig(o) for o in base.generate(prompts, params, use_tqdm=False)]
