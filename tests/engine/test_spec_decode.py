@@ -14,6 +14,9 @@ The sampled distribution (chi-square) is test_spec_decode_sampling.py.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import pytest
 
 from kvserve import LLM, SamplingParams
@@ -30,8 +33,8 @@ GROUNDED = [
     "Repeat the following passage exactly, word for word:\n\n" + PASSAGE,
     "Rewrite this passage in the present tense:\n\n" + PASSAGE,
     "Copy the sentences of this passage that mention a year:\n\n" + PASSAGE,
-    "Fix the spelling in this code and return it:\n\ndef add_numbres(a, b):\n    \"\"\"Add two numbres.\"\"\"\n"
-    "    return a + b\n\n\ndef mul_numbres(a, b):\n    return a * b\n",
+    ("Fix the spelling in this code and return it:\n\ndef add_numbres(a, b):\n    \"\"\"Add two numbres.\"\"\"\n"
+    "    return a + b\n\n\ndef mul_numbres(a, b):\n    return a * b\n"),
 ]
 OPEN = ["Name the capital city of France.", "Write a haiku about the sea.", "List three prime numbers.",
         "Why is the sky blue? Answer in two sentences."]
@@ -162,7 +165,7 @@ def test_streaming_delivers_accepted_tokens_as_one_delta(base, spec):
     deltas = [o.outputs[0].token_ids_delta for o in spec.stream(p, params)]
     assert max(len(d) for d in deltas) > 1
     full = base.generate(p, params, use_tqdm=False)[0].outputs[0]
-    assert sum(deltas, []) == full.token_ids
+    assert functools.reduce(operator.iadd, deltas, []) == full.token_ids
 
 
 def test_seeded_sampling_and_opt_out_do_not_draft(base, spec):

@@ -1,7 +1,8 @@
 """Speculative decoding keeps the target's sampled distribution (issue 16): the first 3 tokens of
 many unseeded samples, with n-gram drafts verified by rejection sampling, against as many samples
 without speculation, at temperature 0.7 and 1.0 with top_p 0.9. A two-sample chi-square test of
-homogeneity over the 3-token sequences (rare ones pooled) must not reject at the 0.1% level. The
+homogeneity over the 3-token sequences (rare ones pooled) must not reject at the 0.1% level
+(temperature 0.7 is marked slow: the two runs cost ~30 s of CPU each). The
 prompt repeats a pattern so that drafts are proposed from the first token on and are both
 accepted and rejected (checked), so the residual draw is exercised too.
 """
@@ -19,7 +20,7 @@ from kvserve.model.loader import load_model
 
 PROMPT = ("red green blue, red green yellow, red green blue, red green blue, red green yellow, red green blue, "
           "red green")
-N = 500
+N = 300
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,9 @@ def samples(llm: LLM, params: SamplingParams) -> Counter:
     return Counter(tuple(o.outputs[0].token_ids[:3]) for o in outs)
 
 
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("temperature", [pytest.param(0.7, marks=pytest.mark.slow), 1.0])
 def test_first_three_tokens_have_the_target_distribution(loaded, temperature):
-    kw = dict(tokenizer=loaded.tokenizer, kv_cache_memory="128MiB", max_num_seqs=128)
+    kw = {"tokenizer": loaded.tokenizer, "kv_cache_memory": "128MiB", "max_num_seqs": 128}
     base = LLM(loaded.model, **kw)
     spec = LLM(loaded.model, speculative={"method": "ngram", "max_batch_rows": 0}, num_speculative_tokens=3, **kw)
     params = SamplingParams(temperature=temperature, top_p=0.9, max_tokens=3, ignore_eos=True)

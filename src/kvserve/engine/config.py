@@ -55,8 +55,6 @@ class EngineConfig:
             raise InvalidRequest(f"max_step_ms must be a number of milliseconds >= 0, got {m!r}", param="max_step_ms")
         from kvserve.engine.spec_decode.config import SpeculativeConfig
         self.spec_config = SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
-        if self.spec_config is None and self.num_speculative_tokens is not None:
-            SpeculativeConfig(num_speculative_tokens=self.num_speculative_tokens)     # the range check
         if self.kv_cache_dtype not in _DTYPES:
             raise InvalidRequest(f"kv_cache_dtype must be one of {sorted(_DTYPES)}", param="kv_cache_dtype")
         if self.device == "auto":

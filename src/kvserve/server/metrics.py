@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvserve.outputs import RequestMetrics
 
@@ -41,6 +41,12 @@ ENGINE_STATS = {
     "num_batched_tokens": ("batched_tokens", "counter", "Tokens in the engine steps' forward passes, summed."),
     "num_batched_requests": ("batched_requests", "counter", "Requests in the engine steps' batches, summed."),
 }
+# speculative decoding (only when the engine speculates): vLLM's names
+SPEC_STATS = {
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "Verification rounds with at least one draft token."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens the target accepted."),
+}
 PHASE_HELP = ("Cumulative wall time per phase. In the engine (thread or process), per step: schedule, "
               "prepare (batch and attention metadata), forward (the decoder stack, attention included), logits "
               "(lm_head), sample, update (scheduler bookkeeping, stops), messages (client messages in, outputs "
@@ -65,6 +71,8 @@ class _EngineCollector:
         for phase, seconds in (stats.get("phase_seconds") or {}).items():
             phases.add_metric(labels + [phase], seconds)
         yield phases
+        if "spec_decode_num_drafts" in stats:
+            yield from self._spec(stats, labels)
         moe = stats.get("moe_expert_tokens") or []
         if moe:
             experts = CounterMetricFamily(P + "moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",
@@ -73,6 +81,24 @@ class _EngineCollector:
                 for expert, n in enumerate(counts):
                     experts.add_metric(labels + [str(layer), str(expert)], float(n))
             yield experts
+
+
+    @staticmethod
+    def _spec(stats: dict, labels: list[str]) -> Iterator:
+        for key, (name, doc) in SPEC_STATS.items():
+            family = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            family.add_metric(labels, float(stats.get(key, 0) or 0))
+            yield family
+        counts = stats.get("spec_decode_acceptance_length_counts") or []
+        hist = HistogramMetricFamily(P + "spec_decode_acceptance_length", "Tokens a speculating request got from "
+                                     "one verification round (accepted drafts + 1).", labels=["model_name"])
+        buckets, cum = [], 0
+        for a, n in enumerate(counts):
+            cum += n
+            buckets.append((str(float(a + 1)), float(cum)))
+        buckets.append(("+Inf", float(cum)))
+        hist.add_metric(labels, buckets, sum_value=float(sum((a + 1) * n for a, n in enumerate(counts))))
+        yield hist
 
 
 class ServerMetrics:

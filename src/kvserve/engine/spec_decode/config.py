@@ -38,6 +38,8 @@ class SpeculativeConfig:
     def parse(cls, spec: str | dict | SpeculativeConfig | None, num_speculative_tokens: int | None = None
               ) -> SpeculativeConfig | None:
         """'ngram', 'draft:PATH', a dict of fields, a SpeculativeConfig, or None/''/'off' (none)."""
+        if num_speculative_tokens is not None:
+            cls(num_speculative_tokens=num_speculative_tokens)      # the range check, even with no proposer
         if spec is None or isinstance(spec, SpeculativeConfig):
             if spec is not None and num_speculative_tokens is not None:
                 spec.num_speculative_tokens = num_speculative_tokens

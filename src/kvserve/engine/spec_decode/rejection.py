@@ -39,73 +39,97 @@ class SpecRow:
     draft_probs: torch.Tensor | None = None     # [k, V] a draft model's q (None: point masses)
 
 
-def _uniform(gen: torch.Generator | None, dev: torch.device) -> float:
-    return float(torch.rand(1, generator=gen, device=gen.device if gen is not None else dev))
-
-
-def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
-    """Inverse-CDF draw from one (unnormalised) probability row."""
+def _draw(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF draw from one (unnormalised) probability row with the uniform u."""
     cdf = probs.cumsum(0)
     total = cdf[-1]
-    u = _uniform(gen, probs.device)
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return int(torch.searchsorted(cdf, target.view(1), right=True).clamp_(max=probs.shape[0] - 1))
 
 
-def verify_one(sampler: Sampler, rows: torch.Tensor, row: SpecRow) -> list[int]:
-    """The tokens the request emits this step: accepted drafts then one of the target's own."""
-    base, drafts = row.sreq, row.drafts
-    k = len(drafts)
-    p = base.params
-    ext = [SamplingRequest(p, base.prompt_token_ids, base.output_token_ids + drafts[:j], base.generator,
-                           base.in_reasoning) for j in range(k + 1)]
-    plain = p.greedy and not any(sampler._needs_processing(r) for r in ext)
-    logits = rows.float() if plain else sampler.process_logits(rows, ext)
-    if p.greedy:
-        best = logits.argmax(dim=-1).tolist()
-        out: list[int] = []
-        for j in range(k):
-            if best[j] != drafts[j]:
-                return out + [best[j]]
-            out.append(drafts[j])
-        return out + [best[k]]
-    probs = sampler.truncate(logits, ext, [False] * (k + 1)).softmax(dim=-1)
-    gen = base.generator
-    out = []
+def _accept(drafts: list[int], best: list[int]) -> list[int]:
+    """Greedy: drafts while they are the argmax, then the argmax."""
     for j, d in enumerate(drafts):
+        if best[j] != d:
+            return drafts[:j] + [best[j]]
+    return drafts + [best[len(drafts)]]
+
+
+def _reject_sample(probs: torch.Tensor, row: SpecRow, u: list[list[float]]) -> list[int]:
+    """Sampled: p_j(d)/q_j(d) acceptance, the residual draw on the first rejection, else the bonus draw.
+    `u`: two uniforms per row (acceptance, draw)."""
+    out: list[int] = []
+    for j, d in enumerate(row.drafts):
         pj = probs[j]
         if row.draft_probs is None:                    # q_j: a point mass on d
-            if _uniform(gen, pj.device) < float(pj[d]):
+            if u[j][0] < float(pj[d]):
                 out.append(d)
                 continue
             residual = pj.clone()
             residual[d] = 0.0
         else:
             qj = row.draft_probs[j]
-            if _uniform(gen, pj.device) * float(qj[d]) < float(pj[d]):
+            if u[j][0] * float(qj[d]) < float(pj[d]):
                 out.append(d)
                 continue
             residual = (pj - qj).clamp_(min=0.0)
         if float(residual.sum()) <= 0.0:               # p was the point mass itself (cannot reject)
             residual = pj
-        return out + [_draw(residual, gen)]
-    return out + [_draw(probs[k], gen)]
+        return out + [_draw(residual, u[j][1])]
+    return out + [_draw(probs[len(row.drafts)], u[len(row.drafts)][1])]
+
+
+def _uniforms(rows: list[SpecRow], dev: torch.device) -> list[list[list[float]]]:
+    """Two uniforms per verified row: one batched draw from the global stream, a seeded request's
+    own from its generator."""
+    n = sum(len(r.drafts) + 1 for r in rows)
+    shared = torch.rand(n, 2, device=dev).tolist()
+    out, i = [], 0
+    for r in rows:
+        m = len(r.drafts) + 1
+        g = r.sreq.generator
+        out.append(shared[i:i + m] if g is None else torch.rand(m, 2, generator=g, device=g.device).tolist())
+        i += m
+    return out
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SpecRow], num_top: list[int]
            ) -> tuple[list[list[int]], list[list[TokenLogprob]]]:
-    """Tokens and their target logprobs for each speculating request (`num_top`: each one's k)."""
-    tokens, lps = [], []
+    """Tokens and their target logprobs for each speculating request (`num_top`: each one's k).
+    The logits processors and truncation run once over every verified row of the step."""
+    ext: list[SamplingRequest] = []
+    index: list[int] = []
+    for r in rows:
+        b = r.sreq
+        ext += [SamplingRequest(b.params, b.prompt_token_ids, b.output_token_ids + r.drafts[:j], b.generator,
+                                b.in_reasoning) for j in range(len(r.drafts) + 1)]
+        index += range(r.first_row, r.first_row + len(r.drafts) + 1)
+    dev = logits.device
+    raw = logits[torch.tensor(index, device=dev)].float()
+    greedy = [e.params.greedy for e in ext]
+    plain = all(greedy) and not any(sampler._needs_processing(e) for e in ext)
+    processed = raw if plain else sampler.process_logits(raw, ext)
+    best = processed.argmax(dim=-1).tolist() if any(greedy) else []
+    probs = sampler.truncate(processed.clone(), ext, greedy).softmax(dim=-1) if not all(greedy) else None
+    u = _uniforms([r for r in rows if not r.sreq.params.greedy], dev) if probs is not None else []
+    tokens: list[list[int]] = []
+    lps: list[list[TokenLogprob]] = []
+    start, iu = 0, 0
     for row, k in zip(rows, num_top):
-        r = logits[row.first_row:row.first_row + len(row.drafts) + 1]
-        toks = verify_one(sampler, r, row)
+        m = len(row.drafts) + 1
+        if row.sreq.params.greedy:
+            toks = _accept(row.drafts, best[start:start + m])
+        else:
+            toks = _reject_sample(probs[start:start + m], row, u[iu])
+            iu += 1
         tokens.append(toks)
         want = row.sreq.params.logprobs is not None
-        lp, rk, ti, tl = compute_logprobs(r[:len(toks)], torch.tensor(toks, device=r.device), k, want)
+        lp, rk, ti, tl = compute_logprobs(raw[start:start + len(toks)], torch.tensor(toks, device=dev), k, want)
         lp, rk = lp.tolist(), rk.tolist()
         if k and ti is not None:
             ti, tl = ti.tolist(), tl.tolist()
             lps.append([TokenLogprob(t, a, b, c, d) for t, a, b, c, d in zip(toks, lp, rk, ti, tl)])
         else:
             lps.append([TokenLogprob(t, a, b) for t, a, b in zip(toks, lp, rk)])
+        start += m
     return tokens, lps
