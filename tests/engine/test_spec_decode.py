@@ -175,3 +175,23 @@ def test_seeded_sampling_and_opt_out_do_not_draft(base, spec):
                    SamplingParams(temperature=0, max_tokens=30, speculative=False)):
         assert sig(spec.generate(p, params, use_tqdm=False)[0]) == sig(base.generate(p, params, use_tqdm=False)[0])
     assert drafted(spec) == before
+
+
+def test_structured_output_drafts_are_checked_by_the_grammar(base, spec):
+    """Under a JSON schema the drafts the grammar refuses are cut before verification, each draft
+    position is masked as its own step would be, and the answer is the same as without drafts."""
+    from kvserve.sampling_params import StructuredOutputsParams as SO
+
+    schema = {"type": "object", "properties": {"town": {"type": "string"}, "founded": {"type": "integer"},
+                                               "summary": {"type": "string"}},
+              "required": ["town", "founded", "summary"]}
+    p = chat_ids(base, "Reply in JSON with the town, the year it was founded and a summary that copies the "
+                       "first sentence of this passage:\n\n" + PASSAGE)
+    params = [SamplingParams(temperature=0, max_tokens=80, structured_outputs=SO(json=schema)),
+              SamplingParams(temperature=0.8, max_tokens=60, structured_outputs=SO(json=schema))]
+    before = drafted(spec)
+    want = base.generate([p], params[:1], use_tqdm=False)[0]
+    got = spec.generate([p, p], params, use_tqdm=False)
+    assert sig(got[0]) == sig(want)
+    assert drafted(spec)[1] > before[1]
+    assert got[1].outputs[0].text.startswith("{")    # sampled under the grammar: a valid prefix

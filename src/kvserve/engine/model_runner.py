@@ -171,7 +171,9 @@ class ModelRunner:
         from kvserve.engine.spec_decode.rejection import SpecRow, verify
         rows = [SpecRow(SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator), d, first)
                 for r, d, first in spec]
-        tokens, lps = verify(self.sampler, logits, rows, [r.params.logprobs or 0 for r, _, _ in spec])
+        grammar = {i: self.grammar.draft_bitmask(r.grammar, d) for i, (r, d, _) in enumerate(spec)
+                   if r.grammar_active}
+        tokens, lps = verify(self.sampler, logits, rows, [r.params.logprobs or 0 for r, _, _ in spec], grammar)
         out.req_ids += [r.request_id for r, _, _ in spec]
         out.sampled_token_ids += tokens
         out.logprobs += lps

@@ -152,7 +152,7 @@ class Scheduler:
 
     def _entry(self, req: Request, n: int, out: SchedulerOutput, drafts: list[int] | None = None) -> ScheduledRequest:
         entry = ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id), drafts or [])
-        if req.grammar_active and req.num_computed_tokens + n - len(entry.spec_token_ids) == req.num_tokens:
+        if req.grammar_active and not entry.spec_token_ids and req.num_computed_tokens + n == req.num_tokens:
             entry.grammar_bitmask_slot = out.num_grammar_rows
             out.num_grammar_rows += 1
         return entry

@@ -6,13 +6,14 @@ accepted raises its k by 2 (up to K), a rejection sets it to one more than what 
 running acceptance rate (exponential average of accepted / drafted) below `_OFF_RATE` switches
 speculation off for that request for a cool-down number of steps (8, doubling on each relapse up
 to 256), after which it tries again; drafts that do not pay therefore cost a few percent at most.
-The n-gram proposer costs nothing when it finds no match, so only rejected drafts count.
+The n-gram proposer costs nothing when it finds no match, so only rejected drafts count. Under a
+grammar (structured output) the drafts are cut where the request's matcher would refuse one.
 
 For the whole step: once the step has `max_batch_rows` decoding rows or more, nobody speculates
 (a batch that size is compute-bound on a CPU: the extra positions cost as much as they save).
 
 Not eligible (they decode one token a step as before): requests that opted out
-(`SamplingParams.speculative=False`), requests under a grammar or inside a reasoning block, and
+(`SamplingParams.speculative=False`), thinking requests (a reasoning budget), and
 seeded sampled requests (their random stream, and therefore their tokens, must not depend on
 whether the batch let them speculate).
 """
@@ -54,8 +55,8 @@ class SpecDecoder:
     @staticmethod
     def eligible(req: Request) -> bool:
         p = req.params
-        return (p.speculative and req.grammar is None and req.grammar_future is None
-                and (req.reasoning is None or req.reasoning.done)
+        return (p.speculative and (req.grammar_future is None or req.grammar is not None)
+                and req.reasoning is None
                 and (p.greedy or req.generator is None))
 
     def step_on(self, num_decodes: int) -> bool:
@@ -81,7 +82,8 @@ class SpecDecoder:
                 idx.append(i)
         drafts: list[list[int]] = [[] for _ in reqs]
         for i, d in zip(idx, self.proposer.propose(batch) if batch else []):
-            drafts[i] = d
+            g = reqs[i].grammar
+            drafts[i] = d[:g.validate_tokens(d)] if g is not None and d else d   # drafts the grammar allows
         return drafts
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:

@@ -93,10 +93,11 @@ def _uniforms(rows: list[SpecRow], dev: torch.device) -> list[list[list[float]]]
     return out
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SpecRow], num_top: list[int]
-           ) -> tuple[list[list[int]], list[list[TokenLogprob]]]:
+def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SpecRow], num_top: list[int],
+           grammar: dict[int, torch.Tensor] | None = None) -> tuple[list[list[int]], list[list[TokenLogprob]]]:
     """Tokens and their target logprobs for each speculating request (`num_top`: each one's k).
-    The logits processors and truncation run once over every verified row of the step."""
+    The logits processors and truncation run once over every verified row of the step.
+    `grammar`: index in `rows` -> that request's k + 1 grammar bitmasks (GrammarBackend.draft_bitmask)."""
     ext: list[SamplingRequest] = []
     index: list[int] = []
     for r in rows:
@@ -107,8 +108,15 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SpecRow], num_top:
     dev = logits.device
     raw = logits[torch.tensor(index, device=dev)].float()
     greedy = [e.params.greedy for e in ext]
-    plain = all(greedy) and not any(sampler._needs_processing(e) for e in ext)
-    processed = raw if plain else sampler.process_logits(raw, ext)
+    masks = None
+    if grammar:
+        starts = [0]
+        for r in rows:
+            starts.append(starts[-1] + len(r.drafts) + 1)
+        mrows = [starts[i] + j for i in sorted(grammar) for j in range(len(rows[i].drafts) + 1)]
+        masks = (mrows, torch.cat([grammar[i] for i in sorted(grammar)]))
+    plain = masks is None and all(greedy) and not any(sampler._needs_processing(e) for e in ext)
+    processed = raw if plain else sampler.process_logits(raw, ext, masks)
     best = processed.argmax(dim=-1).tolist() if any(greedy) else []
     probs = sampler.truncate(processed.clone(), ext, greedy).softmax(dim=-1) if not all(greedy) else None
     u = _uniforms([r for r in rows if not r.sreq.params.greedy], dev) if probs is not None else []
