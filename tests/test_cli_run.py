@@ -120,3 +120,15 @@ def test_unsupported_tensor_type(tmp_path):
 
 def test_prompt_longer_than_context(tiny):
     assert "maximum context length is 64" in _bad(str(tiny), "the " * 200, "--raw")
+
+
+def test_run_with_speculation_and_bad_speculative_options(tiny):
+    r = run_cli("run", "--model", str(tiny), "--max-tokens", "8", "--raw", "--temperature", "0",
+                "--speculative", "ngram", "--num-speculative-tokens", "3", "the the the")
+    assert r.returncode == 0, r.stderr
+    for args, words in ((("--speculative", "medusa"), "unknown speculative proposer"),
+                        (("--speculative", "ngram", "--num-speculative-tokens", "17"), "1 to 16")):
+        r = run_cli("run", "--model", str(tiny), *args, "hi")
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and words in lines[0], r.stderr

@@ -20,13 +20,21 @@ def _fail(e: KVServeError) -> None:
     raise typer.Exit(1)
 
 
-def _load_llm(model: str | None, weight_format: str, max_model_len: int | None = None):
+def _load_llm(model: str | None, weight_format: str, max_model_len: int | None = None,
+              speculative: str | None = None, num_speculative_tokens: int | None = None):
     from rich.console import Console
 
     from kvserve.engine.llm import LLM
+    from kvserve.engine.spec_decode.config import SpeculativeConfig
 
+    SpeculativeConfig.parse(speculative, num_speculative_tokens)      # a bad option fails before loading
     with Console(stderr=True).status(f"Loading {model or 'the default model'}..."):
-        return LLM(model, weight_format=weight_format, kv_cache_memory="256MiB", max_model_len=max_model_len)
+        return LLM(model, weight_format=weight_format, kv_cache_memory="256MiB", max_model_len=max_model_len,
+                   speculative=speculative, num_speculative_tokens=num_speculative_tokens)
+
+
+SPECULATIVE_HELP = "Speculative decoding: ngram (prompt lookup) or draft:PATH (a draft model)."
+NUM_SPEC_HELP = "Most draft tokens per step (1-16, default 4; adapted per request)."
 
 
 def _stream(llm, prompt_ids: list[int], params, stats: bool = False) -> str:
@@ -78,13 +86,15 @@ def run(
     raw: bool = typer.Option(False, help="Continue the text as is, without the chat template."),
     weight_format: str = typer.Option("auto", help="auto | fp32 | bf16 | fp16 | gguf"),
     stats: bool = typer.Option(False, help="Print token counts and speed after the answer."),
+    speculative: str = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
+    num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", help=NUM_SPEC_HELP),
 ) -> None:
     """Answer one prompt, streaming the answer to the terminal."""
     if prompt == "-":
         prompt = sys.stdin.read()
     try:
         params = _params(temperature, top_p, max_tokens, seed)
-        llm = _load_llm(model, weight_format)
+        llm = _load_llm(model, weight_format, speculative=speculative, num_speculative_tokens=num_speculative_tokens)
         tok = llm.get_tokenizer()
         if raw:
             ids = tok.encode(prompt)

@@ -37,6 +37,7 @@ class CompletionOutput:
     text_delta: str = ""
     token_ids_delta: list[int] = field(default_factory=list)
     logprobs_delta: list[PositionLogprobs] | None = None
+    drafted_delta: list[bool] = field(default_factory=list)   # per new token: an accepted draft token
 
 
 @dataclass

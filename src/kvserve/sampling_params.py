@@ -132,6 +132,7 @@ class SamplingParams:
     repetition_guard: RepetitionGuard | None = None
     structured_outputs: StructuredOutputsParams | None = None
     reasoning_budget: int | None = None   # the prompt opened <think>; force </think> after this many tokens
+    speculative: bool = True              # False: never draft tokens for this request (speculative decoding)
     # Normalised forms, filled in by __post_init__.
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
@@ -141,6 +142,8 @@ class SamplingParams:
         self._check_penalties()
         self._check_stopping()
         self._check_logprobs()
+        if not isinstance(self.speculative, bool):
+            raise InvalidRequest(f"speculative must be true or false, got {self.speculative!r}.", param="speculative")
 
     # ---- validation, one group per concern -------------------------------------------------
     def _check_counts(self) -> None:

@@ -35,9 +35,16 @@ def latency(
         "--kv-cache-dtype", help="kvserve's KV cache: fp16 (default), bf16, fp32, int8; repeat for an A/B "
                                  "(runs interleaved, one row each).")] = None,
     out_dir: Annotated[Path, typer.Option(help="Where the table (.md, .json) and chart (.png) go.")] = OUT_DIR,
+    speculative: str = typer.Option(None, "--speculative", help="Instead: grounded and open chat prompts through "
+                                    "the engine, greedy, with this proposer (ngram, draft:PATH) and without."),
+    num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", help="Most draft tokens per step."),
 ) -> None:
     """Prefill tokens/s of an N-token prompt and single-stream decode tokens/s for M tokens."""
     from kvserve.bench.latency import LatencyConfig, markdown_table, run_latency, save_chart
+
+    if speculative or num_speculative_tokens is not None:
+        _spec_latency(model, speculative or "ngram", num_speculative_tokens, decode_tokens, repeats, threads, out_dir)
+        return
 
     try:
         lengths = [int(x) for x in input_len.split(",")] if input_len else [prompt_tokens]
@@ -65,6 +72,29 @@ def latency(
     write_outputs(out_dir, "latency", table, data)
     save_chart(results, str(out_dir / "latency.png"))
     console.print(f"wrote {out_dir}/latency.md, latency.json, latency.png")
+
+
+def _spec_latency(model: str | None, speculative: str, k: int | None, decode_tokens: int, repeats: int,
+                  threads: int, out_dir: Path) -> None:
+    from kvserve.bench.spec_latency import GROUNDED_TASKS, OPEN_PROMPTS, run_spec_latency, spec_markdown_table
+    from kvserve.engine.spec_decode.config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(speculative, k)
+        with progress() as prog:
+            task = prog.add_task("speculative", total=repeats * (len(GROUNDED_TASKS) + len(OPEN_PROMPTS)))
+            rows = run_spec_latency(model, speculative, k, decode_tokens, repeats, threads,
+                                    lambda: prog.advance(task, 1))
+    except KVServeError as e:
+        console.print(f"error: {e.message}")
+        raise typer.Exit(1) from None
+    table = spec_markdown_table(rows)
+    print(f"greedy, up to {decode_tokens} tokens per answer, single stream, {threads} threads, best of {repeats}, "
+          f"load average {os.getloadavg()[0]:.1f}\n")
+    print(table)
+    write_outputs(out_dir, "latency_speculative", table,
+                  [{**r.__dict__, "decode_tps": r.decode_tps} for r in rows])
+    console.print(f"wrote {out_dir}/latency_speculative.md, latency_speculative.json")
 
 
 @app.command()

@@ -38,6 +38,10 @@ class EngineConfig:
     device: str = "cpu"
     # Split each layer's heads and MLP over this many processes (model/parallel.py; fp32 PyTorch path).
     tensor_parallel_size: int = 1
+    # Speculative decoding (engine/spec_decode): "ngram", "draft:PATH", a dict of SpeculativeConfig
+    # fields, or None (off); num_speculative_tokens: the most draft tokens per step (1..16, default 4).
+    speculative: object = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills",
@@ -52,6 +56,8 @@ class EngineConfig:
         m = self.max_step_ms
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1e7):
             raise InvalidRequest(f"max_step_ms must be a number of milliseconds >= 0, got {m!r}", param="max_step_ms")
+        from kvserve.engine.spec_decode.config import SpeculativeConfig
+        self.spec_config = SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
         if self.kv_cache_dtype not in _DTYPES:
             raise InvalidRequest(f"kv_cache_dtype must be one of auto, fp16, bf16, fp32, int8; got {self.kv_cache_dtype!r}",
                                  param="kv_cache_dtype")

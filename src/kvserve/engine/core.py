@@ -69,6 +69,9 @@ class EngineCore:
                                    config.max_num_partial_prefills, config.max_step_ms)
         if tokenizer is not None:   # thinking requests: the scheduler reads the end of <think> as text
             self.scheduler.decode = tokenizer.decode
+        if config.spec_config is not None:
+            from kvserve.engine.spec_decode.decoder import make_spec_decoder
+            self.scheduler.spec = make_spec_decoder(config.spec_config, model, tokenizer)
         self.clock = PhaseClock()
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.torch_kv_dtype, eos_token_ids,
                                   device=config.device, clock=self.clock)
@@ -239,4 +242,5 @@ class EngineCore:
             "kv_cache_bytes_per_token": self.kv_bytes_per_token,
             "kv_cache_capacity_tokens": kv.num_blocks * self.block_size,
             "moe_expert_tokens": self.runner.model.expert_token_counts(),   # [layer][expert]; [] if dense
+            **(s.spec.stats() if s.spec is not None else {}),
         }

@@ -160,6 +160,15 @@ class KVCacheManager:
             table.append(b)
         return True
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Release req's blocks wholly past its first num_tokens slots (rejected draft tokens)."""
+        table = self.req_blocks.get(req.request_id)
+        keep = -(-num_tokens // self.block_size)
+        while table and len(table) > keep:
+            b = table.pop()
+            if b >= 0:
+                self._release(b)
+
     def cache_full_blocks(self, req: Request) -> None:
         """Register req's newly full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:

@@ -91,6 +91,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     expert_tokens: list[int] | None = None       # MoE: tokens routed to each expert since the last output
+    num_drafted: int = 0                         # the first this many new tokens were accepted draft tokens
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True):

@@ -97,10 +97,13 @@ class ModelRunner:
         sample_rows: list[int] = []
         grammar_rows: list[int] = []          # index in `sampled` of each grammar bitmask slot
         prompt_lp = []                        # (request, row offset in logit_rows, first position, count)
+        spec = []                             # (request, drafts, first row in logit_rows): speculating
         for s in sched.scheduled:
             req, start, n = s.request, s.num_computed_tokens, s.num_new_tokens
             row0 = len(ids)
-            ids += req.token_ids_slice(start, start + n)
+            k = len(s.spec_token_ids)
+            ids += req.token_ids_slice(start, start + n - k) + s.spec_token_ids if k else \
+                req.token_ids_slice(start, start + n)
             pos += range(start, start + n)
             query_lens.append(n)
             seq_lens.append(start + n)
@@ -110,7 +113,10 @@ class ModelRunner:
                 cnt = min(start + n, p - 1) - start     # positions whose next token is a prompt token
                 prompt_lp.append((req, len(logit_rows), start, cnt))
                 logit_rows += range(row0, row0 + cnt)
-            if start + n == req.num_tokens:
+            if k:                             # verify the drafts: the k + 1 rows from the last real token
+                spec.append((req, s.spec_token_ids, len(logit_rows)))
+                logit_rows += range(row0 + n - k - 1, row0 + n)
+            elif start + n == req.num_tokens:
                 if s.grammar_bitmask_slot is not None:
                     grammar_rows.append(len(sampled))
                 sampled.append(req)
@@ -155,5 +161,19 @@ class ModelRunner:
                     kr = r.params.logprobs or 0
                     if kr < k:
                         e.top_token_ids, e.top_logprobs = e.top_token_ids[:kr], e.top_logprobs[:kr]
+        if spec:
+            self._verify(logits, spec, out)
         clock.lap("sample")
         return out
+
+    def _verify(self, logits: torch.Tensor, spec: list, out: ModelRunnerOutput) -> None:
+        """Speculating requests: accepted drafts plus one token each (spec_decode/rejection.py)."""
+        from kvserve.engine.spec_decode.rejection import SpecRow, verify
+        rows = [SpecRow(SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator), d, first)
+                for r, d, first in spec]
+        grammar = {i: self.grammar.draft_bitmask(r.grammar, d) for i, (r, d, _) in enumerate(spec)
+                   if r.grammar_active}
+        tokens, lps = verify(self.sampler, logits, rows, [r.params.logprobs or 0 for r, _, _ in spec], grammar)
+        out.req_ids += [r.request_id for r, _, _ in spec]
+        out.sampled_token_ids += tokens
+        out.logprobs += lps

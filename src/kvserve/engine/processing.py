@@ -117,6 +117,7 @@ class _Child:
     sent_text: int = 0
     sent_tokens: int = 0
     sent_logprobs: int = 0
+    drafted: list[bool] = field(default_factory=list)    # per token: an accepted draft token (speculation)
 
 
 @dataclass(eq=False)
@@ -194,6 +195,7 @@ class OutputProcessor:
                 state.error = o.error
             if o.new_token_ids:
                 self._add_tokens(child, o.new_token_ids, o.new_logprobs, self._ends_on_stop_token(o, state.params))
+                child.drafted += [i < o.num_drafted for i in range(len(o.new_token_ids))]
                 child.cumulative_logprob = o.cumulative_logprob
                 if m.first_token_time is None:
                     m.first_token_time = now
@@ -284,4 +286,5 @@ class OutputProcessor:
         return CompletionOutput(index=index, text=c.text, token_ids=list(c.token_ids),
                                 cumulative_logprob=c.cumulative_logprob, logprobs=c.logprobs,
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason, text_delta=text_delta,
-                                token_ids_delta=tok_delta, logprobs_delta=lp_delta)
+                                token_ids_delta=tok_delta, logprobs_delta=lp_delta,
+                                drafted_delta=c.drafted[len(c.token_ids) - len(tok_delta):])

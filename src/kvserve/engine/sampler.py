@@ -185,10 +185,18 @@ class Sampler:
 
     # ---- truncation and sampling ---------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, reqs: list[SamplingRequest], greedy: list[bool]) -> torch.Tensor:
-        (B, V), dev = logits.shape, logits.device
-        params = [r.params for r in reqs]
         greedy_ids = logits.argmax(dim=-1) if any(greedy) else None
+        logits = self.truncate(logits, reqs, greedy)
+        token_ids = self.draw(logits, reqs, greedy)
+        if greedy_ids is not None:
+            token_ids = torch.where(torch.tensor(greedy, device=logits.device), greedy_ids, token_ids)
+        return token_ids
 
+    def truncate(self, logits: torch.Tensor, reqs: list[SamplingRequest], greedy: list[bool]) -> torch.Tensor:
+        """Temperature, top_k, top_p and min_p on processed logits (rows marked greedy untouched):
+        their softmax is the distribution a sampled row draws from."""
+        V, dev = logits.shape[1], logits.device
+        params = [r.params for r in reqs]
         temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
         if any(t != 1.0 for t in temps):
             logits = logits / torch.tensor(temps, device=dev).unsqueeze(1)
@@ -211,7 +219,11 @@ class Sampler:
             min_p = torch.tensor([params[i].min_p for i in min_p_rows], device=dev).unsqueeze(1)
             keep = probs >= probs.max(dim=-1, keepdim=True).values * min_p
             logits[min_p_rows] = sub.masked_fill(~keep, _NEG_INF)
+        return logits
 
+    def draw(self, logits: torch.Tensor, reqs: list[SamplingRequest], greedy: list[bool]) -> torch.Tensor:
+        """One token per row from softmax(logits) (truncated logits; -inf never comes out)."""
+        (B, V), dev = logits.shape, logits.device
         # Inverse CDF: one uniform per row. u * total stays strictly below the last cdf value, and
         # the first index whose cdf exceeds it always has p > 0, so masked tokens never come out.
         cdf = logits.softmax(dim=-1).cumsum_(dim=-1)
@@ -222,10 +234,7 @@ class Sampler:
         total = cdf[:, -1:]
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
         # clamp: NaN logits (a broken model) must not yield an id past the vocabulary
-        token_ids = torch.searchsorted(cdf, target, right=True).view(B).clamp_(max=V - 1)
-        if greedy_ids is not None:
-            token_ids = torch.where(torch.tensor(greedy, device=dev), greedy_ids, token_ids)
-        return token_ids
+        return torch.searchsorted(cdf, target, right=True).view(B).clamp_(max=V - 1)
 
 
 # top_p looks at the largest few hundred tokens first; only if their mass stays below p (a flat

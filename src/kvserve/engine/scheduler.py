@@ -35,6 +35,7 @@ whose text hit one.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.messages import (
@@ -71,6 +72,7 @@ class Scheduler:
         self.generation_tokens_total = 0
         self.failed: list[EngineCoreOutput] = []    # requests ended outside a step's results
         self.decode = None                            # token ids -> text (thinking requests)
+        self.spec = None                              # spec_decode.SpecDecoder when speculating
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -88,8 +90,11 @@ class Scheduler:
         self.running.sort(key=lambda r: r.sort_key)
         self.waiting.sort(key=lambda r: r.sort_key)
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
-        for req in [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]:
-            self._schedule_running(out, req, req.num_tokens - req.num_computed_tokens)
+        decodes = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        drafts = (self.spec.propose(decodes) if self.spec is not None and self.spec.step_on(len(decodes))
+                  else None)
+        for i, req in enumerate(decodes):
+            self._schedule_running(out, req, req.num_tokens - req.num_computed_tokens, drafts[i] if drafts else ())
         for req in prefilling:                                     # short prompts already running
             if req.status == Status.RUNNING and not self._is_long(req):
                 self._schedule_running(out, req, req.num_tokens - req.num_computed_tokens)
@@ -128,21 +133,26 @@ class Scheduler:
             n = max(fit, min(n, self.kv.block_size) if first else 0)
         return n
 
-    def _schedule_running(self, out: SchedulerOutput, req: Request, n: int) -> None:
+    def _schedule_running(self, out: SchedulerOutput, req: Request, n: int, drafts: Sequence[int] = ()) -> None:
+        """n tokens of req (plus its draft tokens, speculative decoding, as far as the budget goes)."""
         n = min(n, self._budget)
         if n <= 0 or req.status != Status.RUNNING:     # (preempted earlier in this step)
             return
-        while not self.kv.allocate_slots(req, n):
+        drafts = list(drafts[:self._budget - n])
+        while not self.kv.allocate_slots(req, n + len(drafts)):
+            if drafts:                                  # drafts never preempt anyone
+                drafts = []
+                continue
             victim = self.running[-1]                   # last in priority/arrival order
             self._preempt(victim, out)
             if victim is req:
                 return
-        out.scheduled.append(self._entry(req, n, out))
-        self._budget -= n
+        out.scheduled.append(self._entry(req, n + len(drafts), out, drafts))
+        self._budget -= n + len(drafts)
 
-    def _entry(self, req: Request, n: int, out: SchedulerOutput) -> ScheduledRequest:
-        entry = ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id))
-        if req.grammar_active and req.num_computed_tokens + n == req.num_tokens:
+    def _entry(self, req: Request, n: int, out: SchedulerOutput, drafts: list[int] | None = None) -> ScheduledRequest:
+        entry = ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id), drafts or [])
+        if req.grammar_active and not entry.spec_token_ids and req.num_computed_tokens + n == req.num_tokens:
             entry.grammar_bitmask_slot = out.num_grammar_rows
             out.num_grammar_rows += 1
         return entry
@@ -251,9 +261,11 @@ class Scheduler:
                 continue
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.prompt_tokens_total += min(s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
-            req.num_computed_tokens += s.num_new_tokens
+            req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)   # drafts: once verified
             req.num_kv_blocks = max(req.num_kv_blocks, self.kv.num_held_blocks(req.request_id))
-            self.kv.cache_full_blocks(req)
+            if not s.spec_token_ids:
+                self.kv.cache_full_blocks(req)
+        spec_rows = {s.request.request_id: len(s.spec_token_ids) for s in sched.scheduled if s.spec_token_ids}
         for rid, (start, entries) in result.prompt_logprobs.items():
             outputs[rid] = self.make_output(self.requests[rid], [], prompt_logprobs=(start, entries))
         for row, rid in enumerate(result.req_ids):
@@ -275,13 +287,28 @@ class Scheduler:
             o = outputs.get(rid)
             lps = req.step_logprobs if req.params.logprobs is not None else None
             if o is None:
-                outputs[rid] = self.make_output(req, new_ids, lps)
+                o = outputs[rid] = self.make_output(req, new_ids, lps)
             else:
                 o.new_token_ids, o.new_logprobs, o.cumulative_logprob = new_ids, lps, req.cumulative_logprob
+            drafts = spec_rows.get(rid)
+            if drafts:
+                accepted = len(result.sampled_token_ids[row]) - 1
+                o.num_drafted = min(accepted, len(new_ids))
+                self.spec.observe(rid, drafts, accepted)
+                if req.finish_reason is None:
+                    self._settle_drafts(req, accepted)
             if req.finish_reason is not None:
                 self.finish(req, req.finish_reason, req.stop_reason)
                 outputs[rid].finish_reason, outputs[rid].stop_reason = req.finish_reason, req.stop_reason
         return list(outputs.values())
+
+    def _settle_drafts(self, req: Request, accepted: int) -> None:
+        """After verification: the accepted drafts' KV is now the request's (their tokens were
+        appended); the rejected ones' slots are overwritten by the next step and the blocks wholly
+        past the sequence go back to the pool. Only now are the newly full blocks hashed."""
+        req.num_computed_tokens += accepted
+        self.kv.trim(req, req.num_tokens)
+        self.kv.cache_full_blocks(req)
 
     def _append(self, req: Request, tok: int, new_ids: list[int], lp, forced: bool = False) -> list[int]:
         """Append one token (sampled, or forced to close a reasoning block): stops, reasoning,
@@ -330,6 +357,8 @@ class Scheduler:
         elif req.status == Status.WAITING:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
         req.status = Status.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         self.requests.pop(req.request_id, None)

@@ -102,6 +102,10 @@ def serve(
     header_timeout: float = typer.Option(10.0, help="Seconds for a request's line and headers to arrive."),
     body_timeout: float = typer.Option(30.0, help="Seconds for each chunk of a request body (408 past it)."),
     shutdown_grace: float = typer.Option(5.0, help="On SIGTERM, seconds in-flight requests may finish."),
+    speculative: str = typer.Option(None, "--speculative", help="Speculative decoding: ngram (prompt lookup) or "
+                                                                "draft:PATH (a draft model)."),
+    num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens",
+                                               help="Most draft tokens per step (1-16, default 4)."),
     arena_contestants: str = typer.Option(None, "--arena-contestants",
                                           help="JSON list of arena contestants {name, model?, system?, "
                                                "temperature?, top_p?, max_tokens?}; default: the served model "
@@ -136,6 +140,14 @@ def serve(
                                             ("tensor_parallel_size", tensor_parallel_size)] if v})
     if engine_kwargs.get("tensor_parallel_size") == 1:
         del engine_kwargs["tensor_parallel_size"]
+    if speculative or num_speculative_tokens is not None:
+        from kvserve.engine.spec_decode.config import SpeculativeConfig
+        try:
+            SpeculativeConfig.parse(speculative, num_speculative_tokens)     # fail now, not after loading
+        except KVServeError as e:
+            typer.echo(f"error: {e.message}", err=True)
+            raise typer.Exit(2) from None
+        engine_kwargs.update(speculative=speculative, num_speculative_tokens=num_speculative_tokens)
     if kv_cache_memory:
         engine_kwargs["kv_cache_memory"] = (int(kv_cache_memory) if kv_cache_memory.isdigit() else
                                             float(kv_cache_memory) if kv_cache_memory.replace(".", "", 1).isdigit()

@@ -89,7 +89,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 def build_trace(*, request_id: str, prompt_text: str | None, prompt_ids: list[int], num_cached: int,
                 prompt_token_texts: list[str], timings: Timings, metrics: RequestMetrics | None,
                 output_ids: list[int], output_positions: list[PositionLogprobs] | None, decode,
-                kv_blocks: int, block_size: int) -> dict:
+                kv_blocks: int, block_size: int, output_drafted: list[bool] | None = None) -> dict:
     """The `kvserve_trace` object (see docs/api.md) for one request, from what the server measured.
 
     `timings` holds the gateway's own marks (records.Timings)."""
@@ -113,7 +113,8 @@ def build_trace(*, request_id: str, prompt_text: str | None, prompt_ids: list[in
     tps = n_out / decode_s if decode_s > 0 else None  # output tokens / decode time
     out_tokens = []
     for i, tok in enumerate(output_ids):
-        entry: dict[str, Any] = {"id": tok, "text": decode(tok)}
+        entry: dict[str, Any] = {"id": tok, "text": decode(tok),
+                                 "drafted": bool(output_drafted and i < len(output_drafted) and output_drafted[i])}
         pos = output_positions[i] if output_positions and i < len(output_positions) else None
         if pos:
             chosen = pos.get(tok)
@@ -164,7 +165,8 @@ def trace(gen: Generation, ps: PromptState, decode, block_size: int) -> dict:
     out = build_trace(
         request_id=gen.id, prompt_text=ps.prompt.text, prompt_ids=ps.prompt.token_ids, num_cached=ps.num_cached,
         prompt_token_texts=gen.prompt_token_texts, timings=gen.timings, metrics=m, output_ids=ch.token_ids,
-        output_positions=ch.logprobs, decode=decode, kv_blocks=m.num_kv_blocks if m else 0, block_size=block_size)
+        output_positions=ch.logprobs, decode=decode, kv_blocks=m.num_kv_blocks if m else 0, block_size=block_size,
+        output_drafted=ch.drafted)
     out["reasoning_token_count"] = ch.reasoning_tokens    # of completion_token_count, inside <think>
     out.update(gen.trace_extra)    # the router's decision, when it chose the model
     return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvserve.outputs import RequestMetrics
 
@@ -45,6 +45,12 @@ ENGINE_STATS = {
     "num_steps": ("engine_steps", "counter", "Engine steps that ran the model."),
     "num_batched_tokens": ("batched_tokens", "counter", "Tokens in the engine steps' forward passes, summed."),
     "num_batched_requests": ("batched_requests", "counter", "Requests in the engine steps' batches, summed."),
+}
+# speculative decoding (only when the engine speculates): vLLM's names
+SPEC_STATS = {
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "Verification rounds with at least one draft token."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens the target accepted."),
 }
 PHASE_HELP = ("Cumulative wall time per phase. In the engine (thread or process), per step: schedule, "
               "prepare (batch and attention metadata), forward (the decoder stack, attention included), logits "
@@ -78,6 +84,7 @@ class _EngineCollector:
                 phases.add_metric([model, phase], seconds)
         yield phases
         yield from _pool_families(models)
+        yield from _spec_families(models)
         experts = CounterMetricFamily(P + "moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",
                                       labels=["model_name", "layer", "expert"])
         for model, stats in models.items():
@@ -108,6 +115,28 @@ def _pool_families(models: dict[str, dict]) -> Iterator:
             for pool, values in by_pool.items():
                 family.add_metric([model, pool], float(values.get(key, 0)))
         yield family
+
+
+def _spec_families(models: dict[str, dict]) -> Iterator:
+    models = {m: st for m, st in models.items() if "spec_decode_num_drafts" in st}
+    if not models:
+        return
+    for key, (name, doc) in SPEC_STATS.items():
+        family = CounterMetricFamily(P + name, doc, labels=["model_name"])
+        for model, stats in models.items():
+            family.add_metric([model], float(stats.get(key, 0) or 0))
+        yield family
+    hist = HistogramMetricFamily(P + "spec_decode_acceptance_length", "Tokens a speculating request got from "
+                                 "one verification round (accepted drafts + 1).", labels=["model_name"])
+    for model, stats in models.items():
+        counts = stats.get("spec_decode_acceptance_length_counts") or []
+        buckets, cum = [], 0
+        for a, n in enumerate(counts):
+            cum += n
+            buckets.append((str(float(a + 1)), float(cum)))
+        buckets.append(("+Inf", float(cum)))
+        hist.add_metric([model], buckets, sum_value=float(sum((a + 1) * n for a, n in enumerate(counts))))
+    yield hist
 
 
 class ServerMetrics:

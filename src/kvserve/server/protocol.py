@@ -127,6 +127,7 @@ class _Common(_Strict):
     service_tier: str | None = None
     # kvserve extensions
     kvserve_trace: bool = False
+    speculative: bool = True      # false: this request never uses speculative decoding
     priority: int = 0
     cache_salt: str | None = Field(default=None, max_length=256)
     repetition_guard: RepetitionGuardSpec | None = None
@@ -366,7 +367,7 @@ def to_sampling_params(req: _Common, max_tokens: int, *, logprobs: int | None,
         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
         "include_stop_str_in_output": req.include_stop_str_in_output, "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs, "skip_special_tokens": req.skip_special_tokens,
-        "structured_outputs": structured, "reasoning_budget": reasoning_budget}
+        "structured_outputs": structured, "reasoning_budget": reasoning_budget, "speculative": req.speculative}
     if req.repetition_guard is not None:
         kwargs["repetition_guard"] = RepetitionGuard(req.repetition_guard.window, req.repetition_guard.repeats)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):

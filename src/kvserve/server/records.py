@@ -99,6 +99,7 @@ class ChoiceState:
     calls: list[ParsedCall] = field(default_factory=list)
     reasoning: str = ""                    # the `<think>` block's text (ReasoningStage)
     reasoning_tokens: int = 0
+    drafted: list[bool] = field(default_factory=list)   # per token: an accepted draft token
 
     def add(self, d: ChoiceDelta) -> ChoiceDelta:
         """Accumulate one step (as the stages left it); returns it."""
@@ -106,6 +107,7 @@ class ChoiceState:
         self.reasoning += d.reasoning
         self.reasoning_tokens = max(self.reasoning_tokens, d.reasoning_tokens)
         self.token_ids.extend(d.token_ids)
+        self.drafted.extend(d.drafted)
         if d.logprobs:
             self.logprobs.extend(d.logprobs)
         if d.done:

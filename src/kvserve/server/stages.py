@@ -37,6 +37,7 @@ class ChoiceDelta:
     filtered: bool = False   # a stage rewrote the text: send only what is left (no empty content)
     reasoning: str = ""      # reasoning text to send (`<think>` block; ReasoningStage)
     reasoning_tokens: int = 0   # tokens of the choice's reasoning so far
+    drafted: list[bool] = field(default_factory=list)   # per token: an accepted draft (speculative decoding)
 
     @property
     def done(self) -> bool:
@@ -45,7 +46,7 @@ class ChoiceDelta:
     @classmethod
     def from_output(cls, c: CompletionOutput) -> ChoiceDelta:
         return cls(c.index, c.text_delta, list(c.token_ids_delta), c.logprobs_delta, c.finish_reason,
-                   c.stop_reason)
+                   c.stop_reason, drafted=list(c.drafted_delta))
 
 
 class Stage(Protocol):

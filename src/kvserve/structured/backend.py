@@ -97,6 +97,26 @@ class GrammarBackend:
             m.unsafe_compute_mask_ptr(row.data_ptr(), nbytes)
         return mask
 
+    def draft_bitmask(self, matcher, drafts: list[int]) -> torch.Tensor:
+        """Speculative decoding: the masks after each prefix of `drafts` (row j: after drafts[:j],
+        k + 1 rows). The matcher is walked through the drafts (the scheduler checked them with
+        validate_tokens) and rolled back, so it is where it was when this returns."""
+        mask = torch.empty((len(drafts) + 1, self.words), dtype=torch.int32)
+        nbytes = self.words * 4
+        consumed = 0
+        try:
+            for j in range(len(drafts) + 1):
+                matcher.unsafe_compute_mask_ptr(mask[j].data_ptr(), nbytes)
+                if j < len(drafts):
+                    if not matcher.consume_token(drafts[j]):
+                        mask[j + 1:].zero_()          # (cannot happen after validate_tokens)
+                        break
+                    consumed += 1
+        finally:
+            if consumed:
+                matcher.rollback(consumed)
+        return mask
+
     def shutdown(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self._mask_pool.shutdown(wait=False, cancel_futures=True)

@@ -121,14 +121,15 @@ function outputTokens(trace, tooltip) {
   for (const tok of trace.output_tokens || []) {
     const p = num(tok.prob) ?? (num(tok.logprob) == null ? null : Math.exp(tok.logprob));
     const pct = p == null ? "unknown" : `${(p * 100).toFixed(1)}%`;
-    const span = el("span", { class: p == null ? "out-tok unknown" : "out-tok", tabindex: "0",
-      "aria-label": `${tok.text} — probability ${pct}` });
+    const cls = (p == null ? "out-tok unknown" : "out-tok") + (tok.drafted ? " drafted" : "");
+    const span = el("span", { class: cls, tabindex: "0",
+      "aria-label": `${tok.text} — probability ${pct}${tok.drafted ? " — accepted draft token" : ""}` });
     span.textContent = tok.text || "∅";
     if (p != null) span.style.setProperty("--hue", String(probHue(p)));
     const show = () => {
       tooltip.replaceChildren(el("div", { class: "tip-head" },
         el("code", { text: visibleToken(tok.text) }),
-        el("span", { text: ` id ${tok.id} · p = ${pct}` })), altTable(tok));
+        el("span", { text: ` id ${tok.id} · p = ${pct}${tok.drafted ? " · accepted draft" : ""}` })), altTable(tok));
       tooltip.hidden = false;
       const r = span.getBoundingClientRect();
       const w = tooltip.offsetWidth;
@@ -189,6 +190,9 @@ export function renderInspector(container, message) {
       el("pre", { text: trace.prompt_text })));
   }
   const outLegend = el("p", { class: "legend" }, el("span", { class: "prob-scale", "aria-hidden": "true" }),
-    " colour = probability of the chosen token (red unlikely, green certain); hover or focus a token for its top-5.");
+    " colour = probability of the chosen token (red unlikely, green certain); hover or focus a token for its top-5.",
+    ...((trace.output_tokens || []).some((t) => t.drafted)
+      ? [" ", el("span", { class: "out-tok drafted legend-chip", text: "underlined" }),
+        " = a draft token the model accepted (speculative decoding)."] : []));
   container.append(section("Generated tokens", outLegend, outputTokens(trace, tooltip)));
 }

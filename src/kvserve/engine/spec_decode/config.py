@@ -1,0 +1,64 @@
+"""`--speculative ngram|draft:PATH --num-speculative-tokens K`, checked once at startup: a bad
+value is a one-line `InvalidRequest`, never an error in the middle of a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.errors import InvalidRequest
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "ngram"                 # "ngram" (prompt lookup) or "draft" (a small model)
+    num_speculative_tokens: int = 4       # most draft tokens per step (the adaptive k's ceiling)
+    draft_path: str | None = None         # method "draft": the draft model's file or directory
+    ngram_max: int = 4                    # longest suffix the n-gram proposer matches ...
+    ngram_min: int = 1                    # ... and the shortest
+    # The step's switch: no drafts once the step's decoding rows reach this many (a batch that big
+    # is compute-bound on a CPU, so verifying drafts costs as much as it saves). 0: never switch off.
+    max_batch_rows: int = 8
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidRequest(f"num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, "
+                                 f"got {k!r}", param="num_speculative_tokens")
+        if self.method not in ("ngram", "draft"):
+            raise InvalidRequest(f"unknown speculative proposer {self.method!r}: use 'ngram' or 'draft:PATH'",
+                                 param="speculative")
+        if self.method == "draft" and not self.draft_path:
+            raise InvalidRequest("speculative 'draft:PATH' needs the draft model's path", param="speculative")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidRequest("ngram_min must be >= 1 and <= ngram_max", param="speculative")
+
+    @classmethod
+    def parse(cls, spec: str | dict | SpeculativeConfig | None, num_speculative_tokens: int | None = None
+              ) -> SpeculativeConfig | None:
+        """'ngram', 'draft:PATH', a dict of fields, a SpeculativeConfig, or None/''/'off' (none)."""
+        if num_speculative_tokens is not None:
+            cls(num_speculative_tokens=num_speculative_tokens)      # the range check, even with no proposer
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            if spec is not None and num_speculative_tokens is not None:
+                spec.num_speculative_tokens = num_speculative_tokens
+                spec.__post_init__()
+            return spec
+        extra = {} if num_speculative_tokens is None else {"num_speculative_tokens": num_speculative_tokens}
+        if isinstance(spec, dict):
+            try:
+                return cls(**{**spec, **extra})
+            except TypeError as e:
+                raise InvalidRequest(f"bad speculative options: {e}", param="speculative") from None
+        if not isinstance(spec, str):
+            raise InvalidRequest(f"speculative must be 'ngram' or 'draft:PATH', got {spec!r}", param="speculative")
+        s = spec.strip()
+        if s in ("", "off", "none"):
+            return None
+        if s == "ngram":
+            return cls("ngram", **extra)
+        if s.startswith("draft:"):
+            return cls("draft", draft_path=s[len("draft:"):], **extra)
+        raise InvalidRequest(f"unknown speculative proposer {spec!r}: use 'ngram' or 'draft:PATH'",
+                             param="speculative")
