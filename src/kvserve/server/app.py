@@ -28,6 +28,7 @@ from kvserve.server.keys import KeyStore
 from kvserve.server.limits import read_body
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GatewayMiddleware
+from kvserve.server.moderation import ModerationService, mount_moderation
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
 from kvserve.server.ratelimit import RateLimiter
 from kvserve.server.settings import ServerSettings
@@ -51,6 +52,7 @@ class ServerState:
         self.http_ns = 0    # the generation handlers' time on the event loop (stages, formatting, writes)
         self.metrics = ServerMetrics(self.engine_stats, lambda: self.model_name or "")
         self.metrics.gateway_waiting.set_function(lambda: self.admission.num_waiting)
+        self.moderation = ModerationService(settings.moderation_config(), settings.db_path, self.metrics.registry)
 
     @property
     def model_name(self) -> str | None:
@@ -156,6 +158,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             with contextlib.suppress(Exception):
                 await state.engine.shutdown()
         state.keystore.close()
+        state.moderation.close()
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
@@ -179,6 +182,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
                                        "param": None, "code": "internal_error"}}, status_code=500)
 
     mount(app, state)   # /v1/chat/completions, /v1/completions
+    mount_moderation(app, state)   # /v1/moderations
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -67,6 +67,11 @@ def serve(
     header_timeout: float = typer.Option(10.0, help="Seconds for a request's line and headers to arrive."),
     body_timeout: float = typer.Option(30.0, help="Seconds for each chunk of a request body (408 past it)."),
     shutdown_grace: float = typer.Option(5.0, help="On SIGTERM, seconds in-flight requests may finish."),
+    moderation: str = typer.Option("input,output", "--moderation",
+                                   help="Moderate input,output | input | output | off (server/moderation.py)."),
+    moderation_config: str = typer.Option(None, "--moderation-config",
+                                          help="JSON file of moderation settings: thresholds, blocklist, regexes, "
+                                               "pii_input (off|flag|redact), pii_output (off|redact), check_every."),
     arena_contestants: str = typer.Option(None, "--arena-contestants",
                                           help="JSON list of arena contestants {name, model?, system?, "
                                                "temperature?, top_p?, max_tokens?}; default: the served model "
@@ -90,6 +95,13 @@ def serve(
                 typer.echo(f"error: --shared-prompt {text}: {e.strerror}", err=True)
                 raise typer.Exit(2) from None
         shared.append(text)
+    from kvserve.server.moderation_policy import load_options
+
+    try:
+        moderation_options = load_options(moderation, moderation_config)
+    except KVServeError as e:
+        typer.echo(f"error: {e.message}", err=True)
+        raise typer.Exit(2) from None
     engine_kwargs: dict = {k: v for k, v in [("max_model_len", max_model_len),
                                              ("long_prefill_token_threshold", long_prefill_token_threshold),
                                              ("max_num_partial_prefills", max_num_partial_prefills),
@@ -105,7 +117,8 @@ def serve(
         default_max_tokens=default_max_tokens, engine_process=engine_process, engine_kwargs=engine_kwargs,
         prefix_cache_scope=prefix_cache_scope, shared_prompts=shared, max_body_bytes=max_body_bytes,
         conversation_quota_bytes=conversation_quota_bytes, header_timeout_s=header_timeout,
-        body_timeout_s=body_timeout, arena_contestants=arena_contestants)
+        body_timeout_s=body_timeout, arena_contestants=arena_contestants, moderation=moderation,
+        moderation_options=moderation_options)
     try:
         sock = serving.bind(host, port)
     except KVServeError as e:
@@ -172,6 +185,44 @@ def keys_revoke(name: str = typer.Argument(..., help="The key's name."),
         typer.echo(f"error: no active key named {name!r} (see `kvserve keys list`)", err=True)
         raise typer.Exit(1)
     typer.echo(f"revoked {name!r}")
+
+
+@keys_app.command("moderation")
+def keys_moderation(
+    subject: str = typer.Argument(None, help="A key's name or tier:free / tier:paid; none lists the policies."),
+    mode: str = typer.Option(None, help="input,output | input | output | off."),
+    threshold: list[str] = typer.Option(None, help="CATEGORY=SCORE that flags (e.g. violence=0.3). Repeatable."),  # noqa: B008
+    block: list[str] = typer.Option(None, help="CATEGORY=PHRASE to block (a category of your own is fine). "  # noqa: B008
+                                               "Repeatable."),
+    regex: list[str] = typer.Option(None, help="CATEGORY=REGEX to block. Repeatable."),  # noqa: B008
+    pii_input: str = typer.Option(None, help="off | flag | redact."),
+    pii_output: str = typer.Option(None, help="off | redact."),
+    check_every: int = typer.Option(None, help="Output: check a window every this many tokens."),
+    clear: bool = typer.Option(False, "--clear", help="Remove the subject's policy."),
+    data_dir: DataDir = None,
+) -> None:
+    """Set, show or clear the moderation policy of a key or tier (on top of `serve --moderation`)."""
+    import json
+
+    from kvserve.server.moderation_policy import PolicyStore, policy_from_options
+
+    store = PolicyStore(ServerSettings(load_model=False, data_dir=data_dir or default_data_dir()).db_path)
+    try:
+        if subject is None:
+            for name, policy in sorted(store.all().items()):
+                typer.echo(f"{name:<20} {json.dumps(policy)}")
+            return
+        if clear:
+            typer.echo(f"{'removed' if store.delete(subject) else 'no policy for'} {subject}")
+            return
+        policy = policy_from_options(mode, threshold, block, regex, pii_input, pii_output, check_every)
+        store.set(subject, {**store.all().get(subject, {}), **policy})
+        typer.echo(f"{subject}: {json.dumps(store.all()[subject])}")
+    except KVServeError as e:
+        typer.echo(f"error: {e.message}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        store.close()
 
 
 @keys_app.command("usage")

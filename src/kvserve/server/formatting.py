@@ -166,6 +166,8 @@ def trace(gen: Generation, ps: PromptState, decode, block_size: int) -> dict:
         prompt_token_texts=gen.prompt_token_texts, timings=gen.timings, metrics=m, output_ids=ch.token_ids,
         output_positions=ch.logprobs, decode=decode, kv_blocks=m.num_kv_blocks if m else 0, block_size=block_size)
     out["reasoning_token_count"] = ch.reasoning_tokens    # of completion_token_count, inside <think>
+    from kvserve.server.moderation import trace_entries
+    out["moderation"] = trace_entries(gen)                 # each check: time and verdict
     return out
 
 
