@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from kvserve.safety import CATEGORIES, ModerationConfig, Moderator
-from kvserve.safety import pii
+from kvserve.safety import CATEGORIES, ModerationConfig, Moderator, pii
 from kvserve.safety.evaluate import evaluate
 
 NEAR_MISSES = ["kill the process", "shoot a photo", "how do I kill a zombie process in linux",
