@@ -1,6 +1,6 @@
 """Train the moderation classifier: `python -m kvserve.safety.train [--check]`.
 
-Reads `data/train.tsv`, fits one logistic regression per category (scikit-learn, liblinear) on
+Reads `data/train.tsv` (and the benign sentences of `data/benign_docs.txt`), fits one logistic regression per category (scikit-learn, liblinear) on
 the hashed features of classifier.py restricted to the columns the data uses, and writes
 `data/model.npz` (feature hashes, weights, biases). `--check` prints precision and recall on the
 held-out `data/eval.tsv` afterwards.
@@ -13,7 +13,14 @@ import sys
 from kvserve.safety.classifier import DATA, LABELS, MODEL_PATH, features, read_labelled
 
 
-def fit(rows: list[tuple[set[str], str]], c: float = 10.0):
+def training_rows() -> list[tuple[set[str], str]]:
+    """`data/train.tsv` plus `data/benign_docs.txt` (sentences of kvserve's docs, all benign)."""
+    docs = [line for line in (DATA / "benign_docs.txt").read_text(encoding="utf-8").splitlines()
+            if line.strip() and not line.startswith("#")]
+    return read_labelled(DATA / "train.tsv") + [(set(), line) for line in docs]
+
+
+def fit(rows: list[tuple[set[str], str]], c: float = 300.0):
     """(hashes, weights (n_features, n_labels), bias) fitted on `rows`."""
     import numpy as np
     from scipy.sparse import csr_matrix
@@ -34,7 +41,7 @@ def fit(rows: list[tuple[set[str], str]], c: float = 10.0):
     bias = np.zeros(len(LABELS), dtype=np.float32)
     for j, label in enumerate(LABELS):
         y = np.array([label in labels for labels, _ in rows], dtype=np.int8)
-        model = LogisticRegression(C=c, solver="liblinear", class_weight="balanced", max_iter=1000)
+        model = LogisticRegression(C=c, solver="liblinear", max_iter=1000)
         model.fit(x, y)
         weights[:, j] = model.coef_[0]
         bias[j] = model.intercept_[0]
@@ -45,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     import numpy as np
 
     argv = sys.argv[1:] if argv is None else argv
-    hashes, weights, bias = fit(read_labelled(DATA / "train.tsv"))
+    hashes, weights, bias = fit(training_rows())
     np.savez_compressed(MODEL_PATH, hashes=hashes, weights=weights.astype(np.float16).astype(np.float32),
                         bias=bias)
     print(f"wrote {MODEL_PATH} ({len(hashes)} features)")

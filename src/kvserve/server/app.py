@@ -31,6 +31,7 @@ from kvserve.server.middleware import GatewayMiddleware
 from kvserve.server.moderation import ModerationService, mount_moderation
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
 from kvserve.server.ratelimit import RateLimiter
+from kvserve.server.responses import mount_responses
 from kvserve.server.settings import ServerSettings
 
 logger = logging.getLogger("kvserve.server")
@@ -159,6 +160,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
                 await state.engine.shutdown()
         state.keystore.close()
         state.moderation.close()
+        state.responses.close()
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
@@ -183,6 +185,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
 
     mount(app, state)   # /v1/chat/completions, /v1/completions
     mount_moderation(app, state)   # /v1/moderations
+    mount_responses(app, state)    # /v1/responses
 
     @app.get("/v1/models")
     async def models() -> dict:
