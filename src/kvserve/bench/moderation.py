@@ -1,0 +1,119 @@
+"""Moderation's cost, A/B in one server: `python -m kvserve.bench.moderation [--rounds 12]`.
+
+Starts `kvserve serve` (the default model) with two keys: `on` (the default moderation: input and
+output, PII redaction) and `off` (a policy with moderation off). Requests alternate on, off, on,
+... with the same prompt, one at a time, streamed, ignoring EOS for a fixed output length, so both
+arms see the same machine load. Prints each arm's TTFT p50 (client side) and decode tokens/s
+(tokens after the first / time after the first), and the checks' own CPU time per call
+(`time.process_time`, single thread) for an input prompt and an output window.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+PROMPT = ("I am planning a weekend trip to the mountains with two friends. We like hiking, local food and "
+          "quiet places. Could you suggest a plan for Saturday and Sunday, with a short list of what to pack "
+          "and a few tips for staying safe on the trails? Please keep it practical.")
+
+
+def _check_cpu_ms(n: int = 200) -> tuple[float, float]:
+    from kvserve.safety import Moderator
+
+    mod = Moderator()
+    window = (PROMPT + " ") * 2
+    out = []
+    for text in (PROMPT, window[:400]):
+        mod.check(text)
+        t0 = time.process_time()
+        for _ in range(n):
+            mod.check(text)
+        out.append((time.process_time() - t0) / n * 1000)
+    return out[0], out[1]
+
+
+def _one(base: str, key: str, max_tokens: int) -> tuple[float, float]:
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens, "min_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = None
+    tokens = 0
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=600,
+                      headers={"Authorization": f"Bearer {key}"}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif first is None and any(c.get("delta", {}).get("content") for c in chunk["choices"]):
+                first = time.perf_counter()
+    end = time.perf_counter()
+    first = first or end
+    return (first - t0) * 1000, (tokens - 1) / (end - first) if end > first else 0.0
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    import httpx
+
+    from kvserve.bench.serve_launch import free_port
+    from kvserve.server.keys import KeyStore
+    from kvserve.server.moderation_policy import PolicyStore
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    in_ms, win_ms = _check_cpu_ms()
+    print(f"check CPU time: input prompt ({len(PROMPT)} chars) {in_ms:.3f} ms, output window (400 chars) "
+          f"{win_ms:.3f} ms")
+    data = tempfile.mkdtemp(prefix="kvserve-bench-moderation-")
+    store = KeyStore(os.path.join(data, "kvserve.db"))
+    keys = {"on": store.create("on"), "off": store.create("off")}
+    store.close()
+    policies = PolicyStore(os.path.join(data, "kvserve.db"))
+    policies.set("off", {"mode": "off", "pii_output": "off", "pii_input": "off"})
+    policies.close()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.server", "serve", "--port", str(port), "--data-dir", data],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        for arm in ("on", "off"):      # warm up
+            _one(base, keys[arm], 8)
+        results: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
+        for i in range(args.rounds):
+            for arm in (("on", "off") if i % 2 == 0 else ("off", "on")):
+                results[arm].append(_one(base, keys[arm], args.max_tokens))
+        for arm, rows in results.items():
+            ttft = statistics.median(r[0] for r in rows)
+            tps = statistics.median(r[1] for r in rows)
+            print(f"moderation {arm:>3}: TTFT p50 {ttft:.1f} ms, decode {tps:.2f} tok/s (median of {len(rows)})")
+        d_ttft = statistics.median(r[0] for r in results["on"]) - statistics.median(r[0] for r in results["off"])
+        d_tps = 1 - statistics.median(r[1] for r in results["on"]) / statistics.median(r[1] for r in results["off"])
+        print(f"added TTFT p50: {d_ttft:+.1f} ms; decode tok/s lower by {d_tps * 100:+.1f}%")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
