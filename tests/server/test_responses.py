@@ -111,6 +111,12 @@ def test_truncation_keeps_system_and_latest_turn(server):
     assert "Story part 0" not in tr["prompt_text"]
 
 
+def test_flagged_input_is_blocked_before_the_engine(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(server).responses.create(input="I am going to stab him tonight", max_output_tokens=8)
+    assert e.value.code == "content_policy_violation"
+
+
 def test_bad_input_is_a_clear_400(server):
     h = {"Authorization": f"Bearer {server.keys['a']}"}
     for body, param in (({"input": 3}, "input"), ({"input": [{"type": "image"}]}, "input[0].type"),
