@@ -7,8 +7,9 @@ after `api_key=`, `token:`, `password=` and the like). Checksums keep order numb
 from being taken for cards and IBANs. A match is replaced by `[EMAIL]`, `[PHONE]`, ...
 
 `StreamRedactor` redacts a text that arrives in pieces (an answer being streamed): it releases
-only text that no later piece can turn into (part of) a match, holding back the last word, and
-the last 64 characters while they hold a digit or an `@`; `finish()` releases the rest.
+only text that no later piece can turn into (part of) a match: the last word, and a trailing run
+of digits and separators (a phone, card or IBAN being written), at most 64 characters before it
+is known; `finish()` releases the rest.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ _SECRET = re.compile(r"\b(?:sk-(?:proj-)?[A-Za-z0-9_\-]{20,}|kvs-[A-Za-z0-9_\-]{
 _KEYED = re.compile(r"(?i)\b(?:api[_\-]?key|secret(?:[_\-]key)?|access[_\-]?token|auth[_\-]?token|token|"
                     r"password|passwd)\b[\"']?\s*[:=]\s*[\"']?([^\s\"',;]{7,}[^\s\"',;.])")
 HOLD = 64
+# What may still grow into a match at the end of a streamed text: a run of digits, capitals and
+# phone/card/IBAN separators that holds a digit, a word with an `@` in it, or the last word.
+_TAIL = re.compile(r"(?:[+(]?\d[\dA-Z ().\-]*|[A-Z]{2}\d[\dA-Z ().\-]*|[\w.%+\-]*@[\w.\-]*|[^\s]+)$")
 
 
 @dataclass(frozen=True)
@@ -107,12 +111,8 @@ class StreamRedactor:
         matches = [m for m in find(text, self.kinds) if m.end > base]
         cut = len(text)
         if not final:
-            tail = text[max(base, cut - HOLD):]
-            if any(c.isdigit() or c == "@" for c in tail):
-                cut = max(base, cut - HOLD)
-            else:
-                ws = max(text.rfind(" "), text.rfind("\n"), text.rfind("\t"))
-                cut = max(base, ws + 1)
+            tail = _TAIL.search(text, max(base, cut - HOLD))
+            cut = max(base, tail.start() if tail else cut)
             for m in matches:   # a match that reaches past the cut may still grow: hold it whole
                 if m.start < cut < m.end or m.end == len(text):
                     cut = max(base, min(cut, m.start))

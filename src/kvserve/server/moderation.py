@@ -178,9 +178,8 @@ class OutputModerationStage:
             delta.text, delta.reasoning, delta.tool_calls = "", "", []
             delta.filtered = True
             return delta
-        if self.redactor is not None:
+        if self.redactor is not None:   # held-back text leaves an empty delta, sent as such (keeps the stream alive)
             delta.text = self.redactor.feed(delta.text) + (self.redactor.finish() if delta.done else "")
-            delta.filtered = True
         if self.moderator is None:
             return delta
         self.window = (self.window + delta.reasoning + delta.text)[-self.config.window_chars:]
