@@ -5,7 +5,9 @@ and 1.0 on a rule hit; the subcategories are derived (`harassment/threatening` =
 violence), `self-harm/intent` needs a first-person text, `violence/graphic` gory words, ...) or
 come from rules (`sexual/minors`). `jailbreak` (a kvserve addition) is the heuristics' score and
 is only checked on input. Operator categories (a blocklist or regex under a new name) appear too.
-A category is flagged when its score reaches its threshold (`ModerationConfig.thresholds`,
+Texts of fewer than three words get half the classifier's scores (a fragment such as "Write to"
+at the start of an answer carries too little evidence). A category is flagged when its score
+reaches its threshold (`ModerationConfig.thresholds`,
 default 0.5); the text is flagged when any category is.
 """
 
@@ -24,6 +26,8 @@ CATEGORIES = ("harassment", "harassment/threatening", "hate", "hate/threatening"
               "violence/graphic")
 MODES = {"input,output": (True, True), "output,input": (True, True), "input": (True, False),
          "output": (False, True), "off": (False, False)}
+MIN_WORDS = 3       # below it the classifier's scores are halved (the rules still count in full)
+_WORDS = re.compile(r"\w+")
 _FIRST_PERSON = re.compile(r"\b(i|i'm|im|me|my|myself)\b", re.IGNORECASE)
 _INSTRUCTIONS = re.compile(r"\b(how|ways?|best|easiest|steps?|tell me|instructions|what dose|which)\b", re.IGNORECASE)
 _GRAPHIC = re.compile(r"\b(blood\w*|gore|gory|guts|graphic|disembowel\w*|mutilat\w*|dismember\w*|severed)\b",
@@ -44,7 +48,7 @@ class ModerationConfig:
     pii_input: str = "off"              # off | flag (400) | redact (the model sees [EMAIL] ...)
     pii_output: str = "redact"          # off | redact
     check_every: int = 16               # output: check a window every this many tokens
-    window_chars: int = 400             # output: the window's size in characters
+    window_chars: int = 256             # output: the window's size in characters
 
     def threshold(self, category: str) -> float:
         if category in self.thresholds:
@@ -101,6 +105,8 @@ class Moderator:
     def check(self, text: str, *, input: bool = True) -> Verdict:
         t0 = time.perf_counter()
         base = self.classifier.scores(text)
+        if len(_WORDS.findall(text)) < MIN_WORDS:     # too little evidence: a fragment, not a statement
+            base = {k: v * 0.5 for k, v in base.items()}
         hits = self.rules.hits(text)
         s = {lab: 1.0 if lab in hits else base[lab] for lab in LABELS}
         first_person = bool(_FIRST_PERSON.search(text))

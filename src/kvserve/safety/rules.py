@@ -35,7 +35,7 @@ BUILTIN: dict[str, list[str]] = {
         r"\b(launder(ing)?\s+(drug\s+)?money|counterfeit\s+(money|bills)|stolen\s+credit\s+card|ransomware)\b",
     ],
     "sexual": [r"\b(porn|pornographic|erotica?|nudes|sext(ing)?|orgasm|masturbat\w*|smut)\b"],
-    "harassment": [r"\b(fuck|screw)\s+(you|off)\b", r"\byou\s+(stupid|dumb|worthless|pathetic|ugly|fat)\s+\w+"],
+    "harassment": [r"\b(fuck|screw)\s+(you|off)\b", r"\b(kill|hang|hurt)\s+yourself\b", r"\byou\s+(stupid|dumb|worthless|pathetic|ugly|fat)\s+\w+"],
     "sexual/minors": [(r"\b(child|kid|minor|underage|teen|\d{1,2}[\s-]?(yo|year[\s-]old))\b.{0,40}"
                       r"\b(sex|sexual|naked|nude|erotic|porn)\b")],
 }

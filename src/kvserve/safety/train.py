@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = sys.argv[1:] if argv is None else argv
     hashes, weights, bias = fit(training_rows())
-    np.savez_compressed(MODEL_PATH, hashes=hashes, weights=weights.astype(np.float16).astype(np.float32),
+    np.savez_compressed(MODEL_PATH, hashes=hashes, weights=weights.astype(np.float16),
                         bias=bias)
     print(f"wrote {MODEL_PATH} ({len(hashes)} features)")
     if "--check" in argv:

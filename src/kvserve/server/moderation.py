@@ -178,17 +178,17 @@ class OutputModerationStage:
             delta.text, delta.reasoning, delta.tool_calls = "", "", []
             delta.filtered = True
             return delta
+        raw = delta.reasoning + delta.text      # the window holds the model's own text, before redaction
         if self.redactor is not None:   # held-back text leaves an empty delta, sent as such (keeps the stream alive)
             delta.text = self.redactor.feed(delta.text) + (self.redactor.finish() if delta.done else "")
         if self.moderator is None:
             return delta
-        self.window = (self.window + delta.reasoning + delta.text)[-self.config.window_chars:]
+        self.window = (self.window + raw)[-self.config.window_chars:]
         self.unchecked += max(1, len(delta.token_ids))
         if self.unchecked < self.config.check_every and not delta.done:
             return delta
         self.unchecked = 0
-        pending = self.window + (self.redactor.pending if self.redactor is not None else "")
-        v = self.moderator.check(pending[-self.config.window_chars:], input=False)
+        v = self.moderator.check(self.window, input=False)
         self.service.observe("output", v)
         self.checks.append({"check": "output", **v.summary()})
         if v.flagged:
