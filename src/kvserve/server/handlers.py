@@ -81,7 +81,7 @@ async def generate(server, request: Request, kind: str) -> Response:
                      ChatCompletionRequest if chat else CompletionRequest, settings.max_json_depth)
     check_caps(req, settings)
     moderation = server.moderation.config_for(record)    # input moderation, before any queue (400)
-    checks = server.moderation.check_input(req, record, moderation)
+    checks = await server.moderation.check_input_async(req, record, moderation)
     timings = Timings(t0=record.t0, parsed=time.monotonic())
 
     # 2. gates

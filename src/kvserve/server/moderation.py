@@ -37,6 +37,7 @@ from kvserve.server.stages import ChoiceDelta
 MODEL = "kvserve-moderation-1"
 CHUNK = 2000          # input text is checked in windows of this many characters
 MAX_INPUTS = 64       # entries of one /v1/moderations request
+INLINE_CHARS = 4000   # input checked on the event loop up to this size, in a worker thread beyond
 
 
 class ModerationService:
@@ -78,6 +79,13 @@ class ModerationService:
             self.flagged.labels(stage, verdict.top or "unknown").inc()
 
     # ---- input ----------------------------------------------------------------------------
+
+    async def check_input_async(self, req, record, config: ModerationConfig) -> list[dict[str, Any]]:
+        """`check_input` inline for a short request (well under a millisecond), in a worker thread
+        for a long one, so a large body never stalls the event loop."""
+        if sum(len(t) for _, t, _ in input_texts(req)) <= INLINE_CHARS:
+            return self.check_input(req, record, config)
+        return await asyncio.to_thread(self.check_input, req, record, config)
 
     def check_input(self, req, record, config: ModerationConfig) -> list[dict[str, Any]]:
         """Check a chat or completions request before it is queued; raise ContentPolicyViolation
