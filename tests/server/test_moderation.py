@@ -143,8 +143,8 @@ def test_pii_redacted_on_input_and_output(server):
             "max_tokens": 12, "temperature": 0}
     plain = post(server, "plain", "/v1/completions", body).json()["choices"][0]["text"]
     redacted = post(server, "default", "/v1/completions", body).json()["choices"][0]["text"]
-    if "@example.com" in plain:
-        assert "@example.com" not in redacted and "[EMAIL]" in redacted
+    assert "@example.com" in plain                          # greedy: the model repeats the address
+    assert "@example.com" not in redacted and "[EMAIL]" in redacted
     tr = post(server, "pii", "/v1/completions", {**body, "kvserve_trace": True}).json()["kvserve_trace"]
     assert "alice.smith" not in tr["prompt_text"] and "[EMAIL]" in tr["prompt_text"]
     assert any(c["check"] == "pii_input" and c["kinds"] == ["email"] for c in tr["moderation"])
