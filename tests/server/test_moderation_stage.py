@@ -60,3 +60,31 @@ def test_conversation_builder():
     with pytest.raises(InvalidRequest) as e:
         conversation(None, [], [{"type": "input_image"}])
     assert e.value.param == "input[0].type"
+
+
+def test_serve_options_and_policies(tmp_path):
+    import json
+
+    from kvserve.server.moderation_policy import PolicyStore, load_options
+    from kvserve.server.settings import ServerSettings
+
+    cfg = ServerSettings(load_model=False, data_dir=tmp_path, moderation="input").moderation_config()
+    assert cfg.input and not cfg.output
+    off = ServerSettings(load_model=False, data_dir=tmp_path, moderation="off").moderation_config()
+    assert not off.input and not off.output
+    with pytest.raises(InvalidRequest):
+        load_options("sometimes", None)
+    (tmp_path / "m.json").write_text(json.dumps({"thresholds": {"violence": 0.2}, "pii_input": "flag"}))
+    assert load_options("input,output", str(tmp_path / "m.json"))["pii_input"] == "flag"
+    (tmp_path / "bad.json").write_text(json.dumps({"thresholds": {"violence": 2}}))
+    with pytest.raises(InvalidRequest):
+        load_options("input,output", str(tmp_path / "bad.json"))
+    store = PolicyStore(tmp_path / "kvserve.db")
+    store.set("tier:free", {"thresholds": {"violence": 0.1}})
+    store.set("k1", {"mode": "output"})
+    assert [p for p in store.for_caller("k1", "free")] == [{"thresholds": {"violence": 0.1}}, {"mode": "output"}]
+    merged = cfg.merged(store.for_caller("k1", "free")[0]).merged(store.for_caller("k1", "free")[1])
+    assert merged.thresholds == {"violence": 0.1} and merged.output and not merged.input
+    with pytest.raises(InvalidRequest):
+        store.set("k2", {"mode": "sideways"})
+    store.close()
