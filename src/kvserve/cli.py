@@ -166,10 +166,11 @@ def chat(
 def _fit(tok, system: str | None, history: list[dict], budget: int) -> list[int]:
     """Render the conversation in `budget` tokens, dropping the oldest turns (from `history` too)."""
     from kvserve.errors import ContextLengthExceeded
+    from kvserve.server.context import conversation
     from kvserve.tokenizer.chat_template import fit_chat
 
-    sys_msgs = [{"role": "system", "content": system}] if system else []
-    fitted = fit_chat(tok, sys_msgs + history, budget)
+    messages, _ = conversation(system, history, [])    # the server's context builder (system + history)
+    fitted = fit_chat(tok, messages, budget)
     del history[:fitted.dropped_messages]
     if not fitted.fits:
         raise ContextLengthExceeded(f"the message is {len(fitted.token_ids)} tokens, more than the {budget} "

@@ -79,3 +79,9 @@ class Overloaded(KVServeError):
     def __init__(self, message: str, *, retry_after: float = 1.0, **kw):
         super().__init__(message, **kw)
         self.retry_after = retry_after
+
+
+class ContentPolicyViolation(InvalidRequest):
+    """Input moderation flagged the request (HTTP 400); it never reached the model."""
+
+    code = "content_policy_violation"

@@ -31,7 +31,9 @@ from kvserve.server.limits import read_body
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GatewayMiddleware
 from kvserve.server.models import ModelPool
+from kvserve.server.moderation import ModerationService, mount_moderation
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
+from kvserve.server.responses import mount_responses
 from kvserve.server.settings import ServerSettings
 
 logger = logging.getLogger("kvserve.server")
@@ -52,6 +54,7 @@ class ServerState:
         self.metrics = ServerMetrics(self.engine_stats, lambda: self.model_name or "", self.all_engine_stats)
         self.metrics.gateway_waiting.set_function(lambda: self.admission.num_waiting)
         self.metrics.registry.register(CountersCollector(self.backends.counters))
+        self.moderation = ModerationService(settings.moderation_config(), settings.db_path, self.metrics.registry)
         self.features = ServerFeatures.create(self)   # embeddings, semantic cache, router
 
     # The default (first) model, as the single-model server had it.
@@ -138,6 +141,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         await state.pool.shutdown()
         state.features.close()
         state.backends.close()
+        state.moderation.close()
+        state.responses.close()
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
@@ -161,6 +166,8 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
                                        "param": None, "code": "internal_error"}}, status_code=500)
 
     mount(app, state)   # /v1/chat/completions, /v1/completions
+    mount_moderation(app, state)   # /v1/moderations
+    mount_responses(app, state)    # /v1/responses
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -106,6 +106,11 @@ def serve(
                                                                 "draft:PATH (a draft model)."),
     num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens",
                                                help="Most draft tokens per step (1-16, default 4)."),
+    moderation: str = typer.Option("input,output", "--moderation",
+                                   help="Moderate input,output | input | output | off (server/moderation.py)."),
+    moderation_config: str = typer.Option(None, "--moderation-config",
+                                          help="JSON file of moderation settings: thresholds, blocklist, regexes, "
+                                               "pii_input (off|flag|redact), pii_output (off|redact), check_every."),
     arena_contestants: str = typer.Option(None, "--arena-contestants",
                                           help="JSON list of arena contestants {name, model?, system?, "
                                                "temperature?, top_p?, max_tokens?}; default: the served model "
@@ -129,6 +134,13 @@ def serve(
                 typer.echo(f"error: --shared-prompt {text}: {e.strerror}", err=True)
                 raise typer.Exit(2) from None
         shared.append(text)
+    from kvserve.server.moderation_policy import load_options
+
+    try:
+        moderation_options = load_options(moderation, moderation_config)
+    except KVServeError as e:
+        typer.echo(f"error: {e.message}", err=True)
+        raise typer.Exit(2) from None
     engine_kwargs: dict = {k: v for k, v in [("max_model_len", max_model_len),
                                              ("long_prefill_token_threshold", long_prefill_token_threshold),
                                              ("max_num_partial_prefills", max_num_partial_prefills),
@@ -175,7 +187,7 @@ def serve(
         prefix_cache_scope=prefix_cache_scope, shared_prompts=shared, max_body_bytes=max_body_bytes,
         conversation_quota_bytes=conversation_quota_bytes, header_timeout_s=header_timeout,
         body_timeout_s=body_timeout, arena_contestants=arena_contestants, database_url=database_url,
-        redis_url=redis_url)
+        redis_url=redis_url, moderation=moderation, moderation_options=moderation_options)
     try:
         sock = serving.bind(host, port)
     except KVServeError as e:
@@ -278,6 +290,44 @@ def keys_revoke(name: str = typer.Argument(..., help="The key's name."),
         typer.echo(f"error: no active key named {name!r} (see `kvserve keys list`)", err=True)
         raise typer.Exit(1)
     typer.echo(f"revoked {name!r}")
+
+
+@keys_app.command("moderation")
+def keys_moderation(
+    subject: str = typer.Argument(None, help="A key's name or tier:free / tier:paid; none lists the policies."),
+    mode: str = typer.Option(None, help="input,output | input | output | off."),
+    threshold: list[str] = typer.Option(None, help="CATEGORY=SCORE that flags (e.g. violence=0.3). Repeatable."),  # noqa: B008
+    block: list[str] = typer.Option(None, help="CATEGORY=PHRASE to block (a category of your own is fine). "  # noqa: B008
+                                               "Repeatable."),
+    regex: list[str] = typer.Option(None, help="CATEGORY=REGEX to block. Repeatable."),  # noqa: B008
+    pii_input: str = typer.Option(None, help="off | flag | redact."),
+    pii_output: str = typer.Option(None, help="off | redact."),
+    check_every: int = typer.Option(None, help="Output: check a window every this many tokens."),
+    clear: bool = typer.Option(False, "--clear", help="Remove the subject's policy."),
+    data_dir: DataDir = None,
+) -> None:
+    """Set, show or clear the moderation policy of a key or tier (on top of `serve --moderation`)."""
+    import json
+
+    from kvserve.server.moderation_policy import PolicyStore, policy_from_options
+
+    store = PolicyStore(ServerSettings(load_model=False, data_dir=data_dir or default_data_dir()).db_path)
+    try:
+        if subject is None:
+            for name, policy in sorted(store.all().items()):
+                typer.echo(f"{name:<20} {json.dumps(policy)}")
+            return
+        if clear:
+            typer.echo(f"{'removed' if store.delete(subject) else 'no policy for'} {subject}")
+            return
+        policy = policy_from_options(mode, threshold, block, regex, pii_input, pii_output, check_every)
+        store.set(subject, {**store.all().get(subject, {}), **policy})
+        typer.echo(f"{subject}: {json.dumps(store.all()[subject])}")
+    except KVServeError as e:
+        typer.echo(f"error: {e.message}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        store.close()
 
 
 @keys_app.command("usage")

@@ -147,7 +147,7 @@ def openapi(app: FastAPI) -> dict:
                 op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(body)}}}
             ok = RESPONSES.get((path, method))
             content = {"application/json": {"schema": ref(ok) if ok else {}}}
-            if method == "post" and path in ("/v1/chat/completions", "/v1/completions"):
+            if method == "post" and path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
                 content["text/event-stream"] = {"schema": {}}    # each event: a chunk or an error body
             if path == "/metrics":
                 content = {"text/plain": {"schema": {"type": "string"}}}

@@ -5,7 +5,13 @@ Everything here is CPU work (Jinja rendering, BPE), so the server calls it throu
 
 With `truncate: "oldest"` a conversation that does not fit loses its oldest non-system turns,
 one at a time, until prompt + max_tokens fits; the system prompt(s) and the last message are
-always kept. Without it, a prompt that does not fit is a 400 `context_length_exceeded`.
+always kept. Without it, a prompt that does not fit is a 400 `context_length_exceeded`. What was
+dropped is in the prompt (`dropped_messages`) and in `kvserve_trace.context`.
+
+The conversation itself is assembled here too, for every API that has one: chat completions send
+it whole; the Responses API (server/responses.py) builds it with `conversation()`: the
+instructions as the system prompt, the stored history of `previous_response_id`
+(server/responses_store.py), the new input items, and tool outputs as `tool` turns.
 """
 
 from __future__ import annotations
@@ -26,6 +32,60 @@ class Prompt:
     dropped_messages: int = 0
     forced_prefix: str = ""   # text after the generation prompt that the answer continues (tools)
     notes: list[str] = field(default_factory=list)
+
+
+def _item_text(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                    or not isinstance(part.get("text"), str):
+                raise InvalidRequest("Content parts must be {\"type\": \"input_text\", \"text\": ...} (images and "
+                                     "files are not supported).", param=f"{param}.content[{j}]")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise InvalidRequest("content must be a string or a list of input_text parts.", param=f"{param}.content")
+
+
+def conversation(instructions: str | None, history: list[dict[str, Any]],
+                 items: str | list[Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the whole context as chat messages, the new turns alone) for a Responses request: system
+    prompt from `instructions`, then the stored history, then the input items (messages, earlier
+    `function_call`s, `function_call_output`s as tool turns)."""
+    new: list[dict[str, Any]] = []
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    for i, item in enumerate(items):
+        param = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequest("Each input item must be an object.", param=param)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise InvalidRequest("role must be user, system, developer or assistant.", param=f"{param}.role")
+            new.append({"role": role, "content": _item_text(item.get("content"), param)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+            if not isinstance(call["function"]["name"], str) or not isinstance(call["id"], str):
+                raise InvalidRequest("A function_call item needs call_id and name.", param=param)
+            if new and new[-1]["role"] == "assistant" and new[-1].get("tool_calls") is not None:
+                new[-1]["tool_calls"].append(call)
+            else:
+                new.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out = item.get("output")
+            if not isinstance(item.get("call_id"), str) or not isinstance(out, str):
+                raise InvalidRequest("A function_call_output item needs call_id and a string output.", param=param)
+            new.append({"role": "tool", "tool_call_id": item["call_id"], "content": out})
+        else:
+            raise InvalidRequest(f"Input items of type {kind!r} are not supported (message, function_call, "
+                                 "function_call_output are).", param=f"{param}.type")
+    system = [{"role": "system", "content": instructions}] if instructions else []
+    return system + list(history) + new, new
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:

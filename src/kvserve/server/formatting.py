@@ -169,6 +169,10 @@ def trace(gen: Generation, ps: PromptState, decode, block_size: int) -> dict:
         output_drafted=ch.drafted)
     out["reasoning_token_count"] = ch.reasoning_tokens    # of completion_token_count, inside <think>
     out.update(gen.trace_extra)    # the router's decision, when it chose the model
+    from kvserve.server.moderation import trace_entries
+    out["moderation"] = trace_entries(gen)                 # each check: time and verdict
+    out["context"] = {"dropped_messages": ps.prompt.dropped_messages,   # oldest turns cut to fit (context.py)
+                      "prompt_tokens": len(ps.prompt.token_ids)}
     return out
 
 

@@ -39,6 +39,7 @@ from kvserve.server.admission import Ticket, engine_priority
 from kvserve.server.context import build_prompts, reasoning_budget, token_texts
 from kvserve.server.formatting import ChunkWriter, TokenTexts, chat_body, completion_body, echo_text, trace
 from kvserve.server.limits import read_body
+from kvserve.server.moderation import cut_if_filtered
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -79,6 +80,8 @@ async def generate(server, request: Request, kind: str) -> Response:
     req = parse_body(await read_body(request, settings.max_body_bytes, settings.body_timeout_s),
                      ChatCompletionRequest if chat else CompletionRequest, settings.max_json_depth)
     check_caps(req, settings)
+    moderation = server.moderation.config_for(record)    # input moderation, before any queue (400)
+    checks = await server.moderation.check_input_async(req, record, moderation)
     timings = Timings(t0=record.t0, parsed=time.monotonic())
 
     # 2. gates: the model ("auto": the router picks one; features.py), the ladder, the semantic cache
@@ -125,11 +128,13 @@ async def generate(server, request: Request, kind: str) -> Response:
     check_kv_budget(engine, prompts, max_tokens, params.num_sequences)
     if req.stream and params.best_of is not None and params.best_of > params.n:
         raise InvalidRequest("best_of > n cannot be streamed; drop best_of or stream=false.", param="best_of")
-    gen = Generation.create(kind, prompts, params, lambda: build_stages(plan, reasoning=chat), model_name=model_name,
-                            timings=timings, top_logprobs=top, trace=req.kvserve_trace, prompt_token_texts=texts,
-                            priority=engine_priority(record.key_tier, req.priority), engine=engine,
-                            cost_per_token=server.pool.entry(model_name).cost_per_token, cache_plan=cache_plan,
-                            trace_extra={"router": route} if route else {})
+    gen = Generation.create(kind, prompts, params,
+                            lambda: build_stages(plan, reasoning=chat,
+                                                 moderation=lambda: server.moderation.output_stage(moderation)),
+                            model_name=model_name, timings=timings, top_logprobs=top, trace=req.kvserve_trace,
+                            prompt_token_texts=texts, priority=engine_priority(record.key_tier, req.priority),
+                            engine=engine, cost_per_token=server.pool.entry(model_name).cost_per_token,
+                            cache_plan=cache_plan, trace_extra={"router": route} if route else {}, moderation=checks)
 
     # 5. token reservation, then an admission slot
     reserve = sum(len(p.token_ids) + max_tokens * params.num_sequences for p in prompts)
@@ -245,11 +250,16 @@ async def _deltas(server, gen: Generation, salt: str | None, client_salt: str | 
             if c.index >= len(ps.choices) or not (c.text_delta or c.token_ids_delta or c.finish_reason):
                 continue
             ch = ps.choices[c.index]
+            if ch.finish_reason is not None:    # ended by a stage (output moderation): nothing more
+                continue
             d = ch.add(run_stages(ch.stages, ChoiceDelta.from_output(c)))
+            await cut_if_filtered(server, gen, ps, d)
             server.http_ns += time.perf_counter_ns() - t0
             yield pi, c.index, d
             t0 = time.perf_counter_ns()
         server.http_ns += time.perf_counter_ns() - t0
+        if all(ch.finish_reason is not None for p in gen.prompts for ch in p.choices):
+            return
 
 
 async def _drain(deltas: AsyncIterator) -> None:

@@ -65,6 +65,7 @@ class RequestRecord:
     key_tier: str = "paid"
     status: int = 500               # the HTTP status sent
     generation: GenerationLog | None = None
+    moderation: dict[str, Any] | None = None   # the input check's verdict (server/moderation.py)
 
     def access_log_line(self) -> str:
         line: dict[str, Any] = {"ts": round(time.time(), 3), "request_id": self.request_id,
@@ -72,6 +73,8 @@ class RequestRecord:
                                 "key_name": self.key_name}
         if self.generation is not None:
             line.update(self.generation.fields())
+        if self.moderation is not None:
+            line["moderation"] = self.moderation
         line["total_ms"] = round((time.monotonic() - self.t0) * 1000, 2)
         return json.dumps(line)
 
@@ -159,6 +162,7 @@ class Generation:
     reserved_tokens: int = 0
     streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)   # engine.generate() per prompt
     tasks: list[asyncio.Task] = field(default_factory=list)   # pumps merging several prompts' streams
+    moderation: list[dict[str, Any]] = field(default_factory=list)   # input checks, for the trace
     started: bool = False           # engine requests were sent
     released: bool = False
 

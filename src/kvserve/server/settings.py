@@ -73,6 +73,11 @@ class ServerSettings:
     ladder_reject_free_at: int | None = 96
     retry_after_s: float = 2.0
 
+    # Moderation (server/moderation.py): "input,output" | "input" | "output" | "off", and the rest of
+    # safety.ModerationConfig's fields (thresholds, blocklist, regexes, pii_input, pii_output, ...).
+    moderation: str = "input,output"
+    moderation_options: dict = field(default_factory=dict)
+
     # The conversation API (web page): body cap and per-owner storage quota.
     conversation_body_bytes: int = 8 << 20
     conversation_quota_bytes: int = 64 << 20
@@ -82,6 +87,11 @@ class ServerSettings:
 
         return StoreLimits(max_body_bytes=self.conversation_body_bytes, max_owner_bytes=self.conversation_quota_bytes,
                            body_timeout_s=self.body_timeout_s, max_json_depth=self.max_json_depth)
+
+    def moderation_config(self):
+        from kvserve.safety.moderator import ModerationConfig
+
+        return ModerationConfig().merged({**self.moderation_options, "mode": self.moderation})
 
     @property
     def db_path(self) -> pathlib.Path:

@@ -7,7 +7,7 @@ out of it for one choice in one step is a `ChoiceDelta`. Every stage has one met
 `finish_reason` is the choice's last, so a stage that held text back releases it then. The
 formatter (formatting.py: SSE chunk or JSON body) is the end of the line.
 
-    engine client (detokenize, stops, logprobs) -> [reasoning] -> [tool calls] -> (moderation) -> format
+    engine client (detokenize, stops, logprobs) -> [reasoning] -> [tool calls] -> [moderation] -> format
 
 A streamed and a non-streamed answer run through the same stages, so they agree. Adding a stage
 (reasoning split, output moderation) is one line in `build_stages`.
@@ -74,14 +74,17 @@ class ToolCallStage:
         return delta
 
 
-def build_stages(plan: ToolPlan | None, reasoning: bool = False) -> list[Stage]:
-    """One choice's stage list, in order (chat answers get the reasoning split)."""
+def build_stages(plan: ToolPlan | None, reasoning: bool = False, moderation=None) -> list[Stage]:
+    """One choice's stage list, in order (chat answers get the reasoning split); `moderation` makes
+    the output moderation stage (server/moderation.py), or is None."""
     stages: list[Stage] = []
     if reasoning:
         from kvserve.server.reasoning import ReasoningStage
         stages.append(ReasoningStage())
     if plan is not None and plan.active:
         stages.append(ToolCallStage(plan))
+    if moderation is not None and (stage := moderation()) is not None:
+        stages.append(stage)
     return stages
 
 

@@ -145,6 +145,14 @@ function reasoningBlock(text) {
   return details;
 }
 
+// A blocked question (input moderation: 400 content_policy_violation) or a cut answer (output
+// moderation: finish_reason "content_filter") is said plainly under the message.
+function moderationNote(meta) {
+  if (meta?.blocked) return `Blocked by moderation: ${meta.error}`;
+  if (meta?.finish_reason === "content_filter") return "Cut by moderation: the rest of this answer was withheld.";
+  return "";
+}
+
 function renderMessage(msg, index) {
   const node = document.createElement("article");
   node.className = `msg ${msg.role}`;
@@ -155,6 +163,8 @@ function renderMessage(msg, index) {
   if (msg.role === "assistant") body.innerHTML = renderMarkdown(msg.content);
   else body.textContent = msg.content;
   node.append(body);
+  const note = moderationNote(msg.meta);
+  if (note) node.append(Object.assign(document.createElement("p"), { className: "moderation-note", textContent: note }));
   if (msg.role === "assistant") {
     for (const pre of body.querySelectorAll("pre")) {
       pre.append(button("Copy", "code-copy", (e) => copyText(pre.querySelector("code").textContent, e.target)));
@@ -295,7 +305,11 @@ async function generate(index, { fresh = false } = {}) {
     setGenerating(false);
   }
   if (conv !== state.current) return;  // the user switched chats mid-answer
-  if (failed && !asst.content) {
+  const blocked = failed && (failed.body?.error?.code === "content_policy_violation");
+  if (blocked) {
+    asst.meta = { blocked: true, error: failed.message };
+    try { await conversations.putMessages(conv.id, [asst], index); } catch (e) { showError(e.message); }
+  } else if (failed && !asst.content) {
     conv.messages.splice(index, 1);
     showError(failed.message);
   } else {

@@ -1,0 +1,146 @@
+"""Moderation's cost, A/B in one server: `python -m kvserve.bench.moderation [--rounds 12]`.
+
+Starts `kvserve serve` (the default model) with two keys: `on` (the default moderation: input and
+output, PII redaction) and `off` (a policy with moderation off). Requests alternate on, off, on,
+... with the same prompt, one at a time, streamed, ignoring EOS for a fixed output length, so both
+arms see the same machine load. Prints each arm's TTFT p50 (client side: the first token's event;
+and the first visible text, which PII redaction may hold back by up to a word) and decode
+tokens/s (tokens after the first / time after the first), and the checks' own CPU time per call
+(`time.process_time`, single thread) for an input prompt and an output window.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+PROMPT = ("I am planning a weekend trip to the mountains with two friends. We like hiking, local food and "
+          "quiet places. Could you suggest a plan for Saturday and Sunday, with a short list of what to pack "
+          "and a few tips for staying safe on the trails? Please keep it practical.")
+
+
+def _check_cpu_ms(n: int = 200) -> tuple[float, float]:
+    from kvserve.safety import Moderator
+
+    mod = Moderator()
+    window = (PROMPT + " ") * 2
+    out = []
+    for text in (PROMPT, window[:400]):
+        mod.check(text)
+        t0 = time.process_time()
+        for _ in range(n):
+            mod.check(text)
+        out.append((time.process_time() - t0) / n * 1000)
+    return out[0], out[1]
+
+
+def _stage_cpu_us_per_token(n_tokens: int = 512) -> float:
+    """CPU time of the output stage (PII redaction + a window check every 16 tokens) per token."""
+    import tempfile as _tf
+
+    from kvserve.safety import ModerationConfig
+    from kvserve.server.moderation import ModerationService
+    from kvserve.server.stages import ChoiceDelta
+
+    service = ModerationService(ModerationConfig(), os.path.join(_tf.mkdtemp(), "kvserve.db"))
+    words = (PROMPT + " Call 020 7946 0958 or write to a.b@example.com for 12 tickets. ").split()
+    stage = service.output_stage(service.config)
+    t0 = time.process_time()
+    for i in range(n_tokens):
+        stage.feed(ChoiceDelta(0, words[i % len(words)] + " ", [i], finish_reason="length" if i == n_tokens - 1
+                               else None))
+    service.close()
+    return (time.process_time() - t0) / n_tokens * 1e6
+
+
+def _one(base: str, key: str, max_tokens: int) -> tuple[float, float, float]:
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens, "min_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = first_event = None
+    tokens = 0
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=600,
+                      headers={"Authorization": f"Bearer {key}"}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+                continue
+            deltas = [c.get("delta", {}) for c in chunk["choices"]]
+            if first_event is None and deltas and not any("role" in d for d in deltas):
+                first_event = time.perf_counter()       # the first token's event (its text may be held back)
+            if first is None and any(d.get("content") for d in deltas):
+                first = time.perf_counter()             # the first visible text
+    end = time.perf_counter()
+    first, first_event = first or end, first_event or end
+    return ((first_event - t0) * 1000, (tokens - 1) / (end - first_event) if end > first_event else 0.0,
+            (first - t0) * 1000)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    import httpx
+
+    from kvserve.bench.serve_launch import free_port
+    from kvserve.server.keys import KeyStore
+    from kvserve.server.moderation_policy import PolicyStore
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    in_ms, win_ms = _check_cpu_ms()
+    print(f"check CPU time: input prompt ({len(PROMPT)} chars) {in_ms:.3f} ms, output window (400 chars) "
+          f"{win_ms:.3f} ms; output stage {_stage_cpu_us_per_token():.1f} us of CPU per token")
+    data = tempfile.mkdtemp(prefix="kvserve-bench-moderation-")
+    store = KeyStore(os.path.join(data, "kvserve.db"))
+    keys = {"on": store.create("on"), "off": store.create("off")}
+    store.close()
+    policies = PolicyStore(os.path.join(data, "kvserve.db"))
+    policies.set("off", {"mode": "off", "pii_output": "off", "pii_input": "off"})
+    policies.close()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.server", "serve", "--port", str(port), "--data-dir", data],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        for arm in ("on", "off"):      # warm up
+            _one(base, keys[arm], 8)
+        results: dict[str, list[tuple[float, float, float]]] = {"on": [], "off": []}
+        for i in range(args.rounds):
+            for arm in (("on", "off") if i % 2 == 0 else ("off", "on")):
+                results[arm].append(_one(base, keys[arm], args.max_tokens))
+        for arm, rows in results.items():
+            ttft = statistics.median(r[0] for r in rows)
+            tps = statistics.median(r[1] for r in rows)
+            text = statistics.median(r[2] for r in rows)
+            print(f"moderation {arm:>3}: TTFT p50 {ttft:.1f} ms (first visible text {text:.1f} ms), decode "
+                  f"{tps:.2f} tok/s (median of {len(rows)})")
+        d_ttft = statistics.median(r[0] for r in results["on"]) - statistics.median(r[0] for r in results["off"])
+        d_tps = 1 - statistics.median(r[1] for r in results["on"]) / statistics.median(r[1] for r in results["off"])
+        print(f"added TTFT p50: {d_ttft:+.1f} ms; decode tok/s lower by {d_tps * 100:+.1f}%")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Moderation in the gateway: `/v1/moderations`, the input gate, and the output stage.
+
+* Input (before the queue): the request's user, system and tool text is checked (each message on
+  its own, long ones in windows) and, with `pii_input`, searched for personal data. A flagged
+  request is a 400 `content_policy_violation`: no token reservation, no admission slot, no engine
+  request. It is counted in `kvserve:moderation_flagged_total{stage="input"}` and its verdict is
+  written on the access-log line.
+* Output (`OutputModerationStage`, the last stage of every choice): personal data is redacted as
+  the text streams (safety.pii.StreamRedactor), and every `check_every` tokens the last
+  `window_chars` characters are checked while the engine keeps decoding. On a flag the choice
+  ends with `finish_reason: "content_filter"`, the rest of its text is dropped, and the handler
+  aborts the engine request (`cut`), which frees its KV blocks. So a violating text is cut within
+  one window of `check_every` tokens after it appears.
+* Per request the config is the server's (`--moderation`, `--moderation-config`) with the tier's
+  and the key's stored policies on top (moderation_policy.py); a Moderator per distinct config is
+  cached. Each check's time and verdict goes in `kvserve_trace.moderation`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from prometheus_client import Counter, Histogram
+
+from kvserve.errors import ContentPolicyViolation, InvalidRequest
+from kvserve.safety import pii
+from kvserve.safety.moderator import ModerationConfig, Moderator, Verdict
+from kvserve.server.limits import load_json, read_body
+from kvserve.server.moderation_policy import PolicyStore
+from kvserve.server.stages import ChoiceDelta
+
+MODEL = "kvserve-moderation-1"
+CHUNK = 2000          # input text is checked in windows of this many characters
+MAX_INPUTS = 64       # entries of one /v1/moderations request
+INLINE_CHARS = 4000   # input checked on the event loop up to this size, in a worker thread beyond
+
+
+class ModerationService:
+    """What the server holds for moderation: the base config, the policy store, moderators, metrics."""
+
+    def __init__(self, config: ModerationConfig, db_path, registry=None):
+        self.config = config
+        self.policies = PolicyStore(db_path)
+        self._moderators: dict[str, Moderator] = {}
+        self.checks = Counter("kvserve:moderation_checks", "Moderation checks run, by stage.", ["stage"],
+                              registry=registry)
+        self.flagged = Counter("kvserve:moderation_flagged", "Inputs blocked and outputs cut, by stage and "
+                               "category.", ["stage", "category"], registry=registry)
+        self.seconds = Histogram("kvserve:moderation_check_seconds", "Time of one moderation check.", ["stage"],
+                                 buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05), registry=registry)
+
+    def close(self) -> None:
+        self.policies.close()
+
+    def config_for(self, record) -> ModerationConfig:
+        config = self.config
+        for policy in self.policies.for_caller(record.key_name, record.key_tier if record.key else None):
+            config = config.merged(policy)
+        return config
+
+    def moderator(self, config: ModerationConfig) -> Moderator:
+        key = json.dumps([config.thresholds, config.blocklist, config.regexes, config.jailbreak], sort_keys=True)
+        mod = self._moderators.get(key)
+        if mod is None:
+            if len(self._moderators) > 256:
+                self._moderators.clear()
+            mod = self._moderators[key] = Moderator(config)
+        return mod
+
+    def observe(self, stage: str, verdict: Verdict) -> None:
+        self.checks.labels(stage).inc()
+        self.seconds.labels(stage).observe(verdict.elapsed_ms / 1000)
+        if verdict.flagged:
+            self.flagged.labels(stage, verdict.top or "unknown").inc()
+
+    # ---- input ----------------------------------------------------------------------------
+
+    async def check_input_async(self, req, record, config: ModerationConfig) -> list[dict[str, Any]]:
+        """`check_input` inline for a short request (well under a millisecond), in a worker thread
+        for a long one, so a large body never stalls the event loop."""
+        if sum(len(t) for _, t, _ in input_texts(req)) <= INLINE_CHARS:
+            return self.check_input(req, record, config)
+        return await asyncio.to_thread(self.check_input, req, record, config)
+
+    def check_input(self, req, record, config: ModerationConfig) -> list[dict[str, Any]]:
+        """Check a chat or completions request before it is queued; raise ContentPolicyViolation
+        when flagged; redact personal data in place when configured. Returns the trace entries."""
+        entries: list[dict[str, Any]] = []
+        texts = input_texts(req)
+        if config.pii_input != "off":
+            t0 = time.perf_counter()
+            kinds = sorted({m.kind for _, text, _ in texts for m in pii.find(text)})
+            entries.append({"check": "pii_input", "kinds": kinds, "action": config.pii_input if kinds else "none",
+                            "ms": round((time.perf_counter() - t0) * 1000, 3)})
+            if kinds and config.pii_input == "flag":
+                record.moderation = {"stage": "input", "flagged": True, "categories": [f"pii:{k}" for k in kinds]}
+                self.flagged.labels("input", "pii").inc()
+                raise ContentPolicyViolation(f"The request contains personal data or secrets ({', '.join(kinds)}); "
+                                             "remove them and retry.", param="messages")
+            if kinds:
+                redact_input(req)
+                texts = input_texts(req)
+        if not config.input:
+            return entries
+        mod = self.moderator(config)
+        t0 = time.perf_counter()
+        worst: Verdict | None = None
+        where = None
+        for param, text, is_user in texts:
+            for i in range(0, max(len(text), 1), CHUNK):
+                v = mod.check(text[max(0, i - 100):i + CHUNK], input=is_user)
+                if worst is None or (v.flagged and not worst.flagged):
+                    worst, where = v, param
+                if v.flagged:
+                    break
+            if worst is not None and worst.flagged:
+                break
+        if worst is None:
+            return entries
+        worst.elapsed_ms = (time.perf_counter() - t0) * 1000
+        self.observe("input", worst)
+        entries.append({"check": "input", **worst.summary()})
+        record.moderation = {"stage": "input", **worst.summary()}
+        if worst.flagged:
+            cats = ", ".join(c for c, f in worst.categories.items() if f)
+            raise ContentPolicyViolation(f"The request was flagged by input moderation ({cats}) and was not "
+                                         "processed.", param=where)
+        return entries
+
+    # ---- output ---------------------------------------------------------------------------
+
+    def output_stage(self, config: ModerationConfig) -> OutputModerationStage | None:
+        if not config.output and config.pii_output == "off":
+            return None
+        return OutputModerationStage(self.moderator(config) if config.output else None, config, self)
+
+
+def input_texts(req) -> list[tuple[str, str, bool]]:
+    """(param, text, written by the caller) for each piece of a request's input to check."""
+    from kvserve.server.protocol import ChatCompletionRequest
+
+    if isinstance(req, ChatCompletionRequest):
+        return [(f"messages[{i}]", m.text(), m.role in ("user", "system", "developer"))
+                for i, m in enumerate(req.messages) if m.role != "assistant" and m.content]
+    prompt = req.prompt
+    items = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
+    return [("prompt", p, True) for p in items]
+
+
+def redact_input(req) -> None:
+    from kvserve.server.protocol import ChatCompletionRequest
+
+    if isinstance(req, ChatCompletionRequest):
+        for m in req.messages:
+            if isinstance(m.content, str):
+                m.content = pii.redact(m.content)
+            elif m.content:
+                for part in m.content:
+                    part.text = pii.redact(part.text)
+    elif isinstance(req.prompt, str):
+        req.prompt = pii.redact(req.prompt)
+    else:
+        req.prompt = [pii.redact(p) if isinstance(p, str) else p for p in req.prompt]
+
+
+class OutputModerationStage:
+    """The last stage of a choice: redact personal data, check a window every N tokens, cut on a flag."""
+
+    def __init__(self, moderator: Moderator | None, config: ModerationConfig, service: ModerationService):
+        self.moderator = moderator
+        self.config = config
+        self.service = service
+        self.redactor = pii.StreamRedactor() if config.pii_output == "redact" else None
+        self.window = ""
+        self.unchecked = 0          # tokens since the last check
+        self.checks: list[dict[str, Any]] = []
+        self.cut = False
+
+    def feed(self, delta: ChoiceDelta) -> ChoiceDelta:
+        if self.cut:                # the choice already ended: nothing more goes out
+            delta.text, delta.reasoning, delta.tool_calls = "", "", []
+            delta.filtered = True
+            return delta
+        raw = delta.reasoning + delta.text      # the window holds the model's own text, before redaction
+        if self.redactor is not None:   # held-back text leaves an empty delta, sent as such (keeps the stream alive)
+            delta.text = self.redactor.feed(delta.text) + (self.redactor.finish() if delta.done else "")
+        if self.moderator is None:
+            return delta
+        self.window = (self.window + raw)[-self.config.window_chars:]
+        self.unchecked += max(1, len(delta.token_ids))
+        if self.unchecked < self.config.check_every and not delta.done:
+            return delta
+        self.unchecked = 0
+        v = self.moderator.check(self.window, input=False)
+        self.service.observe("output", v)
+        self.checks.append({"check": "output", **v.summary()})
+        if v.flagged:
+            self.cut = True
+            delta.text, delta.reasoning, delta.tool_calls = "", "", []
+            delta.finish_reason, delta.stop_reason = "content_filter", None
+            delta.filtered = True
+        return delta
+
+
+async def cut_if_filtered(server, gen, ps, delta: ChoiceDelta) -> None:
+    """After a choice's stages: when output moderation ended every choice of this prompt, abort its
+    engine request now (its KV blocks are freed; `_release` sees a final and does nothing more)."""
+    if delta.finish_reason != "content_filter":
+        return
+    if all(ch.finish_reason is not None for ch in ps.choices) and ps.final is None:
+        await server.engine.abort(ps.request_id)
+
+
+def trace_entries(gen) -> list[dict[str, Any]]:
+    """The moderation checks of a request (input, then the first choice's output checks)."""
+    out = list(getattr(gen, "moderation", []) or [])
+    for stage in gen.prompts[0].choices[0].stages:
+        out += getattr(stage, "checks", [])
+    return out
+
+
+def mount_moderation(app: FastAPI, server) -> None:
+    @app.post("/v1/moderations")
+    async def moderations(request: Request) -> dict:
+        s = server.settings
+        body = load_json(await read_body(request, s.max_body_bytes, s.body_timeout_s), s.max_json_depth)
+        if not isinstance(body, dict) or "input" not in body:
+            raise InvalidRequest("Missing required parameter: input.", param="input")
+        extra = set(body) - {"input", "model"}
+        if extra:
+            raise InvalidRequest(f"Unrecognized request argument supplied: {min(extra)}.", param=min(extra))
+        inp = body["input"]
+        if isinstance(inp, str):
+            texts = [inp]
+        elif isinstance(inp, list) and all(isinstance(x, str) for x in inp) and 0 < len(inp) <= MAX_INPUTS:
+            texts = inp
+        elif isinstance(inp, list) and all(isinstance(x, dict) and x.get("type") == "text"
+                                           and isinstance(x.get("text"), str) for x in inp) and 0 < len(inp) <= MAX_INPUTS:
+            texts = [x["text"] for x in inp]
+        else:
+            raise InvalidRequest(f"input must be a string or a list of 1-{MAX_INPUTS} strings (or text parts).",
+                                 param="input")
+        record = request.state.record
+        mod = server.moderation.moderator(server.moderation.config_for(record))
+
+        def run() -> list[dict]:
+            out = []
+            for t in texts:
+                v = mod.check(t)
+                server.moderation.observe("endpoint", v)
+                out.append(v.to_openai())
+            return out
+
+        results = await asyncio.to_thread(run)
+        return {"id": f"modr-{uuid.uuid4().hex}", "model": body.get("model") or MODEL, "results": results}

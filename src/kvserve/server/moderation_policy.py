@@ -1,0 +1,153 @@
+"""Moderation policies per key or tier, stored next to the keys (`kvserve keys moderation`).
+
+A policy is a JSON object of `ModerationConfig` overrides (`mode`, `thresholds`, `blocklist`,
+`regexes`, `pii_input`, `pii_output`, `jailbreak`, `check_every`) stored under a subject: a key's
+name, or `tier:free` / `tier:paid`. A request's config is the server's (`kvserve serve
+--moderation ...`), then its tier's policy, then its key's. The SQL is here and nowhere else; the
+server re-reads the table only when `PRAGMA data_version` says another connection changed it.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sqlite3
+import threading
+import time
+from typing import Any
+
+from kvserve.errors import InvalidRequest
+from kvserve.server import storage
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS moderation_policies (
+    subject TEXT PRIMARY KEY,
+    policy TEXT NOT NULL,
+    updated_at REAL NOT NULL
+);
+"""
+FIELDS = {"mode", "thresholds", "blocklist", "regexes", "pii_input", "pii_output", "jailbreak", "check_every",
+          "window_chars"}
+
+
+def validate(policy: dict[str, Any]) -> dict[str, Any]:
+    """Raise InvalidRequest for an unknown field or value; returns the policy."""
+    from kvserve.safety.moderator import MODES
+
+    unknown = set(policy) - FIELDS
+    if unknown:
+        raise InvalidRequest(f"Unknown moderation policy field(s): {', '.join(sorted(unknown))}.", param="policy")
+    if "mode" in policy and policy["mode"] not in MODES:
+        raise InvalidRequest("mode must be input,output | input | output | off.", param="mode")
+    if policy.get("pii_input", "off") not in ("off", "flag", "redact"):
+        raise InvalidRequest("pii_input must be off, flag or redact.", param="pii_input")
+    if policy.get("pii_output", "off") not in ("off", "redact"):
+        raise InvalidRequest("pii_output must be off or redact.", param="pii_output")
+    for cat, v in (policy.get("thresholds") or {}).items():
+        if not isinstance(v, int | float) or not 0 <= v <= 1:
+            raise InvalidRequest(f"The threshold of {cat} must be a number in [0, 1].", param="thresholds")
+    if "check_every" in policy and (not isinstance(policy["check_every"], int) or policy["check_every"] < 1):
+        raise InvalidRequest("check_every must be a positive number of tokens.", param="check_every")
+    return policy
+
+
+class PolicyStore:
+    def __init__(self, db_path: pathlib.Path):
+        self._lock = threading.Lock()
+        self._conn = storage.connect(pathlib.Path(db_path), check_same_thread=False, isolation_level=None,
+                                     timeout=10.0)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.executescript(SCHEMA)
+        self._version: int | None = None
+        self._cache: dict[str, dict[str, Any]] = {}
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def set(self, subject: str, policy: dict[str, Any]) -> None:
+        validate(policy)
+        with self._lock:
+            self._conn.execute("INSERT INTO moderation_policies (subject, policy, updated_at) VALUES (?, ?, ?) "
+                               "ON CONFLICT(subject) DO UPDATE SET policy = excluded.policy, "
+                               "updated_at = excluded.updated_at", (subject, json.dumps(policy), time.time()))
+            self._version = None
+
+    def delete(self, subject: str) -> bool:
+        with self._lock:
+            cur = self._conn.execute("DELETE FROM moderation_policies WHERE subject = ?", (subject,))
+            self._version = None
+            return cur.rowcount > 0
+
+    def all(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            try:
+                version = self._conn.execute("PRAGMA data_version").fetchone()[0]
+                if version != self._version:
+                    rows = self._conn.execute("SELECT subject, policy FROM moderation_policies").fetchall()
+                    self._cache = {s: json.loads(p) for s, p in rows}
+                    self._version = version
+            except sqlite3.Error:
+                pass
+            return dict(self._cache)
+
+    def for_caller(self, key_name: str | None, tier: str | None) -> list[dict[str, Any]]:
+        """The policies that apply, weakest first: the tier's, then the key's."""
+        policies = self.all()
+        return [p for p in (policies.get(f"tier:{tier}") if tier else None,
+                            policies.get(key_name) if key_name else None) if p]
+
+
+def _pairs(items: list[str] | None, what: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for item in items or []:
+        cat, sep, value = item.partition("=")
+        if not sep or not cat or not value:
+            raise InvalidRequest(f"--{what} takes CATEGORY=VALUE, got {item!r}.", param=what)
+        out.setdefault(cat, []).append(value)
+    return out
+
+
+def policy_from_options(mode: str | None, threshold: list[str] | None, block: list[str] | None,
+                        regex: list[str] | None, pii_input: str | None, pii_output: str | None,
+                        check_every: int | None) -> dict[str, Any]:
+    """A policy from `kvserve keys moderation` options (only what was given)."""
+    policy: dict[str, Any] = {}
+    if mode is not None:
+        policy["mode"] = mode
+    if threshold:
+        try:
+            policy["thresholds"] = {c: float(v[-1]) for c, v in _pairs(threshold, "threshold").items()}
+        except ValueError:
+            raise InvalidRequest("--threshold takes CATEGORY=NUMBER.", param="threshold") from None
+    if block:
+        policy["blocklist"] = _pairs(block, "block")
+    if regex:
+        policy["regexes"] = _pairs(regex, "regex")
+    if pii_input is not None:
+        policy["pii_input"] = pii_input
+    if pii_output is not None:
+        policy["pii_output"] = pii_output
+    if check_every is not None:
+        policy["check_every"] = check_every
+    return validate(policy)
+
+
+def load_options(mode: str, config_file: str | None) -> dict[str, Any]:
+    """`kvserve serve --moderation MODE --moderation-config FILE` as ModerationConfig overrides."""
+    import json as _json
+
+    from kvserve.safety.moderator import MODES
+
+    if mode not in MODES:
+        raise InvalidRequest("--moderation must be input,output | input | output | off.", param="moderation")
+    if not config_file:
+        return {}
+    try:
+        options = _json.loads(pathlib.Path(config_file).read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidRequest(f"--moderation-config {config_file}: {e}", param="moderation_config") from None
+    if not isinstance(options, dict):
+        raise InvalidRequest("--moderation-config must hold a JSON object.", param="moderation_config")
+    options.pop("mode", None)
+    return validate(options)

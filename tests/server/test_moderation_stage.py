@@ -1,0 +1,90 @@
+"""Output moderation as a stage and the Responses context builder, without a model."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.errors import InvalidRequest
+from kvserve.safety import ModerationConfig
+from kvserve.server.context import conversation
+from kvserve.server.moderation import ModerationService
+from kvserve.server.stages import ChoiceDelta
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    s = ModerationService(ModerationConfig(), tmp_path_factory.mktemp("mod") / "kvserve.db")
+    yield s
+    s.close()
+
+
+def run(stage, words: list[str]) -> list[ChoiceDelta]:
+    out = []
+    for i, w in enumerate(words):
+        d = stage.feed(ChoiceDelta(0, w, [i], finish_reason="length" if i == len(words) - 1 else None))
+        out.append(d)
+        if d.done:
+            break
+    return out
+
+
+@pytest.mark.parametrize("every", [1, 4, 8])
+def test_cut_within_one_window(service, every):
+    cfg = ModerationConfig(check_every=every, blocklist={"places": ["zanzibar"]})
+    words = [f"w{i} " for i in range(10)] + ["zanzibar "] + [f"x{i} " for i in range(30)]
+    out = run(service.output_stage(cfg), words)
+    assert out[-1].finish_reason == "content_filter" and out[-1].text == ""
+    assert len(out) - 1 - 10 < every                 # cut within `every` tokens of the word
+
+
+def test_clean_output_passes_and_is_redacted(service):
+    stage = service.output_stage(ModerationConfig(check_every=2))
+    text = "Write to bob@example.com or call +1 415-555-0134 today please ."
+    out = run(stage, [w + " " for w in text.split()])
+    sent = "".join(d.text for d in out)
+    assert out[-1].finish_reason == "length"
+    assert sent.split() == ["Write", "to", "[EMAIL]", "or", "call", "[PHONE]", "today", "please", "."]
+    assert len(stage.checks) >= len(out) // 2 and not any(c["flagged"] for c in stage.checks)
+
+
+def test_conversation_builder():
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+    messages, new = conversation("Be brief.", history, items)
+    assert messages[0] == {"role": "system", "content": "Be brief."} and messages[1:3] == history
+    assert [m["role"] for m in new] == ["user", "assistant", "tool"]
+    assert new[1]["tool_calls"][0]["function"]["name"] == "get_weather" and new[2]["tool_call_id"] == "c1"
+    assert conversation(None, [], "hey")[0] == [{"role": "user", "content": "hey"}]
+    with pytest.raises(InvalidRequest) as e:
+        conversation(None, [], [{"type": "input_image"}])
+    assert e.value.param == "input[0].type"
+
+
+def test_serve_options_and_policies(tmp_path):
+    import json
+
+    from kvserve.server.moderation_policy import PolicyStore, load_options
+    from kvserve.server.settings import ServerSettings
+
+    cfg = ServerSettings(load_model=False, data_dir=tmp_path, moderation="input").moderation_config()
+    assert cfg.input and not cfg.output
+    off = ServerSettings(load_model=False, data_dir=tmp_path, moderation="off").moderation_config()
+    assert not off.input and not off.output
+    with pytest.raises(InvalidRequest):
+        load_options("sometimes", None)
+    (tmp_path / "m.json").write_text(json.dumps({"thresholds": {"violence": 0.2}, "pii_input": "flag"}))
+    assert load_options("input,output", str(tmp_path / "m.json"))["pii_input"] == "flag"
+    (tmp_path / "bad.json").write_text(json.dumps({"thresholds": {"violence": 2}}))
+    with pytest.raises(InvalidRequest):
+        load_options("input,output", str(tmp_path / "bad.json"))
+    store = PolicyStore(tmp_path / "kvserve.db")
+    store.set("tier:free", {"thresholds": {"violence": 0.1}})
+    store.set("k1", {"mode": "output"})
+    assert [p for p in store.for_caller("k1", "free")] == [{"thresholds": {"violence": 0.1}}, {"mode": "output"}]
+    merged = cfg.merged(store.for_caller("k1", "free")[0]).merged(store.for_caller("k1", "free")[1])
+    assert merged.thresholds == {"violence": 0.1} and merged.output and not merged.input
+    with pytest.raises(InvalidRequest):
+        store.set("k2", {"mode": "sideways"})
+    store.close()

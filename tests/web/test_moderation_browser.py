@@ -1,0 +1,41 @@
+"""The chat page says plainly when input moderation blocked a question (real browser, real server)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from test_browser import (  # noqa: F401 - browser is a fixture
+    ARTIFACTS,
+    CHROMIUM,
+    browser,
+    open_page,
+    run_server,
+    wait_until,
+)
+
+pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
+                                reason="needs Debian's chromium (scripts/test-deps.sh installs it)")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with run_server(tmp_path_factory.mktemp("moderation-web")) as base:
+        yield base
+
+
+def test_blocked_question_is_said_plainly_and_kept(server, browser):  # noqa: F811 - fixture
+    page, errors = open_page(browser, server, "web-test-moderation", settings={"max_tokens": 8})
+    page.click("#new-chat")
+    page.fill("#prompt", "how do I murder my boss and hide the body")
+    page.keyboard.press("Enter")
+    note = wait_until(page, "document.querySelector('.msg.assistant .moderation-note')?.textContent", 120,
+                      "moderation note")
+    assert note.startswith("Blocked by moderation") and "violence" in note
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "web-chat-moderation-blocked.png"))
+    page.reload()                                   # stored with the conversation
+    wait_until(page, "document.documentElement.dataset.ready === '1'", 30, "reloaded")
+    assert wait_until(page, "document.querySelector('.msg.assistant .moderation-note')?.textContent", 30,
+                      "note after reload").startswith("Blocked by moderation")
+    assert errors == []
