@@ -36,9 +36,13 @@ class EngineConfig:
     # Where the KV cache and the step's tensors live: "cpu", "cuda[:N]", or "auto" (cuda when torch
     # sees a GPU). The model must be loaded on the same device.
     device: str = "cpu"
+    # LoRA adapters (engine/lora.py): {name: PEFT adapter directory} loaded at start, and how many
+    # adapters stay in memory at once (least recently used out first; reloaded from disk on demand).
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills", "max_loras"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidRequest(f"{name} must be a positive integer, got {v!r}", param=name)

@@ -165,6 +165,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = lm_head
         self.rotary = RotaryEmbedding(cfg)
         self.rotary_local = RotaryEmbedding(cfg, cfg.rope_local_theta) if cfg.rope_local_theta else None
+        self.lora = None   # model/lora.py's LoRAState once adapters are served (hooks on the projections)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attn_metadata: AttentionMetadata | None = None,
@@ -182,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
             step = ops.prepare(x, positions, attn_metadata, kv_caches)
             if step is None:
                 ops = reference
-            else:
+            elif self.lora is None or self.lora.batch is None:   # LoRA rows: the per-layer path
                 out = ops.forward_stack(x, step, kv_caches)
                 if out is not None:
                     return out

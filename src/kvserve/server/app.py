@@ -26,6 +26,7 @@ from kvserve.server.conformance import mount_conformance
 from kvserve.server.handlers import mount
 from kvserve.server.keys import KeyStore
 from kvserve.server.limits import read_body
+from kvserve.server.lora_admin import lora_model_cards, mount_lora
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GatewayMiddleware
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
@@ -77,6 +78,8 @@ class ServerState:
             raise Overloaded(msg, retry_after=5.0, code="model_not_ready")
         name = self.model_name
         if requested not in (None, "", name, self.engine.model_name):
+            if requested in self.engine.lora_names():   # a LoRA adapter over this engine's base
+                return self.engine.with_lora(requested), requested
             raise ModelNotFound(f"The model {requested!r} does not exist on this server; it serves {name!r} "
                                 "(GET /v1/models).", param="model")
         return self.engine, name
@@ -179,6 +182,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
                                        "param": None, "code": "internal_error"}}, status_code=500)
 
     mount(app, state)   # /v1/chat/completions, /v1/completions
+    mount_lora(app, state)   # /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -186,6 +190,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         if state.engine is not None:
             data.append({"id": state.model_name, "object": "model", "created": int(time.time()),
                          "owned_by": "kvserve", "max_model_len": state.engine.max_model_len})
+            data += lora_model_cards(state)
         return {"object": "list", "data": data}
 
     @app.get("/health")

@@ -37,6 +37,13 @@ def serve(
     api_key: str = typer.Option(None, "--api-key", envvar="KVSERVE_API_KEY",
                                 help="Require this key (on top of any created with `kvserve keys`)."),
     served_model_name: str = typer.Option(None, help="Name clients use in \"model\"."),
+    lora: list[str] = typer.Option(None, "--lora",  # noqa: B008 - typer's idiom
+                                   help="A LoRA adapter (PEFT directory) served as model NAME: NAME=PATH. "
+                                        "Repeatable."),
+    max_loras: int = typer.Option(8, min=1, help="LoRA adapters kept in memory at once (LRU)."),
+    admin_key: str = typer.Option(None, "--admin-key", envvar="KVSERVE_ADMIN_KEY",
+                                  help="Key of the admin endpoints (/v1/load_lora_adapter, "
+                                       "/v1/unload_lora_adapter); without it they are off."),
     max_running: int = typer.Option(32, help="Requests handed to the engine at once."),
     max_waiting: int = typer.Option(128, help="Requests that may wait for a slot; beyond it, 503."),
     ladder_cap_at: int = typer.Option(64, help="Queue length at which max_tokens is capped."),
@@ -94,13 +101,21 @@ def serve(
                                              ("long_prefill_token_threshold", long_prefill_token_threshold),
                                              ("max_num_partial_prefills", max_num_partial_prefills),
                                              ("max_step_ms", max_step_ms)] if v is not None}
+    if lora:
+        from kvserve.engine.lora import parse_lora_modules
+        try:
+            engine_kwargs["lora_modules"] = parse_lora_modules(lora)
+        except KVServeError as e:
+            typer.echo(f"error: {e.message}", err=True)
+            raise typer.Exit(2) from None
+    engine_kwargs["max_loras"] = max_loras
     if kv_cache_memory:
         engine_kwargs["kv_cache_memory"] = (int(kv_cache_memory) if kv_cache_memory.isdigit() else
                                             float(kv_cache_memory) if kv_cache_memory.replace(".", "", 1).isdigit()
                                             else kv_cache_memory)
     settings = ServerSettings(
         model=model, served_model_name=served_model_name, data_dir=data_dir or default_data_dir(),
-        api_key=api_key, max_running=max_running, max_waiting=max_waiting, ladder_cap_at=ladder_cap_at,
+        api_key=api_key, admin_key=admin_key, max_running=max_running, max_waiting=max_waiting, ladder_cap_at=ladder_cap_at,
         ladder_cap_max_tokens=ladder_cap_max_tokens, ladder_reject_free_at=ladder_reject_free_at,
         default_max_tokens=default_max_tokens, engine_process=engine_process, engine_kwargs=engine_kwargs,
         prefix_cache_scope=prefix_cache_scope, shared_prompts=shared, max_body_bytes=max_body_bytes,

@@ -157,6 +157,9 @@ def mount_conformance(app: FastAPI, state) -> None:
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str) -> dict:
         engine, name = state.require_engine(None)
+        if model_id in engine.lora_names():
+            from kvserve.server.lora_admin import lora_model_cards
+            return next(c for c in lora_model_cards(state) if c["id"] == model_id)
         if model_id not in (name, engine.model_name):
             raise ModelNotFound(f"The model {model_id!r} does not exist on this server; it serves {name!r}.",
                                 param="model")

@@ -180,7 +180,7 @@ async def _engine_outputs(server, gen: Generation, salt: str | None, client_salt
                           ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from the engine, every prompt of the request merged into one stream.
     `salt` scopes the prefix cache (cache_scope.py); declared shared prompts stay unsalted."""
-    engine, scope = server.engine, server.cache_scope
+    engine, scope = server.require_engine(gen.model_name)[0], server.cache_scope   # the adapter's, if any
     gen.streams = [engine.generate(ps.prompt.token_ids, gen.params, ps.request_id, priority=gen.priority,
                                    cache_salt=salt, prompt=ps.prompt.text,
                                    cache_salt_from=scope.shared_prefix(engine.tokenizer, ps.prompt.token_ids,

@@ -28,6 +28,7 @@ import uuid
 
 from kvserve.errors import AuthenticationError, KVServeError, RateLimitError
 from kvserve.server.keys import ApiKey, KeyStore
+from kvserve.server.lora_admin import ADMIN_PATHS
 from kvserve.server.ratelimit import RateLimiter
 from kvserve.server.records import RequestRecord
 
@@ -106,7 +107,7 @@ class GatewayMiddleware:
             await send(message)
 
         try:
-            if not is_public(record.path):
+            if not is_public(record.path) and record.path not in ADMIN_PATHS:   # admin key: the route checks
                 try:
                     key = self.authenticate(scope)
                 except AuthenticationError as err:

@@ -1,0 +1,144 @@
+"""LoRA adapters: our logits under a PEFT adapter equal `peft`'s on transformers (fp32, 1e-4), in a
+dense forward and in paged steps mixing adapters and the base; adapters for another base fail at
+load with one line."""
+
+import json
+
+import pytest
+import torch
+
+from kvserve.errors import InvalidRequest, ModelNotFound
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.hf_loader import config_from_dir, weights_from_dir
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.lora import LoRABatch, attach, load_adapter
+
+TOL = 1e-4
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _hf(vocab=320):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _adapter(hf, path, targets, r, seed):
+    """A random (B != 0) PEFT adapter saved to `path`; returns the peft model."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    pm = get_peft_model(copy.deepcopy(hf), LoraConfig(r=r, lora_alpha=2 * r + 1, target_modules=targets,
+                                                      init_lora_weights=False, lora_dropout=0.0))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.mul_(0.5)
+    pm.save_pretrained(path)
+    return pm.eval()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lora")
+    hf = _hf()
+    hf.save_pretrained(d / "base")
+    cfg = config_from_dir(d / "base")
+    ours = LlamaForCausalLM.from_weights(cfg, weights_from_dir(d / "base", cfg), "fp32").eval()
+    peft_models = {"all": _adapter(hf, d / "all", ALL, 4, 1), "qv": _adapter(hf, d / "qv", ["q_proj", "v_proj"], 8, 2),
+                   "mlp": _adapter(hf, d / "mlp", ["gate_proj", "down_proj"], 2, 3)}
+    adapters = {k: load_adapter(d / k, cfg, k) for k in peft_models}
+    attach(ours)
+    return d, hf, ours, peft_models, adapters
+
+
+def test_dense_logits_equal_peft(setup):
+    _, hf, ours, peft_models, adapters = setup
+    ids = torch.randint(0, 320, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = ours.compute_logits(ours(ids))
+        assert (base - hf(ids).logits).abs().max() < TOL
+        for k, pm in peft_models.items():
+            ref = pm(ids).logits
+            assert (ref - base).abs().max() > 1e-2          # the adapter changes the output
+            ours.lora.batch = LoRABatch([(adapters[k], None)])
+            try:
+                got = ours.compute_logits(ours(ids))
+            finally:
+                ours.lora.batch = None
+            assert (got - ref).abs().max() < TOL, k
+
+
+def test_paged_mixed_batch_equals_peft_and_alone(setup):
+    """One paged step holding a prompt per adapter and one for the base: each row's logits equal
+    peft's and the row computed alone."""
+    _, hf, ours, peft_models, adapters = setup
+    cfg = ours.config
+    g = torch.Generator().manual_seed(3)
+    seqs = [(k, torch.randint(0, 320, (n,), generator=g)) for k, n in (("all", 9), (None, 5), ("qv", 12), ("mlp", 4))]
+    bs = 4
+
+    def run(items):
+        kv = [torch.zeros(2, 32, bs, cfg.num_key_value_heads, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
+        ids, pos, qlens, tables, rows, nxt = [], [], [], [], [], 0
+        for k, s in items:
+            nb = (len(s) + bs - 1) // bs
+            tables.append(list(range(nxt, nxt + nb)))
+            nxt += nb
+            rows.append((None if k is None else adapters[k], len(ids), len(s)))
+            ids += s.tolist()
+            pos += range(len(s))
+            qlens.append(len(s))
+        meta = AttentionMetadata.build(qlens, qlens, tables, bs)
+        from kvserve.engine.lora import LoRAManager
+        ours.lora.batch = LoRAManager.batch(rows, len(ids))
+        try:
+            with torch.inference_mode():
+                h = ours(torch.tensor(ids), torch.tensor(pos), meta, kv)
+                logits = ours.compute_logits(h)
+        finally:
+            ours.lora.batch = None
+        return [logits[r0:r0 + n] for _, r0, n in rows]
+
+    mixed = run(seqs)
+    for (k, s), got in zip(seqs, mixed):
+        with torch.no_grad():
+            ref = (hf if k is None else peft_models[k])(s[None]).logits[0]
+        assert (got - ref).abs().max() < TOL, k
+        # fp32 base weights run on MKL, whose per-row bits vary with the batch: the bitwise check
+        # is the engine's, on the int8 kernels (tests/engine/test_lora_engine.py)
+        assert (run([(k, s)])[0] - got).abs().max() < 1e-5, k
+
+
+def test_bad_adapters_fail_at_load(setup, tmp_path):
+    import transformers
+
+    d, hf, ours, _, _ = setup
+    cfg = ours.config
+    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2)).eval()
+    _adapter(other, tmp_path / "small", ["q_proj"], 4, 0)
+    with pytest.raises(InvalidRequest, match="another base"):
+        load_adapter(tmp_path / "small", cfg)
+    from peft import LoraConfig, get_peft_model
+    pm = get_peft_model(_hf(vocab=400), LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    pm.save_pretrained(tmp_path / "vocab")
+    with pytest.raises(InvalidRequest, match="modules_to_save"):
+        load_adapter(tmp_path / "vocab", cfg)
+    conf = json.loads((tmp_path / "vocab" / "adapter_config.json").read_text())
+    conf["modules_to_save"] = None
+    (tmp_path / "vocab" / "adapter_config.json").write_text(json.dumps(conf))
+    with pytest.raises(InvalidRequest, match="vocabulary has 400"):
+        load_adapter(tmp_path / "vocab", cfg)
+    with pytest.raises(ModelNotFound):
+        load_adapter(tmp_path / "nowhere", cfg)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InvalidRequest, match="not a PEFT adapter"):
+        load_adapter(tmp_path / "empty", cfg)
