@@ -119,7 +119,7 @@ def test_paged_mixed_batch_equals_peft_and_alone(setup):
 def test_bad_adapters_fail_at_load(setup, tmp_path):
     import transformers
 
-    d, hf, ours, _, _ = setup
+    _, _, ours, _, _ = setup
     cfg = ours.config
     other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
