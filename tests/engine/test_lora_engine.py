@@ -6,31 +6,13 @@ adapter is ModelNotFound."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvserve import LLM, LoRARequest, SamplingParams
 from kvserve.errors import ModelNotFound
-from kvserve.model.lora import module_shapes
-from kvserve.train.lora import write_adapter
+from kvserve.train.lora import random_adapter
 
 PROMPTS = ["Name the capital city of France.", "Write a haiku about the sea.", "List three prime numbers.",
            "What is 17 times 3?", "Why is the sky blue?"]
-
-
-def random_adapter(path, cfg, seed: int, rank: int = 4, targets=None, std: float = 0.08):
-    """A PEFT adapter with random A and B for `cfg`'s shapes, strong enough to change the answers."""
-    g = torch.Generator().manual_seed(seed)
-    shapes = module_shapes(cfg)
-    targets = targets or list(shapes)
-    tensors = {}
-    for i in range(cfg.num_hidden_layers):
-        for m in targets:
-            out, inp = shapes[m]
-            part = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            p = f"base_model.model.model.layers.{i}.{part}.{m}"
-            tensors[f"{p}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * std
-            tensors[f"{p}.lora_B.weight"] = torch.randn(out, rank, generator=g) * std
-    return write_adapter(path, tensors, rank, 2.0 * rank, targets)
 
 
 @pytest.fixture(scope="module")

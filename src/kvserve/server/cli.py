@@ -105,6 +105,9 @@ def serve(
         from kvserve.engine.lora import parse_lora_modules
         try:
             engine_kwargs["lora_modules"] = parse_lora_modules(lora)
+            from kvserve.model.lora import read_config
+            for path in engine_kwargs["lora_modules"].values():   # files exist and are LoRA: fail before the load
+                read_config(path)
         except KVServeError as e:
             typer.echo(f"error: {e.message}", err=True)
             raise typer.Exit(2) from None

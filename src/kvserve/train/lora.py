@@ -166,6 +166,23 @@ def write_adapter(out: str | Path, tensors: dict[str, torch.Tensor], rank: int, 
     return d
 
 
+def random_adapter(out: str | Path, cfg, seed: int = 0, rank: int = 8, targets: list[str] | None = None,
+                   std: float = 0.08) -> Path:
+    """A PEFT adapter with random A and B (nonzero) for `cfg`'s shapes: for tests and benchmarks."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = module_shapes(cfg)
+    targets = targets or list(shapes)
+    tensors = {}
+    for i in range(cfg.num_hidden_layers):
+        for m in targets:
+            out_f, in_f = shapes[m]
+            part = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            p = f"base_model.model.model.layers.{i}.{part}.{m}"
+            tensors[f"{p}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) * std
+            tensors[f"{p}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * std
+    return write_adapter(out, tensors, rank, 2.0 * rank, targets)
+
+
 def save_adapter(model: nn.Module, out: str | Path, base: str | None = None) -> Path:
     c = model.lora_train
     return write_adapter(out, adapter_tensors(model), c["r"], c["lora_alpha"], c["target_modules"], base,
