@@ -142,3 +142,47 @@ def test_bad_adapters_fail_at_load(setup, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(InvalidRequest, match="not a PEFT adapter"):
         load_adapter(tmp_path / "empty", cfg)
+
+
+def test_c_whole_stack_forward_adds_lora_like_the_layers(tmp_path):
+    """The default model's C whole-stack forward with LoRA rows (kvs_forward_lora) gives the logits
+    of the per-layer path with its hooks (the same int8 kernels; only where the delta joins the
+    residual differs), in a step mixing two adapters and the base."""
+    from kvserve.engine.lora import LoRAManager
+    from kvserve.model.loader import load_model
+    from kvserve.train.lora import random_adapter
+
+    lm = load_model(None)
+    model, cfg = lm.model, lm.config
+    ops = model.layer_ops()
+    if not getattr(ops, "max_tokens", 0):
+        pytest.skip("no C whole-stack forward on this machine")
+    attach(model)
+    adapters = [load_adapter(random_adapter(tmp_path / f"a{i}", cfg, i, rank=4 + 4 * i,
+                                            targets=None if i == 0 else ["q_proj", "o_proj", "down_proj"]),
+                             cfg, f"a{i}") for i in range(2)]
+    ids = lm.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    bs, n = 16, len(ids)
+
+    def run(fused: bool, slots):
+        kv = [torch.zeros(2, 8, bs, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.float16)
+              for _ in range(cfg.num_hidden_layers)]
+        meta = AttentionMetadata.build([n] * 3, [n] * 3, [[0], [1], [2]], bs)
+        saved = ops.max_tokens
+        ops.max_tokens = saved if fused else 0
+        model.lora.batch = LoRAManager.batch([(a, i * n, n) for i, a in enumerate(slots)], 3 * n)
+        try:
+            with torch.inference_mode():
+                return model.compute_logits(model(torch.tensor(ids * 3), torch.arange(n).repeat(3), meta, kv))
+        finally:
+            ops.max_tokens, model.lora.batch = saved, None
+
+    slots = [adapters[0], None, adapters[1]]
+    c, py = run(True, slots), run(False, slots)
+    base = run(True, [None, None, None])
+    assert torch.equal(c[n:2 * n], base[n:2 * n])            # the base row is the base's
+    for k in (0, 2):
+        rows = slice(k * n, (k + 1) * n)
+        effect = (py[rows] - base[rows]).abs().max()
+        assert effect > 0.5
+        assert (c[rows] - py[rows]).abs().max() < 0.05 * effect

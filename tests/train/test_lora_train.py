@@ -67,3 +67,20 @@ def test_adapter_loads_in_peft_and_merges(runs, tmp_path):
     merged = load_model(str(merge(runs["base"], out, tmp_path / "merged")), weight_format="fp32").model.eval()
     with torch.no_grad():
         assert (merged.compute_logits(merged(ids)) - ref_ours).abs().max() < 1e-4
+
+
+def test_dpo_with_lora_adapter(base_run, tmp_path):
+    from kvserve.train.dpo import DPOConfig, dpo
+
+    words = ["apple", "river", "stone", "light", "house", "water", "bread", "night"]
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Name a thing like {w}.", "chosen": f"A {w}, surely.",
+                                        "rejected": "And the LORD said"}) + "\n" for w in words))
+    r = dpo(DPOConfig(model=base_run["out"], data=str(data), out=str(tmp_path / "dpo"), beta=0.1, max_steps=12,
+                      batch_size=4, lr=5e-3, lora_rank=4, lora_targets="q,v,o"))
+    steps = [h for h in r["history"] if h["kind"] == "train"]
+    assert steps[0]["acc"] == 0.0 and abs(steps[0]["margin"]) < 1e-6   # B = 0: policy == reference at the start
+    assert r["reward_margin"] > 0
+    conf = json.loads((tmp_path / "dpo" / "adapter_config.json").read_text())
+    assert conf["target_modules"] == ["o_proj", "q_proj", "v_proj"] and conf["r"] == 4
+    assert not (tmp_path / "dpo" / "model.safetensors").exists()

@@ -183,8 +183,10 @@ class LlamaForCausalLM(nn.Module):
             step = ops.prepare(x, positions, attn_metadata, kv_caches)
             if step is None:
                 ops = reference
-            elif self.lora is None or self.lora.batch is None:   # LoRA rows: the per-layer path
-                out = ops.forward_stack(x, step, kv_caches)
+            else:
+                lora = None if self.lora is None else self.lora.batch   # LoRA rows: the C forward adds them
+                out = (ops.forward_stack(x, step, kv_caches) if lora is None
+                       else ops.forward_stack(x, step, kv_caches, lora=lora))
                 if out is not None:
                     return out
         if step is None:

@@ -16,12 +16,15 @@ the `Linear` protocol of linear.py) adds each adapter's product on its rows; bas
 added. Batch invariance: a row's product must not depend on how many other rows share it (a
 plain GEMM's per-row bits change with M on MKL), so each row's two products are a batch of
 per-row GEMVs (`torch.bmm` with M = 1): a row's numbers are the same alone, grouped or batched.
-The C whole-stack forward (kernels/cpu_ops.py) has no LoRA: the model runs its per-layer path,
-with the same kernels, in a step that has LoRA rows (llama.py).
+The C whole-stack forward (kernels/cpu/kvserve_forward.cpp, `kvs_forward_lora`) takes the same
+adapters as a table of (A, B, r) per layer, projection and slot and a slot per row, and adds each
+adapted row's B (A x) after the projection, in plain sequential dot products; steps it does not
+run go through the per-layer path and these hooks.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import os
@@ -210,6 +213,32 @@ class LoRAState:
 
     def __init__(self) -> None:
         self.batch: LoRABatch | None = None
+
+
+class KvsLoRATerm(ctypes.Structure):
+    """Mirror of `struct kvs_lora_term` in kernels/cpu/kvserve_forward.cpp."""
+
+    _fields_ = [("A", ctypes.c_void_p), ("B", ctypes.c_void_p), ("r", ctypes.c_int32)]
+
+
+def c_terms(batch: LoRABatch, num_rows: int, num_layers: int) -> tuple[ctypes.Array, torch.Tensor]:
+    """The C whole-stack forward's view of a step's adapters: one term per (layer, projection,
+    slot), and each row's slot (-1: the base)."""
+    n = len(batch.groups)
+    terms = (KvsLoRATerm * (num_layers * len(PROJECTIONS) * n))()
+    row_slot = torch.full((num_rows,), -1, dtype=torch.int32)
+    for s, (adapter, rows) in enumerate(batch.groups):
+        if rows is None:
+            row_slot.fill_(s)
+        else:
+            row_slot[rows] = s
+        for layer, fused in enumerate(adapter.layers[:num_layers]):
+            for p, proj in enumerate(PROJECTIONS):
+                ab = fused.get(proj)
+                if ab is not None:
+                    terms[(layer * len(PROJECTIONS) + p) * n + s] = KvsLoRATerm(ab[0].data_ptr(), ab[1].data_ptr(),
+                                                                             ab[0].shape[0])
+    return terms, row_slot
 
 
 def lora_product(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
