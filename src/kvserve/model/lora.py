@@ -17,8 +17,8 @@ added. Batch invariance: a row's product must not depend on how many other rows 
 plain GEMM's per-row bits change with M on MKL), so each row's two products are a batch of
 per-row GEMVs (`torch.bmm` with M = 1): a row's numbers are the same alone, grouped or batched.
 The C whole-stack forward (kernels/cpu/kvserve_forward.cpp, `kvs_forward_lora`) takes the same
-adapters as a table of (A, B, r) per layer, projection and slot and a slot per row, and adds each
-adapted row's B (A x) after the projection, in plain sequential dot products; steps it does not
+adapters as a table of (A, B^T, r) per layer, projection and slot and a slot per row, and adds
+each adapted row's B (A x) after the projection, in a fixed order; steps it does not
 run go through the per-layer path and these hooks.
 """
 
@@ -236,7 +236,10 @@ def c_terms(batch: LoRABatch, num_rows: int, num_layers: int) -> tuple[ctypes.Ar
             for p, proj in enumerate(PROJECTIONS):
                 ab = fused.get(proj)
                 if ab is not None:
-                    terms[(layer * len(PROJECTIONS) + p) * n + s] = KvsLoRATerm(ab[0].data_ptr(), ab[1].data_ptr(),
+                    bt = adapter.extra.get((layer, proj))
+                    if bt is None:   # the C loop reads B transposed, [r, out]
+                        bt = adapter.extra[(layer, proj)] = ab[1].t().contiguous()
+                    terms[(layer * len(PROJECTIONS) + p) * n + s] = KvsLoRATerm(ab[0].data_ptr(), bt.data_ptr(),
                                                                              ab[0].shape[0])
     return terms, row_slot
 

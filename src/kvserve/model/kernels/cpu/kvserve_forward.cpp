@@ -41,9 +41,10 @@ struct kvs_layer_desc {
 
 // LoRA in the whole-stack forward: one term per (layer, projection, adapter slot), at index
 // (layer * 4 + projection) * n_slots + slot, projections in the order qkv, o, gate_up, down. A term
-// with r == 0 is "no adapter here". A [r, in] and B [out, r] are fp32 (B already scaled); a token
-// whose row_slot is >= 0 gets y += B (A x) on that projection, x its fp32 input row, both products
-// as plain sequential dot products: the same numbers for the row whatever else is in the step.
+// with r == 0 is "no adapter here". A [r, in] and B^T [r, out] are fp32 (B already scaled); a token
+// whose row_slot is >= 0 gets y += B (A x) on that projection, x its fp32 input row, in a fixed
+// order (16 lanes over the input, then B's columns one by one): the row's numbers do not depend
+// on what else is in the step.
 struct kvs_lora_term {
     const float *A;
     const float *B;
@@ -217,18 +218,20 @@ int kvs_forward_lora(const kvs_model_desc *m, int kv_dtype, int num_blocks, int 
                 if (term.r <= 0) continue;
                 if ((int)lr.size() < term.r) lr.resize(term.r);
                 const float *xin = src ? src + (size_t)t * K : xf.data() + (size_t)t * kmax;
-                for (int j = 0; j < term.r; j++) {
+                for (int j = 0; j < term.r; j++) {   // 16 fixed lanes over k (K % 32 == 0), then the lanes
                     const float *a = term.A + (size_t)j * K;
-                    float acc = 0.f;
-                    for (int k = 0; k < K; k++) acc += a[k] * xin[k];
-                    lr[j] = acc;
+                    float acc[16] = {0.f};
+                    for (int k = 0; k < K; k += 16)
+                        for (int q = 0; q < 16; q++) acc[q] += a[k + q] * xin[k + q];
+                    float sum = 0.f;
+                    for (int q = 0; q < 16; q++) sum += acc[q];
+                    lr[j] = sum;
                 }
                 float *yt = y + (size_t)t * ystride;
-                for (int o = 0; o < ystride; o++) {
-                    const float *b = term.B + (size_t)o * term.r;
-                    float acc = 0.f;
-                    for (int j = 0; j < term.r; j++) acc += b[j] * lr[j];
-                    yt[o] += acc;
+                for (int j = 0; j < term.r; j++) {   // B is passed transposed, [r, out]: vectors over outputs
+                    const float *b = term.B + (size_t)j * ystride;
+                    const float c = lr[j];
+                    for (int o = 0; o < ystride; o++) yt[o] += b[o] * c;
                 }
             }
         };
