@@ -45,6 +45,7 @@ def test_qlora_lowers_heldout_loss_like_lora(runs):
     before = _heldout_loss(lm.model.eval(), lm.tokenizer)
     lora = _heldout_loss(runs["lora"]["model"].eval(), lm.tokenizer)
     qlora = _heldout_loss(runs["qlora"]["model"].eval(), lm.tokenizer)
+    print(f"held-out loss: base {before:.3f}, LoRA {lora:.3f}, QLoRA {qlora:.3f}")
     assert lora < before - 0.3, (before, lora)
     assert before - qlora >= 0.9 * (before - lora), (before, lora, qlora)
 
