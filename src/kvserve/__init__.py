@@ -10,17 +10,20 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvserve.engine.llm import LLM
+    from kvserve.engine.lora import LoRARequest
     from kvserve.outputs import CompletionOutput, RequestOutput
     from kvserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "LoRARequest", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
     # Plain import statements (not importlib with strings), so static import checks see them.
     if name == "LLM":
         from kvserve.engine import llm as module
+    elif name == "LoRARequest":
+        from kvserve.engine import lora as module
     elif name in ("CompletionOutput", "RequestOutput"):
         from kvserve import outputs as module
     elif name == "SamplingParams":

@@ -87,6 +87,7 @@ class BenchRequest:
     prompt: str
     prompt_len: int       # tokens of the prompt text under the model's tokenizer (before any template)
     output_len: int
+    model: str | None = None    # this request's "model" (a LoRA adapter's name); None: the server's
 
 
 @dataclass
@@ -201,8 +202,8 @@ def sample_requests(tokenizer, cfg: ServeConfig) -> list[BenchRequest]:
 def build_payload(req: BenchRequest, cfg: ServeConfig, backend: str, model: str | None) -> dict:
     body: dict = {"stream": True, "stream_options": {"include_usage": True}, "temperature": 0.0,
                   "max_tokens": req.output_len}
-    if model:
-        body["model"] = model
+    if req.model or model:
+        body["model"] = req.model or model
     if cfg.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": req.prompt}]
     else:

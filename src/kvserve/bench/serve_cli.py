@@ -51,6 +51,10 @@ def serve_command(
                                                   "(kvserve servers)."),
     response_format: str = typer.Option(None, help="A response_format JSON (text or @file) sent with every request."),
     new_schema: bool = typer.Option(False, "--new-schema-per-request", help="Make each json_schema distinct."),
+    lora_adapters: int = typer.Option(0, "--lora-adapters", min=0,
+                                      help="Launched kvserve: serve this many random LoRA adapters (rank "
+                                           "--lora-rank, all projections) and spread the requests over them."),
+    lora_rank: int = typer.Option(8, "--lora-rank", min=1),
 ) -> None:
     """Serving benchmark: streaming requests against OpenAI-compatible servers, vLLM's metrics side by side."""
     from kvserve.model.registry import resolve
@@ -85,6 +89,10 @@ def serve_command(
         if scenario != "default":
             raise InvalidRequest(f"--scenario {scenario!r}: choose default or long-prompt", param="scenario")
         requests = sample_requests(tokenizer, cfg)
+        if lora_adapters:
+            server_arg = list(server_arg or []) + _lora_adapters(model, lora_adapters, lora_rank, out_dir)
+            for i, r in enumerate(requests):
+                r.model = f"lora{i % lora_adapters}"
         results = []
         with progress() as prog:
             tasks: dict[str, int] = {}
@@ -126,3 +134,16 @@ def serve_command(
     save_chart(results, str(out_dir / "serve.png"))
     console.print(f"wrote {out_dir}/serve.md, serve.json, serve.png")
 
+
+
+def _lora_adapters(model: str | None, n: int, rank: int, out_dir: Path) -> list[str]:
+    """Write n random adapters for `model` under out_dir/adapters; the server's --lora arguments."""
+    from kvserve.model.loader import load_model
+    from kvserve.train.lora import random_adapter
+
+    cfg = load_model(model).config
+    args = []
+    for i in range(n):
+        path = random_adapter(out_dir / "adapters" / f"lora{i}", cfg, seed=i, rank=rank)
+        args += [f"--lora=lora{i}={path}"]
+    return args + [f"--max-loras={n}"]

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvserve.engine.client_base import EngineClient, EngineDeadError  # noqa: F401 - the interface, re-exported
+from kvserve.engine.client_base import EngineClient, EngineDeadError, LoRAClient  # noqa: F401 - the interface, re-exported
 from kvserve.engine.messages import (
     CoreInput,
     EngineCoreOutputs,
@@ -71,6 +71,15 @@ class InprocClient(EngineClient):
 
     def stats(self) -> dict:
         return self.core.stats()
+
+    def lora_names(self) -> list[str]:
+        return self.core.lora.names()
+
+    def add_lora(self, name: str, path: str) -> None:
+        self.core.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.core.lora.remove(name)
 
     def _send(self, msgs: list[CoreInput]) -> None:
         for m in msgs:
@@ -140,7 +149,10 @@ class MPClient(EngineClient):
             ctx.term()
             shutil.rmtree(tmpdir, ignore_errors=True)
             raise
-        return cls(msg, proc, ctx, push, pull, tmpdir)
+        client = cls(msg, proc, ctx, push, pull, tmpdir)
+        from kvserve.engine.lora import parse_lora_modules
+        client._lora_names = list(parse_lora_modules(engine_kwargs.get("lora_modules")))
+        return client
 
     async def start(self) -> None:
         await super().start()

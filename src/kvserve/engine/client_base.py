@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 
 from kvserve.engine.messages import AbortRequests, CoreInput, EngineCoreOutputs
 from kvserve.engine.processing import EngineInfo, InputProcessor, OutputProcessor
-from kvserve.errors import InvalidRequest, KVServeError
+from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -40,6 +40,7 @@ class EngineClient:
         self._stats: dict = {}
         self._dead: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._lora_names: list[str] = []
 
     # ---- the interface ----------------------------------------------------------------------
     @property
@@ -74,12 +75,15 @@ class EngineClient:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None, cache_salt_from: int = 0,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         self.health()
         if request_id in self.outputs.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
+        if lora_name is not None and lora_name not in self.lora_names():
+            raise ModelNotFound(f"The model {lora_name!r} does not exist on this server (GET /v1/models).",
+                                param="model")
         reqs = self.inputs.requests(request_id, list(prompt_token_ids), params, priority=priority,
-                                    cache_salt=cache_salt, cache_salt_from=cache_salt_from)
+                                    cache_salt=cache_salt, cache_salt_from=cache_salt_from, lora_name=lora_name)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         self.outputs.add(request_id, prompt, reqs)
@@ -102,6 +106,23 @@ class EngineClient:
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
+
+    # ---- LoRA adapters (engine/lora.py) -----------------------------------------------------
+    def lora_names(self) -> list[str]:
+        """The adapters a request may name in "model"."""
+        return list(self._lora_names)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load an adapter at run time (blocking: reads and checks the files)."""
+        raise InvalidRequest("adapters cannot be loaded at run time into an engine process; start the server "
+                             "with --lora NAME=PATH, or without --engine-process", param="lora_name")
+
+    def remove_lora(self, name: str) -> None:
+        raise InvalidRequest("adapters cannot be unloaded at run time from an engine process", param="lora_name")
+
+    def with_lora(self, name: str) -> LoRAClient:
+        """This client with every request run under adapter `name` (the server's routing step)."""
+        return LoRAClient(self, name)
 
     # ---- shared machinery -------------------------------------------------------------------
     def _send(self, msgs: list[CoreInput]) -> None:
@@ -142,3 +163,17 @@ class EngineClient:
         for rid, q in list(self._queues.items()):
             self.outputs.abort(rid)
             q.put_nowait(EngineDeadError(message))
+
+
+class LoRAClient:
+    """An EngineClient whose requests run under one LoRA adapter: `generate` names it, everything
+    else is the base client's (the server's routing step resolves a model name to one of these)."""
+
+    def __init__(self, base: EngineClient, lora_name: str):
+        self.base, self.lora_name = base, lora_name
+
+    def __getattr__(self, name: str):
+        return getattr(self.base, name)
+
+    def generate(self, *args, **kwargs) -> AsyncIterator[RequestOutput]:
+        return self.base.generate(*args, lora_name=self.lora_name, **kwargs)

@@ -42,10 +42,14 @@ class EngineConfig:
     # fields, or None (off); num_speculative_tokens: the most draft tokens per step (1..16, default 4).
     speculative: object = None
     num_speculative_tokens: int | None = None
+    # LoRA adapters (engine/lora.py): {name: PEFT adapter directory} loaded at start, and how many
+    # adapters stay in memory at once (least recently used out first; reloaded from disk on demand).
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 8
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "max_loras"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidRequest(f"{name} must be a positive integer, got {v!r}", param=name)

@@ -79,6 +79,10 @@ class EngineCore:
         logger.info("KV cache: %s, %d bytes per token, %d tokens fit (%d blocks of %d)", self.kv_dtype_name,
                     self.kv_bytes_per_token, num_blocks * config.block_size, num_blocks, config.block_size)
         self.grammar = None     # structured output (kvserve.structured), built at the first grammar
+        from kvserve.engine.lora import LoRAManager, parse_lora_modules
+        self.lora = LoRAManager(model, config.max_loras)
+        for name, path in parse_lora_modules(config.lora_modules).items():
+            self.lora.add(name, path)
         self.tokenizer = tokenizer
         self._arrival = itertools.count()
         self.num_steps = 0
@@ -92,6 +96,8 @@ class EngineCore:
         if req.request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {req.request_id!r} is already in use", param="request_id")
         r = Request.from_core_request(req, next(self._arrival), self.max_model_len, self.runner.device)
+        if req.lora_name:
+            r.lora = self.lora.acquire(req.lora_name)
         if req.sampling_params.reasoning_budget is not None and req.reasoning_end_ids:
             from kvserve.engine.reasoning import ReasoningState
             r.reasoning = ReasoningState(req.sampling_params.reasoning_budget, list(req.reasoning_end_ids))
@@ -243,4 +249,5 @@ class EngineCore:
             "kv_cache_capacity_tokens": kv.num_blocks * self.block_size,
             "moe_expert_tokens": self.runner.model.expert_token_counts(),   # [layer][expert]; [] if dense
             **(s.spec.stats() if s.spec is not None else {}),
+            **self.lora.stats(),
         }

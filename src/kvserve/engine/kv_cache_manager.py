@@ -102,6 +102,8 @@ class KVCacheManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             salt = req.cache_salt if (i + 1) * bs > req.cache_salt_from else None
+            if req.lora is not None:   # an adapter's KV differs from the base's: never shared across them
+                salt = f"{salt or ''}\x00lora\x00{req.lora.key}"
             hashes.append(self._hash(parent, req.token_ids_slice(i * bs, (i + 1) * bs), salt))
         return hashes
 

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.lora import LoRARequest
 from kvserve.errors import InvalidRequest
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.outputs import RequestOutput
@@ -59,9 +60,12 @@ class LLM:
         return self.engine.stats()
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Seq[int] | None = None,
+                 lora_request: LoRARequest | str | Seq[LoRARequest | str | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion, batched continuously; outputs in prompt order.
-        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}."""
+        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
+        lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base): a
+        LoRARequest(name, id, path) (loaded at first use) or the name of one loaded already."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and
                                                 isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -69,10 +73,11 @@ class LLM:
         params = self._per_prompt(sampling_params, len(prompts))
         if any(p.use_beam_search for p in params):
             return self._beam_search(prompts, params)
+        loras = self._loras(lora_request, len(prompts))
         ids = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             rid = str(next(self._ids))
-            self.engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
+            self.engine.add_request(rid, p, sp, priority=priority[i] if priority else 0, lora_name=loras[i])
             ids.append(rid)
         return self._run(ids, use_tqdm)
 
@@ -84,6 +89,29 @@ class LLM:
         prompts = [{"prompt_token_ids": tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
                                                                  tokenize=True)} for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter as `name` (InvalidRequest when it does not fit this base)."""
+        self.engine.core.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.core.lora.remove(name)
+
+    def list_loras(self) -> list[str]:
+        return self.engine.core.lora.names()
+
+    def _loras(self, lr, n: int) -> list[str | None]:
+        items = list(lr) if isinstance(lr, (list, tuple)) else [lr] * n
+        if len(items) != n:
+            raise InvalidRequest(f"got {len(items)} lora_requests for {n} prompts", param="lora_request")
+        names: list[str | None] = []
+        for item in items:
+            if isinstance(item, LoRARequest):
+                if item.lora_name not in self.engine.core.lora.paths and item.lora_path:
+                    self.add_lora(item.lora_name, item.lora_path)
+                item = item.lora_name
+            names.append(item)
+        return names
 
     def _per_prompt(self, sp, n: int) -> list[SamplingParams]:
         if sp is None:

@@ -41,12 +41,15 @@ class LLMEngine:
         return self.info.block_size
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                    *, priority: int = 0, cache_salt: str | None = None) -> None:
+                    *, priority: int = 0, cache_salt: str | None = None, lora_name: str | None = None) -> None:
         params = params or SamplingParams()
         if request_id in self.outputs.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         text, ids = self.inputs.prompt_ids(prompt)
-        reqs = self.inputs.requests(request_id, ids, params, priority=priority, cache_salt=cache_salt)
+        if lora_name is not None and lora_name not in self.core.lora.paths:
+            self.core.lora.acquire(lora_name)   # raises ModelNotFound
+        reqs = self.inputs.requests(request_id, ids, params, priority=priority, cache_salt=cache_salt,
+                                    lora_name=lora_name)
         self.outputs.add(request_id, text, reqs)
         for r in reqs:
             self.core.add_request(r)

@@ -47,6 +47,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
     model: str | None = None               # which model (several models: the router picks the core)
     structured_output: dict | None = None  # {"grammar": llguidance grammar text} (kvserve.structured)
     reasoning_end_ids: list[int] | None = None  # with params.reasoning_budget: the tokens that close <think>
+    lora_name: str | None = None           # the LoRA adapter this sequence runs under (None: the base)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

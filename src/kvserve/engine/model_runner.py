@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from kvserve.engine.lora import LoRAManager
 from kvserve.engine.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from kvserve.engine.sampler import Sampler, SamplingRequest, compute_logprobs
 from kvserve.model.attention import AttentionMetadata
@@ -98,6 +99,7 @@ class ModelRunner:
         grammar_rows: list[int] = []          # index in `sampled` of each grammar bitmask slot
         prompt_lp = []                        # (request, row offset in logit_rows, first position, count)
         spec = []                             # (request, drafts, first row in logit_rows): speculating
+        lora_rows = []                        # (adapter or None, first row, count) per request
         for s in sched.scheduled:
             req, start, n = s.request, s.num_computed_tokens, s.num_new_tokens
             row0 = len(ids)
@@ -108,6 +110,7 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(s.block_ids)
+            lora_rows.append((req.lora, row0, n))
             p = req.num_prompt_tokens
             if req.want_prompt_logprobs and start < p - 1:
                 cnt = min(start + n, p - 1) - start     # positions whose next token is a prompt token
@@ -127,8 +130,16 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         matchers = [sampled[i].grammar for i in grammar_rows]
         masks = self.grammar.start_bitmask(matchers) if matchers else None
+        lora = LoRAManager.batch(lora_rows, len(ids), self.device) if getattr(self.model, "lora", None) is not None else None
         clock.lap("prepare")
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        if lora is not None:
+            self.model.lora.batch = lora
+            try:
+                hidden = self.model(input_ids, positions, meta, self.kv_caches)
+            finally:
+                self.model.lora.batch = None
+        else:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
         clock.lap("forward")
         out = ModelRunnerOutput()
         if self.model.config.num_experts:

@@ -54,7 +54,7 @@ class InputProcessor:
 
     def requests(self, request_id: str, ids: list[int], params: SamplingParams, *, priority: int = 0,
                  cache_salt: str | None = None, cache_salt_from: int = 0,
-                 arrival_time: float | None = None) -> list[EngineCoreRequest]:
+                 arrival_time: float | None = None, lora_name: str | None = None) -> list[EngineCoreRequest]:
         """Validate and fan out into the core's requests (one per generated sequence)."""
         info = self.info
         if not ids:
@@ -93,7 +93,7 @@ class InputProcessor:
                 priority=priority, cache_salt=cache_salt, cache_salt_from=cache_salt_from, seed=None if params.seed is None else params.seed + i,
                 wait_for=out[0].request_id if i and self.enable_prefix_caching else None,
                 want_prompt_logprobs=params.prompt_logprobs is not None and i == 0, structured_output=structured,
-                reasoning_end_ids=end_ids))
+                reasoning_end_ids=end_ids, lora_name=lora_name))
         return out
 
     def grammar_compiler(self):

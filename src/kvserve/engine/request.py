@@ -52,6 +52,7 @@ class Request:
     grammar: Any = None                         # this request's llguidance matcher, once admitted
     reasoning: Any = None                       # engine.reasoning.ReasoningState of a thinking request
     step_logprobs: list = field(default_factory=list)   # this step's TokenLogprobs (update_from_output)
+    lora: Any = None                            # model.lora.LoRAAdapter this request runs under (None: base)
 
     @property
     def grammar_active(self) -> bool:

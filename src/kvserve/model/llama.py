@@ -165,6 +165,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = lm_head
         self.rotary = RotaryEmbedding(cfg)
         self.rotary_local = RotaryEmbedding(cfg, cfg.rope_local_theta) if cfg.rope_local_theta else None
+        self.lora = None   # model/lora.py's LoRAState once adapters are served (hooks on the projections)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attn_metadata: AttentionMetadata | None = None,
@@ -183,7 +184,9 @@ class LlamaForCausalLM(nn.Module):
             if step is None:
                 ops = reference
             else:
-                out = ops.forward_stack(x, step, kv_caches)
+                lora = None if self.lora is None else self.lora.batch   # LoRA rows: the C forward adds them
+                out = (ops.forward_stack(x, step, kv_caches) if lora is None
+                       else ops.forward_stack(x, step, kv_caches, lora=lora))
                 if out is not None:
                     return out
         if step is None:

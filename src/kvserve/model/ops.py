@@ -70,9 +70,10 @@ class TorchOps:
             step.cos_local, step.sin_local = self.rotary_local(positions)
         return step
 
-    def forward_stack(self, x: torch.Tensor, step: Step, kv_caches: list[torch.Tensor] | None
-                      ) -> torch.Tensor | None:
-        """The whole layer stack and final norm in one call, or None: run the layers one by one."""
+    def forward_stack(self, x: torch.Tensor, step: Step, kv_caches: list[torch.Tensor] | None,
+                      lora=None) -> torch.Tensor | None:
+        """The whole layer stack and final norm in one call, or None: run the layers one by one.
+        lora: the step's model.lora.LoRABatch (None: no adapter rows)."""
         return None
 
     def rms_norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:

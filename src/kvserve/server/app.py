@@ -28,6 +28,7 @@ from kvserve.server.conformance import mount_conformance
 from kvserve.server.features import ServerFeatures
 from kvserve.server.handlers import mount
 from kvserve.server.limits import read_body
+from kvserve.server.lora_admin import mount_lora
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.middleware import GatewayMiddleware
 from kvserve.server.models import ModelPool
@@ -168,6 +169,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     mount(app, state)   # /v1/chat/completions, /v1/completions
     mount_moderation(app, state)   # /v1/moderations
     mount_responses(app, state)    # /v1/responses
+    mount_lora(app, state)         # /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -58,6 +58,13 @@ def serve(
     api_key: str = typer.Option(None, "--api-key", envvar="KVSERVE_API_KEY",
                                 help="Require this key (on top of any created with `kvserve keys`)."),
     served_model_name: str = typer.Option(None, help="Name clients use in \"model\"."),
+    lora: list[str] = typer.Option(None, "--lora",  # noqa: B008 - typer's idiom
+                                   help="A LoRA adapter (PEFT directory) served as model NAME: NAME=PATH. "
+                                        "Repeatable."),
+    max_loras: int = typer.Option(8, min=1, help="LoRA adapters kept in memory at once (LRU)."),
+    admin_key: str = typer.Option(None, "--admin-key", envvar="KVSERVE_ADMIN_KEY",
+                                  help="Key of the admin endpoints (/v1/load_lora_adapter, "
+                                       "/v1/unload_lora_adapter); without it they are off."),
     max_running: int = typer.Option(32, help="Requests handed to the engine at once."),
     max_waiting: int = typer.Option(128, help="Requests that may wait for a slot; beyond it, 503."),
     ladder_route_cheaper_at: int = typer.Option(32, help="Queue length at which the router (model \"auto\") "
@@ -160,6 +167,17 @@ def serve(
             typer.echo(f"error: {e.message}", err=True)
             raise typer.Exit(2) from None
         engine_kwargs.update(speculative=speculative, num_speculative_tokens=num_speculative_tokens)
+    if lora:
+        from kvserve.engine.lora import parse_lora_modules
+        try:
+            engine_kwargs["lora_modules"] = parse_lora_modules(lora)
+            from kvserve.model.lora import read_config
+            for path in engine_kwargs["lora_modules"].values():   # files exist and are LoRA: fail before the load
+                read_config(path)
+        except KVServeError as e:
+            typer.echo(f"error: {e.message}", err=True)
+            raise typer.Exit(2) from None
+    engine_kwargs["max_loras"] = max_loras
     if kv_cache_memory:
         engine_kwargs["kv_cache_memory"] = (int(kv_cache_memory) if kv_cache_memory.isdigit() else
                                             float(kv_cache_memory) if kv_cache_memory.replace(".", "", 1).isdigit()
@@ -180,7 +198,7 @@ def serve(
         model=single.path if single else None, models=[] if single else models, router=router,
         semantic_cache=semantic_cache == "on", semantic_cache_options=cache_options,
         served_model_name=served_model_name or (single.name if single else None), data_dir=data_dir or default_data_dir(),
-        api_key=api_key, max_running=max_running, max_waiting=max_waiting, ladder_cap_at=ladder_cap_at,
+        api_key=api_key, admin_key=admin_key, max_running=max_running, max_waiting=max_waiting, ladder_cap_at=ladder_cap_at,
         ladder_route_cheaper_at=ladder_route_cheaper_at,
         ladder_cap_max_tokens=ladder_cap_max_tokens, ladder_reject_free_at=ladder_reject_free_at,
         default_max_tokens=default_max_tokens, engine_process=engine_process, engine_kwargs=engine_kwargs,

@@ -162,7 +162,7 @@ def mount_conformance(app: FastAPI, state) -> None:
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str) -> dict:
         now = int(time.time())
-        for card in state.features.model_cards(now):
+        for card in state.features.model_cards(now) + state.pool.cards(now):   # models, adapters, router
             if card["id"] == model_id:
                 return card
         engine, name = state.require_engine(model_id or None)   # the pool's resolve: 404 / 503

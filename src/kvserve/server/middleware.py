@@ -34,6 +34,7 @@ import uuid
 from kvserve.errors import AuthenticationError, KVServeError, RateLimitError
 from kvserve.server.backends.base import CounterBackend, KeyBackend, RateLimitBackend
 from kvserve.server.keys import ApiKey
+from kvserve.server.lora_admin import ADMIN_PATHS
 from kvserve.server.records import RequestRecord
 
 access_log = logging.getLogger("kvserve.access")
@@ -140,7 +141,7 @@ class GatewayMiddleware:
             await send(message)
 
         try:
-            if not is_public(record.path):
+            if not is_public(record.path) and record.path not in ADMIN_PATHS:   # admin key: the route checks
                 try:
                     if self.offload:
                         await asyncio.to_thread(self._gate, scope, state, record)

@@ -131,6 +131,9 @@ class ModelPool:
             if requested == e.name or (e.engine is not None and requested == e.engine.model_name
                                        and not any(o.name == requested for o in self.entries)):
                 return e
+        for e in self.loaded():       # a LoRA adapter over a model's base (engine/lora.py)
+            if requested in e.engine.lora_names():
+                return e
         served = ", ".join(repr(n) for n in self.names()) or "its model"
         raise ModelNotFound(f"The model {requested!r} does not exist on this server; it serves {served} "
                             "(GET /v1/models).", param="model")
@@ -142,6 +145,8 @@ class ModelPool:
             msg = (f"The model {e.name or e.spec.path or 'default'} failed to load: {e.load_error}"
                    if e.load_error else "The model is still loading; retry in a few seconds.")
             raise Overloaded(msg, retry_after=5.0, code="model_not_ready")
+        if requested not in (None, "", e.name, e.engine.model_name) and requested in e.engine.lora_names():
+            return e.engine.with_lora(requested), requested
         return e.engine, e.name
 
     # ---- life cycle -----------------------------------------------------------------------
@@ -216,4 +221,6 @@ class ModelPool:
         """/v1/models entries of the loaded models."""
         return [{"id": e.name, "object": "model", "created": created, "owned_by": "kvserve",
                  "max_model_len": e.engine.max_model_len, "cost_per_1k_tokens": e.spec.cost_per_1k_tokens}
-                for e in self.loaded()]
+                for e in self.loaded()] + [
+                {"id": n, "object": "model", "created": created, "owned_by": "kvserve", "parent": e.name, "root": n,
+                 "max_model_len": e.engine.max_model_len} for e in self.loaded() for n in e.engine.lora_names()]

@@ -20,6 +20,12 @@ eval_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Evaluat
 
 OUT = typer.Option(..., "--out", help="Output directory (HF-format model, checkpoint, metrics.jsonl, loss_curve.png).")
 RESUME = typer.Option(False, "--resume", help="Continue from the checkpoint in --out.")
+LORA_RANK = typer.Option(0, "--lora-rank", min=0, help="Train a LoRA adapter of this rank on the frozen base "
+                                                       "(saved in PEFT's layout in --out).")
+LORA_TARGETS = typer.Option(None, "--lora-targets", help="Projections to adapt: q,k,v,o,gate,up,down (default all).")
+LORA_ALPHA = typer.Option(None, "--lora-alpha", help="LoRA scale numerator (default 2 x rank).")
+QLORA = typer.Option(False, "--qlora", help="QLoRA: the frozen base in 4 bits (kvserve's q4_0 kernels); "
+                                            "rank 8 unless --lora-rank.")
 
 
 def _fail(e: KVServeError) -> None:
@@ -130,6 +136,7 @@ def sft_cmd(
     debug: bool = typer.Option(False, help="Print the first example with its trained tokens in «»."),
     threads: int = typer.Option(None),
     resume: bool = RESUME,
+    lora_rank: int = LORA_RANK, lora_targets: str = LORA_TARGETS, lora_alpha: float = LORA_ALPHA, qlora: bool = QLORA,
 ) -> None:
     """Supervised fine-tuning on chats; loss on assistant tokens only."""
     from kvserve.train.sft import SFTConfig, sft
@@ -137,7 +144,8 @@ def sft_cmd(
     _threads(threads)
     try:
         r = sft(SFTConfig(model=model, data=data, out=out, epochs=epochs, max_steps=max_steps,
-                          batch_size=batch_size, lr=lr, max_len=max_len, seed=seed, debug=debug, resume=resume))
+                          batch_size=batch_size, lr=lr, max_len=max_len, seed=seed, debug=debug, resume=resume,
+                          lora_rank=lora_rank, lora_targets=lora_targets, lora_alpha=lora_alpha, qlora=qlora))
     except KVServeError as e:
         _fail(e)
     _summary(r, ("out", "steps"))
@@ -156,6 +164,7 @@ def dpo_cmd(
     seed: int = typer.Option(0),
     threads: int = typer.Option(None),
     resume: bool = RESUME,
+    lora_rank: int = LORA_RANK, lora_targets: str = LORA_TARGETS, lora_alpha: float = LORA_ALPHA, qlora: bool = QLORA,
 ) -> None:
     """Direct Preference Optimization against a frozen reference copy of --model."""
     from kvserve.train.dpo import DPOConfig, dpo
@@ -163,10 +172,27 @@ def dpo_cmd(
     _threads(threads)
     try:
         r = dpo(DPOConfig(model=model, data=data, out=out, beta=beta, epochs=epochs, max_steps=max_steps,
-                          batch_size=batch_size, lr=lr, seed=seed, resume=resume))
+                          batch_size=batch_size, lr=lr, seed=seed, resume=resume, lora_rank=lora_rank,
+                          lora_targets=lora_targets, lora_alpha=lora_alpha, qlora=qlora))
     except KVServeError as e:
         _fail(e)
     _summary(r, ("out", "steps", "reward_accuracy", "reward_margin"))
+
+
+@train_app.command("merge")
+def merge_cmd(
+    model: str = typer.Option(..., help="The adapter's base: HF-format directory or a model name / GGUF."),
+    adapter: str = typer.Option(..., help="LoRA adapter directory (PEFT layout)."),
+    out: str = typer.Option(..., "--out", help="Output directory (HF format, fp32)."),
+) -> None:
+    """Fold a LoRA adapter into its base: W += scale * B A; the result serves without the adapter."""
+    from kvserve.train.lora import merge
+
+    try:
+        path = merge(model, adapter, out)
+    except KVServeError as e:
+        _fail(e)
+    typer.echo(f"merged {adapter} into {model}: {path}")
 
 
 @train_app.command("reward")

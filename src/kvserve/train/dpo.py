@@ -41,6 +41,10 @@ class DPOConfig:
     grad_clip: float = 1.0
     max_len: int = 512
     seed: int = 0
+    lora_rank: int = 0             # > 0: train a LoRA adapter of this rank on a frozen base (train/lora.py)
+    lora_targets: str | None = None   # q,k,v,o,gate,up,down (default: all seven)
+    lora_alpha: float | None = None   # default 2 * rank
+    qlora: bool = False            # the frozen base in 4 bits (GGUF q4_0 on kvserve's kernels)
     checkpoint_every: int = 100
     resume: bool = False
     stop_after_steps: int | None = None
@@ -85,7 +89,8 @@ def dpo(cfg: DPOConfig) -> dict:
     torch.manual_seed(cfg.seed)
     lm = load_model(str(cfg.model), weight_format="fp32")
     tok, model = lm.tokenizer, trainable(lm.model)
-    reference = frozen(copy.deepcopy(model))
+    lora = bool(cfg.lora_rank or cfg.qlora)   # the reference is the base itself, scored before the adapter
+    reference = frozen(model) if lora else frozen(copy.deepcopy(model))
     pairs = [encode_pair(tok, r, cfg.max_len) for r in read_jsonl(cfg.data, ("prompt", "chosen", "rejected"))]
     pad_id = tok.eos_token_id or 0
     with torch.no_grad():   # the reference never changes: score every pair once
@@ -93,6 +98,10 @@ def dpo(cfg: DPOConfig) -> dict:
                              [p[2] for p in pairs] * 2, pad_id)
     ref_chosen, ref_rejected = ref[:len(pairs)], ref[len(pairs):]
     del reference
+    model = trainable(model)
+    if lora:
+        from kvserve.train.lora import inject
+        inject(model, cfg.lora_rank or 8, cfg.lora_alpha, cfg.lora_targets, cfg.qlora, seed=cfg.seed)
     per_epoch = max(1, len(pairs) // cfg.batch_size)
     total = cfg.max_steps or cfg.epochs * per_epoch
     pos = {"cursor": 0}
@@ -123,5 +132,9 @@ def dpo(cfg: DPOConfig) -> dict:
         _, rc, rr = dpo_loss(lp[:len(pairs)], lp[len(pairs):], ref_chosen, ref_rejected, cfg.beta)
     final = {"reward_accuracy": float((rc > rr).float().mean()), "reward_margin": float((rc - rr).mean())}
     if info.is_main:
-        export_hf(model, cfg.model, cfg.out, tok.eos_token_ids)
+        if lora:
+            from kvserve.train.lora import save_adapter
+            save_adapter(model, cfg.out, str(cfg.model))
+        else:
+            export_hf(model, cfg.model, cfg.out, tok.eos_token_ids)
     return {"out": cfg.out, "steps": total, "history": log.history, "model": model, **final}

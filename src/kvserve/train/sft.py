@@ -42,6 +42,10 @@ class SFTConfig:
     grad_clip: float = 1.0
     max_len: int = 512
     seed: int = 0
+    lora_rank: int = 0             # > 0: train a LoRA adapter of this rank on a frozen base (train/lora.py)
+    lora_targets: str | None = None   # q,k,v,o,gate,up,down (default: all seven)
+    lora_alpha: float | None = None   # default 2 * rank
+    qlora: bool = False            # the frozen base in 4 bits (GGUF q4_0 on kvserve's kernels)
     checkpoint_every: int = 100
     resume: bool = False
     debug: bool = False            # print the first example with its trained tokens marked
@@ -131,6 +135,9 @@ def sft(cfg: SFTConfig) -> dict:
     torch.manual_seed(cfg.seed)
     lm = load_model(str(cfg.model), weight_format="fp32")
     tok, model = lm.tokenizer, trainable(lm.model)
+    if cfg.lora_rank or cfg.qlora:
+        from kvserve.train.lora import inject
+        inject(model, cfg.lora_rank or 8, cfg.lora_alpha, cfg.lora_targets, cfg.qlora, seed=cfg.seed)
     examples = []
     for row in read_jsonl(cfg.data, ("messages",)):
         ids, mask = encode_chat(tok, row["messages"])
@@ -164,6 +171,9 @@ def sft(cfg: SFTConfig) -> dict:
                       checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
                       stop_after_steps=cfg.stop_after_steps, title="sft")
     log = run_loop(model, loop, step_fn, lambda: dict(pos), pos.update, info, cfg)
-    if info.is_main:
+    if info.is_main and getattr(model, "lora_train", None):
+        from kvserve.train.lora import save_adapter
+        save_adapter(model, cfg.out, str(cfg.model))
+    elif info.is_main:
         export_hf(model, cfg.model, cfg.out, tok.eos_token_ids)
     return {"out": cfg.out, "steps": total, "history": log.history, "model": model, "tokenizer": tok}

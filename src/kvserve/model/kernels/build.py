@@ -147,6 +147,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvs_paged_attention.restype = None
     lib.kvs_forward.argtypes = [vp, i32, i32, i32, vp, i32, vp, vp, vp, vp, i32, vp, i32]
     lib.kvs_forward.restype = i32
+    lib.kvs_forward_lora.argtypes = [vp, i32, i32, i32, vp, i32, vp, vp, vp, vp, i32, vp, i32, vp, i32, vp]
+    lib.kvs_forward_lora.restype = i32
     lib.kvs_rope_kv_attention.argtypes = [vp, vp, i32, vp, vp, vp, vp, i32, vp, i32, i32, i32, vp, vp, i32]
     lib.kvs_rope_kv_attention.restype = None
     lib.kvs_silu_mul.argtypes = [vp, i32, i32, vp, i32]

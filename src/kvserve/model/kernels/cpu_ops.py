@@ -144,17 +144,22 @@ class CpuOps(TorchOps):
                        kv_dtype=KV_DTYPE_CODES[cache.dtype], num_blocks=num_blocks, block_size=block_size,
                        attend=attend_mask, long_seqs=long_seqs)
 
-    def forward_stack(self, x: torch.Tensor, step: CpuStep, kv_caches: list[torch.Tensor] | None
-                      ) -> torch.Tensor | None:
+    def forward_stack(self, x: torch.Tensor, step: CpuStep, kv_caches: list[torch.Tensor] | None,
+                      lora=None) -> torch.Tensor | None:
         T = x.shape[0]
         if T > self.max_tokens:
             return None
         x = x.contiguous()
         out = torch.empty_like(x)
-        rc = self.lib.kvs_forward(ctypes.byref(self.desc), step.kv_dtype, step.num_blocks, step.block_size,
-                                  x.data_ptr(), T, step.positions.data_ptr(), step.slots.data_ptr(),
-                                  step.seq_of.data_ptr(), step.tables.data_ptr(), step.tables.shape[1],
-                                  out.data_ptr(), self.lib.kvs_get_num_threads())
+        args = (ctypes.byref(self.desc), step.kv_dtype, step.num_blocks, step.block_size, x.data_ptr(), T,
+                step.positions.data_ptr(), step.slots.data_ptr(), step.seq_of.data_ptr(), step.tables.data_ptr(),
+                step.tables.shape[1], out.data_ptr(), self.lib.kvs_get_num_threads())
+        if lora is None:
+            rc = self.lib.kvs_forward(*args)
+        else:   # LoRA rows (model/lora.py): the same stack, each adapted row adding its B (A x)
+            from kvserve.model.lora import c_terms
+            terms, row_slot = c_terms(lora, T, len(self.layers))
+            rc = self.lib.kvs_forward_lora(*args, ctypes.byref(terms), len(lora.groups), row_slot.data_ptr())
         return out if rc == 0 else None
 
     def rms_norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:

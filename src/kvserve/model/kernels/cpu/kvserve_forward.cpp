@@ -39,6 +39,18 @@ struct kvs_layer_desc {
     void *kv_cache;             // [2, num_blocks, block_size, Hkv, kv_row(D)], dtype per kvs_forward's kv_dtype
 };
 
+// LoRA in the whole-stack forward: one term per (layer, projection, adapter slot), at index
+// (layer * 4 + projection) * n_slots + slot, projections in the order qkv, o, gate_up, down. A term
+// with r == 0 is "no adapter here". A [r, in] and B^T [r, out] are fp32 (B already scaled); a token
+// whose row_slot is >= 0 gets y += B (A x) on that projection, x its fp32 input row, in a fixed
+// order (16 lanes over the input, then B's columns one by one): the row's numbers do not depend
+// on what else is in the step.
+struct kvs_lora_term {
+    const float *A;
+    const float *B;
+    int32_t r;
+};
+
 struct kvs_model_desc {
     int32_t n_layers, hidden, n_heads, n_kv_heads, head_dim, inter;
     float eps, scale;
@@ -169,9 +181,22 @@ extern "C" {
 // x [T, hidden] (the embedded tokens) is updated in place through every layer; out [T, hidden]
 // receives the final-normed hidden states. Token t sits at positions[t] of sequence seq_of[t]
 // (a row of tables) and its K/V go to flat slot slots[t]. Returns 0, or -1 on bad shapes.
+int kvs_forward_lora(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block_size, float *x, int T,
+                     const int64_t *positions, const int64_t *slots, const int64_t *seq_of, const int64_t *tables,
+                     int max_blocks, float *out, int nth, const kvs_lora_term *lora, int n_slots,
+                     const int32_t *row_slot);
+
 int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block_size, float *x, int T,
                 const int64_t *positions, const int64_t *slots, const int64_t *seq_of, const int64_t *tables,
                 int max_blocks, float *out, int nth) {
+    return kvs_forward_lora(m, kv_dtype, num_blocks, block_size, x, T, positions, slots, seq_of, tables, max_blocks,
+                            out, nth, nullptr, 0, nullptr);
+}
+
+int kvs_forward_lora(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block_size, float *x, int T,
+                     const int64_t *positions, const int64_t *slots, const int64_t *seq_of, const int64_t *tables,
+                     int max_blocks, float *out, int nth, const kvs_lora_term *lora, int n_slots,
+                     const int32_t *row_slot) {
     const int H = m->hidden, Hq = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim, I = m->inter;
     if (T <= 0 || Hkv <= 0 || Hq % Hkv || D % 2 || H % kvs::QK || I % kvs::QK || (Hq * D) % kvs::QK) return -1;
     const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd;
@@ -180,6 +205,8 @@ int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block
     std::vector<int8_t> xq((size_t)T * kmax);
     std::vector<float> xd((size_t)T * (kmax / kvs::QK)), xs((size_t)T * (kmax / kvs::QK));
     std::vector<float> qkv((size_t)T * qkv_rows), attn((size_t)T * qd), gu((size_t)T * 2 * I);
+    // LoRA: each adapted token's fp32 projection input (the int8 path keeps only its quantization)
+    std::vector<float> xf(lora ? (size_t)T * kmax : 0);
     const size_t tok_stride = (size_t)Hkv * kvs::kv_row(D, kv_dtype), block_stride = (size_t)block_size * tok_stride;
     const size_t esize = kvs::kv_esize(kv_dtype);
     const std::vector<int> tiles = attention_tiles(T, nullptr, seq_of, positions);
@@ -190,6 +217,7 @@ int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block
         const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
         std::vector<float> row((size_t)(H > I ? H : I));
         // Quantize this thread's tokens of src [T, K] (row stride K) into xq/xd/xs.
+        std::vector<float> lr(64);
         auto quantize = [&](const float *src, int K, bool norm, const float *w) {
             for (int t = ith; t < T; t += nt) {
                 const float *r = src + (size_t)t * K;
@@ -197,8 +225,36 @@ int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block
                     kvs::rms_norm_row(r, w, K, m->eps, row.data());
                     r = row.data();
                 }
+                if (lora && row_slot[t] >= 0) memcpy(xf.data() + (size_t)t * kmax, r, K * sizeof(float));
                 kvs::quantize_row_q8(r, K, xq.data() + (size_t)t * K, xd.data() + (size_t)t * (K / kvs::QK),
                                      xs.data() + (size_t)t * (K / kvs::QK));
+            }
+        };
+        // y[t] += B (A x[t]) for this thread's adapted tokens (x: xf, or `src` rows of stride K)
+        auto add_lora = [&](int l, int p, const float *src, int K, float *y, int ystride) {
+            if (!lora) return;
+            for (int t = ith; t < T; t += nt) {
+                const int s = row_slot[t];
+                if (s < 0) continue;
+                const kvs_lora_term &term = lora[((size_t)l * 4 + p) * n_slots + s];
+                if (term.r <= 0) continue;
+                if ((int)lr.size() < term.r) lr.resize(term.r);
+                const float *xin = src ? src + (size_t)t * K : xf.data() + (size_t)t * kmax;
+                for (int j = 0; j < term.r; j++) {   // 16 fixed lanes over k (K % 32 == 0), then the lanes
+                    const float *a = term.A + (size_t)j * K;
+                    float acc[16] = {0.f};
+                    for (int k = 0; k < K; k += 16)
+                        for (int q = 0; q < 16; q++) acc[q] += a[k + q] * xin[k + q];
+                    float sum = 0.f;
+                    for (int q = 0; q < 16; q++) sum += acc[q];
+                    lr[j] = sum;
+                }
+                float *yt = y + (size_t)t * ystride;
+                for (int j = 0; j < term.r; j++) {   // B is passed transposed, [r, out]: vectors over outputs
+                    const float *b = term.B + (size_t)j * ystride;
+                    const float c = lr[j];
+                    for (int o = 0; o < ystride; o++) yt[o] += b[o] * c;
+                }
             }
         };
         for (int l = 0; l < m->n_layers; l++) {
@@ -209,6 +265,7 @@ int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block
 #pragma omp barrier
             kvs::linear_rows(L.qkv, xq.data(), xd.data(), xs.data(), T, qkv.data(), qkv_rows, false, ith, nt);
 #pragma omp barrier
+            add_lora(l, 0, nullptr, H, qkv.data(), qkv_rows);
             for (int t = ith; t < T; t += nt)
                 rope_and_store(m, qkv.data() + (size_t)t * qkv_rows, positions[t], slots[t], Kc, Vc, kv_dtype,
                                block_size);
@@ -219,19 +276,26 @@ int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block
 #pragma omp barrier
             kvs::linear_rows(L.o, xq.data(), xd.data(), xs.data(), T, x, H, true, ith, nt);
 #pragma omp barrier
+            add_lora(l, 1, attn.data(), qd, x, H);
             quantize(x, H, true, L.ffn_norm);
 #pragma omp barrier
             kvs::linear_rows(L.gate_up, xq.data(), xd.data(), xs.data(), T, gu.data(), 2 * I, false, ith, nt);
 #pragma omp barrier
+            add_lora(l, 2, nullptr, H, gu.data(), 2 * I);
             for (int t = ith; t < T; t += nt) {
                 const float *g = gu.data() + (size_t)t * 2 * I;
                 kvs::silu_mul_row(g, g + I, I, row.data());
+                if (lora && row_slot[t] >= 0) memcpy(xf.data() + (size_t)t * kmax, row.data(), I * sizeof(float));
                 kvs::quantize_row_q8(row.data(), I, xq.data() + (size_t)t * I, xd.data() + (size_t)t * (I / kvs::QK),
                                      xs.data() + (size_t)t * (I / kvs::QK));
             }
 #pragma omp barrier
             kvs::linear_rows(L.down, xq.data(), xd.data(), xs.data(), T, x, H, true, ith, nt);
 #pragma omp barrier
+            if (lora) {
+                add_lora(l, 3, nullptr, I, x, H);
+#pragma omp barrier
+            }
         }
         for (int t = ith; t < T; t += nt)
             if (m->final_norm)

@@ -1,0 +1,76 @@
+"""LoRA adapters over HTTP: vLLM's run-time load/unload endpoints and the /v1/models entries.
+
+    POST /v1/load_lora_adapter    {"lora_name": "sql", "lora_path": "/adapters/sql"}
+    POST /v1/unload_lora_adapter  {"lora_name": "sql"}
+
+Both need the operator's admin key (`kvserve serve --admin-key`, or $KVSERVE_ADMIN_KEY) as
+`Authorization: Bearer <admin key>`; without one configured they answer 403, so run-time loading
+is off by default (an adapter path is read from the server's disk). The API keys of `kvserve
+keys` cannot load adapters. A loaded adapter is a model name: requests pick it with "model", and
+/v1/models lists it with the base as `parent`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict
+
+from kvserve.errors import AuthenticationError, KVServeError
+from kvserve.server.limits import read_body
+from kvserve.server.protocol import parse_body
+
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+
+
+class AdminDisabled(KVServeError):
+    status = 403
+    type = "permission_error"
+    code = "admin_disabled"
+
+
+class LoadLoRARequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+def _check_admin(state, request: Request) -> None:
+    admin = state.settings.admin_key
+    if not admin:
+        raise AdminDisabled("Run-time LoRA loading is off: start the server with --admin-key (or "
+                            "$KVSERVE_ADMIN_KEY) and send that key.")
+    auth = request.headers.get("authorization", "")
+    presented = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    if not presented or not hmac.compare_digest(presented.encode("utf-8", "surrogateescape"), admin.encode()):
+        raise AuthenticationError("This endpoint needs the admin key: `Authorization: Bearer <admin key>`.")
+
+
+def mount_lora(app: FastAPI, state) -> None:
+    settings = state.settings
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> dict:
+        _check_admin(state, request)
+        req = parse_body(await read_body(request, settings.max_body_bytes, settings.body_timeout_s),
+                         LoadLoRARequest, settings.max_json_depth)
+        engine, _ = state.require_engine(None)
+        await asyncio.to_thread(engine.add_lora, req.lora_name, req.lora_path)
+        return {"object": "lora_adapter", "id": req.lora_name, "status": "loaded"}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> dict:
+        _check_admin(state, request)
+        req = parse_body(await read_body(request, settings.max_body_bytes, settings.body_timeout_s),
+                         UnloadLoRARequest, settings.max_json_depth)
+        engine, _ = state.require_engine(None)
+        engine.remove_lora(req.lora_name)
+        return {"object": "lora_adapter", "id": req.lora_name, "status": "unloaded"}

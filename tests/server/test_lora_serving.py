@@ -1,0 +1,95 @@
+"""LoRA adapters over HTTP, on a real server with the default model: `serve --lora NAME=PATH`,
+/v1/models with `parent`, a request choosing an adapter by "model", the admin key guarding
+/v1/load_lora_adapter and /v1/unload_lora_adapter, 404 model_not_found for an unknown adapter,
+and a one-line error for an adapter made for another base."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from kvserve.model.config import ModelConfig
+from kvserve.train.lora import random_adapter
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+ADMIN, USER = "admin-secret-key", "user-key"
+
+
+def _default_config() -> ModelConfig:
+    from kvserve.model.gguf_loader import config_from_gguf, open_gguf
+    from kvserve.model.registry import resolve
+
+    src = resolve(None)
+    return config_from_gguf(open_gguf(src.path), src.name)
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory, model_server):
+    d = tmp_path_factory.mktemp("lora_srv")
+    cfg = _default_config()
+    paths = {n: random_adapter(d / n, cfg, i, rank=4) for i, n in enumerate(("sql", "poet", "late"))}
+    server = model_server(d, "--lora", f"sql={paths['sql']}", "--lora", f"poet={paths['poet']}", "--max-loras", "2",
+                          "--admin-key", ADMIN, "--api-key", USER)
+    server.paths, server.dir, server.cfg = paths, d, cfg
+    return server
+
+
+def _chat(server, model, key=USER):
+    return httpx.post(server.base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                      json={"model": model, "messages": [{"role": "user", "content": "Name a color."}],
+                      "max_tokens": 8, "temperature": 0}, timeout=120)
+
+
+def test_models_and_requests(lora_server):
+    h = {"Authorization": f"Bearer {USER}"}
+    models = httpx.get(lora_server.base_url + "/v1/models", headers=h).json()["data"]
+    base = models[0]["id"]
+    assert {(m["id"], m.get("parent")) for m in models[1:]} == {("sql", base), ("poet", base)}
+    card = httpx.get(lora_server.base_url + "/v1/models/sql", headers=h).json()
+    assert card["parent"] == base
+    outs = {m: _chat(lora_server, m) for m in (base, "sql", "poet")}
+    assert all(r.status_code == 200 for r in outs.values()), {m: r.text for m, r in outs.items()}
+    assert outs["sql"].json()["model"] == "sql"
+    texts = {m: r.json()["choices"][0]["message"]["content"] for m, r in outs.items()}
+    assert texts["sql"] != texts[base] or texts["poet"] != texts[base]
+    assert _chat(lora_server, "sql").json()["choices"][0]["message"]["content"] == texts["sql"]
+    r = _chat(lora_server, "nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_admin_load_unload(lora_server):
+    url = lora_server.base_url
+    body = {"lora_name": "late", "lora_path": str(lora_server.paths["late"])}
+    assert httpx.post(url + "/v1/load_lora_adapter", json=body).status_code == 401
+    assert httpx.post(url + "/v1/load_lora_adapter", json=body,
+                      headers={"Authorization": f"Bearer {USER}"}).status_code == 401
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    r = httpx.post(url + "/v1/load_lora_adapter", json=body, headers=admin, timeout=60)
+    assert r.status_code == 200, r.text
+    assert _chat(lora_server, "late").status_code == 200
+    r = httpx.post(url + "/v1/load_lora_adapter", json=body, headers=admin)
+    assert r.status_code == 400 and "already loaded" in r.json()["error"]["message"]
+    from dataclasses import replace
+    small = random_adapter(lora_server.dir / "small", replace(lora_server.cfg, hidden_size=64), 0, rank=2,
+                           targets=["q_proj"])
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "small", "lora_path": str(small)}, headers=admin)
+    assert r.status_code == 400 and "another base" in r.json()["error"]["message"]
+    assert "\n" not in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=admin)
+    assert r.status_code == 200
+    assert _chat(lora_server, "late").status_code == 404
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=admin)
+    assert r.status_code == 404
+
+
+def test_bad_adapter_at_startup_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "kvserve.server", "serve", "--port", "0", "--data-dir",
+                           str(tmp_path), "--lora", f"bad={tmp_path / 'missing'}"], check=False, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    err = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert err and "missing" in err[0] and "does not exist" in err[0], proc.stderr[-2000:]
