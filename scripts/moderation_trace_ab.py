@@ -10,10 +10,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 
+from kvserve.bench.common import wait_healthy
 from kvserve.bench.moderation import PROMPT
 from kvserve.bench.serve_launch import free_port
 from kvserve.server.keys import KeyStore
@@ -35,13 +35,7 @@ def main(requests: int = 8) -> None:
         proc = subprocess.Popen([sys.executable, "-m", "kvserve.server", "serve", "--port", str(port),
                                  "--data-dir", data], stdout=log, stderr=subprocess.STDOUT)
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(base)
         for i in range(requests):
             arm = ("on", "off")[i % 2]
             body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2, "temperature": 0,

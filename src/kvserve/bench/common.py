@@ -5,8 +5,10 @@ of them (so the import graph inside bench/ stays acyclic)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
+import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -41,3 +43,30 @@ def write_outputs(out_dir: Path, stem: str, table: str, data: list[dict]) -> Non
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.md").write_text(table + "\n")
     (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+
+
+def wait_healthy(base_url: str, timeout_s: float = 300.0) -> bool:
+    """Poll a server's /health until it answers 200 (True) or `timeout_s` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base_url.rstrip("/") + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def metric_families(base_url: str, api_key: str | None = None) -> list | None:
+    """A server's /metrics parsed into Prometheus metric families; None when it cannot be read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=30)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    return list(text_string_to_metric_families(resp.text))

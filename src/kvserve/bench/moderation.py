@@ -90,8 +90,7 @@ def _one(base: str, key: str, max_tokens: int) -> tuple[float, float, float]:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    import httpx
-
+    from kvserve.bench.common import wait_healthy
     from kvserve.bench.serve_launch import free_port
     from kvserve.server.keys import KeyStore
     from kvserve.server.moderation_policy import PolicyStore
@@ -115,13 +114,7 @@ def main(argv: list[str] | None = None) -> None:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(base)
         for arm in ("on", "off"):      # warm up
             _one(base, keys[arm], 8)
         results: dict[str, list[tuple[float, float, float]]] = {"on": [], "off": []}

@@ -5,7 +5,7 @@ pool's time to first token from the KV hand-over, and its inter-token latency.""
 
 from __future__ import annotations
 
-import httpx
+from kvserve.bench.common import metric_families
 
 _NAMES = {"kvserve:pool_requests": "requests", "kvserve:pool_ttft_seconds": "ttft_s",
           "kvserve:pool_itl_seconds": "itl_s", "kvserve:pool_itl_tokens": "itl_tokens"}
@@ -13,17 +13,11 @@ _NAMES = {"kvserve:pool_requests": "requests", "kvserve:pool_ttft_seconds": "ttf
 
 def fetch_pools(base_url: str, api_key: str | None = None) -> dict[str, dict[str, float]] | None:
     """{pool: {requests, ttft_s, itl_s, itl_tokens}} (cumulative), or None without pools."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        resp = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=30)
-    except httpx.HTTPError:
-        return None
-    if resp.status_code != 200:
+    families = metric_families(base_url, api_key)
+    if families is None:
         return None
     out: dict[str, dict[str, float]] = {}
-    for fam in text_string_to_metric_families(resp.text):
+    for fam in families:
         if fam.name in _NAMES:
             for s in fam.samples:
                 if s.name.endswith("_total"):

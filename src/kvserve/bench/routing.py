@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,28 +47,19 @@ def embeddings(n: int = 1000) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server(requests: int = 40) -> dict:
     import httpx
 
-    port, data = _free_port(), tempfile.mkdtemp(prefix="kvserve-routing-bench-")
+    from kvserve.bench.common import wait_healthy
+    from kvserve.bench.serve_launch import free_port
+
+    port, data = free_port(), tempfile.mkdtemp(prefix="kvserve-routing-bench-")
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.server", "serve", "--port", str(port), "--data-dir",
                              data, "--router", "auto", "--kv-cache-memory", "128MiB"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(base)
         with httpx.Client(base_url=base, timeout=120) as c:
             def ask(q: str, **kw) -> httpx.Response:
                 return c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": q}],

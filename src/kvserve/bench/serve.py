@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from kvserve.bench.common import metric_families
 from kvserve.errors import InvalidRequest
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
@@ -339,17 +340,11 @@ _PROFILE_COUNTERS = {"kvserve:engine_steps": "steps", "kvserve:batched_tokens": 
 def fetch_profile(base_url: str, api_key: str | None = None) -> dict | None:
     """A kvserve server's cumulative step profile from /metrics: {"phases": {phase: seconds},
     "steps", "batched_tokens", "batched_requests"}; None when the server exports none."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        resp = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=30)
-    except httpx.HTTPError:
-        return None
-    if resp.status_code != 200:
+    families = metric_families(base_url, api_key)
+    if families is None:
         return None
     out: dict = {"phases": {}}
-    for fam in text_string_to_metric_families(resp.text):
+    for fam in families:
         for s in fam.samples:
             if fam.name == "kvserve:phase_seconds" and s.name.endswith("_total"):
                 out["phases"][s.labels["phase"]] = out["phases"].get(s.labels["phase"], 0.0) + s.value
