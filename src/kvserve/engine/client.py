@@ -41,6 +41,7 @@ from kvserve.engine.messages import (
     Shutdown,
     decode_output,
     encode,
+    poll_queue,
 )
 from kvserve.engine.processing import EngineInfo
 from kvserve.errors import ModelLoadError
@@ -90,14 +91,7 @@ class InprocClient(EngineClient):
         self.core.run_busy_loop(self._poll, lambda outs: self._call_soon(self._on_outputs, outs), with_stats=False)
 
     def _poll(self, timeout: float) -> list[CoreInput]:
-        msgs = []
-        try:
-            msgs.append(self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait())
-            while True:
-                msgs.append(self._inbox.get_nowait())
-        except queue.Empty:
-            pass
-        return msgs
+        return poll_queue(self._inbox, timeout)
 
 
 class MPClient(EngineClient):

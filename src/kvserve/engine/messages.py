@@ -176,3 +176,18 @@ def decode_input(data: bytes) -> CoreInput:
 
 def decode_output(data: bytes) -> EngineCoreOutputs | EngineReady | EngineFailed:
     return _output_decoder.decode(data)
+
+
+def poll_queue(inbox, timeout: float) -> list[CoreInput]:
+    """The busy loop's `poll` over a thread queue: everything pending, waiting up to `timeout`
+    seconds for the first message when none is (0: do not wait)."""
+    import queue
+
+    msgs = []
+    try:
+        msgs.append(inbox.get(timeout=timeout) if timeout > 0 else inbox.get_nowait())
+        while True:
+            msgs.append(inbox.get_nowait())
+    except queue.Empty:
+        pass
+    return msgs

@@ -24,7 +24,7 @@ import threading
 
 import msgspec
 
-from kvserve.engine.messages import CoreInput, EngineReady, Shutdown, decode_input, encode
+from kvserve.engine.messages import CoreInput, EngineReady, Shutdown, decode_input, encode, poll_queue
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -61,13 +61,7 @@ class EngineReplica:
         self.core.run_busy_loop(self._poll, emit)
 
     def _poll(self, timeout: float) -> list[CoreInput]:
-        msgs = []
-        try:
-            msgs.append(self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait())
-            while True:
-                msgs.append(self._inbox.get_nowait())
-        except queue.Empty:
-            pass
+        msgs = poll_queue(self._inbox, timeout)
         if self.kv_transfer is not None:
             msgs = self.kv_transfer.on_inputs(msgs)
         return msgs
