@@ -55,7 +55,8 @@ class ServerState:
         self.metrics = ServerMetrics(self.engine_stats, lambda: self.model_name or "", self.all_engine_stats)
         self.metrics.gateway_waiting.set_function(lambda: self.admission.num_waiting)
         self.metrics.registry.register(CountersCollector(self.backends.counters))
-        self.moderation = ModerationService(settings.moderation_config(), settings.db_path, self.metrics.registry)
+        self.moderation = ModerationService(settings.moderation_config(), settings.db_path, self.metrics.registry,
+                                            policies=self.backends.policies)
         self.features = ServerFeatures.create(self)   # embeddings, semantic cache, router
 
     # The default (first) model, as the single-model server had it.
@@ -143,7 +144,6 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         state.features.close()
         state.backends.close()
         state.moderation.close()
-        state.responses.close()
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -323,13 +323,24 @@ def keys_moderation(
     check_every: int = typer.Option(None, help="Output: check a window every this many tokens."),
     clear: bool = typer.Option(False, "--clear", help="Remove the subject's policy."),
     data_dir: DataDir = None,
+    database_url: DatabaseUrl = None,
 ) -> None:
     """Set, show or clear the moderation policy of a key or tier (on top of `serve --moderation`)."""
     import json
 
     from kvserve.server.moderation_policy import PolicyStore, policy_from_options
 
-    store = PolicyStore(ServerSettings(load_model=False, data_dir=data_dir or default_data_dir()).db_path)
+    try:
+        if database_url:   # the servers started with the same --database-url apply it within a second
+            from kvserve.server.backends.common import DATABASE_SCHEMES, check_url
+            from kvserve.server.backends.pg_moderation import PostgresPolicyStore
+
+            store: Any = PostgresPolicyStore(check_url(database_url, "--database-url", DATABASE_SCHEMES))
+        else:
+            store = PolicyStore(ServerSettings(load_model=False, data_dir=data_dir or default_data_dir()).db_path)
+    except KVServeError as e:
+        typer.echo(f"error: {e.message}", err=True)
+        raise typer.Exit(1) from None
     try:
         if subject is None:
             for name, policy in sorted(store.all().items()):

@@ -20,6 +20,7 @@ from prometheus_client import Counter
 from kvserve.errors import Overloaded
 from kvserve.server.embeddings import Embedder, mount_embeddings
 from kvserve.server.semantic_cache import (
+    CacheBackend,
     CacheOptions,
     CachePlan,
     SemanticCache,
@@ -53,7 +54,13 @@ class ServerFeatures:
         cache = None
         if s.semantic_cache and s.load_model:
             options = CacheOptions.from_dict(s.semantic_cache_options or {})
-            cache = SemanticCache(SQLiteBackend(s.data_dir / "semantic_cache.db"), embedder, options)
+            if s.redis_url:   # shared by every replica on this Redis (backends/redis_cache.py)
+                from kvserve.server.backends.redis_cache import RedisCacheBackend
+
+                backend: CacheBackend = RedisCacheBackend(s.redis_url, options.ttl_s)
+            else:
+                backend = SQLiteBackend(s.data_dir / "semantic_cache.db")
+            cache = SemanticCache(backend, embedder, options)
         router = None
         if s.router:
             from kvserve.server.router import Router

@@ -43,9 +43,10 @@ INLINE_CHARS = 4000   # input checked on the event loop up to this size, in a wo
 class ModerationService:
     """What the server holds for moderation: the base config, the policy store, moderators, metrics."""
 
-    def __init__(self, config: ModerationConfig, db_path, registry=None):
+    def __init__(self, config: ModerationConfig, db_path, registry=None, policies=None):
         self.config = config
-        self.policies = PolicyStore(db_path)
+        self._owns_policies = policies is None   # the server passes its backends' store (and closes it)
+        self.policies = policies if policies is not None else PolicyStore(db_path)
         self._moderators: dict[str, Moderator] = {}
         self.checks = Counter("kvserve:moderation_checks", "Moderation checks run, by stage.", ["stage"],
                               registry=registry)
@@ -55,7 +56,8 @@ class ModerationService:
                                  buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05), registry=registry)
 
     def close(self) -> None:
-        self.policies.close()
+        if self._owns_policies:
+            self.policies.close()
 
     def config_for(self, record) -> ModerationConfig:
         config = self.config

@@ -31,7 +31,6 @@ from starlette.concurrency import run_in_threadpool
 from kvserve.errors import InvalidRequest
 from kvserve.server.context import conversation
 from kvserve.server.limits import load_json, read_body
-from kvserve.server.responses_store import ResponseStore
 
 FIELDS = {"model", "input", "instructions", "previous_response_id", "store", "stream", "tools", "tool_choice",
           "parallel_tool_calls", "text", "temperature", "top_p", "max_output_tokens", "metadata", "user",
@@ -265,8 +264,7 @@ async def _events(chunks: AsyncIterator, rb: ResponseBuilder, on_done) -> AsyncI
 
 
 def mount_responses(app: FastAPI, server) -> None:
-    store = ResponseStore(server.settings.db_path)
-    server.responses = store
+    store = server.backends.responses   # SQLite, or PostgreSQL with --database-url (backends/)
 
     @app.post("/v1/responses")
     async def create(request: Request) -> Response:

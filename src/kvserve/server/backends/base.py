@@ -1,14 +1,15 @@
 """The interfaces of the server's stores (one Protocol per store).
 
 The embedded implementations (keys.KeyStore, ratelimit.RateLimiter, conversations.ConversationStore,
-counters.MemoryCounters) are the reference: every other backend passes the same tests
+counters.MemoryCounters, responses_store.ResponseStore, moderation_policy.PolicyStore,
+semantic_cache.SQLiteBackend) are the reference: every other backend passes the same tests
 (tests/server/test_gateway.py, test_conversations.py and tests/server/test_state_backends.py,
 parametrized over the backends). factory.py picks the implementations.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from kvserve.server.conversations import StoreLimits
@@ -60,6 +61,26 @@ class CounterBackend(Protocol):
 
     def incr(self, name: str, amount: int = 1) -> None: ...
     def snapshot(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+
+class ResponseBackend(Protocol):
+    """Stored Responses (the Responses API), scoped by owner (responses_store.py)."""
+
+    def put(self, owner: str, response: dict[str, Any], messages: list[dict[str, Any]]) -> None: ...
+    def get(self, owner: str, response_id: str) -> dict[str, Any]: ...
+    def messages(self, owner: str, response_id: str) -> list[dict[str, Any]]: ...
+    def delete(self, owner: str, response_id: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class PolicyBackend(Protocol):
+    """Moderation policies per key or tier (moderation_policy.py)."""
+
+    def set(self, subject: str, policy: dict[str, Any]) -> None: ...
+    def delete(self, subject: str) -> bool: ...
+    def all(self) -> dict[str, dict[str, Any]]: ...
+    def for_caller(self, key_name: str | None, tier: str | None) -> list[dict[str, Any]]: ...
     def close(self) -> None: ...
 
 

@@ -14,7 +14,9 @@ from kvserve.server.backends.base import (
     ConversationBackend,
     CounterBackend,
     KeyBackend,
+    PolicyBackend,
     RateLimitBackend,
+    ResponseBackend,
 )
 from kvserve.server.backends.common import DATABASE_SCHEMES, REDIS_SCHEMES, check_url
 
@@ -33,6 +35,8 @@ class StateBackends:
     counters: CounterBackend
     conversations: ConversationBackend | None = None
     arena: ArenaBackend | None = None   # None: the arena opens its SQLite store itself
+    responses: ResponseBackend | None = None   # stored Responses (the Responses API)
+    policies: PolicyBackend | None = None      # moderation policies per key / tier
     _closers: list[Any] = field(default_factory=list)
 
     def close(self) -> None:
@@ -118,10 +122,26 @@ def open_backends(settings: ServerSettings, *, page_stores: bool = True) -> Stat
 
             arena = PostgresArenaStore(settings.database_url, db=db)
             closers.insert(0, arena.close)
-        # Stored responses (the Responses API) plug in here the same way: SQLite by default,
-        # pg_responses.PostgresResponseStore when settings.database_url is set.
+        responses: Any
+        policies: Any
+        if db is not None:
+            from kvserve.server.backends.pg_moderation import PostgresPolicyStore
+            from kvserve.server.backends.pg_responses import PostgresResponseStore
+
+            responses = PostgresResponseStore(settings.database_url, db=db)
+            closers.insert(0, responses.close)
+            policies = PostgresPolicyStore(settings.database_url, db=db)
+            closers.insert(0, policies.close)
+        else:
+            from kvserve.server.moderation_policy import PolicyStore
+            from kvserve.server.responses_store import ResponseStore
+
+            responses = ResponseStore(settings.db_path)
+            closers.insert(0, responses.close)
+            policies = PolicyStore(settings.db_path)
+            closers.insert(0, policies.close)
     except BaseException:
         _close_all(closers)
         raise
     return StateBackends(keys=keys, limiter=limiter, counters=counters, conversations=convs, arena=arena,
-                         _closers=closers)
+                         responses=responses, policies=policies, _closers=closers)

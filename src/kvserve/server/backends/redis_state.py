@@ -93,11 +93,11 @@ def redis_errors(fn):
     return wrapper
 
 
-def connect_redis(url: str) -> Any:
+def connect_redis(url: str, *, decode_responses: bool = True) -> Any:
     """A client for `url`, checked with PING (a clear error when Redis is not there)."""
     import redis
 
-    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5, decode_responses=True,
+    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5, decode_responses=decode_responses,
                                   health_check_interval=30)
     try:
         client.ping()

@@ -1,0 +1,84 @@
+"""Moderation policies per key or tier in PostgreSQL: moderation_policy.PolicyStore's API, so every
+server sharing the database applies the policies set with `kvserve keys moderation --database-url`.
+
+The request path reads policies through an in-memory copy refreshed at most every `refresh_s`
+(1 s) with one SELECT, so a change made elsewhere applies within a second and a request costs no
+round trip; a change made through this store is seen at once. If the database is unreachable at
+refresh time, the last copy is kept (the check must not fail the request: moderation falls back
+to the policies it last saw) and the refresh is retried on the next request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+from kvserve.server.backends.postgres import Database, migrate, pg_errors
+from kvserve.server.moderation_policy import validate
+
+COMPONENT = "moderation_policies"
+MIGRATIONS: list[tuple[str, ...]] = [
+    (  # 1: moderation_policy.SCHEMA
+        """CREATE TABLE moderation_policies (
+            subject     TEXT PRIMARY KEY,
+            policy      TEXT NOT NULL,
+            updated_at  DOUBLE PRECISION NOT NULL)""",
+    ),
+]
+logger = logging.getLogger("kvserve.server")
+
+
+class PostgresPolicyStore:
+    remote = True
+
+    def __init__(self, url: str, *, db: Database | None = None, refresh_s: float = 1.0):
+        self.db = db or Database(url)
+        self._owns_db = db is None
+        self.refresh_s = refresh_s
+        self._lock = threading.Lock()
+        self._cache: dict[str, dict[str, Any]] = {}
+        self._loaded_at: float | None = None
+        migrate(self.db, COMPONENT, MIGRATIONS)
+
+    def close(self) -> None:
+        if self._owns_db:
+            self.db.close()
+
+    @pg_errors
+    def set(self, subject: str, policy: dict[str, Any]) -> None:
+        validate(policy)
+        with self.db.connection() as conn:
+            conn.execute("INSERT INTO moderation_policies (subject, policy, updated_at) VALUES (%s, %s, %s) "
+                         "ON CONFLICT (subject) DO UPDATE SET policy = excluded.policy, "
+                         "updated_at = excluded.updated_at", (subject, json.dumps(policy), time.time()))
+        self._loaded_at = None
+
+    @pg_errors
+    def delete(self, subject: str) -> bool:
+        with self.db.connection() as conn:
+            cur = conn.execute("DELETE FROM moderation_policies WHERE subject = %s", (subject,))
+        self._loaded_at = None
+        return cur.rowcount > 0
+
+    def all(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            now = time.monotonic()
+            if self._loaded_at is None or now - self._loaded_at >= self.refresh_s:
+                try:
+                    with self.db.connection() as conn:
+                        rows = conn.execute("SELECT subject, policy FROM moderation_policies").fetchall()
+                    self._cache = {r["subject"]: json.loads(r["policy"]) for r in rows}
+                    self._loaded_at = now
+                except Exception:   # keep the last copy (see the module's docstring)
+                    logger.warning("reading moderation policies from PostgreSQL failed; using the last copy",
+                                   exc_info=True)
+            return dict(self._cache)
+
+    def for_caller(self, key_name: str | None, tier: str | None) -> list[dict[str, Any]]:
+        """The policies that apply, weakest first: the tier's, then the key's."""
+        policies = self.all()
+        return [p for p in (policies.get(f"tier:{tier}") if tier else None,
+                            policies.get(key_name) if key_name else None) if p]
