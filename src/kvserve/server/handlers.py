@@ -335,7 +335,7 @@ async def _release(server, gen: Generation, record: RequestRecord, status: int, 
             except Exception:
                 logger.exception("usage ledger write failed")
             try:
-                server.features.store(gen, gen.cache_plan, status)
+                await asyncio.to_thread(server.features.store, gen, gen.cache_plan, status)
             except Exception:
                 logger.exception("semantic cache write failed")
     record.generation = gen.log(status, error)

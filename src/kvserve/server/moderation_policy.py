@@ -3,8 +3,9 @@
 A policy is a JSON object of `ModerationConfig` overrides (`mode`, `thresholds`, `blocklist`,
 `regexes`, `pii_input`, `pii_output`, `jailbreak`, `check_every`) stored under a subject: a key's
 name, or `tier:free` / `tier:paid`. A request's config is the server's (`kvserve serve
---moderation ...`), then its tier's policy, then its key's. The SQL is here and nowhere else; the
+--moderation ...`), then its tier's policy, then its key's. The SQLite SQL is here and nowhere else; the
 server re-reads the table only when `PRAGMA data_version` says another connection changed it.
+With --database-url the policies are in PostgreSQL (backends/pg_moderation.py, same API).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Stored Responses (`POST /v1/responses` with `store: true`), per owner, in the server's SQLite file.
 
-The interface is four calls, so another backend (Redis, PostgreSQL) is one class with the same
-methods: `put(owner, response, messages)`, `get(owner, id)`, `messages(owner, id)` and
+The interface is four calls (backends/base.ResponseBackend; PostgreSQL with --database-url is
+backends/pg_responses.py, picked by backends/factory.py): `put(owner, response, messages)`, `get(owner, id)`, `messages(owner, id)` and
 `delete(owner, id)`. `messages` is the conversation up to and including that response's answer,
 as chat messages without the instructions (OpenAI does not carry `instructions` over a
 `previous_response_id`); the next request's context is built from it (server/context.py).

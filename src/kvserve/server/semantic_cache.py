@@ -18,11 +18,13 @@ stored. Entries expire after `ttl_s` and the least recently used go past `max_en
 Storage is a `CacheBackend`: the default keeps entries in SQLite on disk (semantic_cache.db in
 the data directory, 0600) with an in-memory mirror of each partition's vectors; because the exact
 part partitions the space, a lookup scans only the handful of vectors that share its partition.
-A shared backend (Redis) implements the same four methods.
+With --redis-url, backends/redis_cache.RedisCacheBackend implements the same four methods in Redis, so
+every replica shares the answers (features.py picks the backend).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import pathlib
@@ -230,7 +232,10 @@ class SemanticCache:
     async def lookup(self, plan: CachePlan) -> Hit | None:
         t0 = time.perf_counter()
         vecs, _ = await self.embedder.encode([normalize(plan.query)], use="semantic_cache")
-        hit = self.match(plan, vecs[0].numpy())
+        if getattr(self.backend, "remote", False):   # a network round trip: off the event loop
+            hit = await asyncio.to_thread(self.match, plan, vecs[0].numpy())
+        else:
+            hit = self.match(plan, vecs[0].numpy())
         if hit is not None:
             hit.lookup_ms = (time.perf_counter() - t0) * 1000
         return hit

@@ -1,11 +1,12 @@
 """Moderation policies per key or tier in PostgreSQL: moderation_policy.PolicyStore's API, so every
 server sharing the database applies the policies set with `kvserve keys moderation --database-url`.
 
-The request path reads policies through an in-memory copy refreshed at most every `refresh_s`
-(1 s) with one SELECT, so a change made elsewhere applies within a second and a request costs no
-round trip; a change made through this store is seen at once. If the database is unreachable at
-refresh time, the last copy is kept (the check must not fail the request: moderation falls back
-to the policies it last saw) and the refresh is retried on the next request.
+The request path (on the event loop) reads policies from an in-memory copy and never waits for
+the database: when the copy is older than `refresh_s` (1 s), a request starts one background
+SELECT that replaces it, so a change made elsewhere applies within about a second. A change made
+through this store is read back at once (the CLI shows it). If the database is unreachable, the
+last copy stays in use (moderation keeps applying the policies it last saw) and the refresh is
+retried `refresh_s` later.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class PostgresPolicyStore:
         self._lock = threading.Lock()
         self._cache: dict[str, dict[str, Any]] = {}
         self._loaded_at: float | None = None
+        self._refreshing = False
         migrate(self.db, COMPONENT, MIGRATIONS)
 
     def close(self) -> None:
@@ -63,18 +65,29 @@ class PostgresPolicyStore:
         self._loaded_at = None
         return cur.rowcount > 0
 
+    def _read(self) -> dict[str, dict[str, Any]]:
+        with self.db.connection() as conn:
+            rows = conn.execute("SELECT subject, policy FROM moderation_policies").fetchall()
+        return {r["subject"]: json.loads(r["policy"]) for r in rows}
+
+    def _refresh(self) -> None:
+        try:
+            self._cache = self._read()
+        except Exception:   # keep the last copy (see the module's docstring)
+            logger.warning("reading moderation policies from PostgreSQL failed; using the last copy", exc_info=True)
+        finally:
+            self._loaded_at = time.monotonic()
+            self._refreshing = False
+
+    @pg_errors
     def all(self) -> dict[str, dict[str, Any]]:
         with self._lock:
-            now = time.monotonic()
-            if self._loaded_at is None or now - self._loaded_at >= self.refresh_s:
-                try:
-                    with self.db.connection() as conn:
-                        rows = conn.execute("SELECT subject, policy FROM moderation_policies").fetchall()
-                    self._cache = {r["subject"]: json.loads(r["policy"]) for r in rows}
-                    self._loaded_at = now
-                except Exception:   # keep the last copy (see the module's docstring)
-                    logger.warning("reading moderation policies from PostgreSQL failed; using the last copy",
-                                   exc_info=True)
+            if self._loaded_at is None:   # first use, or a change through this store: read it now
+                self._cache = self._read()
+                self._loaded_at = time.monotonic()
+            elif time.monotonic() - self._loaded_at >= self.refresh_s and not self._refreshing:
+                self._refreshing = True
+                threading.Thread(target=self._refresh, name="kvserve-policy-refresh", daemon=True).start()
             return dict(self._cache)
 
     def for_caller(self, key_name: str | None, tier: str | None) -> list[dict[str, Any]]:

@@ -62,6 +62,7 @@ _META = ("query", "answer", "finish_reason", "prompt_tokens", "completion_tokens
 
 class RedisCacheBackend:
     """Semantic-cache entries in Redis (see the module's docstring)."""
+    remote = True   # a network round trip per call: the cache calls it off the event loop
 
     def __init__(self, url: str, ttl_s: float):
         # Vectors are bytes: this client does not decode replies (the other Redis stores' does).
