@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 import types
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -191,3 +193,30 @@ def test_two_servers_share_the_semantic_cache_in_redis(redis_server, tmp_path):
     finally:
         for f in (a, b, local):
             f.close()
+
+
+def test_two_model_servers_on_one_redis_share_cached_answers(model_server, redis_server, tmp_path):
+    """Over HTTP: an answer one `kvserve serve --redis-url` generated is the other's semantic hit."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from ggufmaker import make_tiny_llama_gguf
+
+    tiny = make_tiny_llama_gguf(tmp_path / "t.gguf", ctx=256)
+    url = redis_server.fresh_url()
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    servers = [model_server(tmp_path / name, "--model", f"t={tiny}", "--semantic-cache", "on", "--redis-url", url)
+               for name in ("a", "b")]
+    try:
+        def chat(srv, content: str) -> httpx.Response:
+            return httpx.post(srv.base_url + "/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0})
+
+        first = chat(servers[0], "What is the capital of Italy?")
+        assert first.status_code == 200 and "x-kvserve-cache" not in first.headers
+        second = chat(servers[1], "Which city is the capital of Italy?")
+        assert second.status_code == 200 and second.headers.get("x-kvserve-cache") == "semantic"
+        assert second.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+        assert not (tmp_path / "b" / "semantic_cache.db").exists()
+    finally:
+        for srv in servers:
+            srv.stop()
