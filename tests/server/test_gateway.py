@@ -264,12 +264,12 @@ def test_stores_are_durable(gateway):
     if url:
         import psycopg
 
-        from kvserve.server.backends import pg_arena, pg_conversations, pg_keys
+        from kvserve.server.backends import pg_arena, pg_conversations, pg_keys, pg_moderation, pg_responses
 
         with psycopg.connect(url) as conn:
             versions = dict(conn.execute("SELECT component, version FROM kvserve_schema_version").fetchall())
-        assert versions == {"keys": len(pg_keys.MIGRATIONS), "conversations": len(pg_conversations.MIGRATIONS),
-                            "arena": len(pg_arena.MIGRATIONS)}
+        assert versions == {m.COMPONENT: len(m.MIGRATIONS)
+                            for m in (pg_keys, pg_conversations, pg_arena, pg_responses, pg_moderation)}
         return
     with sqlite3.connect(gateway.state.settings.db_path) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
