@@ -195,8 +195,9 @@ def test_two_servers_share_the_semantic_cache_in_redis(redis_server, tmp_path):
             f.close()
 
 
-def test_two_model_servers_on_one_redis_share_cached_answers(model_server, redis_server, tmp_path):
-    """Over HTTP: an answer one `kvserve serve --redis-url` generated is the other's semantic hit."""
+def test_two_model_servers_share_cached_answers_and_responses(model_server, redis_server, postgres_server, tmp_path):
+    """Over HTTP, two `kvserve serve --redis-url R --database-url D`: an answer one generated is the
+    other's semantic hit, and a response created on one is continued and read on the other."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
     from ggufmaker import make_tiny_llama_gguf
 
@@ -204,8 +205,9 @@ def test_two_model_servers_on_one_redis_share_cached_answers(model_server, redis
     url = redis_server.fresh_url()
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-    servers = [model_server(tmp_path / name, "--model", f"t={tiny}", "--semantic-cache", "on", "--redis-url", url)
-               for name in ("a", "b")]
+    db = postgres_server.new_database()
+    servers = [model_server(tmp_path / name, "--model", f"t={tiny}", "--semantic-cache", "on", "--redis-url", url,
+                            "--database-url", db) for name in ("a", "b")]
     try:
         def chat(srv, content: str) -> httpx.Response:
             return httpx.post(srv.base_url + "/v1/chat/completions", timeout=120, json={
@@ -217,6 +219,16 @@ def test_two_model_servers_on_one_redis_share_cached_answers(model_server, redis
         assert second.status_code == 200 and second.headers.get("x-kvserve-cache") == "semantic"
         assert second.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
         assert not (tmp_path / "b" / "semantic_cache.db").exists()
+
+        def respond(srv, **body) -> dict:
+            r = httpx.post(srv.base_url + "/v1/responses", timeout=120, json={"max_output_tokens": 4, **body})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        made = respond(servers[0], input="My name is Zoltan.")
+        cont = respond(servers[1], input="What is my name?", previous_response_id=made["id"])
+        assert cont["usage"]["input_tokens"] > made["usage"]["input_tokens"] + 3   # the history came along
+        assert httpx.get(f"{servers[0].base_url}/v1/responses/{cont['id']}", timeout=10).json()["id"] == cont["id"]
     finally:
         for srv in servers:
             srv.stop()
