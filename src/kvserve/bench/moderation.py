@@ -62,7 +62,8 @@ def _one(base: str, key: str, max_tokens: int) -> tuple[float, float, float]:
     import httpx
 
     body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens, "min_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "cache": False}   # the same prompt every time: the semantic cache would answer it
     t0 = time.perf_counter()
     first = first_event = None
     tokens = 0
