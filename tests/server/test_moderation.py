@@ -32,7 +32,9 @@ def server(tmp_path_factory, model_server):
         assert r.exit_code == 0, r.output
     listed = runner.invoke(keys_app, ["moderation", "--data-dir", str(data_dir)]).output
     assert "places" in listed and '"mode": "off"' in listed
-    srv = model_server(data_dir, "--max-model-len", "512")
+    # two models (the same weights under two names): a cut answer of the second must end in its own engine
+    srv = model_server(data_dir, "--max-model-len", "512", "--model", "smollm2-135m-instruct",
+                       "--model", "second=smollm2-135m-instruct")
     srv.keys = keys
     return srv
 
@@ -104,11 +106,12 @@ def offset_tokens(tokens: list[str], word: str) -> int:
     raise AssertionError(f"{word!r} never appears in {text!r}")
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_violating_output_is_cut_within_one_window(server, stream):
-    body = {"prompt": ECHO, "max_tokens": 48, "temperature": 0, "logprobs": 0}
+@pytest.mark.parametrize("stream,model", [(False, None), (True, None), (True, "second")])
+def test_violating_output_is_cut_within_one_window(server, stream, model):
+    body = {"prompt": ECHO, "max_tokens": 48, "ignore_eos": True, "temperature": 0, "logprobs": 0, **({"model": model} if model else {})}
     full = post(server, "plain", "/v1/completions", body).json()["choices"][0]
     first = offset_tokens(full["logprobs"]["tokens"], WORD)
+    generated = metric(server, "kvserve:generation_tokens_total")
     r = post(server, "out", "/v1/completions", {**body, "stream": stream})
     assert r.status_code == 200, r.text
     if stream:
@@ -124,6 +127,8 @@ def test_violating_output_is_cut_within_one_window(server, stream):
     assert n_tokens <= first + 4 < 48          # cut within one check window (4 tokens) of the word
     assert not re.search(r"zanzibar\s+zanzibar\s+zanzibar\s+zanzibar", text)
     assert engine_idle(server)       # aborted in the engine, its blocks freed (the abort lands within a step)
+    # ...in the engine that served it: it stopped generating a step or two after the cut
+    assert metric(server, "kvserve:generation_tokens_total") - generated <= n_tokens + 8
 
 
 def test_chat_output_cut_streaming(server):

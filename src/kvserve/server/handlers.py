@@ -253,7 +253,7 @@ async def _deltas(server, gen: Generation, salt: str | None, client_salt: str | 
             if ch.finish_reason is not None:    # ended by a stage (output moderation): nothing more
                 continue
             d = ch.add(run_stages(ch.stages, ChoiceDelta.from_output(c)))
-            await cut_if_filtered(server, gen, ps, d)
+            await cut_if_filtered(gen, ps, d)
             server.http_ns += time.perf_counter_ns() - t0
             yield pi, c.index, d
             t0 = time.perf_counter_ns()

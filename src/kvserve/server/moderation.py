@@ -209,13 +209,13 @@ class OutputModerationStage:
         return delta
 
 
-async def cut_if_filtered(server, gen, ps, delta: ChoiceDelta) -> None:
+async def cut_if_filtered(gen, ps, delta: ChoiceDelta) -> None:
     """After a choice's stages: when output moderation ended every choice of this prompt, abort its
     engine request now (its KV blocks are freed; `_release` sees a final and does nothing more)."""
     if delta.finish_reason != "content_filter":
         return
     if all(ch.finish_reason is not None for ch in ps.choices) and ps.final is None:
-        await server.engine.abort(ps.request_id)
+        await gen.engine.abort(ps.request_id)   # the engine serving it (not the default model's)
 
 
 def trace_entries(gen) -> list[dict[str, Any]]:
