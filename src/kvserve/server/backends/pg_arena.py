@@ -11,7 +11,7 @@ import time
 from kvserve.errors import InvalidRequest
 from kvserve.server.arena import BattleNotFound
 from kvserve.server.arena_ratings import SCORES
-from kvserve.server.backends.postgres import Database, migrate, pg_errors
+from kvserve.server.backends.postgres import PostgresStore, pg_errors
 
 COMPONENT = "arena"
 MIGRATIONS: list[tuple[str, ...]] = [
@@ -31,17 +31,8 @@ MIGRATIONS: list[tuple[str, ...]] = [
 ]
 
 
-class PostgresArenaStore:
-    remote = True   # a network round trip per call
-
-    def __init__(self, url: str, *, db: Database | None = None):
-        self.db = db or Database(url)
-        self._owns_db = db is None
-        migrate(self.db, COMPONENT, MIGRATIONS)
-
-    def close(self) -> None:
-        if self._owns_db:
-            self.db.close()
+class PostgresArenaStore(PostgresStore):
+    component, migrations = COMPONENT, MIGRATIONS
 
     @pg_errors
     def create(self, owner: str, prompt: str, model_a: str, model_b: str) -> str:

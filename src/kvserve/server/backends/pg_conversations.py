@@ -14,7 +14,7 @@ import secrets
 import time
 
 from kvserve.errors import InvalidRequest
-from kvserve.server.backends.postgres import Database, migrate, pg_errors
+from kvserve.server.backends.postgres import Database, PostgresStore, pg_errors
 from kvserve.server.conversations import ConversationNotFound, ConversationStore, QuotaExceeded, StoreLimits
 
 COMPONENT = "conversations"
@@ -54,18 +54,12 @@ def _no_nul(value: object, param: str) -> None:
                              param=param)
 
 
-class PostgresConversationStore(ConversationStore):
-    remote = True   # a network round trip per call (the gateway runs it off the event loop)
+class PostgresConversationStore(PostgresStore, ConversationStore):
+    component, migrations = COMPONENT, MIGRATIONS
 
     def __init__(self, url: str, limits: StoreLimits | None = None, *, db: Database | None = None):
         self.limits = limits or StoreLimits()
-        self.db = db or Database(url)
-        self._owns_db = db is None
-        migrate(self.db, COMPONENT, MIGRATIONS)
-
-    def close(self) -> None:
-        if self._owns_db:
-            self.db.close()
+        super().__init__(url, db=db)
 
     def _title(self, title: object) -> str:
         _no_nul(title, "title")

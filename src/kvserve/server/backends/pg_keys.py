@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from kvserve.server.backends.postgres import Database, migrate, pg_errors
+from kvserve.server.backends.postgres import Database, PostgresStore, pg_errors
 from kvserve.server.keys import ANONYMOUS, ApiKey, duplicate_key, hash_key, new_key, today
 
 COMPONENT = "keys"
@@ -43,18 +43,12 @@ _KEY_COLS = "name, tier, rpm, tpm, prefix, created_at, revoked_at"
 _USAGE_COLS = ("key_name", "day", "requests", "prompt_tokens", "completion_tokens", "cached_tokens")
 
 
-class PostgresKeyStore:
-    remote = True   # a network round trip per call (the gateway runs it off the event loop)
+class PostgresKeyStore(PostgresStore):
+    component, migrations = COMPONENT, MIGRATIONS
 
     def __init__(self, url: str, *, db: Database | None = None):
-        self.db = db or Database(url)
-        self._owns_db = db is None
         self._any_key = False
-        migrate(self.db, COMPONENT, MIGRATIONS)
-
-    def close(self) -> None:
-        if self._owns_db:
-            self.db.close()
+        super().__init__(url, db=db)
 
     @pg_errors
     def create(self, name: str, *, tier: str = "paid", rpm: int | None = None, tpm: int | None = None) -> str:

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from kvserve.server.backends.postgres import Database, migrate, pg_errors
+from kvserve.server.backends.postgres import Database, PostgresStore, pg_errors
 from kvserve.server.moderation_policy import validate
 
 COMPONENT = "moderation_policies"
@@ -32,22 +32,16 @@ MIGRATIONS: list[tuple[str, ...]] = [
 logger = logging.getLogger("kvserve.server")
 
 
-class PostgresPolicyStore:
-    remote = True
+class PostgresPolicyStore(PostgresStore):
+    component, migrations = COMPONENT, MIGRATIONS
 
     def __init__(self, url: str, *, db: Database | None = None, refresh_s: float = 1.0):
-        self.db = db or Database(url)
-        self._owns_db = db is None
         self.refresh_s = refresh_s
         self._lock = threading.Lock()
         self._cache: dict[str, dict[str, Any]] = {}
         self._loaded_at: float | None = None
         self._refreshing = False
-        migrate(self.db, COMPONENT, MIGRATIONS)
-
-    def close(self) -> None:
-        if self._owns_db:
-            self.db.close()
+        super().__init__(url, db=db)
 
     @pg_errors
     def set(self, subject: str, policy: dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any
 
-from kvserve.server.backends.postgres import Database, migrate, pg_errors
+from kvserve.server.backends.postgres import PostgresStore, pg_errors
 from kvserve.server.responses_store import ResponseNotFound
 
 COMPONENT = "responses"
@@ -27,17 +27,8 @@ MIGRATIONS: list[tuple[str, ...]] = [
 ]
 
 
-class PostgresResponseStore:
-    remote = True   # a network round trip per call
-
-    def __init__(self, url: str, *, db: Database | None = None):
-        self.db = db or Database(url)
-        self._owns_db = db is None
-        migrate(self.db, COMPONENT, MIGRATIONS)
-
-    def close(self) -> None:
-        if self._owns_db:
-            self.db.close()
+class PostgresResponseStore(PostgresStore):
+    component, migrations = COMPONENT, MIGRATIONS
 
     @pg_errors
     def put(self, owner: str, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:

@@ -21,7 +21,7 @@ import functools
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 from kvserve.errors import KVServeError
 from kvserve.server.backends.common import StateStoreUnavailable, redact
@@ -129,3 +129,21 @@ def migrate(db: Database, component: str, steps: list[tuple[str, ...]]) -> int:
                          "ON CONFLICT (component) DO UPDATE SET version = excluded.version, updated_at = now()",
                          (component, len(steps)))
     return len(steps)
+
+
+class PostgresStore:
+    """What every PostgreSQL store shares: the connection pool (its own, or a shared `db` it does
+    not close) and its schema brought up to date by its `component`'s `migrations` at open."""
+
+    remote = True   # a network round trip per call (the gateway runs it off the event loop)
+    component = ""
+    migrations: ClassVar[list[tuple[str, ...]]] = []
+
+    def __init__(self, url: str, *, db: Database | None = None):
+        self.db = db or Database(url)
+        self._owns_db = db is None
+        migrate(self.db, self.component, self.migrations)
+
+    def close(self) -> None:
+        if self._owns_db:
+            self.db.close()
