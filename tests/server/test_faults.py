@@ -127,7 +127,7 @@ def test_sigterm_finishes_the_stream_then_exits_0(tmp_path, model_server):
     chunks: list[dict] = []
     with httpx.Client(timeout=120) as http, http.stream(
             "POST", srv.base_url + "/v1/chat/completions", headers=hdr(keys["t"]),
-            json={"messages": HELLO, "max_tokens": 24, "ignore_eos": True, "stream": True,
+            json={"messages": HELLO, "max_tokens": 24, "ignore_eos": True, "temperature": 0, "stream": True,
                   "stream_options": {"include_usage": True}}) as r:
         lines = r.iter_lines()
         for line in lines:
@@ -171,7 +171,7 @@ def test_engine_process_killed_is_a_retryable_503_and_restarted(tmp_path, model_
     [engine_pid] = engine_children(srv.proc.pid)
     with cf.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(httpx.post, srv.base_url + "/v1/chat/completions", headers=hdr(keys["e"]),
-                          json={"messages": HELLO, "max_tokens": 400, "ignore_eos": True}, timeout=300)
+                          json={"messages": HELLO, "max_tokens": 400, "ignore_eos": True, "temperature": 0}, timeout=300)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:   # until the request runs in the engine
             text = httpx.get(srv.base_url + "/metrics", headers=hdr(keys["e"]), timeout=60).text

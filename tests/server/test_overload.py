@@ -59,12 +59,12 @@ def test_queue_ladder_and_503(setup):
     paid, free = hdr(keys["paid"]), hdr(keys["free"])
     with httpx.Client(timeout=300) as http, cf.ThreadPoolExecutor(4) as pool:
         # A holds the only engine slot: a long stream we read one chunk of, then hang up on.
-        body = {"messages": HELLO, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        body = {"messages": HELLO, "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
         with http.stream("POST", url, json=body, headers=paid) as a:
             assert a.status_code == 200
             lines = a.iter_lines()  # keep a reference: a collected iterator closes the connection
             next(lines)
-            short = {"messages": HELLO, "max_tokens": 8, "ignore_eos": True}
+            short = {"messages": HELLO, "max_tokens": 8, "ignore_eos": True, "temperature": 0}
             b = pool.submit(httpx.post, url, json=short, headers=paid, timeout=300)
             wait_for_waiting(srv.base_url, keys["paid"], 1)
             c = pool.submit(httpx.post, url, json=short, headers=paid, timeout=300)  # ladder rung 1: capped
@@ -90,7 +90,7 @@ def test_sigkill_under_load_keeps_keys_and_ledger(setup, model_server):
     before = {r["key_name"]: r for r in KeyStore(data_dir / "kvserve.db").usage()}
     assert before["paid"]["requests"] >= 4  # written by the previous test's requests
     pool = cf.ThreadPoolExecutor(4)
-    body = {"messages": HELLO, "max_tokens": 30, "ignore_eos": True}
+    body = {"messages": HELLO, "max_tokens": 30, "ignore_eos": True, "temperature": 0}
     for _ in range(4):
         pool.submit(httpx.post, url, json=body, headers=hdr(keys["paid"]), timeout=120)
     wait_for_waiting(srv.base_url, keys["paid"], 3)
