@@ -371,3 +371,31 @@ def test_block_scales_kept_in_float16_where_exact():
     assert layer.d.dtype == torch.float32
     assert torch.equal(layer.dequantized_weight().double(), ref_w)
     assert kernel_layer(random_q4_k(16, 256), Q.Q4_K, 256, 16).d.dtype == torch.float32
+
+
+@requires_kernels
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+def test_batched_decode_attention_same_bits_as_alone(kv_dtype):
+    """A batch of decode queries (each query's KV heads swept together, for contiguous cache reads)
+    gives every query the bits it gets alone (one item per KV head)."""
+    from kvserve.model.attention import AttentionMetadata
+    from kvserve.model.kv_quant import quantize_rows
+
+    g = torch.Generator().manual_seed(7)
+    block_size, hq, hkv, d = 16, 9, 3, 64
+    seq_lens = [1, 9, 16, 17, 40, 64, 130, 201]
+    need = [(n + block_size - 1) // block_size for n in seq_lens]
+    perm = torch.randperm(sum(need) + 3, generator=g).tolist()
+    tables, i = [], 0
+    for n in need:
+        tables.append(perm[i:i + n])
+        i += n
+    x = torch.randn(2, len(perm), block_size, hkv, d, generator=g)
+    kv_cache = quantize_rows(x) if kv_dtype == torch.int8 else x.to(kv_dtype)
+    q = torch.randn(len(seq_lens), hq, d, generator=g)
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size)
+    batched = BACKEND.paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, 0.125)
+    assert batched is not None
+    for b in range(len(seq_lens)):
+        alone = BACKEND.paged_decode_attention(q[b:b + 1], kv_cache, meta.block_tables[b:b + 1], [seq_lens[b]], 0.125)
+        assert torch.equal(alone[0], batched[b]), (kv_dtype, seq_lens[b])

@@ -118,8 +118,10 @@ inline float softmax_row(float *sg, int L) {
 // streams past. ND = D / 8 is a compile-time constant (0: other head sizes, plain loops).
 template <typename KV, int ND>
 void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, int L, int D, int G,
-                 float scale, float *s, float *out, const float *ksc = nullptr, const float *vsc = nullptr) {
-    // ksc/vsc: the rows' scales (int8 rows only; unused for float types)
+                 float scale, float *s, float *out, const float *ksc = nullptr, const float *vsc = nullptr,
+                 int pf_bytes = 0) {
+    // ksc/vsc: the rows' scales (int8 rows only; unused for float types). pf_bytes: how much of each
+    // token to prefetch from its row on (0: the row; more: the following heads' rows too, see attend_heads)
     const auto ks = [&](int t) { return kScaled<KV> ? ksc[t] : 1.0f; };
     const auto vs = [&](int t) { return kScaled<KV> ? vsc[t] : 1.0f; };
     if (ND == 0) {
@@ -142,12 +144,18 @@ void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, in
     constexpr int row_bytes = ND * 8 * (int)sizeof(KV);
     // K/V rows of a head are scattered (a stride of Hkv * D within a block, blocks anywhere in the
     // pool), which the hardware prefetchers follow poorly: fetch the next group of rows ahead.
-    const auto prefetch_row = [](const KV *r) {
+    const int pf = pf_bytes > row_bytes ? pf_bytes : row_bytes;
+    const auto prefetch_row = [pf](const KV *r) {
         for (int b = 0; b < row_bytes; b += 64) _mm_prefetch((const char *)r + b, _MM_HINT_T0);
+        for (int b = row_bytes; b < pf; b += 64) _mm_prefetch((const char *)r + b, _MM_HINT_T1);
     };
     for (int j = 0; j < 16 && j < L; j++) prefetch_row(K + off[j]);
     for (; t + 8 <= L; t += 8) {
-        for (int j = t + 16; j < t + 24 && j < L; j++) prefetch_row(K + off[j]);
+        for (int j = t + 16; j < t + 24 && j < L; j++) {
+            prefetch_row(K + off[j]);
+            if (pf_bytes)   // the first of several heads: every head's V rows into L2 as well
+                for (int b = 0; b < pf; b += 64) _mm_prefetch((const char *)(V + off[j]) + b, _MM_HINT_T1);
+        }
         for (int g = 0; g < G; g++) {
             const float *qg = q + (size_t)g * D;
             __m256 qv[nd], acc[8];
@@ -264,10 +272,15 @@ void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf
 
 namespace kvs {
 
-void attend_group(const float *q, const void *K, const void *V, int kv_dtype, size_t block_stride, size_t tok_stride,
-                  int head_off, const int64_t *table, int block_size, int L, int D, int G, float scale, float *scores,
-                  float *out) {
-    // Row offsets of the L tokens, block by block (no division per row).
+// nh consecutive KV heads (from head_off, row elements apart) of one sequence for one query, one
+// head after another, each exactly as attend_group computes it. With nh > 1 the first head's sweep
+// prefetches every head's rows of a token (contiguous in the cache: tok_stride) and the later
+// heads find them in cache: the cache is then read in contiguous runs instead of one row per
+// token and head (batched decode reads the KV cache at about 3x the speed).
+void attend_heads(const float *q, const void *K, const void *V, int kv_dtype, size_t block_stride, size_t tok_stride,
+                  int head_off, int row, int nh, const int64_t *table, int block_size, int L, int D, int G,
+                  float scale, float *scores, float *out) {
+    // Row offsets of the L tokens, block by block (no division per row), for the first head.
     thread_local std::vector<size_t> offs;
     thread_local std::vector<float> ksc, vsc;
     offs.resize(L);
@@ -275,35 +288,49 @@ void attend_group(const float *q, const void *K, const void *V, int kv_dtype, si
         const size_t base = (size_t)table[b] * block_stride + head_off;
         for (int i = 0; i < block_size && t0 + i < L; i++) offs[t0 + i] = base + (size_t)i * tok_stride;
     }
-    if (kv_dtype == KV_INT8) {   // each row's fp16 scale sits right after its D values
-        ksc.resize(L);
-        vsc.resize(L);
-        const int8_t *k8 = (const int8_t *)K, *v8 = (const int8_t *)V;
-        for (int t = 0; t < L; t++) {
-            uint16_t hk, hv;
-            memcpy(&hk, k8 + offs[t] + D, 2);
-            memcpy(&hv, v8 + offs[t] + D, 2);
-            ksc[t] = _cvtsh_ss(hk);
-            vsc[t] = _cvtsh_ss(hv);
+    const int pf_bytes = nh > 1 ? (int)(nh * row * kv_esize(kv_dtype)) : 0;
+    for (int h = 0; h < nh; h++) {
+        const size_t hoff = (size_t)h * row;
+        const float *qh = q + (size_t)h * G * D;
+        float *oh = out + (size_t)h * G * D;
+        const int pf = h == 0 ? pf_bytes : 0;
+        if (kv_dtype == KV_INT8) {   // each row's fp16 scale sits right after its D values
+            ksc.resize(L);
+            vsc.resize(L);
+            const int8_t *k8 = (const int8_t *)K + hoff, *v8 = (const int8_t *)V + hoff;
+            for (int t = 0; t < L; t++) {
+                uint16_t hk, hv;
+                memcpy(&hk, k8 + offs[t] + D, 2);
+                memcpy(&hv, v8 + offs[t] + D, 2);
+                ksc[t] = _cvtsh_ss(hk);
+                vsc[t] = _cvtsh_ss(hv);
+            }
         }
-    }
 #define KVS_ROWS(KV, KS, VS)                                                                                   \
     switch (D % 8 ? 0 : D / 8) {                                                                               \
-        case 4: attend_rows<KV, 4>(q, (const KV *)K, (const KV *)V, offs.data(), L, D, G, scale, scores, out, KS, VS); break; \
-        case 8: attend_rows<KV, 8>(q, (const KV *)K, (const KV *)V, offs.data(), L, D, G, scale, scores, out, KS, VS); break; \
-        case 16: attend_rows<KV, 16>(q, (const KV *)K, (const KV *)V, offs.data(), L, D, G, scale, scores, out, KS, VS); break; \
-        default: attend_rows<KV, 0>(q, (const KV *)K, (const KV *)V, offs.data(), L, D, G, scale, scores, out, KS, VS); break; \
+        case 4: attend_rows<KV, 4>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf); break; \
+        case 8: attend_rows<KV, 8>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf); break; \
+        case 16: attend_rows<KV, 16>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf); break; \
+        default: attend_rows<KV, 0>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf); break; \
     }
-    if (kv_dtype == 1) {
-        KVS_ROWS(bf16, nullptr, nullptr)
-    } else if (kv_dtype == 2) {
-        KVS_ROWS(f16, nullptr, nullptr)
-    } else if (kv_dtype == KV_INT8) {
-        KVS_ROWS(int8_t, ksc.data(), vsc.data())
-    } else {
-        KVS_ROWS(float, nullptr, nullptr)
-    }
+        if (kv_dtype == 1) {
+            KVS_ROWS(bf16, nullptr, nullptr)
+        } else if (kv_dtype == 2) {
+            KVS_ROWS(f16, nullptr, nullptr)
+        } else if (kv_dtype == KV_INT8) {
+            KVS_ROWS(int8_t, ksc.data(), vsc.data())
+        } else {
+            KVS_ROWS(float, nullptr, nullptr)
+        }
 #undef KVS_ROWS
+    }
+}
+
+void attend_group(const float *q, const void *K, const void *V, int kv_dtype, size_t block_stride, size_t tok_stride,
+                  int head_off, const int64_t *table, int block_size, int L, int D, int G, float scale, float *scores,
+                  float *out) {
+    attend_heads(q, K, V, kv_dtype, block_stride, tok_stride, head_off, 0, 1, table, block_size, L, D, G, scale,
+                 scores, out);
 }
 
 void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, int kv_dtype, size_t block_stride,
@@ -406,7 +433,10 @@ void kvs_paged_attention(const float *q, const void *kv_cache, int kv_dtype, int
     const size_t esize = kvs::kv_esize(kv_dtype);
     const char *K = (const char *)kv_cache;
     const char *V = K + (size_t)num_blocks * block_stride * esize;
-    const int items = T * Hkv;
+    // Work items: a query with all its KV heads (attend_heads: contiguous cache reads) when there
+    // are enough queries for the team, else (query, KV head) pairs. Same arithmetic either way.
+    const int nh = T >= 2 * nth ? Hkv : 1;
+    const int items = T * (Hkv / nh);
     if (nth > items) nth = items;
     if (nth < 1) nth = 1;
 #pragma omp parallel num_threads(nth)
@@ -414,12 +444,12 @@ void kvs_paged_attention(const float *q, const void *kv_cache, int kv_dtype, int
         std::vector<float> scores;
 #pragma omp for schedule(static)
         for (int it = 0; it < items; it++) {
-            const int t = it / Hkv, h = it % Hkv;
+            const int t = it / (Hkv / nh), h = it % (Hkv / nh);
             const int L = (int)positions[t] + 1;
             scores.resize((size_t)group * L);
-            kvs::attend_group(q + ((size_t)t * Hq + (size_t)h * group) * D, K, V, kv_dtype, block_stride, tok_stride,
-                              h * row, tables + (size_t)seq_of[t] * max_blocks, block_size, L, D, group, scale,
-                              scores.data(), out + ((size_t)t * Hq + (size_t)h * group) * D);
+            kvs::attend_heads(q + ((size_t)t * Hq + (size_t)h * group) * D, K, V, kv_dtype, block_stride, tok_stride,
+                              h * row, row, nh, tables + (size_t)seq_of[t] * max_blocks, block_size, L, D, group,
+                              scale, scores.data(), out + ((size_t)t * Hq + (size_t)h * group) * D);
         }
     }
 }

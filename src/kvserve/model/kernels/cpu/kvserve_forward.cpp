@@ -153,6 +153,9 @@ void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<i
     const size_t tok_stride = (size_t)Hkv * row, block_stride = (size_t)block_size * tok_stride;
     const int ntiles = (int)tiles.size() - 1;
     thread_local std::vector<float> scores;   // kept between calls: no allocation per layer
+    // With enough tiles for the team, a lone query's item (h = 0) takes all its KV heads at once
+    // (attend_heads: contiguous cache reads; the same arithmetic) and its other items are empty.
+    const bool all_heads = ntiles >= 2 * omp_get_num_threads();
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < ntiles * Hkv; it++) {
         const int tile = ntiles - 1 - it / Hkv, h = it % Hkv;
@@ -164,9 +167,10 @@ void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<i
         float *o = out + (size_t)t0 * qd + (size_t)h * group * D;
         const int64_t *table = tables + (size_t)seq_of[t0] * max_blocks;
         if (n == 1) {
+            if (all_heads && h > 0) continue;
             scores.resize((size_t)L0 * group);
-            kvs::attend_group(q, Kc, Vc, kv_dtype, block_stride, tok_stride, h * row, table, block_size, L0, D, group,
-                              m->scale, scores.data(), o);
+            kvs::attend_heads(q, Kc, Vc, kv_dtype, block_stride, tok_stride, h * row, row, all_heads ? Hkv : 1, table,
+                              block_size, L0, D, group, m->scale, scores.data(), o);
         } else {
             kvs::attend_tile(q, qkv_rows, Kc, Vc, kv_dtype, block_stride, tok_stride, h * row, table, block_size, L0, n,
                              D, group, m->scale, o, qd);

@@ -54,6 +54,13 @@ void attend_group(const float *q, const void *K, const void *V, int kv_dtype, si
                   size_t tok_stride, int head_off, const int64_t *table, int block_size, int L, int D, int G,
                   float scale, float *scores, float *out);
 
+// attend_group for the nh KV heads head_off, head_off + row, ... of one query (q and out: nh * G rows
+// of D floats), one after another; the first head's sweep prefetches all nh heads' rows of each token
+// (contiguous in the cache), so the cache is read in runs of nh rows. Same results as nh calls.
+void attend_heads(const float *q, const void *K, const void *V, int kv_dtype, size_t block_stride,
+                  size_t tok_stride, int head_off, int row, int nh, const int64_t *table, int block_size, int L,
+                  int D, int G, float scale, float *scores, float *out);
+
 // The AVX-512 VNNI tiles (kvserve_gemm_avx512.cpp) for groups [gbeg, gend) of 16 rows: the same
 // arithmetic as the AVX2 tiles in kvserve_kernels.cpp. Only for weights whose isa is 1.
 void groups_avx512(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
