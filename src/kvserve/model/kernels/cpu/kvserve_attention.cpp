@@ -153,8 +153,8 @@ void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, in
     for (; t + 8 <= L; t += 8) {
         for (int j = t + 16; j < t + 24 && j < L; j++) {
             prefetch_row(K + off[j]);
-            if (pf_bytes)   // the first of several heads: every head's V rows into L2 as well
-                for (int b = 0; b < pf; b += 64) _mm_prefetch((const char *)(V + off[j]) + b, _MM_HINT_T1);
+            // the V rows into L2 too, ready for the V sweep (the first of several heads: every head's)
+            for (int b = 0; b < pf; b += 64) _mm_prefetch((const char *)(V + off[j]) + b, _MM_HINT_T1);
         }
         for (int g = 0; g < G; g++) {
             const float *qg = q + (size_t)g * D;
