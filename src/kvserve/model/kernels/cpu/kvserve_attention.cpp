@@ -12,7 +12,9 @@
 // Work items are (token, kv head) pairs split over the caller's OpenMP team (torch's, as in
 // kvserve_kernels.cpp); an item computes the whole GQA group of query heads that share the KV head,
 // so each K/V row leaves memory once per item. Batched decode at long contexts is bound by reading
-// the cache (32 sequences x 600 tokens is 0.9 GB per step in fp32): a bf16 cache halves that.
+// the cache (32 sequences x 600 tokens is 0.9 GB per step in fp32): a bf16 cache halves that, and
+// with enough queries an item takes all KV heads of its token (attend_heads), so the cache is read
+// in contiguous runs of a token's heads rather than one head's row at a time.
 
 #include <immintrin.h>
 #include <math.h>
