@@ -137,8 +137,13 @@ class SentenceEncoder:
     def encode(self, texts: list[str]) -> tuple[torch.Tensor, int]:
         """([len(texts), dim] float32 unit rows, total tokens). Texts past `max_seq_length`
         tokens are truncated as sentence-transformers does (keeping the final [SEP])."""
+        vecs, counts = self.encode_counted(texts)
+        return vecs, sum(counts)
+
+    def encode_counted(self, texts: list[str]) -> tuple[torch.Tensor, list[int]]:
+        """`encode`, with each text's token count (a coalesced batch splits its usage by caller)."""
         if not texts:
-            return torch.zeros(0, self.dim), 0
+            return torch.zeros(0, self.dim), []
         encs = self.tokenizer.encode_batch(texts)
         rows = []
         for e in encs:
@@ -156,12 +161,12 @@ class SentenceEncoder:
         if small:
             torch.set_num_threads(1)
         try:
-            return self._forward(rows, autocast)
+            return self._forward(rows, autocast), [len(r) for r in rows]
         finally:
             if small:
                 torch.set_num_threads(threads)
 
-    def _forward(self, rows: list[list[int]], autocast) -> tuple[torch.Tensor, int]:
+    def _forward(self, rows: list[list[int]], autocast) -> torch.Tensor:
         out = torch.empty(len(rows), self.dim)
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
         start = 0
@@ -184,7 +189,7 @@ class SentenceEncoder:
                 pooled = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
                 out[torch.tensor(idx)] = F.normalize(pooled, p=2, dim=1)
                 start = end
-        return out, sum(len(r) for r in rows)
+        return out
 
 
 def minilm_zip() -> pathlib.Path:
