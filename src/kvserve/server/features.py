@@ -143,7 +143,10 @@ class ServerFeatures:
         try:
             if query is None or query.text != plan.text:
                 query = QueryEmbedding(plan.text)
+            t0 = time.perf_counter()    # the lookup's time includes the embedding when it runs here
             hit = await self.cache.lookup(plan, await query.get(self.embedder, "semantic_cache"))
+            if hit is not None:
+                hit.lookup_ms = (time.perf_counter() - t0) * 1000
         except Exception:   # noqa: BLE001 - the encoder failed to load: serve without the cache
             self.cache_queries.labels(model_name, "error").inc()
             return None, None
