@@ -39,6 +39,7 @@ def embeddings(n: int = 1000) -> dict:
     texts = [p.query for p in asked][:n]
     enc.encode(texts[:64])
     out = {"sentences": len(texts), "threads": torch.get_num_threads()}
+    default_bf16 = enc.bf16
     for bf16 in (False, True, False, True):
         enc.bf16 = bf16
         t, c = time.perf_counter(), time.process_time()
@@ -48,7 +49,7 @@ def embeddings(n: int = 1000) -> dict:
         best = out.get(key, {"per_s_wall": 0})
         if len(texts) / wall > best["per_s_wall"]:
             out[key] = {"per_s_wall": round(len(texts) / wall, 1), "per_cpu_s": round(len(texts) / cpu, 1)}
-    enc.bf16 = None
+    enc.bf16 = default_bf16
     return out
 
 
