@@ -1,7 +1,8 @@
 """`python -m kvserve.bench.routing`: the routing step's numbers.
 
 1. embeddings: sentences/s of `model/bert.py` on 1,000 sentences in batches (wall and this
-   process's CPU seconds, fp32 and the bf16 path);
+   process's CPU seconds, fp32 and the bf16 path, then the default path on one thread), and the
+   CPU ms of a one-query forward;
 2. a semantic-cache hit end to end: a real `kvserve serve` (default model, `--router auto`), one
    question asked, then paraphrases of it over HTTP: wall p50 per request, and the lookup's own
    time (embedding + match, `kvserve_trace.semantic_cache.lookup_ms`), and the floor: the same
@@ -50,6 +51,18 @@ def embeddings(n: int = 1000) -> dict:
         if len(texts) / wall > best["per_s_wall"]:
             out[key] = {"per_s_wall": round(len(texts) / wall, 1), "per_cpu_s": round(len(texts) / cpu, 1)}
     enc.bf16 = default_bf16
+    one, t, c = texts[:60], time.perf_counter(), time.process_time()
+    for q in one:     # a lookup's or a routing decision's forward: one short query, one thread
+        enc.encode([q])
+    out["one_query"] = {"cpu_ms": round(1000 * (time.process_time() - c) / len(one), 2),
+                        "wall_ms": round(1000 * (time.perf_counter() - t) / len(one), 2)}
+    torch.set_num_threads(1)
+    enc.encode(texts[:64])
+    t, c = time.perf_counter(), time.process_time()
+    enc.encode(texts)
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    out["one_thread"] = {"per_s_wall": round(len(texts) / wall, 1), "per_cpu_s": round(len(texts) / cpu, 1)}
+    torch.set_num_threads(out["threads"])
     return out
 
 

@@ -97,8 +97,8 @@ async def generate(server, request: Request, kind: str) -> Response:
         headers[CAP_HEADER] = str(cap)
     cached, cache_plan = await features.from_cache(req, kind, model_name, record.key_name, CAP_HEADER in headers,
                                                    route, query)
-    if cached is not None:      # a request served, with no tokens computed
-        await asyncio.to_thread(server.keystore.record_usage, record.key_name, 0, 0, 0)
+    if cached is not None:      # a request served, with no tokens computed; usage written after the answer
+        cached.background = BackgroundTask(server.keystore.record_usage, record.key_name, 0, 0, 0)
         return cached
 
     # 3. the prompt(s)
