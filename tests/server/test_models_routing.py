@@ -95,6 +95,52 @@ def test_semantic_cache_over_http(srv):
     assert "kvserve:embedding_latency_seconds_count" in metrics
 
 
+def _embed_counts(srv) -> dict[str, float]:
+    metrics = httpx.get(srv.base_url + "/metrics").text
+    return {u: float(n) for u, n in re.findall(r'^kvserve:embedding_latency_seconds_count\{use="(\w+)"\} (\S+)$',
+                                               metrics, re.MULTILINE)}
+
+
+def test_routed_request_embeds_its_query_once(srv):
+    before = _embed_counts(srv)
+    r = chat(srv, "What is the population of Kenya?", "auto", kvserve_trace=True)
+    assert r.status_code == 200 and r.json()["kvserve_trace"]["router"]["reason"] == "classifier"
+    after = _embed_counts(srv)
+    # one forward, by the router; the cache looked the same vector up (and stored it)
+    assert after.get("router", 0) - before.get("router", 0) == 1
+    assert after.get("semantic_cache", 0) == before.get("semantic_cache", 0)
+    again = chat(srv, "How many people live in Kenya?", r.json()["model"], kvserve_trace=True)
+    assert again.headers.get("x-kvserve-cache") == "semantic", again.json().get("kvserve_trace")
+    assert again.json()["choices"][0]["message"]["content"] == r.json()["choices"][0]["message"]["content"]
+
+
+def test_completions_cached_like_chat(srv):
+    url = srv.base_url + "/v1/completions"
+
+    def complete(prompt, **kw):
+        return httpx.post(url, json={"model": "smol", "prompt": prompt, "max_tokens": 8, "temperature": 0, **kw},
+                          timeout=120)
+    first = complete("What is the capital of Norway?")
+    assert first.status_code == 200 and "x-kvserve-cache" not in first.headers
+    text = first.json()["choices"][0]["text"]
+    hit = complete("Which city is the capital of Norway?", kvserve_trace=True)
+    body = hit.json()
+    assert hit.headers["x-kvserve-cache"] == "semantic" and body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == text and body["kvserve_cache"] == "semantic"
+    assert body["kvserve_trace"]["semantic_cache"]["matched_query"] == "What is the capital of Norway?"
+    with httpx.stream("POST", url, timeout=60, json={"model": "smol", "prompt": "Tell me the capital of Norway.",
+                                                     "max_tokens": 8, "temperature": 0, "stream": True}) as r:
+        assert r.headers["x-kvserve-cache"] == "semantic"
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all(e["object"] == "text_completion" for e in events)
+    assert "".join(e["choices"][0]["text"] for e in events) == text
+    for miss in (chat(srv, "What is the capital of Norway?", "smol"),          # chat and completions apart
+                 complete("What is the capital of Norway?", echo=True),        # echo changes the answer
+                 complete(["What is the capital of Norway?", "And of Chile?"]),  # not one prompt
+                 complete("What is the capital of Norway?", cache=False)):
+        assert miss.status_code == 200 and "x-kvserve-cache" not in miss.headers
+
+
 def test_embeddings_endpoint(srv):
     url = srv.base_url + "/v1/embeddings"
     r = httpx.post(url, json={"input": ["The cat sat.", "A dog ran."], "model": "all-minilm-l6-v2"}, timeout=60)

@@ -109,7 +109,7 @@ def pairs(seed: int = 0) -> tuple[list[str], list[Pair]]:
     return stored, out
 
 
-def evaluate(threshold: float | None = None, seed: int = 0, timed_lookups: int = 50) -> dict:
+def evaluate(threshold: float | list[float] | None = None, seed: int = 0, timed_lookups: int = 50) -> dict:
     """Store every stored query in a fresh SemanticCache (SQLite in a temp dir, the real encoder),
     ask every pair, and count: paraphrase hits on the right entry, wrong-entry hits, false hits.
     The queries are embedded in one batch; `timed_lookups` of them also go through the full
@@ -126,7 +126,9 @@ def evaluate(threshold: float | None = None, seed: int = 0, timed_lookups: int =
     from kvserve.server.semantic_text import normalize
 
     stored, asked = pairs(seed)
-    options = CacheOptions() if threshold is None else CacheOptions(threshold=threshold)
+    thresholds = threshold if isinstance(threshold, list) else [threshold]
+    options = CacheOptions() if thresholds[0] is None else CacheOptions(threshold=thresholds[0])
+    thresholds = [options.threshold if t is None else t for t in thresholds]
     embedder = Embedder()
 
     def req(text: str) -> ChatCompletionRequest:
@@ -140,14 +142,21 @@ def evaluate(threshold: float | None = None, seed: int = 0, timed_lookups: int =
             plan.vector = v.numpy()
             cache.store(plan, f"answer to {s}", "stop", 10, 5)
         vq, _ = embedder.encode_sync([normalize(p.query) for p in asked])
-        hits = wrong = false = 0
-        for p, v in zip(asked, vq):
-            hit = cache.match(make_plan(req(p.query), "m", None, options), v.numpy())
-            if p.same:
-                hits += hit is not None and hit.entry.answer == f"answer to {p.stored}"
-                wrong += hit is not None and hit.entry.answer != f"answer to {p.stored}"
-            else:
-                false += hit is not None
+        same = sum(p.same for p in asked)
+        sweep = []
+        for th in thresholds:
+            cache.options.threshold = th
+            hits = wrong = false = 0
+            for p, v in zip(asked, vq):
+                hit = cache.match(make_plan(req(p.query), "m", None, options), v.numpy())
+                if p.same:
+                    hits += hit is not None and hit.entry.answer == f"answer to {p.stored}"
+                    wrong += hit is not None and hit.entry.answer != f"answer to {p.stored}"
+                else:
+                    false += hit is not None
+            sweep.append({"threshold": th, "hit_rate": round(hits / same, 4), "wrong_entry": wrong,
+                          "false_hit_rate": round(false / (len(asked) - same), 4)})
+        cache.options.threshold = thresholds[0]
         walls, cpu0 = [], time.process_time()
         for p in asked[:timed_lookups]:
             t = time.perf_counter()
@@ -155,15 +164,19 @@ def evaluate(threshold: float | None = None, seed: int = 0, timed_lookups: int =
             walls.append(time.perf_counter() - t)
         cpu = time.process_time() - cpu0
         cache.close()
-    same = sum(p.same for p in asked)
+    first = sweep[0]
     return {"pairs": len(asked), "paraphrases": same, "near_misses": len(asked) - same,
-            "hit_rate": hits / same, "wrong_entry": wrong, "false_hit_rate": false / (len(asked) - same),
+            "hit_rate": first["hit_rate"], "wrong_entry": first["wrong_entry"],
+            "false_hit_rate": first["false_hit_rate"], "threshold": first["threshold"],
             "lookup_cpu_ms": 1000 * cpu / max(1, len(walls)),
-            "lookup_wall_p50_ms": 1000 * statistics.median(walls) if walls else None, "threshold": options.threshold}
+            "lookup_wall_p50_ms": 1000 * statistics.median(walls) if walls else None,
+            **({"sweep": sweep} if len(sweep) > 1 else {})}
 
 
 if __name__ == "__main__":
     import json
     import sys
 
-    print(json.dumps(evaluate(float(sys.argv[1]) if len(sys.argv) > 1 else None), indent=2))
+    # python -m kvserve.bench.semantic_pairs [threshold ...]: several thresholds give a sweep
+    args = [float(a) for a in sys.argv[1:]]
+    print(json.dumps(evaluate(args if len(args) > 1 else (args[0] if args else None)), indent=2))

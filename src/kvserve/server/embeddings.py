@@ -5,6 +5,12 @@ the router. It loads on first use in a worker thread (a second or two), or at st
 feature that needs it is on; every encode runs off the event loop and is timed into
 `kvserve:embedding_latency_seconds`.
 
+Concurrent calls are coalesced: while one forward runs in the worker thread, the texts of every
+call that arrives meanwhile wait in a queue and go together into the next forward (one batch,
+sorted by length), so N requests that each embed one query cost about one batched forward, not N
+(the >= 500 sentences/s the encoder reaches only in batches). A lone call starts at once: nothing
+waits for a batch to fill.
+
     {"input": "text" | ["text", ...], "model": "all-minilm-l6-v2", "encoding_format": "float" | "base64",
      "dimensions": 384}
     -> {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [...] | "base64"}],
@@ -44,13 +50,20 @@ class EmbeddingRequest(_Strict):
     user: str | None = None
 
 
+COALESCE_MAX_TEXTS = 256    # a call with more texts runs alone (it is a batch already)
+
+
 class Embedder:
-    """The shared encoder behind a lock-free lazy load; `encode` is async (runs in a thread)."""
+    """The shared encoder behind a lock-free lazy load; `encode` is async (runs in a thread,
+    concurrent calls coalesced into one forward)."""
 
     def __init__(self, registry=None, name: str = EMBEDDING_MODEL):
         self.name = name
         self._encoder = None
         self._lock = threading.Lock()
+        self._queue: list[tuple[list[str], asyncio.Future, str]] = []
+        self._draining = False
+        self.batches = 0    # forwards run by `encode` (coalesced calls count once)
         self.latency = Histogram("kvserve:embedding_latency_seconds", "Time to embed one batch of texts.",
                                  ["use"], buckets=LATENCY_BUCKETS, registry=registry)
 
@@ -72,7 +85,47 @@ class Embedder:
         return out
 
     async def encode(self, texts: list[str], use: str = "api"):
-        return await asyncio.to_thread(self.encode_sync, texts, use)
+        """([n, dim] tensor of unit rows, tokens), computed in a worker thread together with the
+        other calls waiting at that moment."""
+        if len(texts) > COALESCE_MAX_TEXTS:
+            self.batches += 1
+            return await asyncio.to_thread(self.encode_sync, texts, use)
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.append((texts, fut, use))
+        if not self._draining:
+            self._draining = True
+            asyncio.get_running_loop().create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                calls, self._queue = self._queue[:], []
+                texts = [t for c in calls for t in c[0]]
+                self.batches += 1
+                try:
+                    vecs, counts = await asyncio.to_thread(self._encode_counted, texts, calls[0][2])
+                except BaseException as e:   # every waiting call gets the error
+                    for _, fut, _ in calls:
+                        if not fut.done():
+                            fut.set_exception(e)
+                    if not isinstance(e, Exception):
+                        raise
+                    continue
+                at = 0
+                for call_texts, fut, _ in calls:
+                    n = len(call_texts)
+                    if not fut.done():
+                        fut.set_result((vecs[at:at + n], sum(counts[at:at + n])))
+                    at += n
+        finally:
+            self._draining = False
+
+    def _encode_counted(self, texts: list[str], use: str):
+        t0 = time.perf_counter()
+        out = self.get().encode_counted(texts)
+        self.latency.labels(use).observe(time.perf_counter() - t0)
+        return out
 
     def card(self, created: int) -> dict:
         return {"id": self.name, "object": "model", "created": created, "owned_by": "kvserve",

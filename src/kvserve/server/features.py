@@ -4,6 +4,10 @@
 The generation handler calls, in order: `route(req)` (which model a request with model "auto"
 goes to), the pool's `resolve`, then `from_cache(...)` (a cached answer as a Response, or None
 and the request's CachePlan), and, when the answer is complete, `store(gen, plan)`.
+
+Both the router and the cache look at the same thing: the embedding of the request's last user
+message, normalized (semantic_text.normalize). `route` returns it as a `QueryEmbedding` that
+`from_cache` takes, so a request embeds its query once (a routed miss also stores that vector).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import threading
 import time
 import uuid
 
+import numpy as np
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
@@ -30,6 +35,21 @@ from kvserve.server.semantic_cache import (
 )
 
 CACHE_HEADER = "x-kvserve-cache"
+
+
+class QueryEmbedding:
+    """One request's query text (normalized last user message) and its embedding, computed on
+    first use and shared by the router and the semantic cache."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.vector: np.ndarray | None = None
+
+    async def get(self, embedder: Embedder, use: str) -> np.ndarray:
+        if self.vector is None:
+            vecs, _ = await embedder.encode([self.text], use=use)
+            self.vector = vecs[0].numpy()
+        return self.vector
 
 
 class ServerFeatures:
@@ -95,21 +115,25 @@ class ServerFeatures:
             self.cache.close()
 
     # ---- the router -----------------------------------------------------------------------
-    async def route(self, req, kind: str, tier: str) -> tuple[str | None, dict | None]:
-        """The model a request goes to, and the router's decision for the trace (None: not routed)."""
+    async def route(self, req, kind: str, tier: str) -> tuple[str | None, dict | None, QueryEmbedding | None]:
+        """The model a request goes to, the router's decision for the trace (None: not routed), and
+        the query's embedding when the router computed it (for `from_cache`)."""
         if self.router is None or req.model != self.router.name:
-            return req.model, None
-        decision = await self.router.choose(req, kind, overloaded=self.state.admission.prefers_cheaper(tier))
+            return req.model, None, None
+        query = QueryEmbedding(self.router.query_text(req, kind))
+        decision = await self.router.choose(req, kind, overloaded=self.state.admission.prefers_cheaper(tier),
+                                            query=query)
         if decision["model"] is None:
             raise Overloaded("The models are still loading; retry in a few seconds.", retry_after=5.0,
                              code="model_not_ready")
         self.router_decisions.labels(self.router.name, decision["model"], decision["reason"]).inc()
-        return decision["model"], decision
+        return decision["model"], decision, query
 
     # ---- the semantic cache ---------------------------------------------------------------
     async def from_cache(self, req, kind: str, model_name: str, key_name: str | None, capped: bool,
-                         route: dict | None = None) -> tuple[Response | None, CachePlan | None]:
-        if self.cache is None or kind != "chat":
+                         route: dict | None = None, query: QueryEmbedding | None = None
+                         ) -> tuple[Response | None, CachePlan | None]:
+        if self.cache is None:
             return None, None
         reason = "max_tokens_capped" if capped else bypass_reason(req, self.cache.options)
         if reason is not None:
@@ -117,7 +141,12 @@ class ServerFeatures:
             return None, None
         plan = make_plan(req, model_name, key_name, self.cache.options)
         try:
-            hit = await self.cache.lookup(plan)
+            if query is None or query.text != plan.text:
+                query = QueryEmbedding(plan.text)
+            t0 = time.perf_counter()    # the lookup's time includes the embedding when it runs here
+            hit = await self.cache.lookup(plan, await query.get(self.embedder, "semantic_cache"))
+            if hit is not None:
+                hit.lookup_ms = (time.perf_counter() - t0) * 1000
         except Exception:   # noqa: BLE001 - the encoder failed to load: serve without the cache
             self.cache_queries.labels(model_name, "error").inc()
             return None, None
@@ -126,7 +155,7 @@ class ServerFeatures:
             return None, plan
         self.cache_queries.labels(model_name, "hit").inc()
         self.cache_hits.labels(model_name).inc()
-        return hit_response(req, model_name, hit, route), None
+        return hit_response(req, model_name, hit, route, chat=kind == "chat"), None
 
     def store(self, gen, plan: CachePlan | None, status: int) -> None:
         """After a complete answer: store it under the request's plan (one choice, no tool calls)."""
@@ -139,11 +168,12 @@ class ServerFeatures:
         self.cache.store(plan, ch[0].content, ch[0].finish_reason or "", prompt, completion)
 
 
-def hit_response(req, model_name: str, hit, route: dict | None) -> Response:
-    """A cached answer, shaped as a normal chat completion (SSE chunks when streaming) with
-    `kvserve_cache: "semantic"` and the `x-kvserve-cache: semantic` header."""
+def hit_response(req, model_name: str, hit, route: dict | None, chat: bool = True) -> Response:
+    """A cached answer, shaped as a normal chat completion or completion (SSE chunks when
+    streaming) with `kvserve_cache: "semantic"` and the `x-kvserve-cache: semantic` header."""
     e = hit.entry
-    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+    kind = "chat.completion" if chat else "text_completion"
     usage = {"prompt_tokens": e.prompt_tokens, "completion_tokens": e.completion_tokens,
              "total_tokens": e.prompt_tokens + e.completion_tokens, "prompt_tokens_details": {"cached_tokens": 0},
              "kvserve_compute_tokens": 0}
@@ -155,10 +185,10 @@ def hit_response(req, model_name: str, hit, route: dict | None) -> Response:
     headers = {CACHE_HEADER: "semantic"}
     finish = e.finish_reason
     if not req.stream:
-        body = {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": e.answer, "refusal": None,
-                                                     "tool_calls": []},
-                             "logprobs": None, "finish_reason": finish, "stop_reason": None}],
+        choice = ({"index": 0, "message": {"role": "assistant", "content": e.answer, "refusal": None,
+                                           "tool_calls": []}} if chat else {"index": 0, "text": e.answer})
+        choice.update({"logprobs": None, "finish_reason": finish, "stop_reason": None})
+        body = {"id": cid, "object": kind, "created": created, "model": model_name, "choices": [choice],
                 "usage": usage, "system_fingerprint": None, "kvserve_cache": "semantic"}
         if trace is not None:
             body["kvserve_trace"] = trace
@@ -166,21 +196,27 @@ def hit_response(req, model_name: str, hit, route: dict | None) -> Response:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(choices: list, **extra) -> str:
-        c = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+        c = {"id": cid, "object": kind + ".chunk" if chat else kind, "created": created, "model": model_name,
              "choices": choices, "kvserve_cache": "semantic"}
         if include_usage:
             c["usage"] = None
         c.update(extra)
         return f"data: {json.dumps(c)}\n\n"
 
+    def piece(text: str | None) -> dict:
+        if chat:
+            return {"index": 0, "delta": {} if text is None else {"content": text}}
+        return {"index": 0, "text": text or ""}
+
     def events():
-        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
+        if chat:
+            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
         words = e.answer.split(" ")
         for i in range(0, len(words), 16):   # a few pieces, as a stream would bring them
             text = " ".join(words[i:i + 16]) + (" " if i + 16 < len(words) else "")
-            yield chunk([{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}])
-        last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+            yield chunk([{**piece(text), "logprobs": None, "finish_reason": None}])
+        last = {**piece(None), "logprobs": None, "finish_reason": finish, "stop_reason": None}
         yield chunk([last], **({"kvserve_trace": trace} if trace is not None else {}))
         if include_usage:
             yield chunk([], usage=usage)

@@ -86,7 +86,7 @@ async def generate(server, request: Request, kind: str) -> Response:
 
     # 2. gates: the model ("auto": the router picks one; features.py), the ladder, the semantic cache
     features = server.features
-    requested, route = await features.route(req, kind, record.key_tier)
+    requested, route, query = await features.route(req, kind, record.key_tier)
     engine, model_name = server.require_engine(requested)
     key = record.key
     headers: dict[str, str] = {}
@@ -96,9 +96,9 @@ async def generate(server, request: Request, kind: str) -> Response:
         max_tokens = cap
         headers[CAP_HEADER] = str(cap)
     cached, cache_plan = await features.from_cache(req, kind, model_name, record.key_name, CAP_HEADER in headers,
-                                                   route)
-    if cached is not None:      # a request served, with no tokens computed
-        await asyncio.to_thread(server.keystore.record_usage, record.key_name, 0, 0, 0)
+                                                   route, query)
+    if cached is not None:      # a request served, with no tokens computed; usage written after the answer
+        cached.background = BackgroundTask(server.keystore.record_usage, record.key_name, 0, 0, 0)
         return cached
 
     # 3. the prompt(s)

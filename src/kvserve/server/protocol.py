@@ -168,6 +168,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    cache: bool | None = None   # false: never answered from (nor stored in) the semantic cache
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

@@ -10,6 +10,10 @@ The *semantic* part is the embedding of the last user message, normalized: withi
 the nearest stored query hits when its cosine is >= `threshold` (a lower `arithmetic_threshold`
 when the facts alone are the whole question, e.g. "6 times 7" vs "what's 6 multiplied by 7").
 
+Completions (/v1/completions) follow the same rules with the prompt as the last user message and
+no history, in their own partitions (the kind is in the exact part); a prompt that is not one
+string, `echo` and `suffix` bypass.
+
 Never cached (counted as bypasses): `"cache": false`, requests with tools, n > 1 or logprobs,
 temperature above `max_temperature`, creative prompts (semantic_text.is_creative), a last message
 that is not the user's. Only answers that finished normally (stop or length, no tool calls) are
@@ -40,7 +44,7 @@ from kvserve.server import storage
 from kvserve.server.semantic_text import facts, is_creative, normalize
 
 # Request fields that never change the answer's text (everything else is in the exact part).
-NEUTRAL_FIELDS = {"messages", "model", "stream", "stream_options", "user", "store", "metadata", "service_tier",
+NEUTRAL_FIELDS = {"messages", "prompt", "model", "stream", "stream_options", "user", "store", "metadata", "service_tier",
                   "kvserve_trace", "priority", "cache", "cache_salt"}
 
 
@@ -171,6 +175,11 @@ class CachePlan:
     vector: np.ndarray | None = None
     arithmetic: bool = False
 
+    @property
+    def text(self) -> str:
+        """What is embedded: the normalized query."""
+        return normalize(self.query)
+
 
 @dataclass
 class Hit:
@@ -201,21 +210,40 @@ def bypass_reason(req, options: CacheOptions) -> str | None:
     temperature = 1.0 if req.temperature is None else req.temperature
     if temperature > options.max_temperature:
         return "temperature"
-    last = req.messages[-1] if req.messages else None
-    text = _text(last.content) if last is not None else None
-    if last is None or last.role != "user" or not text:
-        return "not_user"
+    if not hasattr(req, "messages"):   # a completion
+        if req.echo or req.suffix:
+            return "params"
+        text = _last_text(req)
+        if not text:
+            return "not_text"
+    else:
+        last = req.messages[-1] if req.messages else None
+        text = _text(last.content) if last is not None else None
+        if last is None or last.role != "user" or not text:
+            return "not_user"
     if is_creative(text):
         return "creative"
     return None
 
 
+def _last_text(req) -> str | None:
+    """The query: a chat's last message, a completion's prompt when it is one string."""
+    if hasattr(req, "messages"):
+        return _text(req.messages[-1].content)
+    p = req.prompt
+    if isinstance(p, str):
+        return p
+    return p[0] if len(p) == 1 and isinstance(p[0], str) else None
+
+
 def make_plan(req, model_name: str, key_name: str | None, options: CacheOptions) -> CachePlan:
-    """The request's partition (the exact part, hashed) and its normalized query."""
-    last = _text(req.messages[-1].content) or ""
+    """The request's partition (the exact part, hashed) and its query (embedded normalized)."""
+    chat = hasattr(req, "messages")
+    last = _last_text(req) or ""
     f = facts(last)
-    exact = {"model": model_name, "scope": None if options.shared else key_name, "facts": f.key(),
-             "history": [[m.role, _text(m.content)] for m in req.messages[:-1]],
+    exact = {"model": model_name, "kind": "chat" if chat else "completion",
+             "scope": None if options.shared else key_name, "facts": f.key(),
+             "history": [[m.role, _text(m.content)] for m in req.messages[:-1]] if chat else [],
              "params": req.model_dump(exclude=NEUTRAL_FIELDS, exclude_none=True, mode="json")}
     digest = hashlib.sha256(json.dumps(exact, sort_keys=True, default=str).encode()).hexdigest()
     return CachePlan(partition=digest, query=last, arithmetic=f.arithmetic)
@@ -229,13 +257,16 @@ class SemanticCache:
         self.embedder = embedder
         self.options = options
 
-    async def lookup(self, plan: CachePlan) -> Hit | None:
+    async def lookup(self, plan: CachePlan, vector: np.ndarray | None = None) -> Hit | None:
+        """The hit for `plan`; `vector` is its text's embedding when the caller has it already."""
         t0 = time.perf_counter()
-        vecs, _ = await self.embedder.encode([normalize(plan.query)], use="semantic_cache")
+        if vector is None:
+            vecs, _ = await self.embedder.encode([plan.text], use="semantic_cache")
+            vector = vecs[0].numpy()
         if getattr(self.backend, "remote", False):   # a network round trip: off the event loop
-            hit = await asyncio.to_thread(self.match, plan, vecs[0].numpy())
+            hit = await asyncio.to_thread(self.match, plan, vector)
         else:
-            hit = self.match(plan, vecs[0].numpy())
+            hit = self.match(plan, vector)
         if hit is not None:
             hit.lookup_ms = (time.perf_counter() - t0) * 1000
         return hit

@@ -90,7 +90,10 @@ def train_router(rows: list[tuple[str, int]], encoder=None, seed: int = 0) -> di
     rng = random.Random(seed)
     rows = list(rows)
     rng.shuffle(rows)
-    X, _ = enc.encode([p for p, _ in rows])
+    from kvserve.server.semantic_text import normalize
+
+    # The router embeds the normalized text (the semantic cache's, so a request embeds once).
+    X, _ = enc.encode([normalize(p) or " " for p, _ in rows])
     X = X.numpy()
     y = [label for _, label in rows]
     cut = int(len(rows) * 0.8)
@@ -99,4 +102,4 @@ def train_router(rows: list[tuple[str, int]], encoder=None, seed: int = 0) -> di
     clf = LogisticRegression(C=4.0, max_iter=2000).fit(X, y)
     return {"kind": "logistic_regression", "encoder": "all-minilm-l6-v2", "classes": [int(c) for c in clf.classes_],
             "coef": clf.coef_.tolist(), "intercept": clf.intercept_.tolist(), "heldout_accuracy": accuracy,
-            "examples": len(rows)}
+            "examples": len(rows), "normalized": True}
