@@ -7,7 +7,8 @@ written with llama.cpp's names and keys (families_gguf.py):
 * 32 greedy tokens equal to transformers' generate, through the batched engine: a batch of 4,
   prefill in one step and in chunks, and a prompt served again from the prefix cache;
 * with a sliding window on every layer (Mistral), the KV blocks a sequence holds stay bounded
-  by the window while it grows past it.
+  by the window while it grows past it; with local layers beside global ones (Gemma), the local
+  layers' own pool does.
 """
 
 from __future__ import annotations
@@ -165,6 +166,50 @@ def test_sliding_window_bounds_kv_blocks(root):
     out = llm.generate([{"prompt_token_ids": ps[0][:40] + ps[1][:24]}],
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert out.num_cached_tokens >= 36
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_local_layers_hold_only_the_window(family, root):
+    """Gemma (local layers beside global ones): the sliding layers have their own pool and tables
+    (engine/kv_hybrid.py), whose blocks a sequence holds stay bounded by the window while its
+    global layers' table grows; tokens stay transformers'; a shared prefix still hits both pools."""
+    from kvserve.engine.kv_hybrid import HybridKVCacheManager
+
+    ck = checkpoint(family, root)
+    window, bs = ck.hf.config.sliding_window, 4
+    llm = LLM(str(ck.gguf), kv_cache_memory="8MiB", kv_cache_dtype="fp32", block_size=bs,
+              max_num_batched_tokens=16, max_num_seqs=4)
+    core = llm.engine.core
+    kv = core.kv
+    assert isinstance(kv, HybridKVCacheManager) and kv.local.sliding_window == window
+    cfg = core.runner.model.config
+    local_layers = [i for i in range(cfg.num_hidden_layers) if cfg.window_of(i)]
+    assert 0 < len(local_layers) < cfg.num_hidden_layers
+    # the local pool is sized by the window (4 sequences), its memory saved goes to the global pool
+    assert kv.local.num_blocks < kv.num_blocks
+    assert all(core.runner.kv_caches[i].shape[1] == kv.local.num_blocks for i in local_layers)
+    ps = prompts(2, seed=3)
+    llm.engine.add_request("a", {"prompt_token_ids": ps[0]}, SamplingParams(temperature=0, max_tokens=64,
+                                                                          ignore_eos=True))
+    held_local, held_full, tokens = [], [], []
+    while llm.engine.has_unfinished_requests():
+        for o in llm.engine.step():
+            tokens = o.outputs[0].token_ids
+        if "a" in kv.req_blocks:
+            held_local.append(kv.local.num_held_blocks("a"))
+            held_full.append(kv.full.num_held_blocks("a"))
+            assert len(kv.local_block_ids("a")) == len(kv.block_ids("a"))
+    assert max(held_full) >= (PROMPT_LEN + 60) // bs             # the global layers hold it all ...
+    assert max(held_local) <= (window + 16) // bs + 2            # ... the local ones the window + a chunk
+    assert kv.num_used_blocks == 0 and kv.local.num_used_blocks == 0
+    assert tokens == ck.greedy([ps[0]], llm.get_tokenizer().eos_token_ids, n=64)[0]
+    # A prompt sharing the first 40 tokens: the local blocks inside the window of the hit are
+    # still cached (released, not evicted), so both pools hit and the answer is unchanged.
+    p = ps[0][:40] + ps[1][:24]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+    assert out.num_cached_tokens >= 36
+    assert out.outputs[0].token_ids == ck.greedy([p], llm.get_tokenizer().eos_token_ids, n=8)[0]
 
 
 def test_unsupported_architecture_is_one_line(tmp_path):

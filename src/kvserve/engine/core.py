@@ -29,6 +29,7 @@ import torch
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.kv_hybrid import HybridKVCacheManager, local_pool_blocks
 from kvserve.engine.messages import (
     AbortRequests,
     CoreInput,
@@ -56,6 +57,9 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
         per_block = ModelRunner.bytes_per_block(model, config.block_size, config.torch_kv_dtype)
         num_blocks = config.kv_cache_bytes() // per_block
+        num_local = self._split_pools(model, config, num_blocks) if cfg.local_window else None
+        if num_local is not None:   # the sliding layers' pool is bounded: the rest goes to the full layers
+            num_blocks, num_local = num_local
         if num_blocks < 2:
             raise InvalidRequest(f"kv_cache_memory ({config.kv_cache_bytes()} bytes) holds fewer than 2 KV "
                                  f"blocks of {per_block} bytes: give it more memory", param="kv_cache_memory")
@@ -63,7 +67,11 @@ class EngineCore:
         self.context_limited_by_kv = num_blocks * config.block_size < self.max_model_len
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.block_size = config.block_size
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, cfg.kv_window)
+        if num_local is not None:
+            self.kv = HybridKVCacheManager(num_blocks, num_local, config.block_size, config.enable_prefix_caching,
+                                           cfg.local_window)
+        else:
+            self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, cfg.kv_window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, eos_token_ids, config.long_prefill_token_threshold,
                                    config.max_num_partial_prefills, config.max_step_ms)
@@ -74,7 +82,7 @@ class EngineCore:
             self.scheduler.spec = make_spec_decoder(config.spec_config, model, tokenizer)
         self.clock = PhaseClock()
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.torch_kv_dtype, eos_token_ids,
-                                  device=config.device, clock=self.clock)
+                                  device=config.device, clock=self.clock, num_local_blocks=num_local)
         self.kv_bytes_per_token = per_block // config.block_size
         logger.info("KV cache: %s, %d bytes per token, %d tokens fit (%d blocks of %d)", self.kv_dtype_name,
                     self.kv_bytes_per_token, num_blocks * config.block_size, num_blocks, config.block_size)
@@ -89,6 +97,19 @@ class EngineCore:
         self.num_batched_tokens = 0       # summed over steps: tokens in the forward pass ...
         self.num_batched_requests = 0     # ... and requests in the batch
         self._expert_tokens: dict[str, list[int]] = {}   # MoE counts not yet handed to an output
+
+    @staticmethod
+    def _split_pools(model: LlamaForCausalLM, config: EngineConfig, num_blocks: int) -> tuple[int, int]:
+        """(full-layer blocks, sliding-layer blocks) in the same memory as num_blocks of every layer:
+        the sliding layers get what their windows need (kv_hybrid.local_pool_blocks), at most as many."""
+        cfg = model.config
+        n_local_layers = sum(1 for i in range(cfg.num_hidden_layers) if cfg.window_of(i))
+        n_full_layers = cfg.num_hidden_layers - n_local_layers
+        layer_block = ModelRunner.bytes_per_layer_block(model, config.block_size, config.torch_kv_dtype)
+        local = min(num_blocks, local_pool_blocks(cfg.local_window, config.block_size, config.max_num_seqs,
+                                                  config.max_num_batched_tokens))
+        full = (config.kv_cache_bytes() - local * n_local_layers * layer_block) // (n_full_layers * layer_block)
+        return full, local
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:

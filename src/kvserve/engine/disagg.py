@@ -128,7 +128,7 @@ class KVTransfer:
 
         kv, caches = self.core.kv, self.core.runner.kv_caches
         header = KVHeader(request_id=req.request_id, block_size=kv.block_size, prefill_seconds=seconds, error=error)
-        if error is not None:
+        if error is not None or not hasattr(kv, "cached"):   # (a pool per layer type: not exported)
             return encode_payload(header)
         hashes = prompt_block_hashes(kv, req, (len(req.prompt_token_ids) - 1) // kv.block_size)
         blocks = []
@@ -167,7 +167,7 @@ class KVTransfer:
         import torch
 
         h, kv, caches = m.header, self.core.kv, self.core.runner.kv_caches
-        if h.error is not None or not h.hashes:
+        if h.error is not None or not h.hashes or not hasattr(kv, "cached"):
             return
         local = caches[0]
         want = [len(caches), 2, len(h.hashes), kv.block_size, local.shape[3], local.shape[4]]

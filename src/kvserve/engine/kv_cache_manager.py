@@ -74,6 +74,10 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])
 
+    def local_block_ids(self, request_id: str) -> list[int] | None:
+        """The sliding layers' own block table (None: every layer reads block_ids)."""
+        return None
+
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds (its table less the entries released behind the window)."""
         return sum(1 for b in self.block_ids(request_id) if b >= 0)
@@ -130,7 +134,7 @@ class KVCacheManager:
     # ---- allocation -------------------------------------------------------------------
     def can_allocate(self, req: Request, num_new_tokens: int, computed: list[int] = ()) -> bool:
         need = self._blocks_needed(req, num_new_tokens, len(computed))
-        reusable_free = sum(1 for b in computed if self.ref_cnt[b] == 0)
+        reusable_free = sum(1 for b in computed if b >= 0 and self.ref_cnt[b] == 0)
         return need <= self.num_free_blocks - reusable_free
 
     def _blocks_needed(self, req: Request, num_new_tokens: int, num_computed_blocks: int) -> int:
@@ -141,12 +145,16 @@ class KVCacheManager:
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[int] = ()) -> bool:
         """Give req room for num_new_tokens more tokens after its computed ones and the prefix-cache
         blocks `computed` (claimed first, in front of them). False (and no change) if the pool is
-        short. The caller counts the claimed blocks' tokens as computed."""
+        short. The caller counts the claimed blocks' tokens as computed; a -1 in `computed` is a
+        block behind the window (engine/kv_hybrid.py), kept as a -1 table entry."""
         self.free_outside_window(req)
         if not self.can_allocate(req, num_new_tokens, computed):
             return False
         table = self.req_blocks.setdefault(req.request_id, [])
         for b in computed:
+            if b < 0:
+                table.append(b)
+                continue
             if self.ref_cnt[b] == 0:
                 del self.free_queue[b]
             self.ref_cnt[b] += 1

@@ -129,6 +129,7 @@ class ScheduledRequest:
     block_ids: list[int]
     spec_token_ids: list[int] = field(default_factory=list)   # proposer slot (speculative decoding)
     grammar_bitmask_slot: int | None = None                    # row in the step's grammar bitmask
+    local_block_ids: list[int] | None = None                   # the sliding layers' table (kv_hybrid.py)
 
 
 @dataclass

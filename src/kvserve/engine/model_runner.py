@@ -18,6 +18,10 @@ llguidance both drop the GIL), and applied by the sampler in one op.
 
 The runner reads request state (tokens, sampling params, the seeded generator, the grammar
 matcher) and never writes it: what it produced goes back to the scheduler as a ModelRunnerOutput.
+
+A model with sliding layers beside full ones (engine/kv_hybrid.py) gets `num_local_blocks`: its
+sliding layers' caches are a pool of that many blocks, read through each request's second block
+table (the step's `meta.local`).
 """
 
 from __future__ import annotations
@@ -69,30 +73,36 @@ def _entries(token_ids: list[int], lps: torch.Tensor, ranks: torch.Tensor, top_i
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 eos_token_ids: list[int], device: str | torch.device = "cpu", clock: PhaseClock | None = None):
+                 eos_token_ids: list[int], device: str | torch.device = "cpu", clock: PhaseClock | None = None,
+                 num_local_blocks: int | None = None):
         cfg = model.config
         self.clock = clock or PhaseClock()
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
-        shape = cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
         # torch.empty: pages become resident only when a block is first written.
-        self.kv_caches = [torch.empty(shape, dtype=kv_dtype, device=self.device)
-                          for _ in range(cfg.num_hidden_layers)]
+        self.kv_caches = [torch.empty(cache_shape(num_local_blocks if num_local_blocks and cfg.window_of(i) else num_blocks,
+                                                  block_size, cfg.num_key_value_heads, cfg.head_dim, kv_dtype),
+                                      dtype=kv_dtype, device=self.device)
+                          for i in range(cfg.num_hidden_layers)]
         self.sampler = Sampler(eos_token_ids)
         self.grammar = None     # kvserve.structured.backend.GrammarBackend, set by the core when needed
 
     @staticmethod
     def bytes_per_block(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
+        return ModelRunner.bytes_per_layer_block(model, block_size, kv_dtype) * model.config.num_hidden_layers
+
+    @staticmethod
+    def bytes_per_layer_block(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
         cfg = model.config
-        return block_size * bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
+        return block_size * bytes_per_token(1, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         clock = self.clock
         ids: list[int] = []
         pos: list[int] = []
-        query_lens, seq_lens, tables = [], [], []
+        query_lens, seq_lens, tables, local_tables = [], [], [], []
         logit_rows: list[int] = []
         sampled = []                          # requests that sample this step
         sample_rows: list[int] = []
@@ -110,6 +120,7 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(s.block_ids)
+            local_tables.append(s.local_block_ids)
             lora_rows.append((req.lora, row0, n))
             p = req.num_prompt_tokens
             if req.want_prompt_logprobs and start < p - 1:
@@ -126,6 +137,8 @@ class ModelRunner:
                 sample_rows.append(len(logit_rows))
                 logit_rows.append(row0 + n - 1)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        if local_tables and local_tables[0] is not None:
+            meta.local = AttentionMetadata.build(query_lens, seq_lens, local_tables, self.block_size, self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         matchers = [sampled[i].grammar for i in grammar_rows]

@@ -151,7 +151,8 @@ class Scheduler:
         self._budget -= n + len(drafts)
 
     def _entry(self, req: Request, n: int, out: SchedulerOutput, drafts: list[int] | None = None) -> ScheduledRequest:
-        entry = ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id), drafts or [])
+        entry = ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id), drafts or [],
+                                 local_block_ids=self.kv.local_block_ids(req.request_id))
         if req.grammar_active and not entry.spec_token_ids and req.num_computed_tokens + n == req.num_tokens:
             entry.grammar_bitmask_slot = out.num_grammar_rows
             out.num_grammar_rows += 1

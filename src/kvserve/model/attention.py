@@ -40,6 +40,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor      # [T] int64 flat slot of each new token
     block_tables: torch.Tensor      # [B, max_blocks] int64, padded with 0
     block_size: int
+    local: AttentionMetadata | None = None   # the sliding layers' slots and tables (own pool), if any
 
     @property
     def num_seqs(self) -> int:

@@ -139,6 +139,12 @@ class ModelConfig:
         """The window when every layer is a sliding one: KV blocks wholly before it can be freed."""
         return self.sliding_window if set(self.layer_types) == {"sliding_attention"} else None
 
+    @property
+    def local_window(self) -> int | None:
+        """The window when sliding layers sit beside full ones (Gemma): those layers get their own
+        KV pool and block tables (engine/kv_hybrid.py), so what they hold is bounded by it."""
+        return self.sliding_window if set(self.layer_types) == {"sliding_attention", "full_attention"} else None
+
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         archs = d.get("architectures") or []

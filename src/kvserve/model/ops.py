@@ -113,7 +113,8 @@ class TorchOps:
             vt = v.transpose(1, 2).repeat_interleave(rep, dim=1)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, is_causal=True,
                                                scale=layer.scale).transpose(1, 2)
-        else:
-            write_kv(kv_cache, k, v, step.meta.slot_mapping)
-            o = paged_attention(q, kv_cache, step.meta, layer.scale, self.backend, window, softcap)
+        else:   # sliding layers of a model with both kinds read their own pool (engine/kv_hybrid.py)
+            meta = step.meta.local if window and step.meta.local is not None else step.meta
+            write_kv(kv_cache, k, v, meta.slot_mapping)
+            o = paged_attention(q, kv_cache, meta, layer.scale, self.backend, window, softcap)
         return o.reshape(*lead, layer.q_size)
