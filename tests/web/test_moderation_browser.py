@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("moderation-web")
-    config = data_dir / "moderation.json"     # an operator's word list: the answer about France is cut
-    config.write_text(json.dumps({"blocklist": {"places": ["paris"]}, "check_every": 1}))
+    config = data_dir / "moderation.json"     # an operator's word list: the greeting is cut
+    config.write_text(json.dumps({"blocklist": {"words": ["assist"]}, "check_every": 1}))
     with run_server(data_dir, "--moderation-config", str(config)) as base:
         yield base
 
@@ -49,12 +49,12 @@ def test_blocked_question_is_said_plainly_and_kept(server, browser):  # noqa: F8
 def test_cut_answer_is_said_plainly_and_kept(server, browser):  # noqa: F811 - fixture
     page, errors = open_page(browser, server, "web-test-moderation-cut", settings={"max_tokens": 48, "temperature": 0})
     page.click("#new-chat")
-    page.fill("#prompt", "What is the capital of France?")   # greedy: "The capital of France is Paris..."
+    page.fill("#prompt", "Hi!")   # greedy: "Hello! How can I assist you today?"
     page.keyboard.press("Enter")
     note = wait_until(page, "document.querySelector('.msg.assistant:not(.streaming) .moderation-note')?.textContent",
                       120, "moderation note")
     assert note.startswith("Cut by moderation")
-    assert "paris" not in page.inner_text(".msg.assistant .msg-body").lower()   # checked every token: the word never went out
+    assert "assist" not in page.inner_text(".msg.assistant .msg-body").lower()   # checked every token: the word never went out
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "web-chat-moderation-cut.png"))
     page.reload()                                   # stored with the conversation

@@ -14,6 +14,11 @@ import sys
 from kvserve.safety.classifier import DATA, LABELS, MODEL_PATH, features, read_labelled
 
 
+# A category's positives weigh 3 negatives: the 2,160 generated benign windows would otherwise pull
+# recall down (held-out recall 0.81 at weight 1, 0.86 at 3, with no generated window flagged).
+POSITIVE_WEIGHT = 3.0
+
+
 def _lines(name: str) -> list[str]:
     path = DATA / name
     if not path.exists():
@@ -63,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     import numpy as np
 
     argv = sys.argv[1:] if argv is None else argv
-    hashes, weights, bias = fit(training_rows())
+    hashes, weights, bias = fit(training_rows(), positive_weight=POSITIVE_WEIGHT)
     np.savez_compressed(MODEL_PATH, hashes=hashes, weights=weights.astype(np.float16),
                         bias=bias)
     print(f"wrote {MODEL_PATH} ({len(hashes)} features)")
