@@ -100,8 +100,8 @@ def false_positives(seeds: Iterable[int], max_tokens: int, model: str | None = N
     """(flagged windows, windows, [(prompt, window, categories)]) on fresh answers to EVAL_PROMPTS."""
     from kvserve.safety.moderator import ModerationConfig, Moderator
 
-    mod = Moderator(ModerationConfig())
     rows = sample_windows(EVAL_PROMPTS, seeds, max_tokens, model)
+    mod = Moderator(ModerationConfig())     # after sampling: the model file as it is when checking
     hits = []
     for p, w in rows:
         v = mod.check(w, input=False)
