@@ -13,7 +13,6 @@ import sys
 
 from kvserve.safety.classifier import DATA, LABELS, MODEL_PATH, features, read_labelled
 
-
 # A category's positives weigh 3 negatives: the 2,160 generated benign windows would otherwise pull
 # recall down (held-out recall 0.81 at weight 1, 0.85 at 3; no generated dev window flagged at either).
 POSITIVE_WEIGHT = 3.0
