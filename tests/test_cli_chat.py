@@ -60,3 +60,23 @@ def test_ctrl_c_stops_the_answer_not_the_program():
     after = out.split("[stopped]", 1)[1]
     assert len(after.strip(" >\n")) > 5            # the next question was still answered
     assert err.count("[prompt ") == 2
+
+
+def test_chat_context_drops_oldest_turns_through_the_server_builder():
+    import gguf
+
+    from kvserve.cli import _fit
+    from kvserve.model.registry import resolve
+    from kvserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(gguf.GGUFReader(resolve(None).path))
+    history = []
+    for i in range(6):
+        history += [{"role": "user", "content": f"question {i} " + "word " * 30},
+                    {"role": "assistant", "content": f"answer {i} " + "word " * 30}]
+    history.append({"role": "user", "content": "the last question"})
+    ids = _fit(tok, "Be brief.", history, max_model_len=256, max_tokens=32)
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert len(ids) + 32 <= 256 and "Be brief." in text and text.rstrip().endswith("assistant")
+    assert history[-1]["content"] == "the last question" and len(history) < 13   # the oldest turns are gone
+    assert "question 0" not in text and history[0]["content"] in text

@@ -154,7 +154,7 @@ def chat(
             continue
         history.append({"role": "user", "content": line})
         try:
-            ids = _fit(tok, system, history, llm.engine.max_model_len - max_tokens)
+            ids = _fit(tok, system, history, llm.engine.max_model_len, max_tokens)
             answer = _stream(llm, ids, params, stats)
         except KVServeError as e:
             history.pop()
@@ -163,19 +163,15 @@ def chat(
         history.append({"role": "assistant", "content": answer})
 
 
-def _fit(tok, system: str | None, history: list[dict], budget: int) -> list[int]:
-    """Render the conversation in `budget` tokens, dropping the oldest turns (from `history` too)."""
-    from kvserve.errors import ContextLengthExceeded
-    from kvserve.server.context import conversation
-    from kvserve.tokenizer.chat_template import fit_chat
+def _fit(tok, system: str | None, history: list[dict], max_model_len: int, max_tokens: int) -> list[int]:
+    """The conversation as the server builds one (server/context.py: system prompt + history, the
+    oldest turns dropped to fit, from `history` too)."""
+    from kvserve.server.context import conversation, fit_messages
 
-    messages, _ = conversation(system, history, [])    # the server's context builder (system + history)
-    fitted = fit_chat(tok, messages, budget)
-    del history[:fitted.dropped_messages]
-    if not fitted.fits:
-        raise ContextLengthExceeded(f"the message is {len(fitted.token_ids)} tokens, more than the {budget} "
-                                    "that fit; shorten it or lower --max-tokens")
-    return fitted.token_ids
+    messages, _ = conversation(system, history, [])
+    prompt = fit_messages(tok, messages, max_model_len=max_model_len, max_tokens=max_tokens, truncate="oldest")
+    del history[:prompt.dropped_messages]
+    return prompt.token_ids
 
 
 @app.command()

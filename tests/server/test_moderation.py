@@ -7,12 +7,15 @@ import json
 import re
 import time
 
+import gguf
 import httpx
 import pytest
 from typer.testing import CliRunner
 
+from kvserve.model.registry import resolve
 from kvserve.server.cli import keys_app
 from kvserve.server.keys import KeyStore
+from kvserve.tokenizer import Tokenizer
 
 WORD = "zanzibar"
 ECHO = "zanzibar zanzibar zanzibar zanzibar zanzibar zanzibar zanzibar zanzibar"
@@ -153,3 +156,45 @@ def test_pii_redacted_on_input_and_output(server):
     tr = post(server, "pii", "/v1/completions", {**body, "kvserve_trace": True}).json()["kvserve_trace"]
     assert "alice.smith" not in tr["prompt_text"] and "[EMAIL]" in tr["prompt_text"]
     assert any(c["check"] == "pii_input" and c["kinds"] == ["email"] for c in tr["moderation"])
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_arguments_are_moderated(server, stream):
+    body = {"messages": [{"role": "user", "content": f"What is the weather in {WORD.title()}?"}],
+            "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "max_tokens": 32, "temperature": 0}
+    plain = post(server, "plain", "/v1/chat/completions", body).json()["choices"][0]
+    assert WORD in plain["message"]["tool_calls"][0]["function"]["arguments"].lower()   # the call names the place
+    r = post(server, "out", "/v1/chat/completions", {**body, "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+        calls = [c["delta"].get("tool_calls") for e in events for c in e["choices"] if c["delta"].get("tool_calls")]
+        finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    else:
+        choice = r.json()["choices"][0]
+        calls, finish = choice["message"].get("tool_calls") or [], [choice["finish_reason"]]
+    assert finish == ["content_filter"]
+    # a stream may have opened the call (its name, before any argument): the arguments never went out
+    assert not any(e.get("function", {}).get("arguments") for c in calls for e in (c if stream else [c]))
+
+
+def test_token_id_prompts_are_moderated(server):
+    tok = Tokenizer.from_gguf(gguf.GGUFReader(resolve(None).path))
+    bad = tok.encode("I will stab him tonight", add_special_tokens=False)
+    fine = tok.encode("The capital of France is", add_special_tokens=False)
+    before = metric(server, "kvserve:prompt_tokens_total")
+    for prompt in (bad, [fine, bad]):
+        r = post(server, "default", "/v1/completions", {"prompt": prompt, "max_tokens": 4})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "content_policy_violation"
+    assert metric(server, "kvserve:prompt_tokens_total") == before
+    ok = post(server, "default", "/v1/completions", {"prompt": fine, "max_tokens": 2, "kvserve_trace": True})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["kvserve_trace"]["moderation"][0] == {**ok.json()["kvserve_trace"]["moderation"][0],
+                                                           "check": "input", "flagged": False}

@@ -47,6 +47,19 @@ def test_clean_output_passes_and_is_redacted(service):
     assert len(stage.checks) >= len(out) // 2 and not any(c["flagged"] for c in stage.checks)
 
 
+def test_tool_call_arguments_are_checked_before_they_go_out(service):
+    stage = service.output_stage(ModerationConfig(check_every=16, blocklist={"places": ["zanzibar"]}))
+    assert stage.feed(ChoiceDelta(0, "Let me look. ", [0])).finish_reason is None
+    call = ChoiceDelta(0, "", [1], tool_calls=[{"index": 0, "id": "call_1", "type": "function",
+                                                "function": {"name": "get_weather", "arguments": ""}},
+                                               {"index": 0, "function": {"arguments": '{"city": "Zanzibar"}'}}])
+    out = stage.feed(call)          # the second token only, far below check_every: checked because it is a call
+    assert out.finish_reason == "content_filter" and out.tool_calls == [] and out.calls == []
+    clean = service.output_stage(ModerationConfig(check_every=16, blocklist={"places": ["zanzibar"]}))
+    ok = clean.feed(ChoiceDelta(0, "", [0], tool_calls=[{"index": 0, "function": {"arguments": '{"city": "Oslo"}'}}]))
+    assert ok.finish_reason is None and ok.tool_calls and len(clean.checks) == 1
+
+
 def test_conversation_builder():
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather?"}]},

@@ -1,7 +1,9 @@
-"""The chat page says plainly when input moderation blocked a question (real browser, real server)."""
+"""The chat page says plainly when input moderation blocked a question or output moderation cut an
+answer (real browser, real server)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -20,7 +22,10 @@ pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with run_server(tmp_path_factory.mktemp("moderation-web")) as base:
+    data_dir = tmp_path_factory.mktemp("moderation-web")
+    config = data_dir / "moderation.json"     # an operator's word list: the greeting is cut
+    config.write_text(json.dumps({"blocklist": {"words": ["assist"]}, "check_every": 1}))
+    with run_server(data_dir, "--moderation-config", str(config)) as base:
         yield base
 
 
@@ -38,4 +43,22 @@ def test_blocked_question_is_said_plainly_and_kept(server, browser):  # noqa: F8
     wait_until(page, "document.documentElement.dataset.ready === '1'", 30, "reloaded")
     assert wait_until(page, "document.querySelector('.msg.assistant .moderation-note')?.textContent", 30,
                       "note after reload").startswith("Blocked by moderation")
+    assert errors == []
+
+
+def test_cut_answer_is_said_plainly_and_kept(server, browser):  # noqa: F811 - fixture
+    page, errors = open_page(browser, server, "web-test-moderation-cut", settings={"max_tokens": 48, "temperature": 0})
+    page.click("#new-chat")
+    page.fill("#prompt", "Hi!")   # greedy: "Hello! How can I assist you today?"
+    page.keyboard.press("Enter")
+    note = wait_until(page, "document.querySelector('.msg.assistant:not(.streaming) .moderation-note')?.textContent",
+                      120, "moderation note")
+    assert note.startswith("Cut by moderation")
+    assert "assist" not in page.inner_text(".msg.assistant .msg-body").lower()   # checked every token: the word never went out
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "web-chat-moderation-cut.png"))
+    page.reload()                                   # stored with the conversation
+    wait_until(page, "document.documentElement.dataset.ready === '1'", 30, "reloaded")
+    assert wait_until(page, "document.querySelector('.msg.assistant .moderation-note')?.textContent", 30,
+                      "note after reload").startswith("Cut by moderation")
     assert errors == []

@@ -3,7 +3,8 @@
 `python -m kvserve.safety.evaluate` prints the table that docs/safety.md quotes; a text counts as
 flagged in a category when the moderator's score reaches the threshold. The last row, `any`, is
 flagged vs not flagged over all texts (benign near-misses included). `--profanity-check` adds the
-same rows for alt-profanity-check's one score, for comparison.
+same rows for alt-profanity-check's one score, for comparison; `--blind` the rows on the second
+held-out set (`data/eval_blind.tsv`), written in one go before the classifier was run on it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import sys
 from dataclasses import dataclass
 
 from kvserve.safety.classifier import DATA, LABELS, read_labelled
+
+BLIND_PATH = DATA / "eval_blind.tsv"
 from kvserve.safety.moderator import ModerationConfig, Moderator
 
 
@@ -74,3 +77,6 @@ if __name__ == "__main__":
     if "--profanity-check" in sys.argv:
         print("\nalt-profanity-check (one score for all categories):")
         print(format_table(evaluate_profanity_check()))
+    if "--blind" in sys.argv:
+        print("\neval_blind.tsv (written before the retrained model was run on it):")
+        print(format_table(evaluate(path=BLIND_PATH)))

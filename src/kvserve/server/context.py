@@ -130,10 +130,20 @@ def build_chat_prompt(tokenizer, messages: list[ChatMessage], *, max_model_len: 
     suffix = tools.forcing_prefix if tools is not None and add_generation_prompt else ""
     if think and add_generation_prompt:    # the answer starts inside a <think> block (server/reasoning.py)
         suffix = "<think>\n" + suffix
+    return fit_messages(tokenizer, msgs, max_model_len=max_model_len, max_tokens=max_tokens, truncate=truncate,
+                        add_generation_prompt=add_generation_prompt, tools=tool_defs, suffix=suffix)
+
+
+def fit_messages(tokenizer, msgs: list[dict[str, Any]], *, max_model_len: int, max_tokens: int | None,
+                 truncate: str | None, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                 suffix: str = "") -> Prompt:
+    """Render and tokenize chat-template messages (dicts) so that prompt + max_tokens (or + 1)
+    fits: the one place a conversation is fitted to the window (chat completions, Responses and
+    `kvserve chat` all end here). `truncate="oldest"` drops the oldest non-system turns."""
     reserve = max_tokens if max_tokens is not None else 1
     # The tokenizer's sandboxed template raises InvalidRequest(param="messages") itself.
     fitted = fit_chat(tokenizer, msgs, max_model_len - reserve, drop_oldest=truncate == "oldest",
-                      add_generation_prompt=add_generation_prompt, tools=tool_defs, suffix=suffix)
+                      add_generation_prompt=add_generation_prompt, tools=tools, suffix=suffix)
     text, ids, dropped = fitted.text, fitted.token_ids, fitted.dropped_messages
     if not fitted.fits:
         what = f"{len(ids)} prompt tokens" + (f" + max_tokens {max_tokens}" if max_tokens else "")

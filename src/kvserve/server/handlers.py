@@ -39,7 +39,7 @@ from kvserve.server.admission import Ticket, engine_priority
 from kvserve.server.context import build_prompts, reasoning_budget, token_texts
 from kvserve.server.formatting import ChunkWriter, TokenTexts, chat_body, completion_body, echo_text, trace
 from kvserve.server.limits import read_body
-from kvserve.server.moderation import cut_if_filtered
+from kvserve.server.moderation import cut_if_filtered, prompt_tokenizer
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -81,7 +81,8 @@ async def generate(server, request: Request, kind: str) -> Response:
                      ChatCompletionRequest if chat else CompletionRequest, settings.max_json_depth)
     check_caps(req, settings)
     moderation = server.moderation.config_for(record)    # input moderation, before any queue (400)
-    checks = await server.moderation.check_input_async(req, record, moderation)
+    checks = await server.moderation.check_input_async(req, record, moderation,
+                                                       prompt_tokenizer(server, req) if not chat else None)
     timings = Timings(t0=record.t0, parsed=time.monotonic())
 
     # 2. gates: the model ("auto": the router picks one; features.py), the ladder, the semantic cache

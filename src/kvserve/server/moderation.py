@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from prometheus_client import Counter, Histogram
 
-from kvserve.errors import ContentPolicyViolation, InvalidRequest
+from kvserve.errors import ContentPolicyViolation, InvalidRequest, KVServeError
 from kvserve.safety import pii
 from kvserve.safety.moderator import ModerationConfig, Moderator, Verdict
 from kvserve.server.limits import load_json, read_body
@@ -82,18 +82,19 @@ class ModerationService:
 
     # ---- input ----------------------------------------------------------------------------
 
-    async def check_input_async(self, req, record, config: ModerationConfig) -> list[dict[str, Any]]:
+    async def check_input_async(self, req, record, config: ModerationConfig, tokenizer=None) -> list[dict[str, Any]]:
         """`check_input` inline for a short request (well under a millisecond), in a worker thread
-        for a long one, so a large body never stalls the event loop."""
-        if sum(len(t) for _, t, _ in input_texts(req)) <= INLINE_CHARS:
+        for a long one (or one with token-id prompts to decode), so a large body never stalls the
+        event loop. `tokenizer` decodes token-id prompts (completions)."""
+        if not has_token_prompts(req) and sum(len(t) for _, t, _ in input_texts(req)) <= INLINE_CHARS:
             return self.check_input(req, record, config)
-        return await asyncio.to_thread(self.check_input, req, record, config)
+        return await asyncio.to_thread(self.check_input, req, record, config, tokenizer)
 
-    def check_input(self, req, record, config: ModerationConfig) -> list[dict[str, Any]]:
+    def check_input(self, req, record, config: ModerationConfig, tokenizer=None) -> list[dict[str, Any]]:
         """Check a chat or completions request before it is queued; raise ContentPolicyViolation
         when flagged; redact personal data in place when configured. Returns the trace entries."""
         entries: list[dict[str, Any]] = []
-        texts = input_texts(req)
+        texts = input_texts(req, tokenizer)
         if config.pii_input != "off":
             t0 = time.perf_counter()
             kinds = sorted({m.kind for _, text, _ in texts for m in pii.find(text)})
@@ -106,7 +107,7 @@ class ModerationService:
                                              "remove them and retry.", param="messages")
             if kinds:
                 redact_input(req)
-                texts = input_texts(req)
+                texts = input_texts(req, tokenizer)
         if not config.input:
             return entries
         mod = self.moderator(config)
@@ -142,16 +143,44 @@ class ModerationService:
         return OutputModerationStage(self.moderator(config) if config.output else None, config, self)
 
 
-def input_texts(req) -> list[tuple[str, str, bool]]:
-    """(param, text, written by the caller) for each piece of a request's input to check."""
+def has_token_prompts(req) -> bool:
+    """A completions request whose prompt is token ids (a list of ints, or of lists of ints)."""
+    prompt = getattr(req, "prompt", None)
+    return isinstance(prompt, list) and any(isinstance(p, (int, list)) for p in prompt)
+
+
+def input_texts(req, tokenizer=None) -> list[tuple[str, str, bool]]:
+    """(param, text, written by the caller) for each piece of a request's input to check. Token-id
+    prompts are checked as `tokenizer` decodes them (the text the model reads), when it is given."""
     from kvserve.server.protocol import ChatCompletionRequest
 
     if isinstance(req, ChatCompletionRequest):
         return [(f"messages[{i}]", m.text(), m.role in ("user", "system", "developer"))
                 for i, m in enumerate(req.messages) if m.role != "assistant" and m.content]
     prompt = req.prompt
-    items = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
-    return [("prompt", p, True) for p in items]
+    if isinstance(prompt, str):
+        return [("prompt", prompt, True)]
+    if prompt and all(isinstance(p, int) for p in prompt):     # one prompt as token ids
+        prompt = [prompt]
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append(("prompt", p, True))
+        elif isinstance(p, list) and tokenizer is not None:
+            out.append(("prompt", tokenizer.decode([t for t in p if isinstance(t, int)],
+                                                   skip_special_tokens=False), True))
+    return out
+
+
+def prompt_tokenizer(server, req):
+    """The tokenizer that decodes a request's token-id prompts: its model's (the default model's
+    for "auto"); None when there are none or the model cannot serve (the request fails later)."""
+    if not has_token_prompts(req):
+        return None
+    try:
+        return server.require_engine(None if req.model == "auto" else req.model)[0].tokenizer
+    except KVServeError:
+        return None
 
 
 def redact_input(req) -> None:
@@ -188,22 +217,25 @@ class OutputModerationStage:
             delta.text, delta.reasoning, delta.tool_calls = "", "", []
             delta.filtered = True
             return delta
-        raw = delta.reasoning + delta.text      # the window holds the model's own text, before redaction
+        # the window holds the model's own text, before redaction, and the tool calls' names and arguments
+        raw = delta.reasoning + delta.text + "".join(
+            f" {tc['function'].get('name') or ''} {tc['function'].get('arguments') or ''}"
+            for tc in delta.tool_calls if tc.get("function"))
         if self.redactor is not None:   # held-back text leaves an empty delta, sent as such (keeps the stream alive)
             delta.text = self.redactor.feed(delta.text) + (self.redactor.finish() if delta.done else "")
         if self.moderator is None:
             return delta
         self.window = (self.window + raw)[-self.config.window_chars:]
         self.unchecked += max(1, len(delta.token_ids))
-        if self.unchecked < self.config.check_every and not delta.done:
-            return delta
+        if self.unchecked < self.config.check_every and not delta.done and not delta.tool_calls:
+            return delta        # a tool call is checked before it goes out: a client may act on it at once
         self.unchecked = 0
         v = self.moderator.check(self.window, input=False)
         self.service.observe("output", v)
         self.checks.append({"check": "output", **v.summary()})
         if v.flagged:
             self.cut = True
-            delta.text, delta.reasoning, delta.tool_calls = "", "", []
+            delta.text, delta.reasoning, delta.tool_calls, delta.calls = "", "", [], []
             delta.finish_reason, delta.stop_reason = "content_filter", None
             delta.filtered = True
         return delta
