@@ -107,6 +107,9 @@ class SpecDecoder:
 
     def forget(self, request_id: str) -> None:
         self.state.pop(request_id, None)
+        drop = getattr(self.proposer, "forget", None)
+        if drop is not None:
+            drop(request_id)
 
     def stats(self) -> dict:
         return {"spec_decode_num_drafts": self.num_drafts,
