@@ -117,3 +117,17 @@ def test_bad_draft_vocabulary_fails_at_startup(loaded, draft_dir, tmp_path):
     (bad / "draft_vocab.json").write_text(json.dumps({"token_ids": [1, 10 ** 7]}))
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):
         make(loaded, speculative=f"draft:{bad}")
+
+
+def test_break_even_rate_from_the_step_cost_model():
+    from kvserve.engine.spec_decode.config import SpeculativeConfig
+    from kvserve.engine.spec_decode.decoder import SpecDecoder
+    from kvserve.engine.step_cost import StepCostModel
+
+    sd, cost = SpecDecoder(SpeculativeConfig("ngram")), StepCostModel()
+    bars = [sd.break_even(r, cost) for r in (1, 2, 4, 8)]
+    assert 0.1 < bars[0] < 0.5 and bars == sorted(bars) and bars[-1] < 1.0    # bigger batches need more
+    sd.proposer_s_per_token = 2e-3                                            # a costly proposer too
+    assert sd.break_even(1, cost) > bars[0]
+    assert sd.break_even(1, None) == 0.0
+    assert SpecDecoder(SpeculativeConfig("ngram", max_batch_rows=0)).break_even(4, cost) == 0.0
