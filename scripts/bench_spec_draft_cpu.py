@@ -1,7 +1,7 @@
 """A/B CPU time per decoded token on open chat prompts with a draft model (process_time; single
 stream, greedy, 1 thread so a busy machine's spinning threads do not count).
 
-    PYTHONPATH=src python scripts/bench_spec_draft_cpu.py DRAFT_DIR [K] [TOKENS] [PROMPTS]
+    PYTHONPATH=src python scripts/bench_spec_draft_cpu.py DRAFT_DIR [K] [TOKENS] [PROMPTS] [nogate]
 """
 import sys
 import time
@@ -20,7 +20,9 @@ torch.set_num_threads(1)
 lm = load_model(None)
 kw = {"tokenizer": lm.tokenizer, "kv_cache_memory": "256MiB"}
 base = LLM(lm.model, **kw)
-spec = LLM(lm.model, speculative=f"draft:{draft}", num_speculative_tokens=k, **kw)
+gate = len(sys.argv) <= 5 or sys.argv[5] != "nogate"    # "nogate": no cost switch (acceptance)
+spec = LLM(lm.model, speculative={"method": "draft", "draft_path": draft, **({} if gate else {"max_batch_rows": 0})},
+           num_speculative_tokens=k, **kw)
 tok = lm.tokenizer
 params = SamplingParams(temperature=0, max_tokens=n_tok)
 tot = {"base": [0, 0.0], "spec": [0, 0.0]}
