@@ -15,7 +15,7 @@ import typer
 from kvserve.bench.common import OUT_DIR, console, progress, progress_events, write_outputs
 from kvserve.bench.serve_cli import serve_command
 from kvserve.bench.throughput import throughput
-from kvserve.errors import KVServeError
+from kvserve.errors import InvalidRequest, KVServeError
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks: latency (prefill/decode), kernels; peers side by side.")
 
@@ -38,12 +38,15 @@ def latency(
     speculative: str = typer.Option(None, "--speculative", help="Instead: grounded and open chat prompts through "
                                     "the engine, greedy, with this proposer (ngram, draft:PATH) and without."),
     num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", help="Most draft tokens per step."),
+    spec_workloads: str = typer.Option("grounded,open", "--spec-workloads",
+                                       help="With --speculative: which workloads (grounded, open)."),
 ) -> None:
     """Prefill tokens/s of an N-token prompt and single-stream decode tokens/s for M tokens."""
     from kvserve.bench.latency import LatencyConfig, markdown_table, run_latency, save_chart
 
     if speculative or num_speculative_tokens is not None:
-        _spec_latency(model, speculative or "ngram", num_speculative_tokens, decode_tokens, repeats, threads, out_dir)
+        _spec_latency(model, speculative or "ngram", num_speculative_tokens, decode_tokens, repeats, threads, out_dir,
+                      [w.strip() for w in spec_workloads.split(",") if w.strip()])
         return
 
     try:
@@ -75,16 +78,19 @@ def latency(
 
 
 def _spec_latency(model: str | None, speculative: str, k: int | None, decode_tokens: int, repeats: int,
-                  threads: int, out_dir: Path) -> None:
-    from kvserve.bench.spec_latency import GROUNDED_TASKS, OPEN_PROMPTS, run_spec_latency, spec_markdown_table
+                  threads: int, out_dir: Path, workloads: list[str]) -> None:
+    from kvserve.bench.spec_latency import WORKLOADS, run_spec_latency, spec_markdown_table
     from kvserve.engine.spec_decode.config import SpeculativeConfig
 
     try:
         SpeculativeConfig.parse(speculative, k)
+        bad = [w for w in workloads if w not in WORKLOADS]
+        if bad or not workloads:
+            raise InvalidRequest(f"unknown workload {bad[0] if bad else ''!r}: use {', '.join(WORKLOADS)}")
         with progress() as prog:
-            task = prog.add_task("speculative", total=repeats * (len(GROUNDED_TASKS) + len(OPEN_PROMPTS)))
+            task = prog.add_task("speculative", total=repeats * sum(len(WORKLOADS[w]) for w in workloads))
             rows = run_spec_latency(model, speculative, k, decode_tokens, repeats, threads,
-                                    lambda: prog.advance(task, 1))
+                                    lambda: prog.advance(task, 1), workloads)
     except KVServeError as e:
         console.print(f"error: {e.message}")
         raise typer.Exit(1) from None

@@ -42,6 +42,8 @@ OPEN_PROMPTS = [
     "What are the pros and cons of working from home?",
 ]
 
+WORKLOADS = {"grounded": [f"{t}\n\n{PASSAGE}" for t in GROUNDED_TASKS], "open": OPEN_PROMPTS}
+
 
 @dataclass
 class SpecBenchRow:
@@ -64,7 +66,8 @@ def _decode_time(llm, prompt: dict, params) -> tuple[int, float, list[int]]:
 
 
 def run_spec_latency(model: str | None, speculative: str, num_speculative_tokens: int | None, decode_tokens: int,
-                     repeats: int, threads: int, on_progress: Callable[[], None] | None = None) -> list[SpecBenchRow]:
+                     repeats: int, threads: int, on_progress: Callable[[], None] | None = None,
+                     workloads: list[str] | None = None) -> list[SpecBenchRow]:
     import torch
 
     from kvserve import LLM, SamplingParams
@@ -76,13 +79,10 @@ def run_spec_latency(model: str | None, speculative: str, num_speculative_tokens
     base = LLM(loaded.model, **kw)
     spec = LLM(loaded.model, speculative=speculative, num_speculative_tokens=num_speculative_tokens, **kw)
     tok = loaded.tokenizer
-    workloads = {
-        "grounded": [f"{t}\n\n{PASSAGE}" for t in GROUNDED_TASKS],
-        "open": OPEN_PROMPTS,
-    }
+    chosen = {w: WORKLOADS[w] for w in (workloads or list(WORKLOADS))}
     params = SamplingParams(temperature=0, max_tokens=decode_tokens)
     rows = []
-    for name, texts in workloads.items():
+    for name, texts in chosen.items():
         prompts = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True)}
                    for t in texts]
         best = {"baseline": (0, float("inf")), "spec": (0, float("inf"))}

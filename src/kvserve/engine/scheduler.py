@@ -91,7 +91,7 @@ class Scheduler:
         self.waiting.sort(key=lambda r: r.sort_key)
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         decodes = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
-        drafts = (self.spec.propose(decodes) if self.spec is not None and self.spec.step_on(len(decodes))
+        drafts = (self.spec.propose(decodes, self.cost) if self.spec is not None and self.spec.step_on(len(decodes))
                   else None)
         for i, req in enumerate(decodes):
             self._schedule_running(out, req, req.num_tokens - req.num_computed_tokens, drafts[i] if drafts else ())

@@ -15,7 +15,8 @@ import typer
 from kvserve.errors import KVServeError
 
 train_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                        help="Train models kvserve serves: tokenizer, pretraining, SFT, DPO, reward model, GRPO.")
+                        help="Train models kvserve serves: tokenizer, pretraining, SFT, DPO, reward model, GRPO, "
+                             "speculative drafts.")
 eval_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Evaluate models.")
 
 OUT = typer.Option(..., "--out", help="Output directory (HF-format model, checkpoint, metrics.jsonl, loss_curve.png).")
@@ -43,6 +44,34 @@ def _threads(n: int | None) -> None:
         import torch
 
         torch.set_num_threads(n)
+
+
+@train_app.command("draft")
+def draft_cmd(
+    out: str = typer.Option(..., "--out", help="Output directory: the draft model (HF format) and draft_vocab.json."),
+    target: str = typer.Option(None, "--target", help="The target model (default: the built-in one)."),
+    layers: str = typer.Option("first,last", help="The target's layers the draft starts from: first, last, indices."),
+    vocab_size: int = typer.Option(4096, "--vocab-size", help="LM-head rows kept: the target's most used tokens "
+                                                              "(0: the whole vocabulary)."),
+    num_prompts: int = typer.Option(128, "--num-prompts", help="Built-in chat prompts the target answers."),
+    gen_tokens: int = typer.Option(128, "--gen-tokens", help="Tokens the target writes per prompt."),
+    temperature: float = typer.Option(0.7),
+    steps: int = typer.Option(250),
+    batch_size: int = typer.Option(8, "--batch-size"),
+    lr: float = typer.Option(3e-4),
+    seed: int = typer.Option(0),
+    threads: int = typer.Option(1, help="PyTorch threads for the teacher pass and the distillation."),
+) -> None:
+    """Distil a small draft model for `--speculative draft:DIR` from the target, on the target's own text."""
+    from kvserve.train.draft import DraftConfig, train_draft
+
+    try:
+        r = train_draft(DraftConfig(out=out, target=target, layers=layers, vocab_size=vocab_size,
+                                    num_prompts=num_prompts, gen_tokens=gen_tokens, temperature=temperature,
+                                    steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads))
+    except KVServeError as e:
+        _fail(e)
+    typer.echo(json.dumps(r, indent=2))
 
 
 @train_app.command("router")

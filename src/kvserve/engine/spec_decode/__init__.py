@@ -14,8 +14,9 @@ distribution.
                            tokens are ever hashed into the prefix cache
 
 Modules: `config.py` (what the user asked for, checked at startup), `proposer.py` (the `Proposer`
-interface and the n-gram prompt-lookup proposer), `rejection.py` (verification, greedy and
-sampled), `decoder.py` (per-request adaptive k, the step's on/off switch, the counters).
+interface and the n-gram prompt-lookup proposer), `draft.py` (the draft-model proposer, its own
+dense KV cache per request), `rejection.py` (verification, greedy and sampled), `decoder.py`
+(per-request adaptive k, the cost-model and step on/off switches, the counters).
 """
 
 from kvserve.engine.spec_decode.config import SpeculativeConfig

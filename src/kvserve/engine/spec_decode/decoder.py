@@ -11,6 +11,13 @@ grammar (structured output) the drafts are cut where the request's matcher would
 
 For the whole step: once the step has `max_batch_rows` decoding rows or more, nobody speculates
 (a batch that size is compute-bound on a CPU: the extra positions cost as much as they save).
+Below that, a measured cost model decides per request: the scheduler's StepCostModel (step time
+~ c0 + c_tok * tokens + c_row * rows, fitted on the steps run) gives a step of R single-token
+decodes T0 = c0 + R (c_tok + c_row); a draft token adds c_tok to the step plus the proposer's own
+time per draft token (c_prop, measured here) and yields a token with probability a (the request's
+running acceptance rate). Throughput rises iff a > R (c_tok + c_prop) / T0, so a request drafts
+only while its rate clears that bar (x `_MARGIN` for the verification's own overhead). On the
+prior coefficients the bar is ~0.3 for one stream and ~0.7 at 8 rows.
 
 Not eligible (they decode one token a step as before): requests that opted out
 (`SamplingParams.speculative=False`), thinking requests (a reasoning budget), and
@@ -20,6 +27,7 @@ whether the batch let them speculate).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from kvserve.engine.request import Request
@@ -30,6 +38,7 @@ _EMA = 0.3            # weight of the newest step in the running acceptance rate
 _OFF_RATE = 0.25      # below this acceptance rate a request stops drafting for a while
 _MIN_ROUNDS = 3       # ... judged only after this many drafting steps
 _COOLDOWN0, _COOLDOWN_MAX = 8, 256
+_MARGIN = 1.1         # the cost model's break-even acceptance rate, raised for verification overhead
 
 
 @dataclass
@@ -51,6 +60,7 @@ class SpecDecoder:
         self.num_accepted_tokens = 0
         # acceptance_length_counts[a]: rounds in which `a` drafts were accepted (0..K)
         self.acceptance_length_counts = [0] * (config.num_speculative_tokens + 1)
+        self.proposer_s_per_token = 0.0     # running mean of the proposer's time per draft token
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -63,8 +73,18 @@ class SpecDecoder:
         cap = self.config.max_batch_rows
         return cap <= 0 or num_decodes < cap
 
-    def propose(self, reqs: list[Request]) -> list[list[int]]:
-        """Draft tokens for each running decode (empty for those that do not speculate now)."""
+    def break_even(self, num_decodes: int, cost=None) -> float:
+        """The acceptance rate a draft token needs to pay in a step of `num_decodes` decodes."""
+        if cost is None or self.config.max_batch_rows <= 0:
+            return 0.0
+        c0, c_tok, c_row = (float(c) for c in cost.coef[:3])
+        t0 = c0 + num_decodes * (c_tok + c_row)
+        return _MARGIN * num_decodes * (c_tok + self.proposer_s_per_token) / t0 if t0 > 0 else 0.0
+
+    def propose(self, reqs: list[Request], cost=None) -> list[list[int]]:
+        """Draft tokens for each running decode (empty for those that do not speculate now).
+        `cost`: the scheduler's StepCostModel (None: no cost check)."""
+        bar = self.break_even(len(reqs), cost)
         batch, idx = [], []
         for i, r in enumerate(reqs):
             if not self.eligible(r):
@@ -75,13 +95,24 @@ class SpecDecoder:
             if st.pause > 0:
                 st.pause -= 1
                 continue
+            if st.rate < bar:          # does not pay in this step: wait, then try again from the bar
+                st.pause, st.cooldown = st.cooldown, min(_COOLDOWN_MAX, st.cooldown * 2)
+                st.rate, st.rounds = max(0.6, bar), 0
+                continue
             room = (r.max_tokens if r.max_tokens is not None else 1 << 30) - len(r.output_token_ids) - 1
             k = min(st.k, room)
             if k > 0:
                 batch.append((r, k))
                 idx.append(i)
         drafts: list[list[int]] = [[] for _ in reqs]
-        for i, d in zip(idx, self.proposer.propose(batch) if batch else []):
+        if not batch:
+            return drafts
+        t = time.perf_counter()
+        proposed = self.proposer.propose(batch)
+        n = sum(len(d) for d in proposed)
+        if n:
+            self.proposer_s_per_token += 0.2 * ((time.perf_counter() - t) / n - self.proposer_s_per_token)
+        for i, d in zip(idx, proposed):
             g = reqs[i].grammar
             drafts[i] = d[:g.validate_tokens(d)] if g is not None and d else d   # drafts the grammar allows
         return drafts
@@ -107,6 +138,9 @@ class SpecDecoder:
 
     def forget(self, request_id: str) -> None:
         self.state.pop(request_id, None)
+        drop = getattr(self.proposer, "forget", None)
+        if drop is not None:
+            drop(request_id)
 
     def stats(self) -> dict:
         return {"spec_decode_num_drafts": self.num_drafts,

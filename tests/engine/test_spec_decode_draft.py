@@ -1,0 +1,134 @@
+"""The draft-model proposer (issue 16): `kvserve train draft` makes a draft, `--speculative draft:DIR`
+loads it, and speculation with it stays exact.
+
+- a tiny draft trained for a few steps (the whole pipeline: the target's own generations, the
+  teacher's log-probs, the kept vocabulary, distillation, the saved directory) loads as a
+  proposer, and greedy with it == greedy without, token for token and logprob for logprob,
+  alone and batched, with every KV block back in the pool;
+  the tiny draft is mostly wrong, so its cache is rolled back nearly every step;
+- a strong draft (the target's own layers in fp32, so most drafts are accepted): still
+  identical, drafts really accepted, and the per-request caches are forgotten when requests finish;
+- the draft's own incremental forward (cache cut back to a common prefix, then caught up) gives
+  the same proposals as a fresh cache;
+- bad drafts: a vocabulary file with ids outside the vocabulary is a one-line startup error.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.spec_decode.draft import DraftModel, DraftProposer
+from kvserve.errors import InvalidRequest
+from kvserve.model.loader import LoadedModel, load_model
+from kvserve.train.draft import DraftConfig, train_draft
+
+PROMPTS = ["Name the capital city of France.", "Write a haiku about the sea.",
+           "Give me three tips for learning to cook."]
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    lm = load_model(None)
+    if not lm.backend.batch_invariant:
+        pytest.skip(f"backend is not batch-invariant here: {lm.backend.describe()}")
+    return lm
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("draft")
+    r = train_draft(DraftConfig(out=str(out), num_prompts=6, gen_tokens=12, steps=3, batch_size=2,
+                                vocab_size=512, heldout=2, layers="first", quiet=True))
+    assert r["steps"] == 3 and r["vocab_size"] <= 512 + 2 and r["sequences"] == 6
+    return out
+
+
+def make(loaded: LoadedModel, **kw) -> LLM:
+    return LLM(loaded.model, tokenizer=loaded.tokenizer, kv_cache_memory="128MiB", **kw)
+
+
+def chat_ids(llm: LLM, text: str) -> dict:
+    return {"prompt_token_ids": llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text}],
+                                                                         tokenize=True)}
+
+
+def sig(out) -> list:
+    return [(c.token_ids, c.text, c.finish_reason,
+             [sorted((t, lp.logprob, lp.rank) for t, lp in p.items()) for p in c.logprobs or []])
+            for c in out.outputs]
+
+
+def check_identical(base: LLM, spec: LLM, max_tokens: int = 24, batched: bool = True, n: int = 3) -> None:
+    prompts = [chat_ids(base, t) for t in PROMPTS[:n]]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2)
+    want = [sig(o) for o in base.generate(prompts, params, use_tqdm=False)]
+    for i, p in enumerate(prompts):
+        assert sig(spec.generate(p, params, use_tqdm=False)[0]) == want[i], f"prompt {i} alone"
+    if batched:
+        assert [sig(o) for o in spec.generate(prompts, params, use_tqdm=False)] == want, "batched"
+    kv = spec.engine.core.kv
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_trained_draft_is_exact(loaded, draft_dir):
+    files = {p.name for p in draft_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "draft_vocab.json"} <= files
+    assert json.loads((draft_dir / "config.json").read_text())["num_hidden_layers"] == 1
+    base = make(loaded)
+    spec = make(loaded, speculative={"method": "draft", "draft_path": str(draft_dir), "max_batch_rows": 0},
+                num_speculative_tokens=3)
+    check_identical(base, spec)
+    st = spec.stats()          # a draft trained for 3 steps is mostly wrong: its cache is rolled back
+    assert 0 <= st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.slow   # a 30-layer draft run in PyTorch: minutes on a busy 2-core machine
+def test_strong_draft_stays_exact(loaded):
+    fp32 = load_model(None, weight_format="fp32")
+    base = make(loaded)
+    spec = make(loaded, speculative={"method": "ngram", "max_batch_rows": 0}, num_speculative_tokens=4)
+    sd = spec.engine.core.scheduler.spec
+    proposer = DraftProposer(DraftModel(fp32.model))
+    sd.proposer = proposer                       # the target's own layers as the draft
+    check_identical(base, spec, batched=False, n=2)
+    st = spec.stats()
+    drafted, accepted = st["spec_decode_num_draft_tokens"], st["spec_decode_num_accepted_tokens"]
+    assert accepted > 0.5 * drafted > 0, (drafted, accepted)          # the fp32 target agrees with its Q4
+    assert not proposer.caches                   # finished requests' caches are dropped
+
+
+def test_draft_cache_rollback_matches_a_fresh_cache(loaded, draft_dir):
+    lm = load_model(str(draft_dir), weight_format="fp32")
+    d = DraftModel(lm.model)
+    seq = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog and runs")
+    c = d.new_cache()
+    first = d.propose(c, seq, 4)
+    assert len(first) == 4 and len(c.tokens) == len(seq) + 3
+    other = seq[:-2] + [seq[-1], seq[-2]]              # diverges two tokens from the end
+    assert d.propose(c, other, 3) == d.propose(d.new_cache(), other, 3)
+
+
+def test_bad_draft_vocabulary_fails_at_startup(loaded, draft_dir, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(draft_dir, bad)
+    (bad / "draft_vocab.json").write_text(json.dumps({"token_ids": [1, 10 ** 7]}))
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        make(loaded, speculative=f"draft:{bad}")
+
+
+def test_break_even_rate_from_the_step_cost_model():
+    from kvserve.engine.spec_decode.config import SpeculativeConfig
+    from kvserve.engine.spec_decode.decoder import SpecDecoder
+    from kvserve.engine.step_cost import StepCostModel
+
+    sd, cost = SpecDecoder(SpeculativeConfig("ngram")), StepCostModel()
+    bars = [sd.break_even(r, cost) for r in (1, 2, 4, 8)]
+    assert 0.1 < bars[0] < 0.5 and bars == sorted(bars) and bars[-1] < 1.0    # bigger batches need more
+    sd.proposer_s_per_token = 2e-3                                            # a costly proposer too
+    assert sd.break_even(1, cost) > bars[0]
+    assert sd.break_even(1, None) == 0.0
+    assert SpecDecoder(SpeculativeConfig("ngram", max_batch_rows=0)).break_even(4, cost) == 0.0
