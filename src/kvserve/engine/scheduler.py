@@ -54,7 +54,6 @@ from kvserve.engine.request import Request, Status
 from kvserve.engine.step_cost import StepCostModel
 from kvserve.engine.stop import check_stop
 
-
 # A step holding decodes may take at most this many times its predicted time without the long
 # prompts' chunks: running streams' inter-token latency at most doubles during a long prefill.
 ITL_FACTOR = 2.0
