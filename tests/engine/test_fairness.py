@@ -6,7 +6,7 @@ the same through the real engine."""
 from __future__ import annotations
 
 from kvserve.engine.kv_cache_manager import KVCacheManager
-from kvserve.engine.scheduler import ITL_FACTOR, Scheduler
+from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.step_cost import StepCostModel
 from tests.engine.test_scheduler import BS, make_seq, new_tokens, run_step
 
@@ -81,38 +81,6 @@ def test_step_time_target_cuts_the_long_chunk_but_never_to_nothing():
     for c, ctx in zip(chunks, [sum(chunks[:i]) for i in range(len(chunks))]):
         if c > BS:
             assert s.cost.predict([(ctx, c)]) <= 0.05 + 1e-9
-
-
-def test_streams_steps_at_most_double_while_a_long_prompt_prefills():
-    """With streams decoding, a step's predicted time stays within ITL_FACTOR x its time without the
-    long chunk (late in a long prompt that is a few tokens, even one), the streams get a token in
-    every step and the long prompt still finishes; once they are done it gets a block again."""
-    s = make(budget=512, threshold=256, step_ms=100, num_blocks=1100)
-    for ctx, n in [(0, 256), (1000, 256), (3000, 128), (0, 64), (2000, 32), (500, 1)] * 4:
-        s.cost.observe([(ctx, n)], 1e-3 + 1e-4 * n + 2e-7 * n * (ctx + n / 2))
-    streams = [make_seq(8, f"d{i}", max_tokens=400, base=100 * i) for i in range(4)]
-    for r in streams:
-        s.add(r)
-    run_step(s)
-    long = make_seq(4000, "long", base=1000)
-    s.add(long)
-    chunks = []
-    while long.num_computed_tokens < long.num_prompt_tokens:
-        live = [r for r in streams if not r.is_finished]
-        out = run_step(s)
-        got = new_tokens(out)
-        assert all(got.get(r.request_id) == 1 for r in live)
-        n = got.get("long", 0)
-        assert n >= 1
-        if live:
-            rows = [(e.num_computed_tokens, e.num_new_tokens) for e in out.scheduled]
-            base = s.cost.predict([r for e, r in zip(out.scheduled, rows) if e.request is not long])
-            assert n == 1 or s.cost.predict(rows) <= ITL_FACTOR * base + 1e-9
-        chunks.append((bool(live), n))
-        assert len(chunks) < 2000
-    with_streams = [n for live, n in chunks if live]
-    assert min(with_streams) < BS <= max(with_streams)        # tokens, not blocks, late in the prompt
-    assert all(n >= BS for live, n in chunks[:-1] if not live)  # alone again: at least a block
 
 
 def test_a_long_prompt_short_of_blocks_is_the_one_preempted():

@@ -11,16 +11,11 @@ catching up with `num_tokens` (prompt + generated). Each step hands out a token 
    order: a new short request starts in the next step even while a long prompt is prefilling;
 3. long prompts in chunks of at most `long_prefill_token_threshold` tokens (the whole budget when
    one is alone in the engine), at most `max_num_partial_prefills` of them at a time (the others wait, in order, and nothing else
-   overtakes them), each chunk also cut to a step-time limit predicted by engine/step_cost.py
-   (which learns the cost of a token at a given context length from the steps already run):
-   - a step that holds decodes may take at most ITL_FACTOR (2) times its predicted time without
-     the long chunks, so a running stream's inter-token latency at most doubles while a long
-     prompt prefills (the long prompt then gets about half the machine);
-   - a step without decodes may take `max_step_ms` (or twice its time without the long chunks
-     where that is more: a machine too slow for the target still gets on), which bounds how long
-     a new request waits for the step in flight.
-   The first long prompt in line always gets at least one token (one block's worth when no
-   stream is decoding), so it is never starved.
+   overtakes them), each chunk also cut so that the step's predicted time stays under
+   `max_step_ms`, or under twice the step's time without the long chunks where that is more
+   (engine/step_cost.py learns the cost of a token at a given context length from the steps
+   already run). The first long prompt in line always gets at least one block's worth, so it is
+   never starved.
 
 Waiting requests may find part of their prompt in the prefix cache. When the block pool runs dry,
 the running request that comes last in (priority, arrival) order is preempted: its blocks are
@@ -53,10 +48,6 @@ from kvserve.engine.messages import (
 from kvserve.engine.request import Request, Status
 from kvserve.engine.step_cost import StepCostModel
 from kvserve.engine.stop import check_stop
-
-# A step holding decodes may take at most this many times its predicted time without the long
-# prompts' chunks: running streams' inter-token latency at most doubles during a long prefill.
-ITL_FACTOR = 2.0
 
 
 class Scheduler:
@@ -109,12 +100,11 @@ class Scheduler:
                 self._schedule_running(out, req, req.num_tokens - req.num_computed_tokens)
         if not self._preempted:
             self._admit_waiting(out, long=False)
-        # Long prompts' chunks may take the step to ITL_FACTOR times what it costs without them
-        # when streams decode in it, else to the time target (or twice the rest where that is more).
-        self._streams = any(e.request.num_computed_tokens >= e.request.num_prompt_tokens for e in out.scheduled)
+        # Long prompts' chunks may take the step to the time target, or to twice what it costs
+        # without them where that is more (a machine too slow for the target still gets on).
         if self.max_step_s is not None:
             base = self.cost.predict([(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
-            self._step_limit = ITL_FACTOR * base if self._streams else max(self.max_step_s, 2 * base)
+            self._step_limit = max(self.max_step_s, 2 * base)
         first_long = True
         for req in prefilling:                                     # long prompts already running
             if req.status == Status.RUNNING and self._is_long(req):
@@ -140,8 +130,7 @@ class Scheduler:
         if self.max_step_s is not None and n > 0:
             chunks = [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]
             fit = self.cost.max_new_tokens(chunks, req.num_computed_tokens, self._step_limit, n)
-            floor = 1 if self._streams else self.kv.block_size
-            n = max(fit, min(n, floor) if first else 0)
+            n = max(fit, min(n, self.kv.block_size) if first else 0)
         return n
 
     def _schedule_running(self, out: SchedulerOutput, req: Request, n: int, drafts: Sequence[int] = ()) -> None:

@@ -79,8 +79,7 @@ def serve(
                           "many per step (default: half the step's token budget)."),
     max_num_partial_prefills: int = typer.Option(2, min=1, help="Long prompts prefilling at once."),
     max_step_ms: float = typer.Option(DEFAULT_MAX_STEP_MS, min=0, help="Cut long prompts' chunks so a step's "
-                                      "predicted time stays under this many ms, or at most 2x its time without "
-                                      "them when streams decode in it (0: no time target)."),
+                                      "predicted time stays under this many ms (0: no target)."),
     kv_cache_memory: str = typer.Option(None, help="KV cache size: bytes, a size such as 2GiB, or a fraction "
                                                    "of RAM such as 0.2 (default 1GiB)."),
     kv_cache_dtype: str = typer.Option("fp16", "--kv-cache-dtype", help="KV cache element type: auto (fp16), "
