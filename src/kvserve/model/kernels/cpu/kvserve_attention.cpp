@@ -113,6 +113,33 @@ inline float softmax_row(float *sg, int L) {
     return sum;
 }
 
+// out[r] = inv[r] * sum over the L rows of p[r][t] * v[t] (times the row's scale for int8), lanes
+// c0..c0+NC of NR heads (out rows D apart): NR x NC independent FMA chains share each V load, and
+// each output's chain is key by key in order from zero, as tile_rows computes it (pv_block).
+template <typename KV, int NR, int NC, typename Prefetch>
+inline void pv_rows(const float *const *sg, const KV *V, const size_t *off, int L, int D, int c0, const float *vsc,
+                    const float *inv, float *out, Prefetch prefetch_row) {
+    __m256 acc[NR][NC];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int tt = 0; tt < L; tt++) {
+        if (c0 == 0 && tt + 16 < L) prefetch_row(V + off[tt + 16]);
+        const KV *v = V + off[tt] + 8 * c0;
+        __m256 p[NR];
+        for (int r = 0; r < NR; r++)
+            p[r] = kScaled<KV> ? _mm256_set1_ps(sg[r][tt] * vsc[tt]) : _mm256_broadcast_ss(sg[r] + tt);
+        for (int c = 0; c < NC; c++) {
+            const __m256 vv = load8(v + 8 * c);
+            for (int r = 0; r < NR; r++) acc[r][c] = _mm256_fmadd_ps(p[r], vv, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        const __m256 vinv = _mm256_set1_ps(inv[r]);
+        for (int c = 0; c < NC; c++)
+            _mm256_storeu_ps(out + (size_t)r * D + 8 * (c0 + c), _mm256_mul_ps(acc[r][c], vinv));
+    }
+}
+
 // The G query heads of one KV head (GQA group, contiguous in q and out) against L K/V rows (float32,
 // or bf16 widened as loaded)
 // at K + off[t], V + off[t]. Each K row serves the whole group; scores for 8 tokens at a time are
@@ -176,20 +203,44 @@ void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, in
     for (int j = 0; j < 16 && j < L; j++) prefetch_row(V + off[j]);
     for (; t < L; t++)
         for (int g = 0; g < G; g++) s[(size_t)g * L + t] = dot(q + (size_t)g * D, K + off[t], D) * scale * ks(t);
-    for (int g = 0; g < G; g++) {
-        float *sg = s + (size_t)g * L;
-        const float sum = softmax_row(sg, L);
-        __m256 acc[nd];
-        for (int c = 0; c < nd; c++) acc[c] = _mm256_setzero_ps();
-        for (int tt = 0; tt < L; tt++) {
-            if (g == 0 && tt + 16 < L) prefetch_row(V + off[tt + 16]);
-            const __m256 p = kScaled<KV> ? _mm256_set1_ps(sg[tt] * vs(tt)) : _mm256_broadcast_ss(sg + tt);
-            const KV *v = V + off[tt];
-            for (int c = 0; c < nd; c++) acc[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), acc[c]);
+    thread_local std::vector<float> inv;
+    inv.resize(G);
+    for (int g = 0; g < G; g++) inv[g] = 1.0f / softmax_row(s + (size_t)g * L, L);
+    // V: up to 3 heads x 4 lanes of 8 per pass share each V load (see pv_block): the same chains.
+    constexpr int NC = nd < 4 ? nd : 4;
+    for (int g0 = 0; g0 < G; g0 += 3) {
+        const int nr = G - g0 < 3 ? G - g0 : 3;
+        const float *sg[3];
+        for (int k = 0; k < nr; k++) sg[k] = s + (size_t)(g0 + k) * L;
+        for (int c0 = 0; c0 < nd; c0 += NC) {
+            float *o = out + (size_t)g0 * D;
+            if (nr == 3) pv_rows<KV, 3, NC>(sg, V, off, L, D, c0, vsc, inv.data() + g0, o, prefetch_row);
+            else if (nr == 2) pv_rows<KV, 2, NC>(sg, V, off, L, D, c0, vsc, inv.data() + g0, o, prefetch_row);
+            else pv_rows<KV, 1, NC>(sg, V, off, L, D, c0, vsc, inv.data() + g0, o, prefetch_row);
         }
-        const __m256 vinv = _mm256_set1_ps(1.0f / sum);
-        for (int c = 0; c < nd; c++) _mm256_storeu_ps(out + (size_t)g * D + 8 * c, _mm256_mul_ps(acc[c], vinv));
     }
+}
+
+// acc[r] (+)= sum over keys b0..b1-1 of p[r][t] * v[t], lanes c0..c0+NC of NR rows (their running
+// sums in ar[r]), one FMA chain per output lane in key order: what attend_rows computes per row.
+template <int NR, int NC>
+inline void pv_block(const float *const *sg, float *const *ar, const float *vf, int D, int b0, int b1, int c0,
+                     const float *vsc) {
+    __m256 acc[NR][NC];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = _mm256_loadu_ps(ar[r] + 8 * (c0 + c));
+    for (int tt = b0; tt < b1; tt++) {
+        const float *v = vf + (size_t)tt * D + 8 * c0;
+        __m256 p[NR];
+        for (int r = 0; r < NR; r++)
+            p[r] = vsc ? _mm256_set1_ps(sg[r][tt] * vsc[tt]) : _mm256_broadcast_ss(sg[r] + tt);
+        for (int c = 0; c < NC; c++) {
+            const __m256 vv = _mm256_loadu_ps(v + 8 * c);
+            for (int r = 0; r < NR; r++) acc[r][c] = _mm256_fmadd_ps(p[r], vv, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NC; c++) _mm256_storeu_ps(ar[r] + 8 * (c0 + c), acc[r][c]);
 }
 
 // NQ consecutive queries of one sequence (query i attends to keys 0..L0+i-1) x the G heads of one
@@ -242,22 +293,26 @@ void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf
             inv[i * G + g] = 1.0f / softmax_row(sg, L);
         }
     }
+    // V: rows of one query (its G heads, up to 3 at a time) x 4 lanes of 8 share each V load, so
+    // 12 independent FMA chains run side by side; each output's chain is still key by key in order.
+    constexpr int NC = ND < 4 ? ND : 4;
     for (int b0 = 0; b0 < Lmax; b0 += 32) {
         for (int i = 0; i < NQ; i++) {
             const int L = L0 + i, b1 = b0 + 32 < L ? b0 + 32 : L;
             if (b0 >= L) continue;
-            for (int g = 0; g < G; g++) {
-                const int r = i * G + g;
-                const float *sg = S.data() + (size_t)r * Lmax;
-                float *ar = A.data() + (size_t)r * D;
-                __m256 acc[ND];
-                for (int c = 0; c < ND; c++) acc[c] = _mm256_loadu_ps(ar + 8 * c);
-                for (int tt = b0; tt < b1; tt++) {
-                    const __m256 p = vsc ? _mm256_set1_ps(sg[tt] * vsc[tt]) : _mm256_broadcast_ss(sg + tt);
-                    const float *v = vf + (size_t)tt * D;
-                    for (int c = 0; c < ND; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+            for (int g0 = 0; g0 < G; g0 += 3) {
+                const float *sg[3];
+                float *ar[3];
+                const int nr = G - g0 < 3 ? G - g0 : 3;
+                for (int k = 0; k < nr; k++) {
+                    sg[k] = S.data() + (size_t)(i * G + g0 + k) * Lmax;
+                    ar[k] = A.data() + (size_t)(i * G + g0 + k) * D;
                 }
-                for (int c = 0; c < ND; c++) _mm256_storeu_ps(ar + 8 * c, acc[c]);
+                for (int c0 = 0; c0 < ND; c0 += NC) {
+                    if (nr == 3) pv_block<3, NC>(sg, ar, vf, D, b0, b1, c0, vsc);
+                    else if (nr == 2) pv_block<2, NC>(sg, ar, vf, D, b0, b1, c0, vsc);
+                    else pv_block<1, NC>(sg, ar, vf, D, b0, b1, c0, vsc);
+                }
             }
         }
     }
