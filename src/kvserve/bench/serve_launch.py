@@ -3,7 +3,9 @@ memory, one target end to end (start, warm up, load, stop) and the report (table
 command itself is `kvserve.bench.serve_cli`; the load and its metrics are in `kvserve.bench.serve`,
 which imports nothing from here.
 
-- kvserve: `python -m kvserve.server serve` with the default (or given) model.
+- kvserve: `python -m kvserve.server serve` with the default (or given) model, the semantic
+  cache and moderation off unless `--server-arg` says otherwise (the peers have neither, and
+  the benches' random-token prompts are not text a moderation classifier can judge).
 - llama-cpp: llama.cpp's own HTTP server (`llama-server`, the C++ one, with parallel slots and
   continuous batching) when a binary is found ($LLAMA_SERVER, PATH, or runs/llama.cpp/build/bin);
   otherwise llama-cpp-python's `python -m llama_cpp.server`, which serves one request at a time
@@ -183,6 +185,8 @@ def plan_server(name: str, model: str | None, threads: int, concurrency: int, ct
             cmd += ["--model", model]
         if "--semantic-cache" not in extra:   # measure the engine, not answers replayed from the cache
             cmd += ["--semantic-cache", "off"]
+        if not any(a.startswith("--moderation") for a in extra):   # the peers do not moderate, and the
+            cmd += ["--moderation", "off"]   # benches' random-token prompts are not text a classifier can judge
         env = {"OMP_NUM_THREADS": str(threads)}   # torch's intra-op threads in the server
         return LaunchedServer(name, cmd + extra, "kvserve", port, env=env)
     if name != "llama-cpp":
