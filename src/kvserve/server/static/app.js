@@ -155,7 +155,8 @@ function renderMessage(msg, index) {
       title: `Answered from the semantic cache${msg.trace?.semantic_cache ? `: matched "${msg.trace.semantic_cache.matched_query}"` : ""}` }));
   }
   if (msg.meta?.routed) actions.append(Object.assign(document.createElement("span"), { className: "badge", textContent: `routed to ${msg.meta.routed}` }));
-  actions.append(button("Copy", "btn-small", (e) => copyText(msg.content, e.target), { "aria-label": "Copy message" }));
+  const copyable = msg.content || (calls?.length ? JSON.stringify(calls, null, 2) : "");
+  actions.append(button("Copy", "btn-small", (e) => copyText(copyable, e.target), { "aria-label": "Copy message" }));
   if (msg.role === "assistant") {
     actions.append(button("Inspect", "btn-small inspect", (e) => openInspector(msg, e.target), { "aria-label": "Inspect this answer" }));
     if (index === state.current.messages.length - 1) {
