@@ -127,7 +127,7 @@ def test_owners_are_isolated_by_browser_and_by_key(client):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x", "trace": [1]}]}, "messages[0].trace"),
     ({"messages": "hi"}, "messages"),

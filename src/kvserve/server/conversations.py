@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from kvserve.errors import InvalidRequest, KVServeError
 from kvserve.server import storage
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")   # "tool": a tool call's result (meta.tool_call_id)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (

@@ -8,7 +8,8 @@ the step's token bitmask computed while the forward pass runs.
     Scheduler.schedule       -> ScheduledRequest.grammar_bitmask_slot for a row that samples
     ModelRunner.execute      -> start_bitmask() before the forward, bitmask() after the logits:
                                 llguidance drops the GIL, so the masks are built on the mask
-                                thread while the C kernels run the model
+                                thread while the C kernels run the model (a lone row's mask
+                                is built at once, before the forward: cheaper than a hand-off)
     Sampler                  -> apply_bitmask(): the batch's constrained rows in one masked_fill
     Scheduler.update_from_output -> matcher.consume_token for each accepted token; a stopped
                                 matcher (grammar complete) ends the request with "stop"
@@ -26,6 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from kvserve.structured.grammar import GrammarCompiler, _import_llguidance
+
+INLINE_MAX_ROWS = 1     # a step with this many grammar rows or fewer builds its masks before the forward
 
 
 class GrammarBackend:
@@ -80,7 +83,13 @@ class GrammarBackend:
 
     # ---- the step's bitmask ---------------------------------------------------------------------
     def start_bitmask(self, matchers: list) -> Future:
-        """Compute the next-token bitmask of each matcher (row i for matchers[i]) on the mask thread."""
+        """Compute the next-token bitmask of each matcher (row i for matchers[i]) on the mask thread.
+        A single row's mask (median ~13 us) is computed here at once instead: handing it to a thread
+        costs a wake-up, which on a busy machine is longer than the mask (measured, BENCHMARKS.md)."""
+        if len(matchers) <= INLINE_MAX_ROWS:
+            done: Future = Future()
+            done.set_result(self._fill(matchers))
+            return done
         return self._mask_pool.submit(self._fill, matchers)
 
     def bitmask(self, job: Future, matchers: list) -> torch.Tensor:

@@ -85,7 +85,8 @@ export async function listModels() {
 }
 
 // Stream one chat completion. Calls onDelta(text) for each piece of content (onReasoning(all) for
-// each piece of delta.reasoning_content) and returns {content, reasoning, finishReason, trace, usage}. Aborting `signal` closes the connection, which makes
+// each piece of delta.reasoning_content) and returns {content, reasoning, finishReason, trace, usage, toolCalls:
+// [{id, name, arguments}]}. Aborting `signal` closes the connection, which makes
 // the server abort the request and free its KV blocks.
 export async function streamChat(request, { signal, onDelta, onReasoning }) {
   const body = { ...request, stream: true, stream_options: { include_usage: true }, kvserve_trace: true };
@@ -103,7 +104,7 @@ export async function streamSSE(path, body, { signal, onDelta, onReasoning }) {
   });
   if (!resp.ok) throw await errorFrom(resp);
   const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
-  const result = { content: "", reasoning: "", finishReason: null, trace: null, usage: null };
+  const result = { content: "", reasoning: "", finishReason: null, trace: null, usage: null, toolCalls: [] };
   let buffer = "";
   const handle = (data) => {
     if (data === "[DONE]") return true;
@@ -125,6 +126,12 @@ export async function streamSSE(path, body, { signal, onDelta, onReasoning }) {
       if (piece) {
         result.content += piece;
         onDelta(piece, result.content);
+      }
+      for (const d of choice.delta?.tool_calls || []) {     // id and name first, arguments after
+        const call = (result.toolCalls[d.index] ||= { id: "", name: "", arguments: "" });
+        if (d.id) call.id = d.id;
+        if (d.function?.name) call.name = d.function.name;
+        if (d.function?.arguments) call.arguments += d.function.arguments;
       }
       if (choice.finish_reason) result.finishReason = choice.finish_reason;
     }

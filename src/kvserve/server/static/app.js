@@ -5,46 +5,16 @@
 // Assistant text is only ever rendered through renderMarkdown (escape first), user text
 // through textContent.
 
-import { ApiError, apiKey, conversations, listModels, loadSettings, saveSettings, streamChat } from "./api.js";
+import { ApiError, conversations, loadSettings, saveSettings, streamChat } from "./api.js";
 import { initArena } from "./arena.js";
 import { renderInspector } from "./inspector.js";
 import { renderMarkdown } from "./markdown.js";
+import { loadModels, onSettingsClosed, openSettings } from "./settings.js";
+import { apiMessage, openToolsDialog, requestTools, settingsWithTools, toolCallsBlock, toolConfig, toolResultBody,
+  toolResultForm } from "./tools.js";
+import { $, button, copyText, showError } from "./ui.js";
 
-const $ = (id) => document.getElementById(id);
-const state = { list: [], current: null, generating: null, settings: loadSettings(), models: [] };
-
-// ---- small helpers ----------------------------------------------------------------------
-
-function showError(message) {
-  const banner = $("error-banner");
-  banner.textContent = message;
-  banner.hidden = !message;
-}
-
-function button(label, cls, onClick, attrs = {}) {
-  const b = document.createElement("button");
-  b.type = "button";
-  b.className = cls;
-  b.textContent = label;
-  for (const [k, v] of Object.entries(attrs)) b.setAttribute(k, v);
-  b.addEventListener("click", onClick);
-  return b;
-}
-
-async function copyText(text, btn) {
-  try {
-    await navigator.clipboard.writeText(text);
-  } catch {
-    const ta = Object.assign(document.createElement("textarea"), { value: text });
-    document.body.append(ta);
-    ta.select();
-    document.execCommand("copy");
-    ta.remove();
-  }
-  const old = btn.textContent;
-  btn.textContent = "Copied";
-  setTimeout(() => { btn.textContent = old; }, 1200);
-}
+const state = { list: [], current: null, generating: null, settings: loadSettings(), models: [], tools: toolConfig(null) };
 
 const titleFrom = (text) => {
   const line = text.trim().split("\n")[0];
@@ -161,8 +131,15 @@ function renderMessage(msg, index) {
   const body = document.createElement("div");
   body.className = "msg-body";
   if (msg.role === "assistant") body.innerHTML = renderMarkdown(msg.content);
+  else if (msg.role === "tool") body.append(toolResultBody(msg));
   else body.textContent = msg.content;
+  body.hidden = msg.role === "assistant" && !msg.content && !!msg.meta?.tool_calls;
   node.append(body);
+  const calls = msg.role === "assistant" ? msg.meta?.tool_calls : null;
+  if (calls?.length) {
+    node.append(toolCallsBlock(calls));
+    if (index === state.current.messages.length - 1) node.append(toolResultForm(calls, sendToolResults));
+  }
   const note = moderationNote(msg.meta);
   if (note) node.append(Object.assign(document.createElement("p"), { className: "moderation-note", textContent: note }));
   if (msg.role === "assistant") {
@@ -178,7 +155,8 @@ function renderMessage(msg, index) {
       title: `Answered from the semantic cache${msg.trace?.semantic_cache ? `: matched "${msg.trace.semantic_cache.matched_query}"` : ""}` }));
   }
   if (msg.meta?.routed) actions.append(Object.assign(document.createElement("span"), { className: "badge", textContent: `routed to ${msg.meta.routed}` }));
-  actions.append(button("Copy", "btn-small", (e) => copyText(msg.content, e.target), { "aria-label": "Copy message" }));
+  const copyable = msg.content || (calls?.length ? JSON.stringify(calls, null, 2) : "");
+  actions.append(button("Copy", "btn-small", (e) => copyText(copyable, e.target), { "aria-label": "Copy message" }));
   if (msg.role === "assistant") {
     actions.append(button("Inspect", "btn-small inspect", (e) => openInspector(msg, e.target), { "aria-label": "Inspect this answer" }));
     if (index === state.current.messages.length - 1) {
@@ -207,9 +185,43 @@ function setGenerating(on) {
 
 // ---- chat -------------------------------------------------------------------------------
 
+function setTools(cfg) {
+  state.tools = cfg;
+  const n = cfg.tools.length;
+  $("tools-count").hidden = !n;
+  $("tools-count").textContent = n ? String(n) : "";
+}
+
+function editTools() {
+  openToolsDialog(state.tools, async (cfg) => {
+    setTools(cfg);
+    const conv = state.current;
+    if (!conv) return;                       // a new chat: saved when it is created
+    try {
+      const updated = await conversations.update(conv.id, { settings: settingsWithTools(conv.settings, cfg) });
+      conv.settings = updated.settings;
+    } catch (e) { showError(e.message); }
+  });
+}
+
+// The person's results for the last answer's tool calls: stored, then the model continues.
+async function sendToolResults(results) {
+  const conv = state.current;
+  if (state.generating || !conv) return;
+  showError("");
+  const index = conv.messages.length;
+  conv.messages.push(...results);
+  renderMessages();
+  try {
+    await conversations.putMessages(conv.id, results, index);
+  } catch (e) { showError(e.message); return; }
+  await generate(index + results.length);
+}
+
 function newChat() {
   if (state.generating) state.generating.controller.abort();
   state.current = null;
+  setTools(toolConfig(null));
   history.replaceState(null, "", location.pathname);
   $("chat-title").textContent = "New chat";
   closeInspector();
@@ -228,6 +240,7 @@ async function openConversation(id) {
     throw e;
   }
   history.replaceState(null, "", `#c=${encodeURIComponent(id)}`);
+  setTools(toolConfig(state.current));
   $("chat-title").textContent = state.current.title;
   closeInspector();
   renderList();
@@ -239,7 +252,8 @@ async function send(text) {
   if (state.generating || !text.trim()) return;
   showError("");
   if (!state.current) {
-    const conv = await conversations.create({ title: titleFrom(text), model: state.settings.model || null });
+    const conv = await conversations.create({ title: titleFrom(text), model: state.settings.model || null,
+      settings: settingsWithTools({}, state.tools) });
     state.current = conv;
     state.list.unshift(conv);
     history.replaceState(null, "", `#c=${encodeURIComponent(conv.id)}`);
@@ -260,7 +274,7 @@ async function generate(index, { fresh = false } = {}) {
   if (state.generating) return;
   const conv = state.current;
   const s = state.settings;
-  const messages = conv.messages.slice(0, index).map((m) => ({ role: m.role, content: m.content }));
+  const messages = conv.messages.slice(0, index).map(apiMessage);
   if (s.system.trim()) messages.unshift({ role: "system", content: s.system });
   const asst = { role: "assistant", content: "", trace: null, meta: null };
   conv.messages.splice(index, conv.messages.length - index, asst);
@@ -281,7 +295,8 @@ async function generate(index, { fresh = false } = {}) {
   };
   const request = { model: s.model || undefined, messages, temperature: Number(s.temperature),
     top_p: Number(s.top_p), max_tokens: Number(s.max_tokens), reasoning_effort: s.reasoning || undefined,
-    cache: fresh ? false : undefined };   // a regenerated answer is a new one, never the cached one
+    cache: fresh ? false : undefined,    // a regenerated answer is a new one, never the cached one
+    ...requestTools(toolConfig(conv), messages) };
   const thinking = node.querySelector(".reasoning");
   let failed = null;
   try {
@@ -296,6 +311,7 @@ async function generate(index, { fresh = false } = {}) {
     if (result.cache) asst.meta.cache = result.cache;
     if (result.model && s.model && result.model !== s.model) asst.meta.routed = result.model;
     if (result.reasoning) asst.meta.reasoning = result.reasoning.slice(0, 12000);
+    if (result.toolCalls.length) asst.meta.tool_calls = result.toolCalls.filter(Boolean);
   } catch (e) {
     if (e.name === "AbortError") asst.meta = { stopped: true, model: s.model || null };
     else failed = e;
@@ -309,7 +325,7 @@ async function generate(index, { fresh = false } = {}) {
   if (blocked) {
     asst.meta = { blocked: true, error: failed.message };
     try { await conversations.putMessages(conv.id, [asst], index); } catch (e) { showError(e.message); }
-  } else if (failed && !asst.content) {
+  } else if (failed && !asst.content && !asst.meta?.tool_calls) {
     conv.messages.splice(index, 1);
     showError(failed.message);
   } else {
@@ -340,58 +356,6 @@ function closeInspector() {
   inspectorReturnFocus?.focus();
 }
 
-// ---- models and settings ----------------------------------------------------------------
-
-async function loadModels() {
-  const select = $("model-select");
-  try {
-    state.models = await listModels();
-  } catch (e) {
-    showError(e.message);
-    if (e instanceof ApiError && e.status === 401 && !$("settings-dialog").open) {
-      $("settings-note").textContent = "This server requires an API key.";
-      openSettings();
-      $("set-api-key").focus();
-    }
-    return;
-  }
-  $("settings-note").textContent = "";
-  select.replaceChildren(...state.models.map((id) => new Option(id, id)));
-  if (!state.models.includes(state.settings.model)) state.settings.model = state.models[0] || "";
-  select.value = state.settings.model;
-}
-
-function openSettings() {
-  const s = state.settings;
-  $("set-system").value = s.system;
-  $("set-temperature").value = s.temperature;
-  $("set-top-p").value = s.top_p;
-  $("set-reasoning").value = s.reasoning || "";
-  $("set-max-tokens").value = s.max_tokens;
-  $("set-api-key").value = apiKey.get();
-  $("settings-dialog").showModal();
-}
-
-async function onSettingsClosed() {
-  const dialog = $("settings-dialog");
-  if (dialog.returnValue !== "save") return;
-  const clamp = (v, lo, hi, dflt) => (Number.isFinite(Number(v)) && v !== "" ? Math.min(hi, Math.max(lo, Number(v))) : dflt);
-  const s = state.settings;
-  s.system = $("set-system").value;
-  s.temperature = clamp($("set-temperature").value, 0, 2, 0.7);
-  s.top_p = clamp($("set-top-p").value, 0.01, 1, 0.95);
-  s.reasoning = $("set-reasoning").value;
-  s.max_tokens = Math.round(clamp($("set-max-tokens").value, 1, 32768, 512));
-  saveSettings(s);
-  const key = $("set-api-key").value.trim();
-  if (key !== apiKey.get()) {
-    apiKey.set(key);
-    showError("");
-    await loadModels();
-    await refreshList().catch((e) => showError(e.message));
-  }
-}
-
 // ---- wiring -----------------------------------------------------------------------------
 
 function wire() {
@@ -411,8 +375,9 @@ function wire() {
   });
   $("stop").addEventListener("click", () => state.generating?.controller.abort());
   $("new-chat").addEventListener("click", newChat);
-  $("open-settings").addEventListener("click", openSettings);
-  $("settings-dialog").addEventListener("close", () => onSettingsClosed().catch((e) => showError(e.message)));
+  $("open-settings").addEventListener("click", () => openSettings(state));
+  $("open-tools").addEventListener("click", editTools);
+  $("settings-dialog").addEventListener("close", () => onSettingsClosed(state, refreshList).catch((e) => showError(e.message)));
   $("close-inspector").addEventListener("click", closeInspector);
   $("toggle-sidebar").addEventListener("click", () => setDrawer(!$("app").classList.contains("drawer-open")));
   $("scrim").addEventListener("click", () => setDrawer(false));
@@ -435,7 +400,7 @@ async function init() {
   applyTheme();
   wire();
   initArena();
-  await loadModels();
+  await loadModels(state);
   try {
     await refreshList();
     const id = new URLSearchParams(location.hash.slice(1)).get("c");
