@@ -40,13 +40,6 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    lm = load_model(None)      # the default model, default weight format (packed GGUF, C kernels)
-    if not lm.backend.batch_invariant:
-        pytest.skip(f"backend is not batch-invariant here: {lm.backend.describe()}")
-    return lm
-
 
 @pytest.fixture(scope="module")
 def corpus_ids(loaded) -> list[int]:

@@ -23,7 +23,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.engine.spec_decode.config import SpeculativeConfig
 from kvserve.engine.spec_decode.proposer import NgramProposer
 from kvserve.errors import InvalidRequest
-from kvserve.model.loader import LoadedModel, load_model
+from kvserve.model.loader import LoadedModel
 
 PASSAGE = ("The river town of Lowbridge was founded in 1821 by a group of millers who needed the fast water of "
            "the Fenn to turn their wheels. Over the next century the town grew around three mills, a stone bridge "
@@ -39,13 +39,6 @@ GROUNDED = [
 OPEN = ["Name the capital city of France.", "Write a haiku about the sea.", "List three prime numbers.",
         "Why is the sky blue? Answer in two sentences."]
 
-
-@pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    lm = load_model(None)
-    if not lm.backend.batch_invariant:
-        pytest.skip(f"backend is not batch-invariant here: {lm.backend.describe()}")
-    return lm
 
 
 def make(loaded: LoadedModel, **kw) -> LLM:

@@ -30,13 +30,6 @@ PROMPTS = ["Name the capital city of France.", "Write a haiku about the sea.",
            "Give me three tips for learning to cook."]
 
 
-@pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    lm = load_model(None)
-    if not lm.backend.batch_invariant:
-        pytest.skip(f"backend is not batch-invariant here: {lm.backend.describe()}")
-    return lm
-
 
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory):
