@@ -198,3 +198,7 @@ def test_token_id_prompts_are_moderated(server):
     assert ok.status_code == 200, ok.text
     assert ok.json()["kvserve_trace"]["moderation"][0] == {**ok.json()["kvserve_trace"]["moderation"][0],
                                                            "check": "input", "flagged": False}
+    # ids outside the vocabulary are not moderation's to decode: the engine's 400 names them
+    for prompt in ([953, -25130, -98793], [fine, [5, 10 ** 9]]):
+        r = post(server, "default", "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text

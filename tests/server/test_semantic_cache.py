@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvserve.bench.semantic_pairs import evaluate, pairs
+from kvserve.semantic_text import facts, is_creative, normalize
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.semantic_cache import (
     CacheOptions,
@@ -18,7 +19,6 @@ from kvserve.server.semantic_cache import (
     bypass_reason,
     make_plan,
 )
-from kvserve.server.semantic_text import facts, is_creative, normalize
 
 
 def chat(text: str, **kw) -> ChatCompletionRequest:

@@ -115,7 +115,7 @@ def test_bad_schemas_name_the_path_or_keyword(llm, spec, param, words):
 
 
 def test_bad_grammars_and_specs_are_refused(llm):
-    for so in ({"grammar": "start: foo\n"}, {"regex": "(unclosed"}):
+    for so in ({"grammar": "start: foo\n"}, {"regex": "(unclosed"}, {"grammar": "\u8a0e\u00b8c@QD ag"}):
         with pytest.raises(InvalidRequest) as e:
             llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)
         assert "does not compile" in e.value.message

@@ -26,7 +26,7 @@ import asyncio
 import base64
 import threading
 import time
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from fastapi import FastAPI, Request
 from prometheus_client import Histogram
@@ -35,6 +35,9 @@ from pydantic import Field
 from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound, Overloaded
 from kvserve.server.limits import read_body
 from kvserve.server.protocol import _Strict, parse_body
+
+if TYPE_CHECKING:
+    import numpy as np
 
 EMBEDDING_MODEL = "all-minilm-l6-v2"
 MAX_INPUTS = 2048
@@ -51,6 +54,21 @@ class EmbeddingRequest(_Strict):
 
 
 COALESCE_MAX_TEXTS = 256    # a call with more texts runs alone (it is a batch already)
+
+
+class QueryEmbedding:
+    """One request's query text (normalized last user message) and its embedding, computed on
+    first use and shared by the router and the semantic cache."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.vector: np.ndarray | None = None
+
+    async def get(self, embedder: Embedder, use: str) -> np.ndarray:
+        if self.vector is None:
+            vecs, _ = await embedder.encode([self.text], use=use)
+            self.vector = vecs[0].numpy()
+        return self.vector
 
 
 class Embedder:

@@ -17,13 +17,12 @@ import threading
 import time
 import uuid
 
-import numpy as np
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
 
 from kvserve.errors import Overloaded
-from kvserve.server.embeddings import Embedder, mount_embeddings
+from kvserve.server.embeddings import Embedder, QueryEmbedding, mount_embeddings
 from kvserve.server.semantic_cache import (
     CacheBackend,
     CacheOptions,
@@ -35,21 +34,6 @@ from kvserve.server.semantic_cache import (
 )
 
 CACHE_HEADER = "x-kvserve-cache"
-
-
-class QueryEmbedding:
-    """One request's query text (normalized last user message) and its embedding, computed on
-    first use and shared by the router and the semantic cache."""
-
-    def __init__(self, text: str):
-        self.text = text
-        self.vector: np.ndarray | None = None
-
-    async def get(self, embedder: Embedder, use: str) -> np.ndarray:
-        if self.vector is None:
-            vecs, _ = await embedder.encode([self.text], use=use)
-            self.vector = vecs[0].numpy()
-        return self.vector
 
 
 class ServerFeatures:

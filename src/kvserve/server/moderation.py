@@ -167,8 +167,9 @@ def input_texts(req, tokenizer=None) -> list[tuple[str, str, bool]]:
         if isinstance(p, str):
             out.append(("prompt", p, True))
         elif isinstance(p, list) and tokenizer is not None:
-            out.append(("prompt", tokenizer.decode([t for t in p if isinstance(t, int)],
-                                                   skip_special_tokens=False), True))
+            # ids outside the vocabulary are left out here; the engine refuses them with a 400
+            ids = [t for t in p if isinstance(t, int) and 0 <= t < tokenizer.vocab_size]
+            out.append(("prompt", tokenizer.decode(ids, skip_special_tokens=False), True))
     return out
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from kvserve.errors import InvalidRequest
-from kvserve.server.semantic_text import normalize
+from kvserve.semantic_text import normalize
 
 
 def _last_user_text(req, kind: str) -> str:
@@ -122,7 +122,7 @@ class Router:
         if self.classifier is None:
             await asyncio.to_thread(self.load)
         if query is None:
-            from kvserve.server.features import QueryEmbedding
+            from kvserve.server.embeddings import QueryEmbedding
 
             query = QueryEmbedding(self.query_text(req, kind))
         vector = await query.get(self.embedder, "router")
@@ -131,7 +131,7 @@ class Router:
         chosen = next((e for i, e in enumerate(ranked) if self._level(e, i) >= level), ranked[-1])
         t2 = time.perf_counter()
         # router_ms: all of it; embed_ms of it is the query's embedding, which the semantic cache
-        # reuses (features.QueryEmbedding); classify_ms is the router's own work.
+        # reuses (embeddings.QueryEmbedding); classify_ms is the router's own work.
         return {"model": chosen.name, "reason": "classifier", "level": level,
                 "probabilities": [round(p, 4) for p in probs], "router_ms": round((t2 - t0) * 1000, 2),
                 "embed_ms": round((t1 - t0) * 1000, 2), "classify_ms": round((t2 - t1) * 1000, 3)}

@@ -40,8 +40,8 @@ from typing import Protocol
 
 import numpy as np
 
+from kvserve.semantic_text import facts, is_creative, normalize
 from kvserve.server import storage
-from kvserve.server.semantic_text import facts, is_creative, normalize
 
 # Request fields that never change the answer's text (everything else is in the exact part).
 NEUTRAL_FIELDS = {"messages", "prompt", "model", "stream", "stream_options", "user", "store", "metadata", "service_tier",

@@ -123,11 +123,14 @@ def build_grammar(so: StructuredOutputsParams, param: str = "structured_outputs"
         return llg.LLMatcher.grammar_from_json_schema(tighten(schema), defaults=JSON_OPTIONS)
     if kind == "json_object":
         return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-    if kind == "regex":
-        return llg.LLMatcher.grammar_from_regex(so.regex)
-    if kind == "choice":
-        return llg.grammar_from("choice", json.dumps(list(so.choice)))
-    return llg.grammar_from("grammar", so.grammar)     # Lark, or GBNF (converted)
+    try:
+        if kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(so.regex)
+        if kind == "choice":
+            return llg.grammar_from("choice", json.dumps(list(so.choice)))
+        return llg.grammar_from("grammar", so.grammar)     # Lark, or GBNF (converted)
+    except ValueError as e:     # a GBNF text llguidance cannot convert, say
+        raise InvalidRequest(f"The {kind} for {param} does not compile: {str(e)[:300]}", param=param) from None
 
 
 class GrammarCompiler:

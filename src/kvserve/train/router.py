@@ -90,7 +90,7 @@ def train_router(rows: list[tuple[str, int]], encoder=None, seed: int = 0) -> di
     rng = random.Random(seed)
     rows = list(rows)
     rng.shuffle(rows)
-    from kvserve.server.semantic_text import normalize
+    from kvserve.semantic_text import normalize
 
     # The router embeds the normalized text (the semantic cache's, so a request embeds once).
     X, _ = enc.encode([normalize(p) or " " for p, _ in rows])
