@@ -173,3 +173,28 @@ def test_slow_headers_are_cut_off(srv):
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")     # and never the blank line
         assert s.recv(1024) == b""                            # closed by the server
     assert HTTP.get(srv.base_url + "/health").status_code == 200
+
+
+def test_accepted_connections_have_nagle_off():
+    """The listening socket says TCP, so asyncio sets TCP_NODELAY on each connection it accepts: a
+    response written in two parts on a keep-alive connection does not wait for a delayed ACK."""
+    import asyncio
+
+    from kvserve.server.serving import bind
+
+    async def main() -> int:
+        seen: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def on_conn(reader, writer):
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        sock = bind("127.0.0.1", 0)
+        server = await asyncio.start_server(on_conn, sock=sock)
+        async with server:
+            _, w = await asyncio.open_connection(*sock.getsockname())
+            flag = await asyncio.wait_for(seen, 30)
+            w.close()
+        return flag
+
+    assert asyncio.run(main()) == 1
