@@ -117,6 +117,19 @@ class BertEncoder(nn.Module):
         self.load_state_dict({k: v.float() for k, v in own.items()})
 
 
+class _PackedBf16Linear(nn.Module):
+    """A Linear whose bf16 weight is prepacked once into oneDNN's blocked layout: a query's
+    [~16, 384] x [384, 1536] call skips the per-call weight reorder (~25% of the encoder's time)."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        self.w = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach().to(torch.bfloat16).contiguous(), None)
+        self.b = lin.bias.detach().to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.w, self.b, "none", [], "")
+
+
 class SentenceEncoder:
     """Text -> unit vectors. Thread-safe (one forward at a time); `encode` takes a list of strings."""
 
@@ -142,9 +155,13 @@ class SentenceEncoder:
             return self.model
         if self._bf16_model is None:
             m = copy.deepcopy(self.model)
-            for mod in m.modules():
-                if isinstance(mod, nn.Linear):
-                    mod.to(torch.bfloat16)
+            for layer in m.layers:
+                for name in ("qkv", "attn_out", "up", "down"):
+                    lin = getattr(layer, name)
+                    try:
+                        setattr(layer, name, _PackedBf16Linear(lin))
+                    except (AttributeError, RuntimeError):   # no prepacking ops, or oneDNN held to AVX2
+                        lin.to(torch.bfloat16)
             self._bf16_model = m.eval()
         return self._bf16_model
 
