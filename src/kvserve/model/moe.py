@@ -73,6 +73,30 @@ class MoEBlock(nn.Module):
         """h [N, H] float32 -> [N, H]; ops: the layer ops (for the experts' SwiGLU)."""
         w, idx = self.route(h)
         n, k = idx.shape
+        if n == 1:                                  # a lone decode token: no grouping to do
+            out = self._one_token(h, w, idx, ops)
+        else:
+            out = self._grouped(h, w, idx, ops)
+        if self.shared_expert is not None:
+            s = self.shared_expert(h, ops)
+            if self.shared_expert_gate is not None:
+                s = torch.sigmoid(self.shared_expert_gate(h)) * s
+            out = out + s
+        return out
+
+    def _one_token(self, h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, ops) -> torch.Tensor:
+        """`_grouped` for one token, without the sort and scatter: the same arithmetic (each expert
+        on the [1, H] row, times its weight, summed in rank order), so the same bits."""
+        self.token_counts[idx[0].to(self.token_counts.device)] += 1   # top-k ids are distinct
+        self.last_experts = idx
+        out = None
+        for j, e in enumerate(idx[0].tolist()):
+            y = self.experts[e](h, ops) * w[:, j:j + 1]
+            out = y if out is None else out + y
+        return out
+
+    def _grouped(self, h: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, ops) -> torch.Tensor:
+        n, k = idx.shape
         flat = idx.reshape(-1)                      # pair p: token p // k, its rank-(p % k) expert
         order = torch.argsort(flat, stable=True)    # pairs grouped by expert, tokens in order
         counts = torch.bincount(flat, minlength=len(self.experts))
@@ -89,11 +113,6 @@ class MoEBlock(nn.Module):
         out = ys[:, 0]
         for j in range(1, k):                       # a fixed, per-token order: rank 0, 1, ...
             out = out + ys[:, j]
-        if self.shared_expert is not None:
-            s = self.shared_expert(h, ops)
-            if self.shared_expert_gate is not None:
-                s = torch.sigmoid(self.shared_expert_gate(h)) * s
-            out = out + s
         return out
 
 
