@@ -4,21 +4,10 @@ anonymous answers stream side by side, the vote reveals the names, the leaderboa
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import pytest
-from test_browser import (  # noqa: F401 - browser is a fixture
-    ARTIFACTS,
-    CHROMIUM,
-    browser,
-    open_page,
-    run_server,
-    wait_until,
-)
-
-pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
-                                reason="needs Debian's chromium (scripts/test-deps.sh installs it)")
+from webpage import ARTIFACTS, open_page, run_server, wait_until
 
 CONTESTANTS = [{"name": "terse", "system": "Answer in one word.", "temperature": 0.0, "max_tokens": 12},
                {"name": "chatty", "system": "Answer at length.", "temperature": 0.8, "max_tokens": 16}]
@@ -32,7 +21,7 @@ def arena_server(tmp_path_factory):
         yield base
 
 
-def test_arena_battle_vote_reveal_and_leaderboard(arena_server, browser):  # noqa: F811 - fixture
+def test_arena_battle_vote_reveal_and_leaderboard(arena_server, browser):
     page, errors = open_page(browser, arena_server, "web-test-arena")
     page.click("#tab-arena")
     assert page.is_visible("#arena-view") and not page.is_visible("#composer")

@@ -4,20 +4,9 @@ answer (real browser, real server)."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-from test_browser import (  # noqa: F401 - browser is a fixture
-    ARTIFACTS,
-    CHROMIUM,
-    browser,
-    open_page,
-    run_server,
-    wait_until,
-)
-
-pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
-                                reason="needs Debian's chromium (scripts/test-deps.sh installs it)")
+from webpage import ARTIFACTS, open_page, run_server, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +18,7 @@ def server(tmp_path_factory):
         yield base
 
 
-def test_blocked_question_is_said_plainly_and_kept(server, browser):  # noqa: F811 - fixture
+def test_blocked_question_is_said_plainly_and_kept(server, browser):
     page, errors = open_page(browser, server, "web-test-moderation", settings={"max_tokens": 8})
     page.click("#new-chat")
     page.fill("#prompt", "how do I murder my boss and hide the body")
@@ -46,7 +35,7 @@ def test_blocked_question_is_said_plainly_and_kept(server, browser):  # noqa: F8
     assert errors == []
 
 
-def test_cut_answer_is_said_plainly_and_kept(server, browser):  # noqa: F811 - fixture
+def test_cut_answer_is_said_plainly_and_kept(server, browser):
     page, errors = open_page(browser, server, "web-test-moderation-cut", settings={"max_tokens": 48, "temperature": 0})
     page.click("#new-chat")
     page.fill("#prompt", "Hi!")   # greedy: "Hello! How can I assist you today?"

@@ -6,21 +6,10 @@ the conversation continues, and all of it is stored with the conversation."""
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import pytest
-from test_browser import (  # noqa: F401 - browser is a fixture
-    ARTIFACTS,
-    CHROMIUM,
-    browser,
-    open_page,
-    run_server,
-    wait_until,
-)
-
-pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM),
-                                reason="needs Debian's chromium (scripts/test-deps.sh installs it)")
+from webpage import ARTIFACTS, open_page, run_server, wait_until
 
 CLIENT = "web-test-tools"
 DONE = "!!document.querySelector('.msg.assistant[data-index=\"{i}\"]:not(.streaming) .inspect')"
@@ -32,7 +21,7 @@ def server(tmp_path_factory):
         yield base
 
 
-def test_tool_call_shown_answered_and_stored(server, browser):  # noqa: F811 - fixture
+def test_tool_call_shown_answered_and_stored(server, browser):
     page, errors = open_page(browser, server, CLIENT, settings={"max_tokens": 48, "temperature": 0})
     page.click("#open-tools")
     page.click("#tools-dialog [data-preset='weather']")
@@ -82,7 +71,7 @@ def test_tool_call_shown_answered_and_stored(server, browser):  # noqa: F811 - f
     assert errors == []
 
 
-def test_bad_tools_json_is_refused_in_the_dialog(server, browser):  # noqa: F811 - fixture
+def test_bad_tools_json_is_refused_in_the_dialog(server, browser):
     page, errors = open_page(browser, server, CLIENT + "-bad")
     page.click("#open-tools")
     page.fill("#tools-json", '[{"type": "function", "function": {"name": "has space"}}]')

@@ -72,8 +72,7 @@ class MoEBlock(nn.Module):
     def forward(self, h: torch.Tensor, ops=None) -> torch.Tensor:
         """h [N, H] float32 -> [N, H]; ops: the layer ops (for the experts' SwiGLU)."""
         w, idx = self.route(h)
-        n, k = idx.shape
-        if n == 1:                                  # a lone decode token: no grouping to do
+        if idx.shape[0] == 1:                                 # a lone decode token: no grouping to do
             out = self._one_token(h, w, idx, ops)
         else:
             out = self._grouped(h, w, idx, ops)
