@@ -19,6 +19,7 @@ import json
 import shutil
 
 import pytest
+from test_spec_decode import chat_ids, sig
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.spec_decode.draft import DraftModel, DraftProposer
@@ -42,17 +43,6 @@ def draft_dir(tmp_path_factory):
 
 def make(loaded: LoadedModel, **kw) -> LLM:
     return LLM(loaded.model, tokenizer=loaded.tokenizer, kv_cache_memory="128MiB", **kw)
-
-
-def chat_ids(llm: LLM, text: str) -> dict:
-    return {"prompt_token_ids": llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text}],
-                                                                         tokenize=True)}
-
-
-def sig(out) -> list:
-    return [(c.token_ids, c.text, c.finish_reason,
-             [sorted((t, lp.logprob, lp.rank) for t, lp in p.items()) for p in c.logprobs or []])
-            for c in out.outputs]
 
 
 def check_identical(base: LLM, spec: LLM, max_tokens: int = 24, batched: bool = True, n: int = 3) -> None:
