@@ -65,3 +65,19 @@ def test_llm_embed_is_the_same_encoder():
     assert max(abs(a - b) for a, b in zip(one[0], many[0])) < 1e-5
     with pytest.raises(InvalidRequest):
         llm.embed([])
+
+
+def test_shallow_depths_are_taps_of_the_full_forward():
+    """The router's feature (hidden states after the first k layers, pooled) is the same whether
+    the forward stops at layer k or goes on to the full embedding, which is itself unchanged."""
+    from kvserve.errors import InvalidRequest
+
+    enc = default_encoder()
+    both, counts = enc.encode_depths(SENTENCES[:6], (2, enc.layers))
+    shallow, counts2 = enc.encode_depths(SENTENCES[:6], (2,))
+    full, _ = enc.encode(SENTENCES[:6])
+    assert counts == counts2 and torch.equal(both[2], shallow[2]) and torch.equal(both[enc.layers], full)
+    assert torch.allclose(shallow[2].norm(dim=1), torch.ones(6), atol=1e-5)
+    assert float((shallow[2] * full).sum(1).max()) < 0.99    # a different feature, not the embedding
+    with pytest.raises(InvalidRequest):
+        enc.encode_depths(SENTENCES[:1], (enc.layers + 1,))

@@ -41,3 +41,20 @@ def test_an_error_reaches_every_waiting_call():
     assert all(isinstance(r, OSError) for r in asyncio.run(main()))
     with pytest.raises(OSError):   # and the next call tries again
         asyncio.run(emb.encode(["again"]))
+
+
+def test_waiting_calls_for_other_depths_get_their_own_forward():
+    emb = Embedder()
+    full = emb.encode_sync(TEXTS[0])[0]
+    shallow = emb.get().encode_depths(TEXTS[0], (2,))[0][2]
+
+    async def main():
+        return await asyncio.gather(emb.encode_depths(TEXTS[0], (2,), use="router"),
+                                    emb.encode(TEXTS[0]), emb.encode_depths(TEXTS[0], (None, 2), use="router"))
+
+    emb.batches = 0
+    (a, _), (b, _), (c, tokens) = asyncio.run(main())
+    assert emb.batches == 3 and set(a) == {2} and set(c) == {None, 2}
+    assert tokens == emb.get().token_counts(TEXTS[0])[0]
+    for got, ref in ((a[2], shallow), (b, full), (c[None], full), (c[2], shallow)):
+        assert float((got * ref).sum(1).min()) > 1 - 1e-3

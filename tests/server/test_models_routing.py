@@ -61,6 +61,7 @@ def test_router_sends_easy_to_cheap_and_hard_to_strong(srv):
     assert easy.json()["model"] == "tiny" and hard.json()["model"] == "smol"
     route = hard.json()["kvserve_trace"]["router"]
     assert route["reason"] == "classifier" and route["level"] == 1 and route["router_ms"] >= 0
+    assert route["layers"] == 2     # the router's feature: the encoder's first two layers
     metrics = httpx.get(srv.base_url + "/metrics").text
     rows = dict(re.findall(r'^kvserve:router_decisions_total\{.*model_name="(\w+)".*\} (\S+)$', metrics, re.MULTILINE))
     assert float(rows["tiny"]) >= 1 and float(rows["smol"]) >= 1
@@ -109,6 +110,11 @@ def test_routed_request_embeds_its_query_once(srv):
     # one forward, by the router; the cache looked the same vector up (and stored it)
     assert after.get("router", 0) - before.get("router", 0) == 1
     assert after.get("semantic_cache", 0) == before.get("semantic_cache", 0)
+    # cache bypassed: the router's forward stops at its depth, still one forward
+    before = _embed_counts(srv)
+    off = chat(srv, "What is the population of Chile?", "auto", cache=False, kvserve_trace=True)
+    assert off.status_code == 200 and off.json()["kvserve_trace"]["router"]["layers"] == 2
+    assert _embed_counts(srv).get("router", 0) - before.get("router", 0) == 1
     again = chat(srv, "How many people live in Kenya?", r.json()["model"], kvserve_trace=True)
     assert again.headers.get("x-kvserve-cache") == "semantic", again.json().get("kvserve_trace")
     assert again.json()["choices"][0]["message"]["content"] == r.json()["choices"][0]["message"]["content"]

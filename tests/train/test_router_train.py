@@ -19,7 +19,26 @@ def clf():
 
 def test_trained_classifier_generalizes(clf):
     assert clf["examples"] >= 200 and clf["heldout_accuracy"] >= 0.9
+    # hand-written prompts in none of the templates' shapes (train/router.py HELD_OUT)
+    assert clf["layers"] == 2 and clf["handwritten_accuracy"] >= 0.9
     json.dumps(clf)   # plain JSON, no pickle
+
+
+def test_classifier_layers_checked(tmp_path):
+    from kvserve.server.router import Router
+
+    with pytest.raises(InvalidRequest, match="layers"):
+        train_router(labelled_prompts()[:40], layers=7)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"classes": [0, 1], "coef": [[0.0] * 384], "intercept": [0.0], "layers": "two"}))
+
+    class Pool:
+        def names(self):
+            return ["a"]
+    with pytest.raises(InvalidRequest, match="layers"):
+        Router.from_config({"classifier": str(path)}, Pool(), None)
+    path.write_text(json.dumps({"classes": [0, 1], "coef": [[0.0] * 384], "intercept": [0.0]}))
+    assert Router.from_config({"classifier": str(path)}, Pool(), None).depth is None   # older files: full embedding
 
 
 def test_router_predicts_levels_of_unseen_prompts(clf):
@@ -31,8 +50,8 @@ def test_router_predicts_levels_of_unseen_prompts(clf):
     easy = ["Hello there!", "What is the capital of Peru?", "What is 3 + 4?"]
     hard = ["Write a B-tree in Rust with unit tests and explain the design.",
             "Explain the causes and consequences of the Industrial Revolution in detail, step by step."]
-    vecs, _ = enc.encode(easy + hard)
-    levels = [r.predict(v.numpy())[0] for v in vecs]
+    vecs, _ = enc.encode_depths(easy + hard, (r.depth,))
+    levels = [r.predict(v.numpy())[0] for v in vecs[r.depth]]
     assert levels == [0] * len(easy) + [1] * len(hard)
     _level, probs = r.predict(np.zeros(384, dtype=np.float32))
     assert len(probs) == 2 and abs(sum(probs) - 1) < 1e-6

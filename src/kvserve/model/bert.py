@@ -89,13 +89,23 @@ class BertEncoder(nn.Module):
 
     def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B, T] token ids and 0/1 mask -> [B, T, H] last hidden states."""
+        return self.hidden_states(ids, attention_mask, (len(self.layers),))[len(self.layers)]
+
+    def hidden_states(self, ids: torch.Tensor, attention_mask: torch.Tensor,
+                      depths: tuple[int, ...]) -> dict[int, torch.Tensor]:
+        """{depth: [B, T, H] hidden states after the first `depth` layers} for each depth asked
+        (0 = the embedding layer's output); the stack runs only as deep as the deepest one, and a
+        shallow depth's states are the very tensors a full forward passes through."""
         pos = torch.arange(ids.shape[1], device=ids.device)
         x = self.norm(self.word(ids) + self.position(pos)[None] + self.token_type.weight[0])
         bias = torch.zeros(attention_mask.shape, dtype=x.dtype).masked_fill(attention_mask == 0, -math.inf)
         bias = bias[:, None, None, :]
-        for layer in self.layers:
+        out = {0: x} if 0 in depths else {}
+        for i, layer in enumerate(self.layers[:max(depths)], 1):
             x = layer(x, bias)
-        return x
+            if i in depths:
+                out[i] = x
+        return out
 
     def load_hf_state(self, sd: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face BertModel state dict (q/k/v fused here)."""
@@ -176,8 +186,23 @@ class SentenceEncoder:
 
     def encode_counted(self, texts: list[str]) -> tuple[torch.Tensor, list[int]]:
         """`encode`, with each text's token count (a coalesced batch splits its usage by caller)."""
+        vecs, counts = self.encode_depths(texts, (self.layers,))
+        return vecs[self.layers], counts
+
+    @property
+    def layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    def encode_depths(self, texts: list[str], depths: tuple[int, ...]) -> tuple[dict[int, torch.Tensor], list[int]]:
+        """({depth: [len(texts), dim] unit rows}, token counts): each text's vector pooled (mean,
+        L2-normalized) from the hidden states after the first `depth` layers, as `encode` pools
+        the last ones. One forward serves every depth and runs only as deep as the deepest (a
+        shallow depth is a cheaper sentence feature: the router's, server/router.py)."""
+        depths = tuple(sorted(set(depths)))
+        if not depths or depths[0] < 0 or depths[-1] > self.layers:
+            raise InvalidRequest(f"depths {depths} outside 0..{self.layers}", param="layers")
         if not texts:
-            return torch.zeros(0, self.dim), []
+            return {d: torch.zeros(0, self.dim) for d in depths}, []
         encs = self.tokenizer.encode_batch(texts)
         rows = []
         for e in encs:
@@ -195,13 +220,13 @@ class SentenceEncoder:
         if small:
             torch.set_num_threads(1)
         try:
-            return self._forward(rows, autocast), [len(r) for r in rows]
+            return self._forward(rows, autocast, depths), [len(r) for r in rows]
         finally:
             if small:
                 torch.set_num_threads(threads)
 
-    def _forward(self, rows: list[list[int]], autocast) -> torch.Tensor:
-        out = torch.empty(len(rows), self.dim)
+    def _forward(self, rows: list[list[int]], autocast, depths: tuple[int, ...]) -> dict[int, torch.Tensor]:
+        out = {d: torch.empty(len(rows), self.dim) for d in depths}
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
         start = 0
         with self._lock, torch.inference_mode(), autocast:
@@ -218,11 +243,11 @@ class SentenceEncoder:
                 for j, i in enumerate(idx):
                     ids[j, :len(rows[i])] = torch.tensor(rows[i])
                     mask[j, :len(rows[i])] = 1
-                h = model(ids, mask)
+                states = model.hidden_states(ids, mask, depths)
                 m = mask[..., None].float()
-                h = h.float()
-                pooled = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
-                out[torch.tensor(idx)] = F.normalize(pooled, p=2, dim=1)
+                for d, h in states.items():
+                    pooled = (h.float() * m).sum(1) / m.sum(1).clamp(min=1e-9)
+                    out[d][torch.tensor(idx)] = F.normalize(pooled, p=2, dim=1)
                 start = end
         return out
 

@@ -57,18 +57,29 @@ COALESCE_MAX_TEXTS = 256    # a call with more texts runs alone (it is a batch a
 
 
 class QueryEmbedding:
-    """One request's query text (normalized last user message) and its embedding, computed on
-    first use and shared by the router and the semantic cache."""
+    """One request's query text (normalized last user message) and its vectors, computed on first
+    use and shared by the router and the semantic cache: the embedding (the encoder's full depth)
+    and the router's shallower feature (`depth` layers). `full_later`: the semantic cache will ask
+    for the embedding after the router, so the router's forward goes the whole depth and keeps both
+    (one forward per request); otherwise it stops at the router's depth."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str, full_later: bool = True):
         self.text = text
-        self.vector: np.ndarray | None = None
+        self.full_later = full_later
+        self.vectors: dict[int | None, np.ndarray] = {}
 
-    async def get(self, embedder: Embedder, use: str) -> np.ndarray:
-        if self.vector is None:
-            vecs, _ = await embedder.encode([self.text], use=use)
-            self.vector = vecs[0].numpy()
-        return self.vector
+    @property
+    def vector(self) -> np.ndarray | None:
+        """The full-depth embedding, if computed."""
+        return self.vectors.get(None)
+
+    async def get(self, embedder: Embedder, use: str, depth: int | None = None) -> np.ndarray:
+        """The query's vector at `depth` layers (None: the full embedding)."""
+        if depth not in self.vectors:
+            want = {depth} | ({None} if self.full_later else set())
+            vecs, _ = await embedder.encode_depths([self.text], tuple(want), use=use)
+            self.vectors.update({d: v[0].numpy() for d, v in vecs.items()})
+        return self.vectors[depth]
 
 
 class Embedder:
@@ -79,7 +90,7 @@ class Embedder:
         self.name = name
         self._encoder = None
         self._lock = threading.Lock()
-        self._queue: list[tuple[list[str], asyncio.Future, str]] = []
+        self._queue: list[tuple[list[str], asyncio.Future, str, tuple]] = []
         self._draining = False
         self.batches = 0    # forwards run by `encode` (coalesced calls count once)
         self.latency = Histogram("kvserve:embedding_latency_seconds", "Time to embed one batch of texts.",
@@ -105,11 +116,20 @@ class Embedder:
     async def encode(self, texts: list[str], use: str = "api"):
         """([n, dim] tensor of unit rows, tokens), computed in a worker thread together with the
         other calls waiting at that moment."""
+        vecs, tokens = await self.encode_depths(texts, (None,), use)
+        return vecs[None], tokens
+
+    async def encode_depths(self, texts: list[str], depths: tuple, use: str = "api"):
+        """({depth: [n, dim] unit rows}, tokens): vectors pooled after `depth` layers (None: the
+        full embedding; model/bert.py `encode_depths`), coalesced with waiting calls that ask
+        for the same depths."""
+        depths = tuple(sorted(set(depths), key=lambda d: -1 if d is None else d))
         if len(texts) > COALESCE_MAX_TEXTS:
             self.batches += 1
-            return await asyncio.to_thread(self.encode_sync, texts, use)
+            vecs, counts = await asyncio.to_thread(self._encode_counted, texts, use, depths)
+            return vecs, sum(counts)
         fut = asyncio.get_running_loop().create_future()
-        self._queue.append((texts, fut, use))
+        self._queue.append((texts, fut, use, depths))
         if not self._draining:
             self._draining = True
             asyncio.get_running_loop().create_task(self._drain())
@@ -118,32 +138,35 @@ class Embedder:
     async def _drain(self) -> None:
         try:
             while self._queue:
-                calls, self._queue = self._queue[:], []
+                depths = self._queue[0][3]     # one forward per set of depths, oldest first
+                calls = [c for c in self._queue if c[3] == depths]
+                self._queue = [c for c in self._queue if c[3] != depths]
                 texts = [t for c in calls for t in c[0]]
                 self.batches += 1
                 try:
-                    vecs, counts = await asyncio.to_thread(self._encode_counted, texts, calls[0][2])
+                    vecs, counts = await asyncio.to_thread(self._encode_counted, texts, calls[0][2], depths)
                 except BaseException as e:   # every waiting call gets the error
-                    for _, fut, _ in calls:
+                    for _, fut, _, _ in calls:
                         if not fut.done():
                             fut.set_exception(e)
                     if not isinstance(e, Exception):
                         raise
                     continue
                 at = 0
-                for call_texts, fut, _ in calls:
+                for call_texts, fut, _, _ in calls:
                     n = len(call_texts)
                     if not fut.done():
-                        fut.set_result((vecs[at:at + n], sum(counts[at:at + n])))
+                        fut.set_result(({d: v[at:at + n] for d, v in vecs.items()}, sum(counts[at:at + n])))
                     at += n
         finally:
             self._draining = False
 
-    def _encode_counted(self, texts: list[str], use: str):
+    def _encode_counted(self, texts: list[str], use: str, depths: tuple = (None,)):
         t0 = time.perf_counter()
-        out = self.get().encode_counted(texts)
+        enc = self.get()
+        vecs, counts = enc.encode_depths(texts, tuple(enc.layers if d is None else d for d in depths))
         self.latency.labels(use).observe(time.perf_counter() - t0)
-        return out
+        return {d: vecs[enc.layers if d is None else d] for d in depths}, counts
 
     def card(self, created: int) -> dict:
         return {"id": self.name, "object": "model", "created": created, "owned_by": "kvserve",

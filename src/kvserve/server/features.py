@@ -104,7 +104,10 @@ class ServerFeatures:
         the query's embedding when the router computed it (for `from_cache`)."""
         if self.router is None or req.model != self.router.name:
             return req.model, None, None
-        query = QueryEmbedding(self.router.query_text(req, kind))
+        # The semantic cache will embed this query after the router unless it is bypassed: then
+        # the router's forward runs the whole depth and hands the embedding on (one forward).
+        full_later = self.cache is not None and bypass_reason(req, self.cache.options) is None
+        query = QueryEmbedding(self.router.query_text(req, kind), full_later=full_later)
         decision = await self.router.choose(req, kind, overloaded=self.state.admission.prefers_cheaper(tier),
                                             query=query)
         if decision["model"] is None:

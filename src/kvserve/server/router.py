@@ -1,9 +1,12 @@
 """The model router: requests for the model "auto" (or the configured name) go to the cheapest
 model predicted good enough for them.
 
-A light classifier (train/router.py: logistic regression over the all-MiniLM-L6-v2 embedding of
-the last user message, trained by `kvserve train router`, or at startup on the built-in labelled
-prompts when no file is given) predicts the prompt's difficulty level; every served model has a
+A light classifier (train/router.py: logistic regression over a sentence feature of the last user
+message, trained by `kvserve train router`, or at startup on the built-in labelled prompts when no
+file is given) predicts the prompt's difficulty level. The feature is all-MiniLM-L6-v2's hidden
+states after its first `layers` layers (the classifier file's "layers", default 2 of 6; absent:
+the full embedding), mean-pooled: a third of the encoder's work when the router alone needs it,
+and a tap on the same forward when the semantic cache embeds the query too. Every served model has a
 level it handles (`router.levels`, default: the cheapest model 0, the others 1) and a price
 (`cost_per_1k_tokens`). The decision is the cheapest model whose level covers the prediction;
 under load (the admission ladder's first rung) it is the cheapest model outright. The decision
@@ -68,6 +71,10 @@ class Router:
             except (OSError, ValueError) as e:
                 raise InvalidRequest(f"router: cannot read classifier {cfg['classifier']}: {e}",
                                      param="router") from None
+            layers = clf.get("layers") if isinstance(clf, dict) else "?"
+            if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 0):
+                raise InvalidRequest(f"router: classifier {cfg['classifier']}: \"layers\" must be a whole "
+                                     f"number of encoder layers, not {layers!r}", param="router")
         return cls(name, pool, embedder, clf, cfg.get("levels"), float(cfg.get("threshold", 0.5)),
                    cfg.get("classifier"))
 
@@ -90,6 +97,11 @@ class Router:
         if self.levels and entry.name in self.levels:
             return int(self.levels[entry.name])
         return 0 if rank == 0 else 1
+
+    @property
+    def depth(self) -> int | None:
+        """The encoder depth of the classifier's feature (None: the full embedding)."""
+        return None if self.classifier is None else self.classifier.get("layers")
 
     def predict(self, vector: np.ndarray) -> tuple[int, list[float]]:
         """(predicted level, class probabilities)."""
@@ -125,13 +137,13 @@ class Router:
             from kvserve.server.embeddings import QueryEmbedding
 
             query = QueryEmbedding(self.query_text(req, kind))
-        vector = await query.get(self.embedder, "router")
+        vector = await query.get(self.embedder, "router", self.depth)
         t1 = time.perf_counter()
         level, probs = self.predict(vector)
         chosen = next((e for i, e in enumerate(ranked) if self._level(e, i) >= level), ranked[-1])
         t2 = time.perf_counter()
-        # router_ms: all of it; embed_ms of it is the query's embedding, which the semantic cache
-        # reuses (embeddings.QueryEmbedding); classify_ms is the router's own work.
-        return {"model": chosen.name, "reason": "classifier", "level": level,
+        # router_ms: all of it; embed_ms of it is the encoder's forward (the whole depth when the
+        # semantic cache reuses it, embeddings.QueryEmbedding); classify_ms is the router's own work.
+        return {"model": chosen.name, "reason": "classifier", "level": level, "layers": self.depth,
                 "probabilities": [round(p, 4) for p in probs], "router_ms": round((t2 - t0) * 1000, 2),
                 "embed_ms": round((t1 - t0) * 1000, 2), "classify_ms": round((t2 - t1) * 1000, 3)}

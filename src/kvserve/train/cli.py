@@ -79,17 +79,20 @@ def router_cmd(
     out: str = typer.Option("router.json", "--out", help="Where the classifier (JSON) goes."),
     data: str = typer.Option(None, "--data", help="JSONL of {\"prompt\", \"label\": 0|1|\"easy\"|\"hard\"}; "
                                                    "default: the built-in labelled prompts."),
+    layers: int = typer.Option(2, "--layers", help="Encoder layers under the feature (0-6; 6 = the full "
+                                                   "embedding). Fewer is a faster router."),
 ) -> None:
-    """Train the model router's classifier (logistic regression over sentence embeddings)."""
+    """Train the model router's classifier (logistic regression over sentence-encoder features)."""
     from kvserve.train.router import labelled_prompts, read_labelled, train_router
 
     try:
         rows = read_labelled(data) if data else labelled_prompts()
-        clf = train_router(rows)
+        clf = train_router(rows, layers=layers)
     except KVServeError as e:
         _fail(e)
     Path(out).write_text(json.dumps(clf))
-    _summary({"out": out, **clf}, ("out", "examples", "heldout_accuracy", "classes"))
+    _summary({"out": out, **clf}, ("out", "examples", "layers", "heldout_accuracy", "handwritten_accuracy",
+                                   "classes"))
 
 
 @train_app.command("tokenizer")
