@@ -5,7 +5,7 @@ predicts how hard a prompt is.
 Why a shallow feature: easy-or-hard is a question of words and shape ("write ... with tests",
 "explain in detail" against "hi", "what is 3 + 4"), which the first layers already carry, and a
 router alone then runs a third of the encoder. On held-out prompts unlike the templates
-(`held_out_prompts`, hand-written) and leaving whole templates out, the first two layers do as
+(`HELD_OUT`, hand-written) and leaving whole templates out, the first two layers do as
 well as the full embedding or better (docs/routing.md gives the measurement).
 
 Labels are difficulty levels: 0 "easy" (greetings, one-fact lookups, small arithmetic, yes/no),
