@@ -25,6 +25,7 @@ def test_trained_classifier_generalizes(clf):
 
 
 def test_classifier_layers_checked(tmp_path):
+    from kvserve.server.embeddings import Embedder
     from kvserve.server.router import Router
 
     with pytest.raises(InvalidRequest, match="layers"):
@@ -37,6 +38,9 @@ def test_classifier_layers_checked(tmp_path):
             return ["a"]
     with pytest.raises(InvalidRequest, match="layers"):
         Router.from_config({"classifier": str(path)}, Pool(), None)
+    path.write_text(json.dumps({"classes": [0, 1], "coef": [[0.0] * 384], "intercept": [0.0], "layers": 9}))
+    with pytest.raises(InvalidRequest, match="encoder has 6"):   # at load, not at the first request
+        Router.from_config({"classifier": str(path)}, Pool(), Embedder())
     path.write_text(json.dumps({"classes": [0, 1], "coef": [[0.0] * 384], "intercept": [0.0]}))
     assert Router.from_config({"classifier": str(path)}, Pool(), None).depth is None   # older files: full embedding
 

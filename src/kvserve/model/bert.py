@@ -264,23 +264,32 @@ def minilm_zip() -> pathlib.Path:
     return path
 
 
+def _reader(source: str | pathlib.Path | None):
+    """(path, read(name) -> bytes) for a zip or a directory of a sentence encoder."""
+    path = pathlib.Path(source) if source else minilm_zip()
+    if path.is_dir():
+        return path, lambda name: (path / name).read_bytes()
+    if zipfile.is_zipfile(path):
+        return path, zipfile.ZipFile(path).read
+    raise ModelNotFound(f"{path} is neither a directory nor a zip of a sentence encoder", param="model")
+
+
+def encoder_layers(source: str | pathlib.Path | None = None) -> int:
+    """The encoder's depth from its config.json alone (no weights loaded)."""
+    path, read = _reader(source)
+    try:
+        return int(json.loads(read("config.json"))["num_hidden_layers"])
+    except (KeyError, FileNotFoundError, ValueError) as e:
+        raise ModelLoadError(f"{path}: no usable config.json ({e})") from None
+
+
 def load_sentence_encoder(source: str | pathlib.Path | None = None) -> SentenceEncoder:
     """Build the encoder from a zip or a directory holding config.json, model.safetensors and
     tokenizer.json (default: the MiniLM package's zip)."""
     from safetensors.torch import load as load_st
     from tokenizers import Tokenizer as HFTokenizer
 
-    path = pathlib.Path(source) if source else minilm_zip()
-    if path.is_dir():
-        def read(name: str) -> bytes:
-            return (path / name).read_bytes()
-    elif zipfile.is_zipfile(path):
-        zf = zipfile.ZipFile(path)
-
-        def read(name: str) -> bytes:
-            return zf.read(name)
-    else:
-        raise ModelNotFound(f"{path} is neither a directory nor a zip of a sentence encoder", param="model")
+    path, read = _reader(source)
     try:
         config = json.loads(read("config.json"))
         sd = load_st(read("model.safetensors"))

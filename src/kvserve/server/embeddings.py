@@ -106,6 +106,14 @@ class Embedder:
                     self._encoder = default_encoder()
         return self._encoder
 
+    def layers(self) -> int:
+        """The encoder's depth, read from its config when it is not loaded yet."""
+        if self._encoder is not None:
+            return self._encoder.layers
+        from kvserve.model.bert import encoder_layers
+
+        return encoder_layers()
+
     def encode_sync(self, texts: list[str], use: str = "api"):
         """([n, dim] tensor of unit rows, tokens) in this thread."""
         t0 = time.perf_counter()

@@ -75,6 +75,9 @@ class Router:
             if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 0):
                 raise InvalidRequest(f"router: classifier {cfg['classifier']}: \"layers\" must be a whole "
                                      f"number of encoder layers, not {layers!r}", param="router")
+            if layers is not None and layers > embedder.layers():
+                raise InvalidRequest(f"router: classifier {cfg['classifier']}: \"layers\" is {layers}, but the "
+                                     f"sentence encoder has {embedder.layers()}", param="router")
         return cls(name, pool, embedder, clf, cfg.get("levels"), float(cfg.get("threshold", 0.5)),
                    cfg.get("classifier"))
 
