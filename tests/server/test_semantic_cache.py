@@ -1,6 +1,7 @@
 """The semantic cache without a server: the facts guard, the bypass rules, the exact part of the
 key, TTL and LRU on the SQLite backend, and the 1,052-pair template set with the real encoder
-(paraphrase hit rate >= 90%, false hits <= 1%)."""
+(paraphrase hit rate >= 90%, false hits <= 1% at the default threshold, 0.95, through the shipped
+embedding head), and the head itself."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from kvserve.bench.semantic_pairs import evaluate, pairs
 from kvserve.semantic_text import facts, is_creative, normalize
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.semantic_cache import (
+    HEAD_PATH,
+    CacheHead,
     CacheOptions,
     Entry,
     SQLiteBackend,
     bypass_reason,
+    load_head,
     make_plan,
 )
 
@@ -102,6 +106,7 @@ def test_template_set_hit_rate_and_false_hits():
     stored, asked = pairs()
     assert len(asked) >= 1000 and len(stored) > 100
     r = evaluate(timed_lookups=5)
+    assert r["threshold"] == 0.95 and CacheOptions().head == "default"
     assert r["hit_rate"] >= 0.90, r
     assert r["false_hit_rate"] <= 0.01, r
     assert r["wrong_entry"] == 0, r
@@ -128,3 +133,46 @@ def test_lookup_with_no_entries_is_a_miss(tmp_path):
     cache.store(plan, "ignored", "abort", 10, 2)      # only complete answers are stored
     assert len(cache.backend.mirror[plan.partition]) == 1
     cache.close()
+
+
+def test_embedding_head_space_and_errors(tmp_path):
+    from kvserve.errors import InvalidRequest
+    from kvserve.server.embeddings import Embedder
+    from kvserve.server.semantic_cache import SemanticCache
+
+    rng = np.random.default_rng(0)
+    v = rng.standard_normal((3, 384)).astype(np.float32)
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    zero = CacheHead({"w1": rng.standard_normal((8, 384)), "b1": np.ones(8), "w2": np.zeros((384, 8)),
+                      "b2": np.zeros(384)}, "z")
+    assert np.allclose(zero.project(v), v, atol=1e-6)      # a zero second layer is the identity
+    head = load_head("default")
+    assert head is not None and head.dim == 384 and load_head("none") is None
+    out = head.project(v)
+    assert np.allclose(np.linalg.norm(out, axis=1), 1, atol=1e-5) and np.allclose(head.project(v[1]), out[1], atol=1e-6)
+    # the head is in the exact part: entries embedded in another space never match
+    q = chat("What is the capital of France?")
+    assert make_plan(q, "m", None, CacheOptions()).partition != make_plan(q, "m", None, CacheOptions(head="none")).partition
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not an npz")
+    for spec in (str(bad), str(tmp_path / "missing.npz")):
+        with pytest.raises(InvalidRequest, match="embedding head"):
+            SemanticCache(SQLiteBackend(tmp_path / "c.db"), Embedder(), CacheOptions(head=spec))
+    assert HEAD_PATH.stat().st_size < 5_000_000
+
+
+def test_head_brings_paraphrases_above_the_threshold():
+    """Questions unlike the head's training set (train/cache_head.py): paraphrases rise to >= 0.95,
+    another question about the same thing stays below."""
+    from kvserve.model.bert import default_encoder
+
+    enc = default_encoder()
+    head = load_head("default")
+    texts = ["What is the boiling point of water?", "At what temperature does water boil?",
+             "Who painted the Mona Lisa?", "Who is the painter of the Mona Lisa?",
+             "How old is the Mona Lisa?"]
+    raw, _ = enc.encode([normalize(t) for t in texts])
+    raw = raw.float().numpy()
+    z = head.project(raw)
+    assert float(z[0] @ z[1]) > float(raw[0] @ raw[1]) and float(z[2] @ z[3]) >= 0.95
+    assert float(z[2] @ z[4]) < 0.95

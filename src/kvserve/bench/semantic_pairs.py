@@ -109,7 +109,8 @@ def pairs(seed: int = 0) -> tuple[list[str], list[Pair]]:
     return stored, out
 
 
-def evaluate(threshold: float | list[float] | None = None, seed: int = 0, timed_lookups: int = 50) -> dict:
+def evaluate(threshold: float | list[float] | None = None, seed: int = 0, timed_lookups: int = 50,
+             head: str = "default") -> dict:
     """Store every stored query in a fresh SemanticCache (SQLite in a temp dir, the real encoder),
     ask every pair, and count: paraphrase hits on the right entry, wrong-entry hits, false hits.
     The queries are embedded in one batch; `timed_lookups` of them also go through the full
@@ -127,7 +128,7 @@ def evaluate(threshold: float | list[float] | None = None, seed: int = 0, timed_
 
     stored, asked = pairs(seed)
     thresholds = threshold if isinstance(threshold, list) else [threshold]
-    options = CacheOptions() if thresholds[0] is None else CacheOptions(threshold=thresholds[0])
+    options = CacheOptions(head=head) if thresholds[0] is None else CacheOptions(threshold=thresholds[0], head=head)
     thresholds = [options.threshold if t is None else t for t in thresholds]
     embedder = Embedder()
 
@@ -139,7 +140,7 @@ def evaluate(threshold: float | list[float] | None = None, seed: int = 0, timed_
         vs, _ = embedder.encode_sync([normalize(s) for s in stored])
         for s, v in zip(stored, vs):
             plan = make_plan(req(s), "m", None, options)
-            plan.vector = v.numpy()
+            plan.vector = cache.project(v.numpy())
             cache.store(plan, f"answer to {s}", "stop", 10, 5)
         vq, _ = embedder.encode_sync([normalize(p.query) for p in asked])
         same = sum(p.same for p in asked)
@@ -177,6 +178,11 @@ if __name__ == "__main__":
     import json
     import sys
 
-    # python -m kvserve.bench.semantic_pairs [threshold ...]: several thresholds give a sweep
-    args = [float(a) for a in sys.argv[1:]]
-    print(json.dumps(evaluate(args if len(args) > 1 else (args[0] if args else None)), indent=2))
+    # python -m kvserve.bench.semantic_pairs [--head default|none|PATH] [threshold ...]: several
+    # thresholds give a sweep
+    argv = sys.argv[1:]
+    head = "default"
+    if argv[:1] == ["--head"] and len(argv) > 1:
+        head, argv = argv[1], argv[2:]
+    args = [float(a) for a in argv]
+    print(json.dumps(evaluate(args if len(args) > 1 else (args[0] if args else None), head=head), indent=2))

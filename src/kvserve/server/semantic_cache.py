@@ -6,9 +6,12 @@ name (answers are not shared across keys unless `shared` is set), every request 
 change the answer (temperature, top_p, max_tokens, seed, stop, response_format, ...), the system
 prompt and every message before the last, and the facts of the last user message
 (semantic_text.facts: numbers, operators, names, negation). Its hash is the entry's *partition*.
-The *semantic* part is the embedding of the last user message, normalized: within the partition,
-the nearest stored query hits when its cosine is >= `threshold` (a lower `arithmetic_threshold`
-when the facts alone are the whole question, e.g. "6 times 7" vs "what's 6 multiplied by 7").
+The *semantic* part is the embedding of the last user message, normalized, through the cache's
+embedding head (`CacheHead`; train/cache_head.py trains it, server/data/cache_head.npz is the
+default, its digest is in the exact part): within the partition, the nearest stored query hits when
+its cosine is >= `threshold` (a lower `arithmetic_threshold` when the facts alone are the whole
+question, e.g. "6 times 7" vs "what's 6 multiplied by 7"). The head maps MiniLM's vectors to ones
+where paraphrases sit at cosine >= 0.95; with `head` "none" the raw MiniLM cosine wants ~0.85.
 
 Completions (/v1/completions) follow the same rules with the prompt as the last user message and
 no history, in their own partitions (the kind is in the exact part); a prompt that is not one
@@ -29,7 +32,9 @@ every replica shares the answers (features.py picks the backend).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import io
 import json
 import pathlib
 import threading
@@ -48,14 +53,58 @@ NEUTRAL_FIELDS = {"messages", "prompt", "model", "stream", "stream_options", "us
                   "kvserve_trace", "priority", "cache", "cache_salt"}
 
 
+HEAD_PATH = pathlib.Path(__file__).parent / "data" / "cache_head.npz"
+
+
+class CacheHead:
+    """The embedding head: v + w2 gelu(w1 v + b1) + b2, normalized (train/cache_head.py)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], digest: str):
+        self.w1, self.b1, self.w2, self.b2 = (np.asarray(arrays[k], dtype=np.float32) for k in ("w1", "b1", "w2", "b2"))
+        self.digest = digest
+        if not (self.w1.shape[0] == self.b1.shape[0] == self.w2.shape[1] and
+                self.w2.shape[0] == self.b2.shape[0] == self.w1.shape[1]):
+            raise ValueError(f"inconsistent shapes {self.w1.shape} {self.b1.shape} {self.w2.shape} {self.b2.shape}")
+
+    @property
+    def dim(self) -> int:
+        return self.w1.shape[1]
+
+    def project(self, vectors: np.ndarray) -> np.ndarray:
+        """Unit rows (or one unit vector) in the head's space."""
+        v = np.asarray(vectors, dtype=np.float32)
+        h = v @ self.w1.T + self.b1
+        h = 0.5 * h * (1.0 + np.tanh(0.7978845608028654 * (h + 0.044715 * h ** 3)))
+        out = v + h @ self.w2.T + self.b2
+        return out / np.maximum(np.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
+
+
+@functools.lru_cache(maxsize=8)
+def load_head(spec: str) -> CacheHead | None:
+    """The head named by the `head` option: "default" (the shipped one), "none", or an npz path."""
+    from kvserve.errors import InvalidRequest
+
+    if spec == "none":
+        return None
+    path = HEAD_PATH if spec == "default" else pathlib.Path(spec)
+    try:
+        data = path.read_bytes()
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            return CacheHead({k: z[k] for k in ("w1", "b1", "w2", "b2")}, hashlib.sha256(data).hexdigest()[:16])
+    except (OSError, ValueError, KeyError) as e:
+        raise InvalidRequest(f"semantic_cache: cannot load the embedding head {str(path)!r}: {e}",
+                             param="semantic_cache") from None
+
+
 @dataclass
 class CacheOptions:
-    threshold: float = 0.85
+    threshold: float = 0.95
     arithmetic_threshold: float = 0.6
     max_temperature: float = 1.0
     ttl_s: float = 24 * 3600.0
     max_entries: int = 10_000
     shared: bool = False            # share answers across API keys
+    head: str = "default"           # the embedding head: "default", "none" (raw MiniLM), or an npz path
 
     @classmethod
     def from_dict(cls, d: dict) -> CacheOptions:
@@ -236,13 +285,19 @@ def _last_text(req) -> str | None:
     return p[0] if len(p) == 1 and isinstance(p[0], str) else None
 
 
+def _space(head: str) -> str:
+    """Which vectors a partition holds: the head's digest (entries of another head never match)."""
+    loaded = load_head(head)
+    return "minilm" if loaded is None else loaded.digest
+
+
 def make_plan(req, model_name: str, key_name: str | None, options: CacheOptions) -> CachePlan:
     """The request's partition (the exact part, hashed) and its query (embedded normalized)."""
     chat = hasattr(req, "messages")
     last = _last_text(req) or ""
     f = facts(last)
     exact = {"model": model_name, "kind": "chat" if chat else "completion",
-             "scope": None if options.shared else key_name, "facts": f.key(),
+             "scope": None if options.shared else key_name, "facts": f.key(), "space": _space(options.head),
              "history": [[m.role, _text(m.content)] for m in req.messages[:-1]] if chat else [],
              "params": req.model_dump(exclude=NEUTRAL_FIELDS, exclude_none=True, mode="json")}
     digest = hashlib.sha256(json.dumps(exact, sort_keys=True, default=str).encode()).hexdigest()
@@ -256,6 +311,11 @@ class SemanticCache:
         self.backend = backend
         self.embedder = embedder
         self.options = options
+        self.head = load_head(options.head)    # a bad file fails here, at startup
+
+    def project(self, vector: np.ndarray) -> np.ndarray:
+        """An embedding of a normalized query, in the space the cache compares in."""
+        return vector if self.head is None else self.head.project(vector)
 
     async def lookup(self, plan: CachePlan, vector: np.ndarray | None = None) -> Hit | None:
         """The hit for `plan`; `vector` is its text's embedding when the caller has it already."""
@@ -273,7 +333,7 @@ class SemanticCache:
 
     def match(self, plan: CachePlan, vector: np.ndarray) -> Hit | None:
         """The hit for a plan whose normalized query embeds to `vector` (kept in the plan for the store)."""
-        plan.vector = vector
+        vector = plan.vector = self.project(vector)
         found = self.backend.nearest(plan.partition, vector, time.time(), self.options.ttl_s)
         if found is None:
             return None

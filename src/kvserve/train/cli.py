@@ -95,6 +95,28 @@ def router_cmd(
                                    "classes"))
 
 
+@train_app.command("cache-head")
+def cache_head_cmd(
+    out: str = typer.Option("cache_head.npz", "--out", help="Where the head (npz) goes; serve it with the "
+                                                           "config file's \"semantic_cache\": {\"head\": PATH}."),
+    hidden: int = typer.Option(1536, "--hidden", min=16, max=8192, help="Width of the head's hidden layer."),
+    steps: int = typer.Option(1500, "--steps", min=1, max=100_000),
+    seed: int = typer.Option(0, "--seed"),
+    pos_margin: float = typer.Option(0.985, "--pos-margin", min=0.0, max=1.0,
+                                     help="Paraphrase pairs are pulled above this cosine."),
+    members: int = typer.Option(2, "--members", min=1, max=16, help="Heads trained (one seed each) and averaged."),
+) -> None:
+    """Train the semantic cache's embedding head (paraphrases to cosine >= 0.95) on generated paraphrases.
+
+    Measure it with `python -m kvserve.bench.semantic_pairs --head PATH 0.95 0.93`."""
+    from kvserve.train.cache_head import save_head, train_cache_head
+
+    digest = save_head(train_cache_head(hidden=hidden, steps=steps, seed=seed, pos_margin=pos_margin, members=members),
+                       out, hidden=hidden, steps=steps, seed=seed, pos_margin=pos_margin, members=members)
+    typer.echo(json.dumps({"out": out, "digest": digest,
+                           "measure": f"python -m kvserve.bench.semantic_pairs --head {out} 0.95 0.93"}, indent=2))
+
+
 @train_app.command("tokenizer")
 def tokenizer_cmd(
     out: str = OUT,
