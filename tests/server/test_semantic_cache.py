@@ -155,7 +155,11 @@ def test_embedding_head_space_and_errors(tmp_path):
     assert make_plan(q, "m", None, CacheOptions()).partition != make_plan(q, "m", None, CacheOptions(head="none")).partition
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"not an npz")
-    for spec in (str(bad), str(tmp_path / "missing.npz")):
+    nan = tmp_path / "nan.npz"
+    np.savez(nan, w1=np.full((8, 384), np.nan), b1=np.zeros(8), w2=np.zeros((384, 8)), b2=np.zeros(384))
+    with pytest.raises(InvalidRequest, match="must be"):
+        load_head(5)
+    for spec in (str(bad), str(tmp_path / "missing.npz"), str(nan)):
         with pytest.raises(InvalidRequest, match="embedding head"):
             SemanticCache(SQLiteBackend(tmp_path / "c.db"), Embedder(), CacheOptions(head=spec))
     assert HEAD_PATH.stat().st_size < 5_000_000

@@ -84,14 +84,20 @@ def load_head(spec: str) -> CacheHead | None:
     """The head named by the `head` option: "default" (the shipped one), "none", or an npz path."""
     from kvserve.errors import InvalidRequest
 
+    if not isinstance(spec, str) or not spec:
+        raise InvalidRequest(f"semantic_cache: \"head\" must be \"default\", \"none\" or a file path, not {spec!r}",
+                             param="semantic_cache")
     if spec == "none":
         return None
     path = HEAD_PATH if spec == "default" else pathlib.Path(spec)
     try:
         data = path.read_bytes()
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
-            return CacheHead({k: z[k] for k in ("w1", "b1", "w2", "b2")}, hashlib.sha256(data).hexdigest()[:16])
-    except (OSError, ValueError, KeyError) as e:
+            head = CacheHead({k: z[k] for k in ("w1", "b1", "w2", "b2")}, hashlib.sha256(data).hexdigest()[:16])
+        if not all(np.isfinite(a).all() for a in (head.w1, head.b1, head.w2, head.b2)):
+            raise ValueError("non-finite weights")
+        return head
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise InvalidRequest(f"semantic_cache: cannot load the embedding head {str(path)!r}: {e}",
                              param="semantic_cache") from None
 

@@ -111,8 +111,11 @@ def cache_head_cmd(
     Measure it with `python -m kvserve.bench.semantic_pairs --head PATH 0.95 0.93`."""
     from kvserve.train.cache_head import save_head, train_cache_head
 
-    digest = save_head(train_cache_head(hidden=hidden, steps=steps, seed=seed, pos_margin=pos_margin, members=members),
-                       out, hidden=hidden, steps=steps, seed=seed, pos_margin=pos_margin, members=members)
+    head = train_cache_head(hidden=hidden, steps=steps, seed=seed, pos_margin=pos_margin, members=members)
+    try:
+        digest = save_head(head, out, hidden=hidden, steps=steps, seed=seed, pos_margin=pos_margin, members=members)
+    except OSError as e:
+        _fail(KVServeError(f"cannot write {out}: {e}"))
     typer.echo(json.dumps({"out": out, "digest": digest,
                            "measure": f"python -m kvserve.bench.semantic_pairs --head {out} 0.95 0.93"}, indent=2))
 
