@@ -4,7 +4,8 @@ Cosine similarity of sentence embeddings cannot tell "the capital of France" fro
 Spain" (0.9+) or "2+2" from "2+3": the vectors are about the topic, not the facts. So a hit needs,
 beside cosine >= threshold, the same *facts*: `facts(text)` is the ordered numbers (digits and
 number words), the arithmetic operators (symbols and words), the names (capitalized words that are
-not common words, and all-caps acronyms), and whether the text negates. Two queries whose facts
+not common words, and all-caps acronyms), whether the text negates, and its units of measure when
+it has a number ("50 feet in meters" vs "50 miles in kilometers"). Two queries whose facts
 differ never share an answer. What remains uncovered (documented in docs/models.md): names typed
 in lowercase, and antonyms ("largest" / "smallest") that the embedding itself must separate.
 
@@ -29,6 +30,12 @@ OPERATOR_WORDS = {"plus": "+", "add": "+", "added": "+", "sum": "+", "minus": "-
                   "subtracted": "-", "times": "*", "multiplied": "*", "multiply": "*", "product": "*",
                   "divided": "/", "divide": "/", "squared": "^2", "cubed": "^3", "power": "^",
                   "percent": "%"}
+# Units of measure: "50 feet in meters" and "50 miles in kilometers" share their numbers, not their question.
+_UNIT_WORDS = """mile kilometer km meter metre m centimeter centimetre cm millimeter millimetre mm inch foot feet yard
+pound lb kilogram kg gram g ounce oz ton tonne gallon liter litre l milliliter millilitre ml cup pint quart
+second sec minute min hour hr day week month year decade century celsius fahrenheit kelvin degree acre hectare
+mph kph byte kilobyte megabyte gigabyte terabyte bit calorie joule watt volt dollar euro yen"""
+UNITS = set(_UNIT_WORDS.split())
 NEGATIONS = {"not", "no", "never", "none", "nothing", "neither", "nor", "without", "cannot"}
 # Capitalized words that are not names: sentence starters, question words, pronouns, fillers.
 _COMMON = """a an the i i'm i've i'd i'll me my we our you your he she it they them their this that these those
@@ -62,6 +69,7 @@ class Facts:
     operators: tuple[str, ...]
     names: frozenset[str]
     negated: bool
+    units: frozenset[str] = frozenset()
 
     @property
     def arithmetic(self) -> bool:
@@ -70,7 +78,7 @@ class Facts:
 
     def key(self) -> str:
         return "|".join([",".join(self.numbers), ",".join(self.operators), ",".join(sorted(self.names)),
-                         "neg" if self.negated else ""])
+                         "neg" if self.negated else "", ",".join(sorted(self.units))])
 
 
 def normalize(text: str) -> str:
@@ -86,7 +94,7 @@ def normalize(text: str) -> str:
 
 def facts(text: str) -> Facts:
     """The facts two queries must share exactly to share an answer (see the module's docstring)."""
-    numbers, operators, names, negated = [], [], set(), False
+    numbers, operators, names, negated, units = [], [], set(), False, set()
     text = re.sub(r"(?<=\d)\s*[xX]\s*(?=\d)", " * ", text)
     starts = {m.end() for m in re.finditer(r"(^|[.!?:;]\s+|\n)\s*", text)}
     for m in _WORD.finditer(text):
@@ -102,10 +110,14 @@ def facts(text: str) -> Facts:
             operators.append(OPERATOR_WORDS[low])
         elif low in NEGATIONS or low.endswith("n't"):
             negated = True
+        elif low in UNITS or (low.endswith("s") and low[:-1] in UNITS) or low in ("feet", "inches", "centuries"):
+            units.add({"feet": "foot", "inches": "inch", "centuries": "century"}.get(low, low if low in UNITS else low[:-1]))
         elif (w[0].isupper() and low not in COMMON and m.start() not in starts) or \
                 (len(w) > 1 and w.isupper() and low != "i"):
             names.add(re.sub(r"'s$", "", low))
-    return Facts(tuple(numbers), tuple(sorted(o for o in operators if o != "=")), frozenset(names), negated)
+    # units count only beside a number ("what year did X die" names no quantity)
+    return Facts(tuple(numbers), tuple(sorted(o for o in operators if o != "=")), frozenset(names), negated,
+                 frozenset(units) if numbers else frozenset())
 
 
 def is_creative(text: str) -> bool:

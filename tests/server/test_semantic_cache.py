@@ -38,6 +38,10 @@ def test_facts_separate_near_misses_and_keep_paraphrases():
     assert facts("Calculate 5 x 14.") == facts("What is 5*14?")
     assert facts("What is the capital of France?") == facts("Which city is France's capital?")
     assert facts("What is 6 times 7?").arithmetic
+    # units of measure, beside a number
+    assert facts("How much is 50 feet in meters?") != facts("Convert 50 miles to kilometers.")
+    assert facts("How much is 50 feet in meters?") == facts("How many meters is 50 feet?")
+    assert facts("What year did Mozart die?") == facts("When did Mozart die?")
 
 
 def test_normalize_and_creative_rules():
