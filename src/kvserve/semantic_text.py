@@ -31,11 +31,12 @@ OPERATOR_WORDS = {"plus": "+", "add": "+", "added": "+", "sum": "+", "minus": "-
                   "divided": "/", "divide": "/", "squared": "^2", "cubed": "^3", "power": "^",
                   "percent": "%"}
 # Units of measure: "50 feet in meters" and "50 miles in kilometers" share their numbers, not their question.
-_UNIT_WORDS = """mile kilometer km meter metre m centimeter centimetre cm millimeter millimetre mm inch foot feet yard
+_UNIT_WORDS = """mile kilometer km meter metre m centimeter centimetre cm millimeter millimetre mm inch foot yard
 pound lb kilogram kg gram g ounce oz ton tonne gallon liter litre l milliliter millilitre ml cup pint quart
 second sec minute min hour hr day week month year decade century celsius fahrenheit kelvin degree acre hectare
 mph kph byte kilobyte megabyte gigabyte terabyte bit calorie joule watt volt dollar euro yen"""
 UNITS = set(_UNIT_WORDS.split())
+IRREGULAR_UNITS = {"feet": "foot", "inches": "inch", "centuries": "century"}
 NEGATIONS = {"not", "no", "never", "none", "nothing", "neither", "nor", "without", "cannot"}
 # Capitalized words that are not names: sentence starters, question words, pronouns, fillers.
 _COMMON = """a an the i i'm i've i'd i'll me my we our you your he she it they them their this that these those
@@ -110,8 +111,8 @@ def facts(text: str) -> Facts:
             operators.append(OPERATOR_WORDS[low])
         elif low in NEGATIONS or low.endswith("n't"):
             negated = True
-        elif low in UNITS or (low.endswith("s") and low[:-1] in UNITS) or low in ("feet", "inches", "centuries"):
-            units.add({"feet": "foot", "inches": "inch", "centuries": "century"}.get(low, low if low in UNITS else low[:-1]))
+        elif low in UNITS or low in IRREGULAR_UNITS or (low.endswith("s") and low[:-1] in UNITS):
+            units.add(low if low in UNITS else IRREGULAR_UNITS.get(low, low[:-1]))
         elif (w[0].isupper() and low not in COMMON and m.start() not in starts) or \
                 (len(w) > 1 and w.isupper() and low != "i"):
             names.add(re.sub(r"'s$", "", low))

@@ -41,6 +41,7 @@ def test_facts_separate_near_misses_and_keep_paraphrases():
     # units of measure, beside a number
     assert facts("How much is 50 feet in meters?") != facts("Convert 50 miles to kilometers.")
     assert facts("How much is 50 feet in meters?") == facts("How many meters is 50 feet?")
+    assert facts("How many meters is 1 foot?").units == facts("How many meters are 1 feet?").units == {"foot", "meter"}
     assert facts("What year did Mozart die?") == facts("When did Mozart die?")
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from kvserve.train.cache_head import fill_question
+
 COUNTRIES = ["France", "Spain", "Germany", "Italy", "Japan", "Brazil", "Canada", "Egypt", "India", "Mexico",
              "Kenya", "Norway", "Chile", "Peru", "Greece", "Turkey", "Poland", "Vietnam", "Sweden", "Argentina"]
 PEOPLE = ["Albert Einstein", "Marie Curie", "Isaac Newton", "Ada Lovelace", "Charles Darwin", "Nikola Tesla",
@@ -68,15 +70,6 @@ class Pair:
     intent: str
 
 
-def _fill(template: str, value) -> str:
-    if isinstance(value, str):
-        return template.format(x=value)
-    if isinstance(value[1], tuple):
-        n, (u0, u1) = value
-        return template.format(n=n, u0=u0, u1=u1)
-    return template.format(a=value[0], b=value[1])
-
-
 def pairs(seed: int = 0) -> tuple[list[str], list[Pair]]:
     """(the queries to store, the pairs to ask): every stored query's other phrasings as
     paraphrases, and near misses: the same wording on a value never stored, and another question
@@ -94,18 +87,18 @@ def pairs(seed: int = 0) -> tuple[list[str], list[Pair]]:
         other = [v for v in values if v not in keep]
         for i, v in enumerate(keep):
             first = rng.choice(phrasings)
-            s = _fill(first, v)
+            s = fill_question(first, v)
             stored.append(s)
             for p in phrasings:
                 if p != first:
-                    out.append(Pair(s, _fill(p, v), True, intent))
+                    out.append(Pair(s, fill_question(p, v), True, intent))
             miss = other[i % len(other)]
-            out.append(Pair(s, _fill(first, miss), False, intent))
-            out.append(Pair(s, _fill(rng.choice(phrasings), miss), False, intent))
-            out.append(Pair(s, _fill(rng.choice(phrasings), other[(i + 1) % len(other)]), False, intent))
+            out.append(Pair(s, fill_question(first, miss), False, intent))
+            out.append(Pair(s, fill_question(rng.choice(phrasings), miss), False, intent))
+            out.append(Pair(s, fill_question(rng.choice(phrasings), other[(i + 1) % len(other)]), False, intent))
             for sib_intent, sib_values, sib_phrasings in INTENTS:   # same entity, another question
                 if sib_intent != intent and sib_values is values and v not in kept[sib_intent]:
-                    out.append(Pair(s, _fill(rng.choice(sib_phrasings), v), False, sib_intent))
+                    out.append(Pair(s, fill_question(rng.choice(sib_phrasings), v), False, sib_intent))
     return stored, out
 
 

@@ -5,7 +5,7 @@ A request's key has two parts. The *exact* part must match byte for byte: the mo
 name (answers are not shared across keys unless `shared` is set), every request field that can
 change the answer (temperature, top_p, max_tokens, seed, stop, response_format, ...), the system
 prompt and every message before the last, and the facts of the last user message
-(semantic_text.facts: numbers, operators, names, negation). Its hash is the entry's *partition*.
+(semantic_text.facts: numbers, operators, names, negation, units). Its hash is the entry's *partition*.
 The *semantic* part is the embedding of the last user message, normalized, through the cache's
 embedding head (`CacheHead`; train/cache_head.py trains it, server/data/cache_head.npz is the
 default, its digest is in the exact part): within the partition, the nearest stored query hits when

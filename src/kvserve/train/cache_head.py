@@ -170,7 +170,9 @@ PARAPHRASES: list[tuple[str, list, list[str]]] = [
 ]
 
 
-def _fill(template: str, value) -> str:
+def fill_question(template: str, value) -> str:
+    """A template with its slot(s) filled: {x} for a name, {a} {b} for two numbers, {n} {u0} {u1} for
+    an amount and two units (bench/semantic_pairs.py fills its own templates with it too)."""
     if isinstance(value, str):
         return template.format(x=value)
     if isinstance(value[1], tuple):
@@ -180,7 +182,7 @@ def _fill(template: str, value) -> str:
 
 def paraphrase_groups() -> list[tuple[str, str, list[str]]]:
     """[(intent, value, [the question in each phrasing])] for every intent and slot value."""
-    return [(intent, str(v), [_fill(p, v) for p in phrasings])
+    return [(intent, str(v), [fill_question(p, v) for p in phrasings])
             for intent, values, phrasings in PARAPHRASES for v in values]
 
 
@@ -210,21 +212,21 @@ def train_cache_head(encoder=None, hidden: int = 1536, steps: int = 1500, batch:
             intent.append(it)
             value.append(v)
     x = encoder.encode(texts)[0].float()
-    parts = [_train_one(x, torch.tensor(group), intent, value, hidden, steps, batch, lr, pos_margin, neg_margin,
-                        hard_weight, weight_decay, seed + k) for k in range(members)]
+    ids = [torch.tensor([index[s] for s in labels]) for labels in (group, intent, value)
+           for index in [{s: k for k, s in enumerate(sorted(set(labels)))}]]
+    parts = [_train_one(x, *ids, hidden, steps, batch, lr, pos_margin, neg_margin, hard_weight, weight_decay, seed + k)
+             for k in range(members)]
     return {"w1": np.concatenate([p["w1"] for p in parts]), "b1": np.concatenate([p["b1"] for p in parts]),
             "w2": np.concatenate([p["w2"] for p in parts], axis=1) / members,
             "b2": np.mean([p["b2"] for p in parts], axis=0)}
 
 
-def _train_one(x, group_t, intent, value, hidden, steps, batch, lr, pos_margin, neg_margin, hard_weight,
+def _train_one(x, group_t, intent_t, value_t, hidden, steps, batch, lr, pos_margin, neg_margin, hard_weight,
                weight_decay, seed) -> dict[str, np.ndarray]:
+    """One head on the embedded questions `x`; a row's group (its paraphrases), intent and value ids."""
     import torch
     import torch.nn.functional as F
 
-    texts = range(len(x))
-    intent_t = torch.tensor([sorted(set(intent)).index(s) for s in intent])
-    value_t = torch.tensor([sorted(set(value)).index(s) for s in value])
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     dim = x.shape[1]
@@ -234,7 +236,7 @@ def _train_one(x, group_t, intent, value, hidden, steps, batch, lr, pos_margin, 
     params = [*lin1.parameters(), *lin2.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     for _ in range(steps):
-        b = torch.randperm(len(texts), generator=gen)[:batch]
+        b = torch.randperm(len(x), generator=gen)[:batch]
         xb = x[b]
         z = F.normalize(xb + lin2(F.gelu(lin1(xb), approximate="tanh")), dim=1)
         sim = z @ z.T
