@@ -45,3 +45,12 @@ def test_short_training_pulls_paraphrases_together(tmp_path):
     assert z_pos.mean() > raw_pos.mean() + 0.01                   # paraphrases closer
     assert (z_pos >= 0.95).mean() > (raw_pos >= 0.95).mean()      # more of them over the threshold
     assert (z_neg >= 0.95).mean() <= 0.01 and z_neg.max() < z_pos.max()   # not everything
+
+
+def test_cli_refuses_an_unwritable_out_before_training(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvserve.train.cli import train_app
+
+    r = CliRunner().invoke(train_app, ["cache-head", "--out", str(tmp_path / "missing" / "h.npz")])
+    assert r.exit_code != 0 and "does not exist" in r.output

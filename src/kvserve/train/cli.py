@@ -111,6 +111,8 @@ def cache_head_cmd(
     Measure it with `python -m kvserve.bench.semantic_pairs --head PATH 0.95 0.93`."""
     from kvserve.train.cache_head import save_head, train_cache_head
 
+    if not Path(out).resolve().parent.is_dir():    # before minutes of training, not after
+        _fail(KVServeError(f"cannot write {out}: its directory does not exist"))
     head = train_cache_head(hidden=hidden, steps=steps, seed=seed, pos_margin=pos_margin, members=members)
     try:
         digest = save_head(head, out, hidden=hidden, steps=steps, seed=seed, pos_margin=pos_margin, members=members)
