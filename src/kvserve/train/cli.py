@@ -294,7 +294,8 @@ def reward_cmd(
 def grpo_cmd(
     model: str = typer.Option(..., help="HF-format model directory (usually the SFT output)."),
     out: str = OUT,
-    task: str = typer.Option("arithmetic", help="arithmetic | think (multi-step sums in <think></think>)."),
+    task: str = typer.Option("arithmetic", help="arithmetic | repeat | think (multi-step sums in <think></think>) "
+                             "| think-mul (a*b+c*d in <think></think>)."),
     max_operand: int = typer.Option(9, "--max-operand"),
     group_size: int = typer.Option(8, "--group-size"),
     prompts_per_step: int = typer.Option(4, "--prompts-per-step"),
@@ -326,7 +327,9 @@ def grpo_cmd(
                             eval_prompts=eval_prompts, eval_samples=eval_samples))
     except KVServeError as e:
         _fail(e)
-    _summary(r, ("out", "eval_reward_before", "eval_reward_after", "eval_accuracy_before", "eval_accuracy_after"))
+    _summary(r, ("out", "eval_reward_before", "eval_reward_after", "eval_accuracy_before", "eval_accuracy_after",
+                 "eval_greedy_accuracy_before", "eval_greedy_accuracy_after", "eval_thinking_before",
+                 "eval_thinking_after"))
 
 
 @eval_app.command("perplexity")

@@ -11,8 +11,8 @@ than their siblings:
                                  so PPO's clipping never engages and is left out)
     KL_t  = π_ref/π − log(π_ref/π) − 1                           (k3 estimator, optional)
 
-The reward is the task's verifiable check (`tasks.py`: arithmetic, or `think`: multi-step sums in
-the `<think>...</think>` format), or with `--reward-model DIR` the score of a reward model trained
+The reward is the task's verifiable check (`tasks.py`: arithmetic, or `think` / `think-mul`: multi-step
+sums, or products and their sum, in the `<think>...</think>` format), or with `--reward-model DIR` the score of a reward model trained
 by `kvserve train reward` (RLHF with GRPO in PPO's place); the task's check is still logged as
 `task_reward` and `accuracy`, so the two can be compared. Reward, KL and loss curves are saved as
 `curves.png` beside the checkpoint.
@@ -36,7 +36,7 @@ from kvserve.errors import InvalidRequest
 from kvserve.train.common import frozen, init_distributed, pad_rows, plot_curves, token_logprobs, trainable
 from kvserve.train.export import export_hf
 from kvserve.train.loop import LoopConfig, run_loop
-from kvserve.train.tasks import TASKS, ArithmeticTask, accuracy, heldout_split
+from kvserve.train.tasks import TASKS, ArithmeticTask, accuracy, heldout_split, thought
 
 __all__ = ["TASKS", "ArithmeticTask", "GRPOConfig", "group_advantages", "grpo"]
 
@@ -109,13 +109,21 @@ class Scorer:
         return scores.view(task.shape), task
 
 
-def evaluate(llm, tok, scorer: Scorer, problems: list[tuple[str, str]], params) -> dict:
+def evaluate(llm, tok, scorer: Scorer, problems: list[tuple[str, str]], params, max_tokens: int) -> dict:
+    """Mean reward, task reward and accuracy of `params`' samples; accuracy of the greedy reply; and
+    the fraction of sampled replies that worked something out inside <think> (thinking tasks)."""
+    from kvserve import SamplingParams
+
     prompts = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True)}
                for q, _ in problems]
     outs = llm.generate(prompts, params, use_tqdm=False)
-    rewards, task = scorer(problems, [[c.text for c in o.outputs] for o in outs])
+    texts = [[c.text for c in o.outputs] for o in outs]
+    rewards, task = scorer(problems, texts)
     flat = task.reshape(-1).tolist()
-    return {"reward": float(rewards.mean()), "task_reward": sum(flat) / max(len(flat), 1), "accuracy": accuracy(flat)}
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    g = [scorer.task.reward(o.outputs[0].text, a) for o, (_, a) in zip(greedy, problems)]
+    return {"reward": float(rewards.mean()), "task_reward": sum(flat) / max(len(flat), 1), "accuracy": accuracy(flat),
+            "greedy_accuracy": accuracy(g), "thinking": sum(thought(t) for ts in texts for t in ts) / max(len(flat), 1)}
 
 
 def grpo(cfg: GRPOConfig) -> dict:
@@ -144,7 +152,7 @@ def grpo(cfg: GRPOConfig) -> dict:
             raise InvalidRequest("every problem is in the eval set; lower --eval-prompts", param="eval_prompts")
     eval_params = [SamplingParams(n=cfg.eval_samples, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                                   seed=cfg.seed + 7919 * i) for i in range(len(eval_set))]
-    before = evaluate(llm, tok, scorer, eval_set, eval_params)
+    before = evaluate(llm, tok, scorer, eval_set, eval_params, cfg.max_tokens)
 
     def step_fn(step: int) -> dict:
         rng = random.Random(cfg.seed * 1000003 + step)
@@ -182,11 +190,13 @@ def grpo(cfg: GRPOConfig) -> dict:
                       checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
                       stop_after_steps=cfg.stop_after_steps, title="grpo")
     log = run_loop(model, loop, step_fn, dict, lambda state: None, info, cfg)
-    after = evaluate(llm, tok, scorer, eval_set, eval_params)
+    after = evaluate(llm, tok, scorer, eval_set, eval_params, cfg.max_tokens)
     if info.is_main:
         export_hf(model, cfg.model, cfg.out, tok.eos_token_ids)
         plot_curves(log.history, Path(cfg.out) / "curves.png", ("reward", "kl", "loss"), "grpo")
     return {"out": cfg.out, "history": log.history, "model": model,
             "eval_reward_before": before["reward"], "eval_reward_after": after["reward"],
             "eval_accuracy_before": before["accuracy"], "eval_accuracy_after": after["accuracy"],
-            "eval_task_reward_before": before["task_reward"], "eval_task_reward_after": after["task_reward"]}
+            "eval_task_reward_before": before["task_reward"], "eval_task_reward_after": after["task_reward"],
+            "eval_greedy_accuracy_before": before["greedy_accuracy"], "eval_greedy_accuracy_after": after["greedy_accuracy"],
+            "eval_thinking_before": before["thinking"], "eval_thinking_after": after["thinking"]}

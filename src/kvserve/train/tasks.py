@@ -5,6 +5,9 @@
     think        "What is 3+4+5?"        the reply must be `<think>...</think> answer`: reward 1 when the
                                          format holds and the first integer after </think> is right,
                                          0.1 for the format alone, 0 otherwise
+    think-mul    "What is 3*4+5*2?"      the same check; products then their sum, where working it out
+                                         step by step pays (a small model's direct answers are mostly
+                                         wrong, its worked ones mostly right)
 
 `accuracy` is the fraction of replies with reward 1 (for `think`: right answer *and* format).
 """
@@ -85,6 +88,64 @@ class ThinkingArithmeticTask:
 
 
 @dataclass
+class ThinkingProductsTask(ThinkingArithmeticTask):
+    """'What is a*b+c*d? Think inside <think></think>, then give the answer.' ->
+    '<think>a*b=x. c*d=y. x+y=z.</think> z'. Unlike a sum, which a model can add up in one go, the
+    answer composes two table look-ups and an addition: working it out in the thinking block is
+    what makes a small model right (docs/training.md, A thinking model)."""
+
+    terms: int = 2       # products per problem
+
+    def problems(self) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        digits = range(self.max_operand + 1)
+
+        def walk(prefix: list[int]) -> None:
+            if len(prefix) == 2 * self.terms:
+                q = "+".join(f"{a}*{b}" for a, b in zip(prefix[::2], prefix[1::2]))
+                out.append((f"What is {q}? {THINK_INSTRUCTION}",
+                            str(sum(a * b for a, b in zip(prefix[::2], prefix[1::2])))))
+                return
+            for x in digits:
+                walk(prefix + [x])
+
+        walk([])
+        return out
+
+    @staticmethod
+    def trace(question: str, answer: str) -> str:
+        nums = [int(x) for x in re.findall(r"\d+", question.split("?")[0])]
+        prods = [a * b for a, b in zip(nums[::2], nums[1::2])]
+        steps = [f"{a}*{b}={a * b}." for a, b in zip(nums[::2], nums[1::2])]
+        total = prods[0]
+        for x in prods[1:]:
+            steps.append(f"{total}+{x}={total + x}.")
+            total += x
+        return f"<think>{' '.join(steps)}</think> {answer}"
+
+
+def thought(completion: str) -> bool:
+    """Whether a reply in the thinking format worked something out (a non-empty <think> block)."""
+    m = THINK_RE.match(completion)
+    return m is not None and bool(m.group(1).strip())
+
+
+def cold_start(task, problems: list[tuple[str, str]], direct_fraction: float = 0.0,
+               seed: int = 0) -> list[dict]:
+    """SFT chats for a thinking task: each problem answered after its worked trace or, for a seeded
+    `direct_fraction` of them, with an empty block and the answer straight away (a cold start that
+    can both think and not, so RL can find out which pays)."""
+    import random
+
+    rng = random.Random(seed)
+    chats = []
+    for q, a in problems:
+        reply = f"<think></think> {a}" if rng.random() < direct_fraction else task.trace(q, a)
+        chats.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": reply}]})
+    return chats
+
+
+@dataclass
 class RepeatTask:
     """'Repeat the word: stone' -> reward 1 if the reply's first word is 'stone'."""
 
@@ -99,7 +160,8 @@ class RepeatTask:
         return float(bool(words) and words[0].lower() == answer)
 
 
-TASKS = {"arithmetic": ArithmeticTask, "think": ThinkingArithmeticTask, "repeat": RepeatTask}
+TASKS = {"arithmetic": ArithmeticTask, "think": ThinkingArithmeticTask, "think-mul": ThinkingProductsTask,
+         "repeat": RepeatTask}
 
 
 def heldout_split(problems: list[tuple[str, str]], n: int, seed: int) -> tuple[list, list]:
