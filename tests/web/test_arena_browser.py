@@ -9,6 +9,7 @@ import httpx
 import pytest
 from webpage import ARTIFACTS, open_page, run_server, wait_until
 
+HEADERS = {"X-KVServe-Client": "web-test-stream"}
 CONTESTANTS = [{"name": "terse", "system": "Answer in one word.", "temperature": 0.0, "max_tokens": 12},
                {"name": "chatty", "system": "Answer at length.", "temperature": 0.8, "max_tokens": 16}]
 
@@ -51,3 +52,15 @@ def test_arena_battle_vote_reveal_and_leaderboard(arena_server, browser):
     page.click("#tab-chat")
     assert page.is_visible("#composer") and not page.is_visible("#arena-view")
     assert errors == []
+
+
+def test_an_answer_stream_does_not_name_its_model(arena_server):
+    """Every chunk of a side's answer says `arena-a` / `arena-b` where a chat stream names its model."""
+    url = arena_server + "/v1/kvserve/arena"
+    battle = httpx.post(url + "/battles", json={"prompt": "Name a colour."}, headers=HEADERS, timeout=30).json()
+    for side in ("a", "b"):
+        with httpx.stream("POST", f"{url}/battles/{battle['id']}/answers/{side}", headers=HEADERS, timeout=180) as r:
+            assert r.status_code == 200
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert chunks and {c["model"] for c in chunks} == {f"arena-{side}"}, chunks[:2]
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])

@@ -12,7 +12,9 @@ serves one model today, so the default contestants are the served model under th
 prompts and temperatures; `kvserve serve --arena-contestants FILE` (a JSON list of {name, model?,
 system?, temperature?, top_p?, max_tokens?}) replaces them. An answer runs through the ordinary
 /v1/chat/completions handler (auth, limits, admission, stages, usage ledger) with the
-contestant's request body, so the arena adds no second generation path.
+contestant's request body, so the arena adds no second generation path; each streamed chunk's
+`model` is replaced by `arena-a` / `arena-b`, so the stream does not name the contestant's model
+before the vote.
 
 Battles and votes are stored in the server's SQLite file (table `arena_battles`), each with
 its owner (the API key's name, or the browser id without auth: webui.owner_of); a battle can
@@ -30,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest, KVServeError
@@ -149,6 +151,42 @@ class ArenaStore:
         self._db.close()
 
 
+def _anonymous(resp: Response, name: str) -> Response:
+    """The answer without its model's name: every SSE `data:` chunk's (and a plain JSON body's)
+    "model" becomes `name`."""
+
+    def rename(payload: bytes) -> bytes:
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            return payload
+        if isinstance(obj, dict) and "model" in obj:
+            obj["model"] = name
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+    if not isinstance(resp, StreamingResponse):
+        if resp.headers.get("content-type", "").startswith("application/json"):
+            body = rename(resp.body)
+            headers = {k: v for k, v in resp.headers.items() if k.lower() != "content-length"}
+            return Response(body, status_code=resp.status_code, headers=headers, background=resp.background)
+        return resp
+    inner = resp.body_iterator
+
+    async def events():
+        buf = b""
+        async for chunk in inner:
+            buf += chunk.encode() if isinstance(chunk, str) else chunk
+            *lines, buf = buf.split(b"\n")
+            if lines:
+                yield b"".join((b"data: " + rename(line[6:]) if line.startswith(b"data: {") else line) + b"\n"
+                               for line in lines)
+        if buf:
+            yield buf
+
+    resp.body_iterator = events()
+    return resp
+
+
 def _sse_request(request: Request, body: dict) -> Request:
     """The incoming request, its body replaced: the chat handler reads `body`; the connection's
     disconnect still arrives through the original `receive`."""
@@ -208,8 +246,9 @@ def arena_router(store: ArenaStore, contestants: tuple[Contestant, ...]) -> APIR
         contestant = by_name.get(battle[f"model_{side}"])
         if contestant is None:
             raise BattleNotFound("This battle's contestant is no longer configured; start a new one.", param="id")
-        return await generate(request.app.state.server, _sse_request(request, contestant.chat_body(battle["prompt"])),
+        resp = await generate(request.app.state.server, _sse_request(request, contestant.chat_body(battle["prompt"])),
                               "chat")
+        return _anonymous(resp, f"arena-{side}")
 
     @router.post("/battles/{battle_id}/vote")
     async def vote(battle_id: str, request: Request) -> dict:
