@@ -152,8 +152,8 @@ class ArenaStore:
 
 
 def _anonymous(resp: Response, name: str) -> Response:
-    """The answer without its model's name: every SSE `data:` chunk's (and a plain JSON body's)
-    "model" becomes `name`."""
+    """The streamed answer without its model's name: every SSE `data:` chunk's "model" becomes `name`.
+    (An arena answer is always streamed; anything else, such as an error, passes through.)"""
 
     def rename(payload: bytes) -> bytes:
         try:
@@ -165,10 +165,6 @@ def _anonymous(resp: Response, name: str) -> Response:
         return json.dumps(obj, separators=(",", ":")).encode()
 
     if not isinstance(resp, StreamingResponse):
-        if resp.headers.get("content-type", "").startswith("application/json"):
-            body = rename(resp.body)
-            headers = {k: v for k, v in resp.headers.items() if k.lower() != "content-length"}
-            return Response(body, status_code=resp.status_code, headers=headers, background=resp.background)
         return resp
     inner = resp.body_iterator
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -55,18 +56,8 @@ class ThinkingArithmeticTask:
     ops: str = "+"       # unused: sums only; kept so every task takes the same arguments
 
     def problems(self) -> list[tuple[str, str]]:
-        out: list[tuple[str, str]] = []
-
-        def walk(prefix: list[int]) -> None:
-            if len(prefix) == self.terms:
-                q = "+".join(map(str, prefix))
-                out.append((f"What is {q}? {THINK_INSTRUCTION}", str(sum(prefix))))
-                return
-            for x in range(self.max_operand + 1):
-                walk(prefix + [x])
-
-        walk([])
-        return out
+        return [(f"What is {'+'.join(map(str, nums))}? {THINK_INSTRUCTION}", str(sum(nums)))
+                for nums in itertools.product(range(self.max_operand + 1), repeat=self.terms)]
 
     @staticmethod
     def reward(completion: str, answer: str) -> float:
@@ -97,19 +88,11 @@ class ThinkingProductsTask(ThinkingArithmeticTask):
     terms: int = 2       # products per problem
 
     def problems(self) -> list[tuple[str, str]]:
-        out: list[tuple[str, str]] = []
-        digits = range(self.max_operand + 1)
-
-        def walk(prefix: list[int]) -> None:
-            if len(prefix) == 2 * self.terms:
-                q = "+".join(f"{a}*{b}" for a, b in zip(prefix[::2], prefix[1::2]))
-                out.append((f"What is {q}? {THINK_INSTRUCTION}",
-                            str(sum(a * b for a, b in zip(prefix[::2], prefix[1::2])))))
-                return
-            for x in digits:
-                walk(prefix + [x])
-
-        walk([])
+        out = []
+        for nums in itertools.product(range(self.max_operand + 1), repeat=2 * self.terms):
+            pairs = list(zip(nums[::2], nums[1::2]))
+            q = "+".join(f"{a}*{b}" for a, b in pairs)
+            out.append((f"What is {q}? {THINK_INSTRUCTION}", str(sum(a * b for a, b in pairs))))
         return out
 
     @staticmethod
