@@ -62,7 +62,9 @@ def test_llm_embed_is_the_same_encoder():
     one = llm.embed(SENTENCES[0])
     many = llm.embed(SENTENCES[:3])
     assert len(one) == 1 and len(many) == 3 and len(many[0]) == 384
-    assert max(abs(a - b) for a, b in zip(one[0], many[0])) < 1e-5
+    # the same vector alone or in a batch (up to the last bits: on bf16 CPUs, AMX above all, the
+    # encoder runs under bf16 autocast and oneDNN blocks a matmul by its row count)
+    assert sum(a * b for a, b in zip(one[0], many[0])) > 1 - 1e-5
     with pytest.raises(InvalidRequest):
         llm.embed([])
 

@@ -203,16 +203,21 @@ def test_every_batch_size_gives_a_token_the_same_bits(qtype):
 
 @requires_kernels
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-def test_avx2_and_avx512_tiles_give_the_same_bits(qtype):
-    """The AVX-512 VNNI tiles are only a faster way to the AVX2 tiles' numbers."""
+def test_avx2_avx512_and_amx_tiles_give_the_same_bits(qtype):
+    """The AVX-512 VNNI and AMX-INT8 tiles are only faster ways to the AVX2 tiles' numbers, for
+    any token count (AMX takes full tiles of 16 tokens and hands the rest to VNNI)."""
     if not BACKEND.gemm_isa:
         pytest.skip(f"this CPU (or KVSERVE_ISA) has no AVX-512 VNNI: isa={BACKEND.isa}")
-    raw, _, b = make(qtype, 200, 576, bias=True)
-    layer = GGUFQuantLinear(raw, qtype, 576, 200, b, backend=INT8)
-    x = torch.randn(33, 576)
-    y512 = layer(x)
-    layer.desc.isa = 0
-    assert torch.equal(layer(x), y512)
+    raw, _, b = make(qtype, 200, 608, bias=True)    # 19 blocks: an odd one after the AMX pairs
+    layer = GGUFQuantLinear(raw, qtype, 608, 200, b, backend=INT8)
+    assert layer.desc.isa == BACKEND.gemm_isa
+    for T in (1, 15, 16, 33, 70):
+        x = torch.randn(T, 608)
+        layer.desc.isa = BACKEND.gemm_isa
+        best = layer(x)
+        for isa in range(BACKEND.gemm_isa):
+            layer.desc.isa = isa
+            assert torch.equal(layer(x), best), (T, isa)
 
 
 @requires_kernels

@@ -22,8 +22,8 @@ ISA levels, lowest first, and what each adds for us:
   torch   no C kernels (another device, no compiler, a CPU without AVX2, KVSERVE_NO_KERNELS)
   avx2    the int8 kernels (avx2 fma f16c); large calls dequantize into fp32 and use MKL
   avx512  what oneDNN needs for bf16 matmuls (avx512f/bw/vl/dq); our kernels stay AVX2 builds
-  amx     AMX bf16 tiles: large calls use a prepacked bf16 copy through oneDNN (~10x the int8
-          kernel at T>=3 on one core)
+  amx     AMX tiles: the int8 kernels run steps of 16 tokens and more on AMX-INT8 (amx_int8, same
+          bits); with batch invariance off, large calls use a prepacked bf16 copy through oneDNN
 KVSERVE_ISA=avx2|avx512|amx forces a lower level than the CPU's: its features are then cut to
 that level's baseline, so the build and every path are those of a CPU that has only that.
 """
@@ -203,9 +203,15 @@ class KernelBackend:
 
     @property
     def gemm_isa(self) -> int:
-        """The int8 tiles packed weights run (their descriptors' isa): 1 = AVX-512 VNNI where this
-        backend's level and features allow it, else 0 = AVX2. Both give identical results."""
-        return int(ISA_LEVELS.index(self.isa) >= ISA_LEVELS.index("avx512") and "avx512_vnni" in self.features)
+        """The int8 tiles packed weights run (their descriptors' isa): 2 = AMX-INT8 for steps of 16
+        tokens and more (VNNI below) where the level is amx, the CPU has amx_int8 and Linux grants the
+        tile state; 1 = AVX-512 VNNI where the level and features allow it; else 0 = AVX2. All give
+        identical results."""
+        if ISA_LEVELS.index(self.isa) < ISA_LEVELS.index("avx512") or "avx512_vnni" not in self.features:
+            return 0
+        if self.isa == "amx" and "amx_int8" in self.features and self.lib is not None and self.lib.kvs_amx_init():
+            return 2
+        return 1
 
     @property
     def max_fused_tokens(self) -> int:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 CXX_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-pthread", "-std=c++17"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
-KERNEL_VERSION = 7  # must match kvs_version() in the source
+KERNEL_VERSION = 8  # must match kvs_version() in the source
 
 
 class KvsWeight(ctypes.Structure):
@@ -36,7 +36,7 @@ class KvsWeight(ctypes.Structure):
         ("qtype", ctypes.c_int32),
         ("rows", ctypes.c_int32),
         ("cols", ctypes.c_int32),
-        ("isa", ctypes.c_int32),     # 0: AVX2 tiles, 1: AVX-512 VNNI tiles (same results)
+        ("isa", ctypes.c_int32),     # 0: AVX2 tiles, 1: AVX-512 VNNI, 2: AMX-INT8 (same results)
         ("sdtype", ctypes.c_int32),  # block scales: 0 float32, 1 float16
         ("qs", ctypes.c_void_p),
         ("d", ctypes.c_void_p),
@@ -159,6 +159,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvs_dequantize.restype = None
     lib.kvs_dequantize_rows.argtypes = [vp, vp, i32, vp]
     lib.kvs_dequantize_rows.restype = i32
+    lib.kvs_amx_init.argtypes = []
+    lib.kvs_amx_init.restype = i32
     lib.kvs_set_num_threads.argtypes = [i32]
     lib.kvs_set_num_threads.restype = None
     lib.kvs_get_num_threads.restype = i32

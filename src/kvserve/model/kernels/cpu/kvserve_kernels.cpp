@@ -3,7 +3,8 @@
 // Built by kvserve.model.kernels.build with: g++ -O3 -mavx2 -mfma -mf16c -fPIC -shared -pthread
 // (plus -mavxvnni where the CPU has AVX-VNNI) and called through ctypes. Explicit AVX2 flags (not
 // -march=native) so the same binary is valid on every AVX2 host; the AVX-512 VNNI variant of the
-// tiles lives in kvserve_gemm_avx512.cpp, compiled for that target and chosen per weight (isa).
+// tiles lives in kvserve_gemm_avx512.cpp and the AMX-INT8 one in kvserve_gemm_amx.cpp, each
+// compiled for its target and chosen per weight (isa).
 //
 // One arithmetic for every call size, every ISA variant and every thread count. For output row r
 // and token t, with weights w = d * q + m per block of 32 (m = 0 for Q8_0) and the activations
@@ -16,7 +17,7 @@
 //     y[t][r] = acc (+ bias[r])
 //
 // The integer sums are exact however they are formed (vpmaddubsw + vpmaddwd on AVX2, vpdpbusd on
-// VNNI, 8 or 16 rows per register) and the float chain of one output is the same sequence of
+// VNNI, 8 or 16 rows per register, tdpbsud/tdpbssd on AMX for 16 tokens x 16 rows at once) and the float chain of one output is the same sequence of
 // roundings everywhere: a request's numbers do not depend on the batch it shares, on how its
 // prompt was chunked, on the thread count, or on which x86-64 CPU runs it. SIMD lanes run across
 // output rows, never across K, which is what lets a tile of tokens reuse each weight load (a GEMM
@@ -56,7 +57,7 @@
 
 extern "C" {
 
-int kvs_version(void) { return 7; }
+int kvs_version(void) { return 8; }
 
 }  // extern "C"
 
@@ -285,6 +286,10 @@ void linear_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const f
     const int gbeg = ith * per < ng ? ith * per : ng;
     const int gend = gbeg + per < ng ? gbeg + per : ng;
     if (gbeg >= gend) return;
+    if (w->isa == 2) {
+        groups_amx(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+        return;
+    }
     if (w->isa == 1) {
         groups_avx512(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
         return;

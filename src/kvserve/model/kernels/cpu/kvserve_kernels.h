@@ -66,6 +66,11 @@ void attend_heads(const float *q, const void *K, const void *V, int kv_dtype, si
 void groups_avx512(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
                    int ldy, bool add, int gbeg, int gend);
 
+// The AMX-INT8 tiles (kvserve_gemm_amx.cpp): tokens in full tiles of 16 on AMX, the rest through
+// groups_avx512; the same arithmetic again. Only for weights whose isa is 2.
+void groups_amx(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y, int ldy,
+                bool add, int gbeg, int gend);
+
 // NQ consecutive query tokens of one sequence (at positions L0-1 .. L0+NQ-2, query i's G heads at
 // q + i * q_stride, its output at out + i * out_stride) against the same KV head: the keys are
 // widened to float32 once for the tile, then each query runs exactly the arithmetic of
