@@ -70,15 +70,17 @@ def test_products_task_traces_and_cold_start(tmp_path):
 @pytest.mark.slow
 def test_grpo_teaches_a_model_to_think(base_run, tmp_path):
     """The thinking-model recipe of docs/training.md: a cold start that answers half its problems
-    without working, then GRPO on held-out-free problems, lifts held-out accuracy by >= 20 points
-    (measured: 36.7% -> 67.2% sampled, 34.4% -> 81.2% greedy, in ~3 minutes of GRPO on one thread)."""
+    without working, then GRPO on held-out-free problems, lifts accuracy on 128 held-out problems by
+    >= 20 points (measured over seeds 0, 1, 2: +21.7 to +26.3 points sampled, ~4 minutes of GRPO on
+    one thread)."""
     from kvserve.train.thinking_data import write_cold_start
 
-    data = write_cold_start(tmp_path / "cold.jsonl", "think-mul", 2000, direct_fraction=0.5)
+    data = write_cold_start(tmp_path / "cold.jsonl", "think-mul", 2000, direct_fraction=0.5, eval_prompts=128)
     sft(SFTConfig(model=base_run["out"], data=str(data), out=str(tmp_path / "sft"), epochs=20, batch_size=16,
                   lr=3e-3, max_len=160))
     r = grpo(GRPOConfig(model=str(tmp_path / "sft"), out=str(tmp_path / "grpo"), task="think-mul", heldout=True,
-                        group_size=8, prompts_per_step=8, max_steps=300, max_tokens=64, lr=5e-5, eval_samples=8))
+                        group_size=8, prompts_per_step=8, max_steps=600, max_tokens=64, lr=1e-4, eval_samples=8,
+                        eval_prompts=128))
     lift = r["eval_accuracy_after"] - r["eval_accuracy_before"]
     assert lift >= 0.20, {k: v for k, v in r.items() if k.startswith("eval_")}
     assert r["eval_thinking_after"] > r["eval_thinking_before"] + 0.3     # by choosing to work it out
