@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "kvserve_kernels.h"
+#include "kvserve_avx512_helpers.h"
 
 namespace {
 
@@ -25,19 +26,6 @@ inline __m512i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
-}
-
-inline void store_rows16(__m512 v, const float *bias, int row0, int nvalid, float *dst, bool add) {
-    const __mmask16 k = nvalid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nvalid) - 1);
-    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + row0));
-    if (add) v = _mm512_add_ps(_mm512_maskz_loadu_ps(k, dst), v);
-    _mm512_mask_storeu_ps(dst, k, v);
-}
-
-template <bool F16>
-inline __m512 scales16(const void *p, size_t idx) {
-    if (F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + idx)));
-    return _mm512_loadu_ps((const float *)p + idx);
 }
 
 template <int TT, bool F16>
