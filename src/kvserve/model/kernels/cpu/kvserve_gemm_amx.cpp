@@ -66,8 +66,9 @@ uint8_t *unpack_buffer(size_t bytes) {
         free(buf);
         cap = (bytes + 4095) & ~(size_t)4095;
         buf = (uint8_t *)aligned_alloc(64, cap);
+        if (!buf) cap = 0;
     }
-    return buf;
+    return buf;   // nullptr if out of memory: the caller runs the VNNI tiles instead
 }
 
 // One block's int32 sums (c: 16 tokens x 16 rows) into the float accumulators, exactly as the
@@ -93,10 +94,10 @@ inline void apply_block(__m512 *acc, const int32_t *c, const kvs_weight *w, size
     }
 }
 
-#define KVS_TDP(c, a, b) \
-    do {                                  \
-        if (Q4) _tile_dpbsud(c, a, b);    \
-        else _tile_dpbssd(c, a, b);       \
+#define KVS_TDP(c, a, b)                     \
+    do {                                     \
+        if constexpr (Q4) _tile_dpbsud(c, a, b); \
+        else _tile_dpbssd(c, a, b);          \
     } while (0)
 
 // Tokens [0, T16) (a multiple of 16) of groups [gbeg, gend).
@@ -180,7 +181,8 @@ namespace kvs {
 
 void groups_amx(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y, int ldy,
                 bool add, int gbeg, int gend) {
-    const int T16 = T / TM * TM;
+    int T16 = T / TM * TM;
+    if (T16 > 0 && w->qtype == 0 && !unpack_buffer((size_t)(w->cols / QK) * 512)) T16 = 0;
     if (T16 > 0) {
         const bool q4 = w->qtype == 0, f16 = w->sdtype == 1;
         load_config();

@@ -17,8 +17,8 @@
 //     y[t][r] = acc (+ bias[r])
 //
 // The integer sums are exact however they are formed (vpmaddubsw + vpmaddwd on AVX2, vpdpbusd on
-// VNNI, 8 or 16 rows per register, tdpbsud/tdpbssd on AMX for 16 tokens x 16 rows at once) and the float chain of one output is the same sequence of
-// roundings everywhere: a request's numbers do not depend on the batch it shares, on how its
+// VNNI, 8 or 16 rows per register, tdpbsud/tdpbssd on AMX for 16 tokens x 16 rows at once) and
+// the float chain of one output is the same sequence of roundings everywhere: a request's numbers do not depend on the batch it shares, on how its
 // prompt was chunked, on the thread count, or on which x86-64 CPU runs it. SIMD lanes run across
 // output rows, never across K, which is what lets a tile of tokens reuse each weight load (a GEMM
 // for prefill and batched decode) without changing any output's reduction order.
