@@ -85,14 +85,26 @@ def test_strong_draft_stays_exact(loaded):
 
 
 def test_draft_cache_rollback_matches_a_fresh_cache(loaded, draft_dir):
-    lm = load_model(str(draft_dir), weight_format="fp32")
-    d = DraftModel(lm.model)
+    lm = load_model(str(draft_dir), weight_format="q8_0", backend=loaded.model.backend)
+    d = DraftModel(lm.model, num_blocks=64)
+    free0 = len(d.free)
     seq = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog and runs")
     c = d.new_cache()
-    first = d.propose(c, seq, 4)
+    first = d.propose_batch([(c, seq, 4)])[0]
     assert len(first) == 4 and len(c.tokens) == len(seq) + 3
     other = seq[:-2] + [seq[-1], seq[-2]]              # diverges two tokens from the end
-    assert d.propose(c, other, 3) == d.propose(d.new_cache(), other, 3)
+    alone = d.propose_batch([(d.new_cache(), other, 3)])[0]
+    assert d.propose_batch([(c, other, 3)])[0] == alone
+    # several requests in one batched draft forward: each gets what it gets alone
+    a, b = d.new_cache(), d.new_cache()
+    assert d.propose_batch([(a, seq, 4), (b, other, 3)]) == [first, alone]
+    for x in (a, b, c):
+        d.release(x)
+    assert len(d.free) < free0                          # the two `alone` caches were never released
+    # a pool too small for a sequence: no drafts for it, nothing else disturbed
+    tiny = DraftModel(lm.model, num_blocks=1)                # 16 tokens: the first request takes them
+    assert len(seq) + 3 <= 16
+    assert tiny.propose_batch([(tiny.new_cache(), seq, 4), (tiny.new_cache(), seq[:5], 2)]) == [first, []]
 
 
 def test_bad_draft_vocabulary_fails_at_startup(loaded, draft_dir, tmp_path):

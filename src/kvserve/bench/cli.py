@@ -29,7 +29,7 @@ def latency(
     decode_tokens: int = typer.Option(128, "--decode-tokens", "-m", min=1, help="Tokens to decode, batch 1."),
     repeats: int = typer.Option(3, min=1, help="Runs per engine; the best is reported."),
     threads: int = typer.Option(2, min=1, help="CPU threads for every engine."),
-    weight_format: str = typer.Option("auto", help="kvserve weight format: auto, gguf, fp32, bf16, fp16."),
+    weight_format: str = typer.Option("auto", help="kvserve weight format: auto, gguf, fp32, bf16, fp16, q8_0."),
     peer: Annotated[list[str] | None, typer.Option(help="Also run: llama-cpp, transformers (repeatable).")] = None,
     kv_cache_dtype: Annotated[list[str] | None, typer.Option(
         "--kv-cache-dtype", help="kvserve's KV cache: fp16 (default), bf16, fp32, int8; repeat for an A/B "

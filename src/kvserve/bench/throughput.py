@@ -247,7 +247,7 @@ def throughput(
     output_max: int = typer.Option(128, min=1, help="Most output tokens."),
     seed: int = typer.Option(0, help="Seed of the workload (lengths and token ids)."),
     threads: int = typer.Option(2, min=1, help="CPU threads for every engine."),
-    weight_format: str = typer.Option("auto", help="kvserve weight format: auto, gguf, fp32, bf16, fp16."),
+    weight_format: str = typer.Option("auto", help="kvserve weight format: auto, gguf, fp32, bf16, fp16, q8_0."),
     kv_cache_memory: str = typer.Option("1GiB", help="kvserve KV cache budget."),
     max_num_seqs: int = typer.Option(64, min=1, help="kvserve: most sequences per step."),
     max_num_batched_tokens: int = typer.Option(512, min=1, help="kvserve: token budget per step."),

@@ -23,7 +23,7 @@ from kvserve.errors import InvalidRequest
 from kvserve.model.kernels.backend import KernelBackend
 from kvserve.model.kernels.gguf_linear import GGUFQuantLinear, supports
 
-WEIGHT_FORMATS = ("auto", "fp32", "bf16", "fp16", "gguf")
+WEIGHT_FORMATS = ("auto", "fp32", "bf16", "fp16", "gguf", "q8_0")
 
 
 @dataclass
@@ -112,13 +112,21 @@ def make_linear(weight: WeightSource, bias: torch.Tensor | None = None, weight_f
     """Build the Linear variant for `weight` in the requested format.
 
     "auto" keeps GGUF block quants packed when a packed variant supports them, else fp32.
+    "q8_0" does the same, and packs dense weights (safetensors) into Q8_0 blocks at load, so a
+    Hugging Face model runs on the int8 kernels too (rows of a width not divisible by 32 stay fp32).
     lookup_only: the packed variant will only serve row lookups (an untied embedding table).
     backend: the kernel choices of the model being built (default: PyTorch only).
     """
     if weight_format not in WEIGHT_FORMATS:
         raise InvalidRequest(f"unknown weight format {weight_format!r}; choose one of {WEIGHT_FORMATS}",
                              param="weight_format")
-    if weight_format in ("auto", "gguf") and weight.raw is not None and supports(weight.qtype):
+    if weight_format == "q8_0" and weight.raw is None and weight.shape[1] % 32 == 0:
+        import gguf
+        import gguf.quants
+
+        raw = gguf.quants.quantize(weight.dequantize().numpy(), gguf.GGMLQuantizationType.Q8_0)
+        weight = WeightSource(weight.shape, raw=raw, qtype=gguf.GGMLQuantizationType.Q8_0)
+    if weight_format in ("auto", "gguf", "q8_0") and weight.raw is not None and supports(weight.qtype):
         return GGUFQuantLinear(weight.raw, weight.qtype, weight.shape[1], weight.shape[0], bias,
                                backend=backend or KernelBackend.pytorch(), lookup_only=lookup_only)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(weight_format, torch.float32)

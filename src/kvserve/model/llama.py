@@ -287,7 +287,8 @@ class LlamaForCausalLM(nn.Module):
         head_src = w.get("lm_head.weight")
         tied = head_src is None or cfg.tie_word_embeddings
         embed: torch.Tensor | Linear | None = None
-        if isinstance(emb_src, WeightSource) and emb_src.raw is not None and weight_format in ("auto", "gguf"):
+        if (isinstance(emb_src, WeightSource) and emb_src.raw is not None
+                and weight_format in ("auto", "gguf", "q8_0")):
             # Packed GGUF embedding: look rows up from the packed weights where a variant holds them.
             packed = make_linear(emb_src, None, weight_format, lookup_only=not tied, backend=backend)
             if packed.supports_rows:

@@ -32,7 +32,8 @@ def load_model(model: str | None = None, weight_format: str = "auto", *, device:
                isa: str | None = None, backend: KernelBackend | None = None) -> LoadedModel:
     """Load `model` (a built-in name, a .gguf file or a Hugging Face directory; None = the default).
 
-    weight_format: auto (GGUF quants stay packed), gguf, fp32, bf16, fp16.
+    weight_format: auto (GGUF quants stay packed), gguf, fp32, bf16, fp16, q8_0 (dense weights packed
+        into Q8_0 blocks at load).
     device: where the model runs; on anything but the CPU only PyTorch paths are used.
     isa: force a lower kernel ISA level than the CPU's (avx2, avx512, amx; as KVSERVE_ISA).
     backend: a KernelBackend made by the caller (then device and isa are not used).

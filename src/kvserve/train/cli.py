@@ -53,10 +53,11 @@ def draft_cmd(
     layers: str = typer.Option("first,last", help="The target's layers the draft starts from: first, last, indices."),
     vocab_size: int = typer.Option(4096, "--vocab-size", help="LM-head rows kept: the target's most used tokens "
                                                               "(0: the whole vocabulary)."),
-    num_prompts: int = typer.Option(128, "--num-prompts", help="Built-in chat prompts the target answers."),
-    gen_tokens: int = typer.Option(128, "--gen-tokens", help="Tokens the target writes per prompt."),
-    temperature: float = typer.Option(0.7),
-    steps: int = typer.Option(250),
+    num_prompts: int = typer.Option(320, "--num-prompts", help="Built-in chat prompts the target answers."),
+    gen_tokens: int = typer.Option(192, "--gen-tokens", help="Tokens the target writes per prompt."),
+    temperature: float = typer.Option(0.7, help="Temperature of the sampled answers."),
+    greedy_share: float = typer.Option(0.5, "--greedy-share", help="Share of the prompts answered greedily."),
+    steps: int = typer.Option(600),
     batch_size: int = typer.Option(8, "--batch-size"),
     lr: float = typer.Option(3e-4),
     seed: int = typer.Option(0),
@@ -68,6 +69,7 @@ def draft_cmd(
     try:
         r = train_draft(DraftConfig(out=out, target=target, layers=layers, vocab_size=vocab_size,
                                     num_prompts=num_prompts, gen_tokens=gen_tokens, temperature=temperature,
+                                    greedy_share=greedy_share,
                                     steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads))
     except KVServeError as e:
         _fail(e)

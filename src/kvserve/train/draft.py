@@ -1,14 +1,16 @@
 """`kvserve train draft --target MODEL --out DIR`: distil a small draft model for speculative
 decoding (`--speculative draft:DIR`) from the target, on text the target writes itself.
 
-    1. generate  the target answers built-in chat prompts (the engine, batched, sampled at
-                 `temperature`): the draft learns the target's own continuations
+    1. generate  the target answers built-in chat prompts (the engine, batched; half greedily,
+                 half sampled at `temperature`): the draft learns the target's own continuations
     2. teacher   the target's log-probabilities at every position of those sequences
     3. vocab     the `vocab_size` token ids the target used most: the draft's LM head keeps only
                  those rows (a full 49k x 576 head would cost more than the draft's layers)
     4. distil    a draft of a few of the target's layers (default its first and last: the
                  embedding, tied head and final norm are the target's, frozen) is trained on
-                 KL(teacher || draft) over the kept vocabulary, the teacher renormalised on it
+                 KL(teacher || draft) over the kept vocabulary, the teacher renormalised on it,
+                 on the answers' tokens (the chat template is trivially predictable, and drafts
+                 are only ever asked for answers)
     5. save      a Hugging Face directory the loader reads, plus `draft_vocab.json`; the report
                  gives the draft's top-1 agreement with the target on held-out sequences (a
                  proxy for the acceptance rate of greedy drafts)
@@ -35,16 +37,24 @@ _TOPICS = ["the ocean", "a city at night", "bread baking", "learning a language"
            "gardening", "a rainy morning", "electric cars", "friendship", "mountains", "coffee", "music practice",
            "a lost key", "volcanoes", "libraries", "trains", "honey bees", "saving money", "the internet",
            "a first job", "winter", "photography", "recycling", "a birthday party", "the human heart",
-           "time management", "dinosaurs", "a village market", "solar power", "sleep", "running a marathon"]
+           "time management", "dinosaurs", "a village market", "solar power", "sleep", "running a marathon",
+           "the history of writing", "cooking pasta", "a job interview", "climate change", "penguins", "the desert",
+           "public speaking", "a train journey", "old castles", "video games", "first aid", "kites",
+           "a science fair", "tea", "the stock market", "a thunderstorm", "learning to swim", "robots in factories",
+           "the Roman Empire", "a school garden", "budget travel", "owls", "the printing press", "board games",
+           "a lighthouse", "healthy breakfasts", "wind turbines", "a family dinner", "spiders", "space telescopes",
+           "writing a resume", "a picnic"]
 _TEMPLATES = ["Tell me about {t}.", "Write a short poem about {t}.", "Explain {t} in simple words.",
               "Give three interesting facts about {t}.", "Write a short story that involves {t}.",
               "What should a beginner know about {t}?", "Describe {t} in one paragraph.",
               "List some tips related to {t}.", "Why do people care about {t}?",
-              "Write a friendly email to a colleague about {t}."]
+              "Write a friendly email to a colleague about {t}.", "How does {t} work?",
+              "What are the pros and cons of {t}?", "Write a haiku about {t}.", "Explain {t} to a child.",
+              "Give me some ideas involving {t}."]
 
 
 def chat_prompts() -> list[str]:
-    """The built-in prompts: every template x topic (320 open chat requests)."""
+    """The built-in prompts: every template x topic (960 open chat requests)."""
     return [tpl.format(t=t) for t in _TOPICS for tpl in _TEMPLATES]
 
 
@@ -54,10 +64,11 @@ class DraftConfig:
     target: str | None = None          # the target model (None: the built-in default)
     layers: str = "first,last"         # target layers copied into the draft: "first,last", "0", "0,15,29"
     vocab_size: int = 4096             # LM-head rows kept (0: the whole vocabulary)
-    num_prompts: int = 128
-    gen_tokens: int = 128
-    temperature: float = 0.7
-    steps: int = 250
+    num_prompts: int = 320
+    gen_tokens: int = 192
+    temperature: float = 0.7           # sampled answers' temperature ...
+    greedy_share: float = 0.5          # ... and the share of prompts answered greedily instead
+    steps: int = 600
     batch_size: int = 8
     lr: float = 3e-4
     heldout: int = 8                   # sequences kept out of training for the agreement check
@@ -83,17 +94,22 @@ def _layer_ids(spec: str, n: int) -> list[int]:
     return out
 
 
-def _generate(loaded, prompts: list[str], cfg: DraftConfig) -> list[list[int]]:
+def _generate(loaded, prompts: list[str], cfg: DraftConfig) -> tuple[list[list[int]], list[int]]:
+    """The target's answers (prompt + answer ids) and each prompt's length: the first
+    `greedy_share` of the prompts answered greedily (what greedy requests will verify), the rest
+    sampled at `temperature`."""
     from kvserve import LLM, SamplingParams
 
     tok = loaded.tokenizer
     llm = LLM(loaded.model, tokenizer=tok, kv_cache_memory="512MiB")
     reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True)}
             for p in prompts]
-    params = [SamplingParams(temperature=cfg.temperature, max_tokens=cfg.gen_tokens, seed=cfg.seed + i)
-              for i in range(len(reqs))]
+    n_greedy = round(cfg.greedy_share * len(reqs))
+    params = [SamplingParams(temperature=0.0 if i < n_greedy else cfg.temperature, max_tokens=cfg.gen_tokens,
+                             seed=cfg.seed + i) for i in range(len(reqs))]
     outs = llm.generate(reqs, params, use_tqdm=False)
-    return [list(r["prompt_token_ids"]) + list(o.outputs[0].token_ids) for r, o in zip(reqs, outs)]
+    return ([list(r["prompt_token_ids"]) + list(o.outputs[0].token_ids) for r, o in zip(reqs, outs)],
+            [len(r["prompt_token_ids"]) for r in reqs])
 
 
 @torch.no_grad()
@@ -124,17 +140,19 @@ def _draft_model(target_fp32, ids: list[int]):
     return LlamaForCausalLM.from_weights(cfg, w, "fp32")
 
 
-def _loss(model, seqs, teach, head: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """KL(teacher || draft) per token over the batch; also the top-1 agreement."""
+def _loss(model, seqs, teach, head: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, float]:
+    """KL(teacher || draft) per answer token over the batch; also the top-1 agreement. starts: each
+    sequence's prompt length (the chat template's tokens are trivially predictable, and drafts are
+    only ever asked for answers)."""
     T = max(len(s) for s in seqs) - 1
     ids = torch.zeros(len(seqs), T, dtype=torch.long)
     tgt = torch.zeros(len(seqs), T, head.shape[0])
     mask = torch.zeros(len(seqs), T)
-    for b, (s, t) in enumerate(zip(seqs, teach)):
+    for b, (s, t, p) in enumerate(zip(seqs, teach, starts)):
         n = len(s) - 1
         ids[b, :n] = torch.tensor(s[:-1])
         tgt[b, :n] = t.float()
-        mask[b, :n] = 1
+        mask[b, max(0, p - 1):n] = 1
     logits = model(ids) @ head.T
     lp = logits.log_softmax(-1)
     kl = (tgt.exp() * (tgt - lp)).sum(-1)
@@ -155,7 +173,7 @@ def train_draft(cfg: DraftConfig) -> dict:
     rng.shuffle(prompts)
     prompts = (prompts * (1 + cfg.num_prompts // len(prompts)))[:cfg.num_prompts]
     target = load_model(cfg.target)
-    seqs = _generate(target, prompts, cfg)
+    seqs, starts = _generate(target, prompts, cfg)
     t_gen = time.perf_counter() - t0
     counts = Counter(t for s in seqs for t in s)
     keep = [t for t, _ in counts.most_common(cfg.vocab_size or None)] if cfg.vocab_size else list(
@@ -183,7 +201,7 @@ def train_draft(cfg: DraftConfig) -> dict:
 
     def held_agreement() -> float:
         with torch.no_grad():
-            return _loss(draft, [seqs[i] for i in held], [teach[i] for i in held], head)[1]
+            return _loss(draft, [seqs[i] for i in held], [teach[i] for i in held], head, [starts[i] for i in held])[1]
 
     before = held_agreement()
     for step in range(cfg.steps):
@@ -191,7 +209,8 @@ def train_draft(cfg: DraftConfig) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr
         batch = rng.sample(train_idx, min(cfg.batch_size, len(train_idx)))
-        loss, agree = _loss(draft, [seqs[i] for i in batch], [teach[i] for i in batch], head)
+        loss, agree = _loss(draft, [seqs[i] for i in batch], [teach[i] for i in batch], head,
+                            [starts[i] for i in batch])
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in draft.parameters() if p.requires_grad], 1.0)

@@ -4,14 +4,19 @@
 Checked at startup: the path must load as a Llama-shaped model, and its tokenizer must be the
 target's (same vocabulary, same ids), else drafts would be other tokens than the target scores.
 
-The draft runs beside the engine, not inside its paged KV cache: each speculating request has
-its own small dense KV cache here (a draft of 1-2 layers needs a few KB per token), keyed by
-request id, holding the tokens it has seen. Every step the request's real sequence (prompt +
-verified output) is compared with those tokens: the cache is cut back to their common prefix
-(that is the rollback of rejected drafts), the tokens it has not seen are run as one chunk, then
-k single-token steps propose the drafts. Proposals are the draft's argmax, a deterministic
-function of the context, so for sampled requests the rejection sampler's point-mass rule (q_j =
-1 on d_j) keeps sampling exact without the draft's probabilities.
+The draft runs beside the engine with a paged KV cache of its own (a small block pool: a draft
+of 1-2 layers needs a few KB per token), on the same model code as the target: its weights are
+packed into Q8_0 blocks at load (`weight_format="q8_0"`), so on a CPU with the C kernels the
+draft's whole layer stack is one C call over int8 weights, as the target's is. The speculating
+requests of a step are drafted together: one batched forward for every request's catch-up
+tokens, then one per further draft position. Each request's cache holds the tokens it has
+seen; every step the request's real sequence (prompt + verified output) is compared with those
+tokens, the cache is cut back to their common prefix (the rollback of rejected drafts), and the
+tokens it has not seen are run. Proposals are the draft's argmax, a deterministic function of
+the context, so for sampled requests the rejection sampler's point-mass rule (q_j = 1 on d_j)
+keeps sampling exact without the draft's probabilities. When the pool is full, the least
+recently drafted other requests' caches are dropped (they catch up again later); a request that
+still does not fit gets no drafts that step.
 
 The LM head may be restricted to a subset of the vocabulary (`draft_vocab.json`: the token ids
 the target used most in the draft's training text): a 49k-row head would cost more than the
@@ -27,7 +32,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.engine.request import Request
 from kvserve.errors import InvalidRequest
@@ -44,25 +48,22 @@ def same_tokenizer(a, b) -> bool:
 
 
 class _Cache:
-    """One request's draft KV: [layers, capacity, kv_heads, head_dim] keys and values."""
+    """One request's place in the draft's paged KV cache: the tokens whose K/V it holds, and the
+    blocks they are in."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int = 256):
-        self.k = torch.zeros(layers, capacity, kv_heads, head_dim)
-        self.v = torch.zeros_like(self.k)
+    def __init__(self) -> None:
         self.tokens: list[int] = []
-
-    def reserve(self, n: int) -> None:
-        cap = self.k.shape[1]
-        if n > cap:
-            new = max(n, 2 * cap)
-            pad = torch.zeros(self.k.shape[0], new - cap, *self.k.shape[2:])
-            self.k, self.v = torch.cat([self.k, pad]), torch.cat([self.v, pad.clone()])
+        self.blocks: list[int] = []
 
 
 class DraftModel:
-    """The draft's incremental forward over a dense per-request cache (PyTorch, fp32)."""
+    """The draft's forward over its own paged KV cache, batched over the speculating requests:
+    the same model code (and, on a CPU with the C kernels, the same one-call layer stack over
+    int8 weights) as the target, with a small block pool of its own."""
 
-    def __init__(self, model, vocab_ids: list[int] | None = None):
+    def __init__(self, model, vocab_ids: list[int] | None = None, num_blocks: int = 2048, block_size: int = 16):
+        from kvserve.model.kv_quant import cache_shape
+
         cfg = model.config
         if (cfg.qk_norm or cfg.gemma_norms or cfg.num_experts or cfg.final_logit_softcapping
                 or any(cfg.window_of(i) for i in range(cfg.num_hidden_layers)) or cfg.hidden_act != "silu"):
@@ -70,68 +71,85 @@ class DraftModel:
                                  "windows, soft-capping or experts)", param="speculative")
         self.model = model
         self.cfg = cfg
-        self.layers = list(model.layers)
-        table = model.embed_tokens if model.embed_tokens is not None else model.embed(torch.arange(cfg.vocab_size))
-        head = getattr(model.lm_head, "weight", None)
-        if cfg.tie_word_embeddings or head is None or head.shape[0] != cfg.vocab_size:
-            head = table
         self.vocab_ids = torch.tensor(vocab_ids if vocab_ids else range(cfg.vocab_size), dtype=torch.long)
-        self.head = head.detach().float()[self.vocab_ids].contiguous()   # [N, H]
-        self.embed_table = table.detach().float()
+        self.head = self._head(model)
         self.max_len = cfg.max_position_embeddings
+        self.block_size = block_size
+        dtype = torch.float16
+        self.kv_caches = [torch.empty(cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                                                  dtype), dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.free = list(range(num_blocks - 1, -1, -1))
+
+    def _head(self, model):
+        """The LM head's kept rows, packed like the projections where the C kernels run."""
+        from kvserve.model.linear import WeightSource, make_linear
+
+        ids = self.vocab_ids
+        rows = model.embed(ids) if model.lm_head is model.packed_embed or self.cfg.tie_word_embeddings else None
+        if rows is None:
+            w = getattr(model.lm_head, "weight", None)
+            rows = w.detach().float()[ids] if w is not None else model.embed(ids)
+        return make_linear(WeightSource(tuple(rows.shape), tensor=rows.contiguous()), None, "q8_0",
+                           backend=model.backend)
 
     def new_cache(self) -> _Cache:
-        return _Cache(len(self.layers), self.cfg.num_key_value_heads, self.cfg.head_dim)
+        return _Cache()
+
+    def release(self, cache: _Cache) -> None:
+        self.free += reversed(cache.blocks)
+        cache.blocks, cache.tokens = [], []
+
+    def _reserve(self, cache: _Cache, n: int) -> bool:
+        need = -(-n // self.block_size) - len(cache.blocks)
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            cache.blocks.append(self.free.pop())
+        return True
 
     @torch.no_grad()
-    def forward(self, cache: _Cache, tokens: list[int]) -> int:
-        """Run `tokens` after the cache's tokens; the draft's argmax token after the last of them."""
-        start, T = len(cache.tokens), len(tokens)
-        cache.reserve(start + T)
-        cfg = self.cfg
-        nh, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        pos = torch.arange(start, start + T)
-        cos, sin = self.model.rotary(pos)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        x = F.embedding(torch.tensor(tokens), self.embed_table)
-        mask = None
-        if T > 1:
-            mask = torch.ones(T, start + T, dtype=torch.bool).tril(start)
-        for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight, layer.input_layernorm.eps)
-            q, k, v = layer.qkv_proj(h).split([nh * d, kvh * d, kvh * d], dim=-1)
-            q, k, v = q.view(T, nh, d), k.view(T, kvh, d), v.view(T, kvh, d)
-            q = q * cos + torch.cat([-q[..., d // 2:], q[..., :d // 2]], -1) * sin
-            k = k * cos + torch.cat([-k[..., d // 2:], k[..., :d // 2]], -1) * sin
-            cache.k[i, start:start + T] = k
-            cache.v[i, start:start + T] = v
-            K = cache.k[i, :start + T].transpose(0, 1)                 # [kvh, S, d]
-            V = cache.v[i, :start + T].transpose(0, 1)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), K, V, attn_mask=mask, scale=layer.scale,
-                                               enable_gqa=True)        # [nh, T, d]
-            x = x + layer.o_proj(o.transpose(0, 1).reshape(T, nh * d))
-            h = F.rms_norm(x, (x.shape[-1],), layer.post_attention_layernorm.weight,
-                           layer.post_attention_layernorm.eps)
-            g, u = layer.gate_up_proj(h).chunk(2, dim=-1)
-            x = x + layer.down_proj(F.silu(g) * u)
-        last = F.rms_norm(x[-1], (x.shape[-1],), self.model.norm.weight, self.model.norm.eps)
-        cache.tokens.extend(tokens)
-        return int(self.vocab_ids[int(torch.mv(self.head, last).argmax())])
+    def _step(self, items: list[tuple[_Cache, list[int]]]) -> list[int]:
+        """Run each cache's new tokens after its cached ones (one batched forward); the draft's
+        argmax after each item's last token."""
+        from kvserve.model.attention import AttentionMetadata
 
-    def propose(self, cache: _Cache, seq: list[int], k: int) -> list[int]:
-        """Roll the cache back to its common prefix with `seq`, catch up, and draft k tokens."""
-        n = 0
-        limit = min(len(cache.tokens), len(seq) - 1)     # at least the last token is run again
-        ct = cache.tokens
-        while n < limit and ct[n] == seq[n]:
-            n += 1
-        del ct[n:]
-        k = min(k, self.max_len - len(seq))
-        if k <= 0:
-            return []
-        out = [self.forward(cache, seq[n:])]
-        while len(out) < k:
-            out.append(self.forward(cache, out[-1:]))
+        q_lens = [len(t) for _, t in items]
+        seq_lens = [len(c.tokens) + len(t) for c, t in items]
+        ids = torch.tensor([x for _, t in items for x in t], dtype=torch.long)
+        pos = torch.tensor([p for c, t in items for p in range(len(c.tokens), len(c.tokens) + len(t))],
+                           dtype=torch.long)
+        meta = AttentionMetadata.build(q_lens, seq_lens, [c.blocks for c, _ in items], self.block_size)
+        hidden = self.model(ids, pos, meta, self.kv_caches)
+        last = torch.tensor(q_lens).cumsum(0) - 1
+        logits = self.head(hidden[last].contiguous())
+        for c, t in items:
+            c.tokens.extend(t)
+        return self.vocab_ids[logits.argmax(-1)].tolist()
+
+    def propose_batch(self, work: list[tuple[_Cache, list[int], int]]) -> list[list[int]]:
+        """work: (cache, sequence, k) per request. Each cache is rolled back to its common prefix
+        with the sequence (the rollback of rejected drafts), catches up, and drafts k tokens."""
+        out: list[list[int]] = [[] for _ in work]
+        live = []
+        for i, (cache, seq, k) in enumerate(work):
+            n, ct = 0, cache.tokens
+            limit = min(len(ct), len(seq) - 1)         # at least the last token is run again
+            while n < limit and ct[n] == seq[n]:
+                n += 1
+            del ct[n:]
+            k = min(k, self.max_len - len(seq))
+            if k > 0 and self._reserve(cache, len(seq) + k - 1):
+                live.append((i, cache, seq[n:], k))
+        if not live:
+            return out
+        nxt = self._step([(c, new) for _, c, new, _ in live])
+        for (i, *_), t in zip(live, nxt):
+            out[i].append(t)
+        for j in range(1, max(k for *_, k in live)):
+            live = [x for x in live if x[3] > j]
+            nxt = self._step([(c, out[i][-1:]) for i, c, _, _ in live])
+            for (i, *_), t in zip(live, nxt):
+                out[i].append(t)
         return out
 
 
@@ -143,23 +161,32 @@ class DraftProposer:
         self.caches: OrderedDict[str, _Cache] = OrderedDict()
 
     def propose(self, batch: Sequence[tuple[Request, int]]) -> list[list[int]]:
-        out = []
+        work = []
         for r, k in batch:
             cache = self.caches.pop(r.request_id, None) or self.draft.new_cache()
             self.caches[r.request_id] = cache              # most recently used last
-            out.append(self.draft.propose(cache, r.prompt_token_ids + r.output_token_ids, k))
-        while len(self.caches) > _MAX_CACHED_REQUESTS:
-            self.caches.popitem(last=False)
-        return out
+            work.append((cache, r.prompt_token_ids + r.output_token_ids, k))
+        mine = {id(c) for c, _, _ in work}
+        need = sum(-(-(len(seq) + k) // self.draft.block_size) - len(c.blocks) for c, seq, k in work)
+        for rid in list(self.caches):                      # room for this batch: drop the least recent others
+            if len(self.draft.free) >= need or len(self.caches) <= len(work):
+                break
+            if id(self.caches[rid]) not in mine:
+                self.draft.release(self.caches.pop(rid))
+        while len(self.caches) > max(_MAX_CACHED_REQUESTS, len(work)):
+            self.draft.release(self.caches.popitem(last=False)[1])
+        return self.draft.propose_batch(work)
 
     def forget(self, request_id: str) -> None:
-        self.caches.pop(request_id, None)
+        cache = self.caches.pop(request_id, None)
+        if cache is not None:
+            self.draft.release(cache)
 
     @classmethod
     def load(cls, config, target_model, target_tokenizer) -> DraftProposer:
         from kvserve.model.loader import load_model
         try:
-            draft = load_model(config.draft_path, weight_format="fp32")
+            draft = load_model(config.draft_path, weight_format="q8_0", backend=target_model.backend)
         except Exception as e:  # noqa: BLE001 - any load failure is the user's path
             raise InvalidRequest(f"cannot load the draft model {config.draft_path!r}: {e}",
                                  param="speculative") from None
