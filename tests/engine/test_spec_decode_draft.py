@@ -127,3 +127,77 @@ def test_break_even_rate_from_the_step_cost_model():
     assert sd.break_even(1, cost) > bars[0]
     assert sd.break_even(1, None) == 0.0
     assert SpecDecoder(SpeculativeConfig("ngram", max_batch_rows=0)).break_even(4, cost) == 0.0
+
+
+# ---- EAGLE: a draft head over the target's features (spec_decode/eagle.py) ----------------------
+
+@pytest.fixture(scope="module")
+def eagle_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eagle")
+    r = train_draft(DraftConfig(out=str(out), kind="eagle", num_prompts=6, gen_tokens=12, steps=3, batch_size=2,
+                                vocab_size=512, heldout=2, quiet=True))
+    assert r["kind"] == "eagle" and r["steps"] == 3
+    return out
+
+
+def test_trained_eagle_draft_is_exact(loaded, eagle_dir):
+    from kvserve.engine.spec_decode.eagle import EAGLE_FILE, EagleProposer
+
+    assert (eagle_dir / EAGLE_FILE).is_file()
+    assert json.loads((eagle_dir / "config.json").read_text())["num_hidden_layers"] == 1
+    base = make(loaded)
+    spec = make(loaded, speculative={"method": "draft", "draft_path": str(eagle_dir), "max_batch_rows": 0},
+                num_speculative_tokens=3)
+    proposer = spec.engine.core.scheduler.spec.proposer
+    assert isinstance(proposer, EagleProposer)
+    assert spec.engine.core.runner.hidden_sink == proposer.observe_hidden
+    check_identical(base, spec)
+    st = spec.stats()
+    assert st["spec_decode_num_draft_tokens"] > 0          # the features reached the draft
+    assert not proposer.caches and not proposer.features   # forgotten with their requests
+
+
+def test_eagle_after_a_prefix_cache_hit(loaded, eagle_dir):
+    """The second run of a prompt computes only its uncached tail: the draft's cache starts there."""
+    base = make(loaded)
+    spec = make(loaded, speculative={"method": "draft", "draft_path": str(eagle_dir), "max_batch_rows": 0},
+                num_speculative_tokens=3, enable_prefix_caching=True)
+    p = chat_ids(base, PROMPTS[2] + " " + "Answer in detail, step by step, please." * 4)
+    params = SamplingParams(temperature=0, max_tokens=20)
+    want = sig(base.generate(p, params, use_tqdm=False)[0])
+    assert sig(spec.generate(p, params, use_tqdm=False)[0]) == want
+    d0 = spec.stats()["spec_decode_num_draft_tokens"]
+    assert sig(spec.generate(p, params, use_tqdm=False)[0]) == want
+    assert spec.stats()["spec_decode_num_draft_tokens"] > d0
+    assert spec.stats()["prefix_cache_hits"] > 0
+
+
+def test_eagle_features_by_position():
+    import torch
+
+    from kvserve.engine.spec_decode.eagle import _Features
+
+    f = _Features(2)
+    f.put(5, torch.tensor([[5.0, 0], [6, 0], [7, 0]]))        # first computed position: 5
+    assert f.origin == 5 and f.end == 8 and f.get(4, 6) is None and f.get(6, 9) is None
+    f.put(7, torch.tensor([[70.0, 0], [8, 0]]))               # a rejected draft's row, then overwritten
+    assert f.get(5, 9)[:, 0].tolist() == [5, 6, 70, 8]
+    f.put(7, torch.tensor([[7.0, 0]]))
+    assert f.get(7, 9)[:, 0].tolist() == [7, 8]
+    for i in range(9, 200):
+        f.put(i, torch.tensor([[float(i), 0]]))
+    f.trim(150)                                               # consumed: dropped (compacted)
+    assert f.origin > 5 and f.get(150, 200)[:, 0].tolist() == list(range(150, 200))
+
+
+def test_bad_eagle_head_fails_at_startup(loaded, eagle_dir, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from kvserve.engine.spec_decode.eagle import EAGLE_FILE
+
+    bad = tmp_path / "bad"
+    shutil.copytree(eagle_dir, bad)
+    save_file({"fc.weight": torch.zeros(8, 8)}, str(bad / EAGLE_FILE))
+    with pytest.raises(InvalidRequest, match="fc must be"):
+        make(loaded, speculative=f"draft:{bad}")

@@ -83,6 +83,9 @@ class EngineCore:
         self.clock = PhaseClock()
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.torch_kv_dtype, eos_token_ids,
                                   device=config.device, clock=self.clock, num_local_blocks=num_local)
+        spec = self.scheduler.spec
+        if spec is not None and hasattr(spec.proposer, "observe_hidden"):   # a proposer that reads features
+            self.runner.hidden_sink = spec.proposer.observe_hidden
         self.kv_bytes_per_token = per_block // config.block_size
         logger.info("KV cache: %s, %d bytes per token, %d tokens fit (%d blocks of %d)", self.kv_dtype_name,
                     self.kv_bytes_per_token, num_blocks * config.block_size, num_blocks, config.block_size)

@@ -87,6 +87,9 @@ class ModelRunner:
                           for i in range(cfg.num_hidden_layers)]
         self.sampler = Sampler(eos_token_ids)
         self.grammar = None     # kvserve.structured.backend.GrammarBackend, set by the core when needed
+        # (scheduled, hidden) -> None: every step's final hidden states [T, H], rows in the order of
+        # `scheduled` (an EAGLE draft reads the target's features from them); None: not kept
+        self.hidden_sink = None
 
     @staticmethod
     def bytes_per_block(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -153,6 +156,8 @@ class ModelRunner:
                 self.model.lora.batch = None
         else:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        if self.hidden_sink is not None:
+            self.hidden_sink(sched.scheduled, hidden)
         clock.lap("forward")
         out = ModelRunnerOutput()
         if self.model.config.num_experts:

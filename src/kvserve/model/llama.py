@@ -169,11 +169,14 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attn_metadata: AttentionMetadata | None = None,
-                kv_caches: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Hidden states after the final norm: [B, T, H] (dense) or [T, H] (paged)."""
+                kv_caches: list[torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after the final norm: [B, T, H] (dense) or [T, H] (paged).
+        inputs_embeds: the first layer's input instead of the token embeddings (an EAGLE draft
+        feeds its fused features, spec_decode/eagle.py); input_ids then only give the shape."""
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if self.config.gemma_norms:   # Gemma scales the embeddings by sqrt(hidden)
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         reference = TorchOps(self.rotary, self.backend, self.rotary_local)

@@ -50,7 +50,10 @@ def _threads(n: int | None) -> None:
 def draft_cmd(
     out: str = typer.Option(..., "--out", help="Output directory: the draft model (HF format) and draft_vocab.json."),
     target: str = typer.Option(None, "--target", help="The target model (default: the built-in one)."),
-    layers: str = typer.Option("first,last", help="The target's layers the draft starts from: first, last, indices."),
+    kind: str = typer.Option("layers", "--kind", help="layers: a small model of the target's layers; eagle: an "
+                                                     "EAGLE head reading the target's features."),
+    layers: str = typer.Option("first,last", help="The target's layers the draft starts from: first, last, indices "
+                                                  "(eagle: one layer, default the last)."),
     vocab_size: int = typer.Option(4096, "--vocab-size", help="LM-head rows kept: the target's most used tokens "
                                                               "(0: the whole vocabulary)."),
     num_prompts: int = typer.Option(320, "--num-prompts", help="Built-in chat prompts the target answers."),
@@ -67,7 +70,7 @@ def draft_cmd(
     from kvserve.train.draft import DraftConfig, train_draft
 
     try:
-        r = train_draft(DraftConfig(out=out, target=target, layers=layers, vocab_size=vocab_size,
+        r = train_draft(DraftConfig(out=out, target=target, kind=kind, layers=layers, vocab_size=vocab_size,
                                     num_prompts=num_prompts, gen_tokens=gen_tokens, temperature=temperature,
                                     greedy_share=greedy_share,
                                     steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads))

@@ -62,7 +62,10 @@ def chat_prompts() -> list[str]:
 class DraftConfig:
     out: str
     target: str | None = None          # the target model (None: the built-in default)
+    kind: str = "layers"               # "layers": a small model of the target's layers; "eagle": an
+                                       # EAGLE head over the target's features (spec_decode/eagle.py)
     layers: str = "first,last"         # target layers copied into the draft: "first,last", "0", "0,15,29"
+    reg_weight: float = 1.0            # eagle: weight of the feature regression beside the token loss
     vocab_size: int = 4096             # LM-head rows kept (0: the whole vocabulary)
     num_prompts: int = 320
     gen_tokens: int = 192
@@ -79,6 +82,8 @@ class DraftConfig:
     def __post_init__(self) -> None:
         if self.num_prompts < self.heldout + 1:
             raise InvalidRequest("num_prompts must be larger than heldout", param="num_prompts")
+        if self.kind not in ("layers", "eagle"):
+            raise InvalidRequest(f"unknown draft kind {self.kind!r}: layers or eagle", param="kind")
         if self.steps < 0 or self.batch_size < 1 or self.gen_tokens < 1 or self.vocab_size < 0:
             raise InvalidRequest("steps, batch_size, gen_tokens and vocab_size must be positive", param="steps")
 
@@ -94,22 +99,43 @@ def _layer_ids(spec: str, n: int) -> list[int]:
     return out
 
 
-def _generate(loaded, prompts: list[str], cfg: DraftConfig) -> tuple[list[list[int]], list[int]]:
+def _generate(loaded, prompts: list[str], cfg: DraftConfig, features: bool = False):
     """The target's answers (prompt + answer ids) and each prompt's length: the first
     `greedy_share` of the prompts answered greedily (what greedy requests will verify), the rest
-    sampled at `temperature`."""
+    sampled at `temperature`. features: also the target's final hidden state at every position
+    but the last, [len - 1, H] fp16 per sequence, kept from the engine's own steps (the model
+    runner's hidden sink: the features an EAGLE draft will read when serving)."""
     from kvserve import LLM, SamplingParams
 
     tok = loaded.tokenizer
-    llm = LLM(loaded.model, tokenizer=tok, kv_cache_memory="512MiB")
+    llm = LLM(loaded.model, tokenizer=tok, kv_cache_memory="512MiB", enable_prefix_caching=False)
+    rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    if features:
+        def sink(scheduled, hidden):
+            r = 0
+            for s in scheduled:
+                rows.setdefault(s.request.request_id, []).append((s.num_computed_tokens,
+                                                                  hidden[r:r + s.num_new_tokens].half()))
+                r += s.num_new_tokens
+        llm.engine.core.runner.hidden_sink = sink
     reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True)}
             for p in prompts]
     n_greedy = round(cfg.greedy_share * len(reqs))
     params = [SamplingParams(temperature=0.0 if i < n_greedy else cfg.temperature, max_tokens=cfg.gen_tokens,
                              seed=cfg.seed + i) for i in range(len(reqs))]
     outs = llm.generate(reqs, params, use_tqdm=False)
-    return ([list(r["prompt_token_ids"]) + list(o.outputs[0].token_ids) for r, o in zip(reqs, outs)],
-            [len(r["prompt_token_ids"]) for r in reqs])
+    seqs = [list(r["prompt_token_ids"]) + list(o.outputs[0].token_ids) for r, o in zip(reqs, outs)]
+    feats = None
+    if features:
+        feats = []
+        for s, o in zip(seqs, outs):
+            f = torch.zeros(len(s) - 1, loaded.config.hidden_size, dtype=torch.float16)
+            for start, h in sorted(rows.pop(o.request_id), key=lambda x: x[0]):
+                n = min(h.shape[0], f.shape[0] - start)
+                if n > 0:
+                    f[start:start + n] = h[:n]
+            feats.append(f)
+    return seqs, [len(r["prompt_token_ids"]) for r in reqs], feats
 
 
 @torch.no_grad()
@@ -161,6 +187,54 @@ def _loss(model, seqs, teach, head: torch.Tensor, starts: list[int]) -> tuple[to
     return loss, float(agree)
 
 
+class EagleHead(torch.nn.Module):
+    """fc([f_j ; e(x_{j+1})]) -> one decoder layer -> norm: the draft's output at position j, which
+    should be f_{j+1} and, through the head, predict x_{j+2} (spec_decode/eagle.py serves it)."""
+
+    def __init__(self, layer_model, hidden: int):
+        super().__init__()
+        self.body = layer_model
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        with torch.no_grad():    # start from the token's embedding plus a little of the feature
+            self.fc.weight.zero_()
+            self.fc.weight[:, hidden:] = torch.eye(hidden)
+            self.fc.weight[:, :hidden] = 0.1 * torch.eye(hidden)
+
+    def forward(self, feats: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        x = self.fc(torch.cat([feats, self.body.embed_tokens[next_ids]], -1))
+        return self.body(next_ids, inputs_embeds=x)
+
+
+def _eagle_loss(head_model: EagleHead, seqs, feats, head: torch.Tensor, remap: torch.Tensor, starts,
+                reg_weight: float) -> tuple[torch.Tensor, float]:
+    """Token loss (cross-entropy on the target's own next token, kept vocabulary) plus the feature
+    regression, at the answers' positions; also the top-1 agreement."""
+    T = max(len(s) for s in seqs) - 2
+    B, H = len(seqs), head.shape[1]
+    ids = torch.zeros(B, T, dtype=torch.long)
+    f = torch.zeros(B, T, H)
+    ft = torch.zeros(B, T, H)
+    label = torch.full((B, T), -100, dtype=torch.long)
+    mask = torch.zeros(B, T)
+    for b, (s, fs, p) in enumerate(zip(seqs, feats, starts)):
+        n = len(s) - 2
+        ids[b, :n] = torch.tensor(s[1:n + 1])
+        f[b, :n] = fs[:n].float()
+        ft[b, :n] = fs[1:n + 1].float()
+        lab = remap[torch.tensor(s[2:n + 2])]
+        lo = max(0, p - 2)
+        label[b, lo:n] = lab[lo:]
+        mask[b, lo:n] = 1
+    out = head_model(f, ids)
+    logits = out @ head.T
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), label, ignore_index=-100, reduction="none")
+    reg = torch.nn.functional.smooth_l1_loss(out, ft, reduction="none").mean(-1)
+    loss = ((ce + reg_weight * reg) * mask).sum() / mask.sum()
+    valid = (label >= 0).float() * mask
+    agree = ((logits.argmax(-1) == label).float() * valid).sum() / valid.sum().clamp(min=1)
+    return loss, float(agree)
+
+
 def train_draft(cfg: DraftConfig) -> dict:
     from kvserve.model.loader import load_model
     from kvserve.train.export import export_hf
@@ -173,7 +247,7 @@ def train_draft(cfg: DraftConfig) -> dict:
     rng.shuffle(prompts)
     prompts = (prompts * (1 + cfg.num_prompts // len(prompts)))[:cfg.num_prompts]
     target = load_model(cfg.target)
-    seqs, starts = _generate(target, prompts, cfg)
+    seqs, starts, feats = _generate(target, prompts, cfg, features=cfg.kind == "eagle")
     t_gen = time.perf_counter() - t0
     counts = Counter(t for s in seqs for t in s)
     keep = [t for t, _ in counts.most_common(cfg.vocab_size or None)] if cfg.vocab_size else list(
@@ -186,37 +260,50 @@ def train_draft(cfg: DraftConfig) -> dict:
     del target
     fp32 = load_model(cfg.target, weight_format="fp32")     # the teacher: dense fp32 batches run fastest
     tok = fp32.tokenizer
-    teach = _teacher(fp32.model, seqs, vocab)
+    if cfg.kind == "eagle":    # hard labels and features from the generation itself: no teacher pass
+        teach = None
+        draft = _draft_model(fp32.model, _layer_ids(cfg.layers if cfg.layers != "first,last" else "last",
+                                                    fp32.config.num_hidden_layers)[:1])
+        model = EagleHead(draft, fp32.config.hidden_size)
+        remap = torch.full((fp32.config.vocab_size,), -100, dtype=torch.long)
+        remap[vocab] = torch.arange(len(keep))
+    else:
+        teach = _teacher(fp32.model, seqs, vocab)
+        draft = _draft_model(fp32.model, _layer_ids(cfg.layers, fp32.config.num_hidden_layers))
+        model = draft
     t_teach = time.perf_counter() - t0 - t_gen
-    draft = _draft_model(fp32.model, _layer_ids(cfg.layers, fp32.config.num_hidden_layers))
     del fp32
-    draft.requires_grad_(True).train()
+    model.requires_grad_(True).train()
     draft.embed_tokens.requires_grad_(False)
     head = draft.embed_tokens.detach()[vocab]
-    opt = make_optimizer(draft, cfg.lr, weight_decay=0.0)
+    opt = make_optimizer(model, cfg.lr, weight_decay=0.0)
     train_idx = list(range(cfg.heldout, len(seqs)))
     held = list(range(cfg.heldout))
     log = RunLog(Path(cfg.out), cfg.steps, enabled=not cfg.quiet, title="draft")
     log.start()
 
+    def loss_of(idx: list[int]) -> tuple[torch.Tensor, float]:
+        if cfg.kind == "eagle":
+            return _eagle_loss(model, [seqs[i] for i in idx], [feats[i] for i in idx], head, remap,
+                               [starts[i] for i in idx], cfg.reg_weight)
+        return _loss(draft, [seqs[i] for i in idx], [teach[i] for i in idx], head, [starts[i] for i in idx])
+
     def held_agreement() -> float:
         with torch.no_grad():
-            return _loss(draft, [seqs[i] for i in held], [teach[i] for i in held], head, [starts[i] for i in held])[1]
+            return loss_of(held)[1]
 
     before = held_agreement()
     for step in range(cfg.steps):
         lr = cfg.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - step / max(1, cfg.steps)))
         for g in opt.param_groups:
             g["lr"] = lr
-        batch = rng.sample(train_idx, min(cfg.batch_size, len(train_idx)))
-        loss, agree = _loss(draft, [seqs[i] for i in batch], [teach[i] for i in batch], head,
-                            [starts[i] for i in batch])
+        loss, agree = loss_of(rng.sample(train_idx, min(cfg.batch_size, len(train_idx))))
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in draft.parameters() if p.requires_grad], 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         opt.step()
         log.log("train", step, loss=float(loss.detach()), agreement=agree, lr=lr)
-    draft.requires_grad_(False).eval()
+    model.requires_grad_(False).eval()
     after = held_agreement()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -225,7 +312,12 @@ def train_draft(cfg: DraftConfig) -> dict:
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
     export_hf(draft, out, out, tok.eos_token_ids)
     (out / "draft_vocab.json").write_text(json.dumps({"token_ids": keep}) + "\n")
-    result = {"out": str(out), "layers": cfg.layers, "vocab_size": len(keep), "sequences": len(seqs),
+    if cfg.kind == "eagle":
+        from safetensors.torch import save_file
+
+        from kvserve.engine.spec_decode.eagle import EAGLE_FILE
+        save_file({"fc.weight": model.fc.weight.detach().contiguous()}, str(out / EAGLE_FILE))
+    result = {"out": str(out), "kind": cfg.kind, "layers": cfg.layers, "vocab_size": len(keep), "sequences": len(seqs),
               "tokens": sum(len(s) for s in seqs), "steps": cfg.steps,
               "heldout_top1_agreement_before": round(before, 4), "heldout_top1_agreement": round(after, 4),
               "generate_s": round(t_gen, 1), "teacher_s": round(t_teach, 1),

@@ -65,14 +65,11 @@ class DraftModel:
         from kvserve.model.kv_quant import cache_shape
 
         cfg = model.config
-        if (cfg.qk_norm or cfg.gemma_norms or cfg.num_experts or cfg.final_logit_softcapping
-                or any(cfg.window_of(i) for i in range(cfg.num_hidden_layers)) or cfg.hidden_act != "silu"):
-            raise InvalidRequest("a draft model must be a plain Llama-shaped model (no q/k norms, sliding "
-                                 "windows, soft-capping or experts)", param="speculative")
+        self.check_shape(cfg)
         self.model = model
         self.cfg = cfg
         self.vocab_ids = torch.tensor(vocab_ids if vocab_ids else range(cfg.vocab_size), dtype=torch.long)
-        self.head = self._head(model)
+        self.head = self.head_of(model, self.vocab_ids)
         self.max_len = cfg.max_position_embeddings
         self.block_size = block_size
         dtype = torch.float16
@@ -80,13 +77,21 @@ class DraftModel:
                                                   dtype), dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.free = list(range(num_blocks - 1, -1, -1))
 
-    def _head(self, model):
-        """The LM head's kept rows, packed like the projections where the C kernels run."""
+    @staticmethod
+    def check_shape(cfg) -> None:
+        if (cfg.qk_norm or cfg.gemma_norms or cfg.num_experts or cfg.final_logit_softcapping
+                or any(cfg.window_of(i) for i in range(cfg.num_hidden_layers)) or cfg.hidden_act != "silu"):
+            raise InvalidRequest("a draft model must be a plain Llama-shaped model (no q/k norms, sliding "
+                                 "windows, soft-capping or experts)", param="speculative")
+
+    @staticmethod
+    def head_of(model, ids: torch.Tensor):
+        """The LM head's rows `ids`, packed like the projections where the C kernels run."""
         from kvserve.model.linear import WeightSource, make_linear
 
-        ids = self.vocab_ids
-        rows = model.embed(ids) if model.lm_head is model.packed_embed or self.cfg.tie_word_embeddings else None
-        if rows is None:
+        if model.lm_head is model.packed_embed or model.config.tie_word_embeddings:
+            rows = model.embed(ids)
+        else:
             w = getattr(model.lm_head, "weight", None)
             rows = w.detach().float()[ids] if w is not None else model.embed(ids)
         return make_linear(WeightSource(tuple(rows.shape), tensor=rows.contiguous()), None, "q8_0",
@@ -183,7 +188,9 @@ class DraftProposer:
             self.draft.release(cache)
 
     @classmethod
-    def load(cls, config, target_model, target_tokenizer) -> DraftProposer:
+    def load(cls, config, target_model, target_tokenizer):
+        """The proposer for `config.draft_path`: a DraftProposer, or an EagleProposer when the
+        directory holds an EAGLE head's fc (spec_decode/eagle.py)."""
         from kvserve.model.loader import load_model
         try:
             draft = load_model(config.draft_path, weight_format="q8_0", backend=target_model.backend)
@@ -202,4 +209,7 @@ class DraftProposer:
             vocab = json.loads(vf.read_text())["token_ids"]
             if not vocab or min(vocab) < 0 or max(vocab) >= draft.config.vocab_size:
                 raise InvalidRequest(f"{vf}: token ids outside the vocabulary", param="speculative")
+        from kvserve.engine.spec_decode.eagle import EAGLE_FILE, EagleProposer
+        if (Path(config.draft_path) / EAGLE_FILE).is_file():
+            return EagleProposer.load(config.draft_path, draft.model, target_model)
         return cls(DraftModel(draft.model, vocab))

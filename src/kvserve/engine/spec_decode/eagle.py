@@ -1,0 +1,249 @@
+"""EAGLE-style draft (`--speculative draft:DIR` where DIR holds `eagle_fc.safetensors`): a draft
+that reads the target's own features instead of starting from the tokens alone.
+
+The feature f_j is the target's final hidden state at position j (after the final norm: what
+its LM head turns into the distribution of token j+1). The draft at position j takes
+fc([f_j ; e(x_{j+1})]) (the feature and the embedding of the token that followed, 2H -> H) through
+one decoder layer of the target's shape and its own final norm, and predicts x_{j+2} with the
+target's (tied) head restricted to the draft vocabulary. Its output is trained to be f_{j+1} as
+well, so a draft step feeds its own output as the next step's feature:
+
+    step 1   position L-2: fc([f_{L-2} ; e(x_{L-1})]) -> d_1, h_1     (x_{L-1}: the newest token)
+    step i   position L-3+i: fc([h_{i-1} ; e(d_{i-1})]) -> d_i, h_i
+
+Features come from the engine: the model runner hands every step's hidden rows to
+`observe_hidden`, which keeps them per request by position. A position's latest row is always
+the verified one: a rejected draft's row sits at the position of the token that replaced it, and
+that token is run (and its row written again) before its feature is needed. Positions the target
+never computed for this request (a prefix-cache hit) have no feature: the draft's own cache then
+starts at the first position that has one.
+
+The draft's KV cache is paged (a pool of its own, like the plain draft's): each request's cache
+holds the positions computed from true features; the draft steps' positions are written too but
+not kept, so the next step recomputes them from the target's features.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kvserve.engine.request import Request
+from kvserve.errors import InvalidRequest
+
+EAGLE_FILE = "eagle_fc.safetensors"
+_MAX_CACHED_REQUESTS = 64
+
+
+class _Features:
+    """One request's target features by position, from `origin` on (fp32 rows)."""
+
+    def __init__(self, hidden: int):
+        self.origin: int | None = None
+        self.buf = torch.empty(0, hidden)
+        self.end = 0                      # one past the last position written
+
+    def put(self, start: int, rows: torch.Tensor) -> None:
+        if self.origin is None:
+            self.origin = start
+        skip = max(0, self.origin - start)
+        if skip >= rows.shape[0]:
+            return
+        a = start + skip - self.origin
+        b = a + rows.shape[0] - skip
+        if b > self.buf.shape[0]:
+            grown = torch.empty(max(b, 2 * self.buf.shape[0], 64), self.buf.shape[1])
+            grown[:self.buf.shape[0]] = self.buf
+            self.buf = grown
+        self.buf[a:b] = rows[skip:]
+        self.end = max(self.end, b + self.origin)       # positions are computed contiguously
+
+    def get(self, a: int, b: int) -> torch.Tensor | None:
+        """Rows for positions [a, b), or None if any is missing."""
+        if self.origin is None or a < self.origin or b > self.end:
+            return None
+        return self.buf[a - self.origin:b - self.origin]
+
+    def trim(self, upto: int) -> None:
+        """Forget positions before `upto` (the draft's cache holds them)."""
+        if self.origin is None or upto <= self.origin:
+            return
+        drop = min(upto, self.end) - self.origin
+        if drop > self.buf.shape[0] // 2:           # compact now and then: amortised O(1) per row
+            self.buf = self.buf[drop:].clone()
+            self.origin += drop
+
+
+class _Cache:
+    """One request's positions in the draft's paged KV cache: from `origin`, `tokens[i]` is the token
+    x_{origin+i+1} that position origin+i was computed with (from the target's feature)."""
+
+    def __init__(self) -> None:
+        self.origin: int | None = None
+        self.tokens: list[int] = []
+        self.blocks: list[int] = []
+
+
+class EagleModel:
+    """fc + one decoder layer + norm + the kept head rows; the layer stack on the model code (the
+    C forward over Q8_0-packed weights where the kernels are), a paged KV pool of its own."""
+
+    def __init__(self, model, fc: torch.Tensor, embed, vocab_ids: list[int] | None = None,
+                 num_blocks: int = 2048, block_size: int = 16):
+        from kvserve.engine.spec_decode.draft import DraftModel
+        from kvserve.model.kv_quant import cache_shape
+
+        DraftModel.check_shape(model.config)
+        cfg = model.config
+        H = cfg.hidden_size
+        if tuple(fc.shape) != (H, 2 * H):
+            raise InvalidRequest(f"{EAGLE_FILE}: fc must be [{H}, {2 * H}], got {list(fc.shape)}",
+                                 param="speculative")
+        self.model, self.cfg, self.embed = model, cfg, embed
+        self.fc = fc.float().contiguous()
+        self.vocab_ids = torch.tensor(vocab_ids if vocab_ids else range(cfg.vocab_size), dtype=torch.long)
+        self.head = DraftModel.head_of(model, self.vocab_ids)
+        self.max_len = cfg.max_position_embeddings
+        self.block_size = block_size
+        dtype = torch.float16
+        self.kv_caches = [torch.empty(cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                                                  dtype), dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.free = list(range(num_blocks - 1, -1, -1))
+
+    def new_cache(self) -> _Cache:
+        return _Cache()
+
+    def release(self, cache: _Cache) -> None:
+        self.free += reversed(cache.blocks)
+        cache.blocks, cache.tokens, cache.origin = [], [], None
+
+    def _reserve(self, cache: _Cache, n: int) -> bool:
+        need = -(-n // self.block_size) - len(cache.blocks)
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            cache.blocks.append(self.free.pop())
+        return True
+
+    @torch.no_grad()
+    def _step(self, items: list[tuple[_Cache, int, torch.Tensor, list[int]]]) -> tuple[list[int], torch.Tensor]:
+        """items: (cache, first position, features [n, H], next tokens [n]) per request; runs the
+        positions and returns each item's draft token after its last position and that row's output."""
+        from kvserve.model.attention import AttentionMetadata
+
+        q_lens = [len(t) for *_, t in items]
+        toks = torch.tensor([x for *_, t in items for x in t], dtype=torch.long)
+        feats = torch.cat([f for _, _, f, _ in items])
+        x = torch.cat([feats, self.embed(toks)], -1) @ self.fc.T
+        # positions count from each cache's origin (slots and RoPE alike: attention scores depend only
+        # on distances, so a cache that starts after a prefix-cache hit needs no shift)
+        pos = torch.tensor([p - c.origin for c, p0, _, t in items for p in range(p0, p0 + len(t))],
+                           dtype=torch.long)
+        ends = [p0 - c.origin + len(t) for c, p0, _, t in items]
+        meta = AttentionMetadata.build(q_lens, ends, [c.blocks for c, *_ in items], self.block_size)
+        hidden = self.model(toks, pos, meta, self.kv_caches, inputs_embeds=x)
+        last = hidden[torch.tensor(q_lens).cumsum(0) - 1].contiguous()
+        return self.vocab_ids[self.head(last).argmax(-1)].tolist(), last
+
+    def propose_batch(self, work: list[tuple[_Cache, _Features, list[int], int]]) -> list[list[int]]:
+        """work: (cache, the request's features, its sequence, k) per request."""
+        out: list[list[int]] = [[] for _ in work]
+        live = []
+        for i, (cache, feats, seq, k) in enumerate(work):
+            L = len(seq)
+            if cache.origin is None:
+                cache.origin = feats.origin
+            o = cache.origin
+            if o is None or L - 2 < o:
+                continue
+            n, ct = 0, cache.tokens                    # roll back to the common prefix (verified tokens)
+            limit = min(len(ct), L - 2 - o)            # position L-2 always runs again (new token after it)
+            while n < limit and ct[n] == seq[o + n + 1]:
+                n += 1
+            del ct[n:]
+            f = feats.get(o + n, L - 1)
+            k = min(k, self.max_len - L)
+            if f is None or k <= 0 or not self._reserve(cache, L - 1 - o + k - 1):
+                continue
+            live.append((i, cache, o + n, f, seq[o + n + 1:L], k))
+        if not live:
+            return out
+        toks, h = self._step([(c, p0, f, t) for _, c, p0, f, t, _ in live])
+        for row, (i, c, p0, f, t, k) in enumerate(live):
+            out[i].append(toks[row])
+            c.tokens.extend(t)
+            work[i][1].trim(p0 + len(t))
+        state = {i: (c, p0 + len(t), h[row:row + 1]) for row, (i, c, p0, f, t, k) in enumerate(live)}
+        for j in range(1, max(x[-1] for x in live)):
+            now = [i for i, *_, k in live if k > j]
+            items = [(state[i][0], state[i][1] + j - 1, state[i][2], out[i][-1:]) for i in now]
+            toks, h = self._step(items)
+            for row, i in enumerate(now):
+                out[i].append(toks[row])
+                state[i] = (state[i][0], state[i][1], h[row:row + 1])
+        return out
+
+
+class EagleProposer:
+    """The Proposer over an EagleModel; `observe_hidden` is the model runner's hidden sink."""
+
+    def __init__(self, draft: EagleModel):
+        self.draft = draft
+        self.caches: OrderedDict[str, _Cache] = OrderedDict()
+        self.features: dict[str, _Features] = {}
+
+    def observe_hidden(self, scheduled, hidden: torch.Tensor) -> None:
+        row = 0
+        for s in scheduled:
+            n, req = s.num_new_tokens, s.request
+            if req.params.speculative:
+                f = self.features.get(req.request_id)
+                if f is None:
+                    f = self.features[req.request_id] = _Features(hidden.shape[-1])
+                f.put(s.num_computed_tokens, hidden[row:row + n])
+            row += n
+
+    def propose(self, batch: Sequence[tuple[Request, int]]) -> list[list[int]]:
+        work = []
+        for r, k in batch:
+            cache = self.caches.pop(r.request_id, None) or self.draft.new_cache()
+            self.caches[r.request_id] = cache
+            feats = self.features.get(r.request_id) or _Features(self.draft.cfg.hidden_size)
+            work.append((cache, feats, r.prompt_token_ids + r.output_token_ids, k))
+        mine = {id(w[0]) for w in work}
+        need = sum(-(-(len(seq) + k) // self.draft.block_size) - len(c.blocks) for c, _, seq, k in work)
+        for rid in list(self.caches):
+            if len(self.draft.free) >= need or len(self.caches) <= len(work):
+                break
+            if id(self.caches[rid]) not in mine:
+                self.draft.release(self.caches.pop(rid))
+        while len(self.caches) > max(_MAX_CACHED_REQUESTS, len(work)):
+            self.draft.release(self.caches.popitem(last=False)[1])
+        return self.draft.propose_batch(work)
+
+    def forget(self, request_id: str) -> None:
+        self.features.pop(request_id, None)
+        cache = self.caches.pop(request_id, None)
+        if cache is not None:
+            self.draft.release(cache)
+
+    @classmethod
+    def load(cls, path: str, draft_model, target_model) -> EagleProposer:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        from kvserve.engine.spec_decode.draft import DRAFT_VOCAB_FILE
+
+        try:
+            fc = load_file(str(Path(path) / EAGLE_FILE))["fc.weight"]
+        except (SafetensorError, OSError, KeyError) as e:
+            raise InvalidRequest(f"cannot read {Path(path) / EAGLE_FILE}: {e}", param="speculative") from None
+        vocab = None
+        vf = Path(path) / DRAFT_VOCAB_FILE
+        if vf.is_file():
+            vocab = json.loads(vf.read_text())["token_ids"]
+        return cls(EagleModel(draft_model, fc, target_model.embed, vocab))
