@@ -201,3 +201,16 @@ def test_bad_eagle_head_fails_at_startup(loaded, eagle_dir, tmp_path):
     save_file({"fc.weight": torch.zeros(8, 8)}, str(bad / EAGLE_FILE))
     with pytest.raises(InvalidRequest, match="fc must be"):
         make(loaded, speculative=f"draft:{bad}")
+
+
+def test_eagle_features_are_bounded_and_the_draft_starts_over(loaded, eagle_dir, monkeypatch):
+    """A request that keeps more rows than the bound loses the oldest; its draft cache then restarts
+    at the first row kept (and speculation stays exact)."""
+    import kvserve.engine.spec_decode.eagle as eagle
+
+    monkeypatch.setattr(eagle, "_MAX_FEATURE_ROWS", 16)
+    base = make(loaded)
+    spec = make(loaded, speculative={"method": "draft", "draft_path": str(eagle_dir), "max_batch_rows": 0},
+                num_speculative_tokens=3)
+    check_identical(base, spec, max_tokens=40, batched=False, n=1)
+    assert spec.stats()["spec_decode_num_draft_tokens"] > 0

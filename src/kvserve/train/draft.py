@@ -15,6 +15,14 @@ decoding (`--speculative draft:DIR`) from the target, on text the target writes 
                  gives the draft's top-1 agreement with the target on held-out sequences (a
                  proxy for the acceptance rate of greedy drafts)
 
+`--kind eagle` makes an EAGLE-style head instead (spec_decode/eagle.py): one decoder layer (from the
+target's last) over fc([f_j ; e(x_{j+1})]), f_j the target's final hidden state at position j. Its
+data come from step 1 alone: the engine's hidden rows are kept as the target writes (the model
+runner's hidden sink), and the label at each position is the token the target wrote there (its
+argmax, for the greedy share), so there is no teacher pass. Loss: cross-entropy on that token over
+the kept vocabulary plus `reg_weight` x smooth-L1 between the head's output and f_{j+1} (the next
+draft step feeds its own output as the feature).
+
 Verification keeps speculative decoding exact whatever the draft proposes: training only
 decides how many drafts are accepted.
 """
@@ -109,14 +117,20 @@ def _generate(loaded, prompts: list[str], cfg: DraftConfig, features: bool = Fal
 
     tok = loaded.tokenizer
     llm = LLM(loaded.model, tokenizer=tok, kv_cache_memory="512MiB", enable_prefix_caching=False)
-    rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    kept: dict[str, torch.Tensor] = {}     # request id -> [prompt + gen_tokens, H] fp16, written in place
     if features:
         def sink(scheduled, hidden):
             r = 0
             for s in scheduled:
-                rows.setdefault(s.request.request_id, []).append((s.num_computed_tokens,
-                                                                  hidden[r:r + s.num_new_tokens].half()))
-                r += s.num_new_tokens
+                req, n = s.request, s.num_new_tokens
+                f = kept.get(req.request_id)
+                if f is None:
+                    f = kept[req.request_id] = torch.zeros(req.num_prompt_tokens + cfg.gen_tokens,
+                                                           hidden.shape[-1], dtype=torch.float16)
+                a = s.num_computed_tokens
+                b = min(a + n, f.shape[0])
+                f[a:b] = hidden[r:r + b - a]
+                r += n
         llm.engine.core.runner.hidden_sink = sink
     reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True)}
             for p in prompts]
@@ -125,16 +139,7 @@ def _generate(loaded, prompts: list[str], cfg: DraftConfig, features: bool = Fal
                              seed=cfg.seed + i) for i in range(len(reqs))]
     outs = llm.generate(reqs, params, use_tqdm=False)
     seqs = [list(r["prompt_token_ids"]) + list(o.outputs[0].token_ids) for r, o in zip(reqs, outs)]
-    feats = None
-    if features:
-        feats = []
-        for s, o in zip(seqs, outs):
-            f = torch.zeros(len(s) - 1, loaded.config.hidden_size, dtype=torch.float16)
-            for start, h in sorted(rows.pop(o.request_id), key=lambda x: x[0]):
-                n = min(h.shape[0], f.shape[0] - start)
-                if n > 0:
-                    f[start:start + n] = h[:n]
-            feats.append(f)
+    feats = [kept.pop(o.request_id)[:len(s) - 1].clone() for s, o in zip(seqs, outs)] if features else None
     return seqs, [len(r["prompt_token_ids"]) for r in reqs], feats
 
 
@@ -260,16 +265,18 @@ def train_draft(cfg: DraftConfig) -> dict:
     del target
     fp32 = load_model(cfg.target, weight_format="fp32")     # the teacher: dense fp32 batches run fastest
     tok = fp32.tokenizer
+    layer_ids = _layer_ids("last" if cfg.kind == "eagle" and cfg.layers == "first,last" else cfg.layers,
+                           fp32.config.num_hidden_layers)
     if cfg.kind == "eagle":    # hard labels and features from the generation itself: no teacher pass
         teach = None
-        draft = _draft_model(fp32.model, _layer_ids(cfg.layers if cfg.layers != "first,last" else "last",
-                                                    fp32.config.num_hidden_layers)[:1])
+        layer_ids = layer_ids[:1]
+        draft = _draft_model(fp32.model, layer_ids)
         model = EagleHead(draft, fp32.config.hidden_size)
         remap = torch.full((fp32.config.vocab_size,), -100, dtype=torch.long)
         remap[vocab] = torch.arange(len(keep))
     else:
         teach = _teacher(fp32.model, seqs, vocab)
-        draft = _draft_model(fp32.model, _layer_ids(cfg.layers, fp32.config.num_hidden_layers))
+        draft = _draft_model(fp32.model, layer_ids)
         model = draft
     t_teach = time.perf_counter() - t0 - t_gen
     del fp32
@@ -317,7 +324,7 @@ def train_draft(cfg: DraftConfig) -> dict:
 
         from kvserve.engine.spec_decode.eagle import EAGLE_FILE
         save_file({"fc.weight": model.fc.weight.detach().contiguous()}, str(out / EAGLE_FILE))
-    result = {"out": str(out), "kind": cfg.kind, "layers": cfg.layers, "vocab_size": len(keep), "sequences": len(seqs),
+    result = {"out": str(out), "kind": cfg.kind, "layers": layer_ids, "vocab_size": len(keep), "sequences": len(seqs),
               "tokens": sum(len(s) for s in seqs), "steps": cfg.steps,
               "heldout_top1_agreement_before": round(before, 4), "heldout_top1_agreement": round(after, 4),
               "generate_s": round(t_gen, 1), "teacher_s": round(t_teach, 1),

@@ -37,14 +37,17 @@ from kvserve.errors import InvalidRequest
 
 EAGLE_FILE = "eagle_fc.safetensors"
 _MAX_CACHED_REQUESTS = 64
+# Features kept per request beyond what its draft cache holds: a request that does not draft for a
+# long time (a big batch, a long prompt) keeps only its newest rows, and its draft starts over there.
+_MAX_FEATURE_ROWS = 2048
 
 
 class _Features:
-    """One request's target features by position, from `origin` on (fp32 rows)."""
+    """One request's target features by position, from `origin` on (fp16 rows, as in training)."""
 
     def __init__(self, hidden: int):
         self.origin: int | None = None
-        self.buf = torch.empty(0, hidden)
+        self.buf = torch.empty(0, hidden, dtype=torch.float16)
         self.end = 0                      # one past the last position written
 
     def put(self, start: int, rows: torch.Tensor) -> None:
@@ -56,7 +59,7 @@ class _Features:
         a = start + skip - self.origin
         b = a + rows.shape[0] - skip
         if b > self.buf.shape[0]:
-            grown = torch.empty(max(b, 2 * self.buf.shape[0], 64), self.buf.shape[1])
+            grown = torch.empty(max(b, 2 * self.buf.shape[0], 64), self.buf.shape[1], dtype=self.buf.dtype)
             grown[:self.buf.shape[0]] = self.buf
             self.buf = grown
         self.buf[a:b] = rows[skip:]
@@ -68,12 +71,13 @@ class _Features:
             return None
         return self.buf[a - self.origin:b - self.origin]
 
-    def trim(self, upto: int) -> None:
-        """Forget positions before `upto` (the draft's cache holds them)."""
+    def trim(self, upto: int, now: bool = False) -> None:
+        """Forget positions before `upto` (the draft's cache holds them): at once if `now`, else when
+        they are over half the buffer (amortised O(1) per row)."""
         if self.origin is None or upto <= self.origin:
             return
         drop = min(upto, self.end) - self.origin
-        if drop > self.buf.shape[0] // 2:           # compact now and then: amortised O(1) per row
+        if now or drop > self.buf.shape[0] // 2:
             self.buf = self.buf[drop:].clone()
             self.origin += drop
 
@@ -137,7 +141,7 @@ class EagleModel:
 
         q_lens = [len(t) for *_, t in items]
         toks = torch.tensor([x for *_, t in items for x in t], dtype=torch.long)
-        feats = torch.cat([f for _, _, f, _ in items])
+        feats = torch.cat([f for _, _, f, _ in items]).float()
         x = torch.cat([feats, self.embed(toks)], -1) @ self.fc.T
         # positions count from each cache's origin (slots and RoPE alike: attention scores depend only
         # on distances, so a cache that starts after a prefix-cache hit needs no shift)
@@ -166,6 +170,11 @@ class EagleModel:
                 n += 1
             del ct[n:]
             f = feats.get(o + n, L - 1)
+            if f is None and feats.origin is not None and o + n < feats.origin <= L - 2:
+                self.release(cache)                    # its features were dropped: start over from theirs
+                cache.origin = o = feats.origin
+                n = 0
+                f = feats.get(o, L - 1)
             k = min(k, self.max_len - L)
             if f is None or k <= 0 or not self._reserve(cache, L - 1 - o + k - 1):
                 continue
@@ -205,6 +214,8 @@ class EagleProposer:
                 if f is None:
                     f = self.features[req.request_id] = _Features(hidden.shape[-1])
                 f.put(s.num_computed_tokens, hidden[row:row + n])
+                if f.end - f.origin > _MAX_FEATURE_ROWS:
+                    f.trim(f.end - _MAX_FEATURE_ROWS // 2, now=True)
             row += n
 
     def propose(self, batch: Sequence[tuple[Request, int]]) -> list[list[int]]:
