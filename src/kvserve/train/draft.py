@@ -51,18 +51,29 @@ _TOPICS = ["the ocean", "a city at night", "bread baking", "learning a language"
            "a science fair", "tea", "the stock market", "a thunderstorm", "learning to swim", "robots in factories",
            "the Roman Empire", "a school garden", "budget travel", "owls", "the printing press", "board games",
            "a lighthouse", "healthy breakfasts", "wind turbines", "a family dinner", "spiders", "space telescopes",
-           "writing a resume", "a picnic"]
+           "writing a resume", "a picnic", "a music festival", "a small bakery", "electric guitars",
+           "a hiking trip", "the water cycle", "a chess club", "a haunted house", "ancient Egypt", "a new puppy",
+           "learning to code", "a city park", "a football match", "a snowy village", "the solar system",
+           "a lemonade stand", "the rain forest", "a long flight", "a pottery class", "a street market",
+           "a science museum", "a quiet library", "a mountain lake", "a jazz club", "a farm in spring",
+           "paper airplanes", "a road trip", "a magic trick", "an old map", "a sailing boat", "a treehouse",
+           "a birthday cake", "a lost cat"]
 _TEMPLATES = ["Tell me about {t}.", "Write a short poem about {t}.", "Explain {t} in simple words.",
               "Give three interesting facts about {t}.", "Write a short story that involves {t}.",
               "What should a beginner know about {t}?", "Describe {t} in one paragraph.",
               "List some tips related to {t}.", "Why do people care about {t}?",
               "Write a friendly email to a colleague about {t}.", "How does {t} work?",
               "What are the pros and cons of {t}?", "Write a haiku about {t}.", "Explain {t} to a child.",
-              "Give me some ideas involving {t}."]
+              "Give me some ideas involving {t}.", "Write a story about {t}.",
+              "Explain how {t} works to a beginner.", "Give me five ideas about {t}, with one sentence on each.",
+              "Compare {t} with something similar.", "What is the history of {t}?",
+              "Summarize what you know about {t}.", "Write a short speech about {t}.",
+              "What are common mistakes people make with {t}?", "Describe a day involving {t}.",
+              "Write a dialogue between two friends about {t}."]
 
 
 def chat_prompts() -> list[str]:
-    """The built-in prompts: every template x topic (960 open chat requests)."""
+    """The built-in prompts: every template x topic (2,400 open chat requests)."""
     return [tpl.format(t=t) for t in _TOPICS for tpl in _TEMPLATES]
 
 
