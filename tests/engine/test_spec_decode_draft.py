@@ -87,7 +87,7 @@ def test_strong_draft_stays_exact(loaded):
 def test_draft_cache_rollback_matches_a_fresh_cache(loaded, draft_dir):
     lm = load_model(str(draft_dir), weight_format="q8_0", backend=loaded.model.backend)
     d = DraftModel(lm.model, num_blocks=64)
-    free0 = len(d.free)
+    free0 = len(d.pool.free)
     seq = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog and runs")
     c = d.new_cache()
     first = d.propose_batch([(c, seq, 4)])[0]
@@ -99,8 +99,8 @@ def test_draft_cache_rollback_matches_a_fresh_cache(loaded, draft_dir):
     a, b = d.new_cache(), d.new_cache()
     assert d.propose_batch([(a, seq, 4), (b, other, 3)]) == [first, alone]
     for x in (a, b, c):
-        d.release(x)
-    assert len(d.free) < free0                          # the two `alone` caches were never released
+        d.pool.release(x)
+    assert len(d.pool.free) < free0                          # the two `alone` caches were never released
     # a pool too small for a sequence: no drafts for it, nothing else disturbed
     tiny = DraftModel(lm.model, num_blocks=1)                # 16 tokens: the first request takes them
     assert len(seq) + 3 <= 16
@@ -206,7 +206,7 @@ def test_bad_eagle_head_fails_at_startup(loaded, eagle_dir, tmp_path):
 def test_eagle_features_are_bounded_and_the_draft_starts_over(loaded, eagle_dir, monkeypatch):
     """A request that keeps more rows than the bound loses the oldest; its draft cache then restarts
     at the first row kept (and speculation stays exact)."""
-    import kvserve.engine.spec_decode.eagle as eagle
+    from kvserve.engine.spec_decode import eagle
 
     monkeypatch.setattr(eagle, "_MAX_FEATURE_ROWS", 16)
     base = make(loaded)

@@ -52,8 +52,56 @@ class _Cache:
     blocks they are in."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.tokens: list[int] = []
         self.blocks: list[int] = []
+
+
+class DraftPool:
+    """A draft's paged KV cache: fp16 block tensors per layer and a free list. A request's cache
+    (anything with `blocks` and `reset()`) takes blocks as it grows and gives them all back when
+    dropped; `admit` makes room for a step's batch by dropping the least recently drafted other
+    requests' caches (they catch up again when they next draft)."""
+
+    def __init__(self, cfg, num_blocks: int, block_size: int):
+        from kvserve.model.kv_quant import cache_shape
+
+        dtype = torch.float16
+        self.block_size = block_size
+        self.kv_caches = [torch.empty(cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                                                  dtype), dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.free = list(range(num_blocks - 1, -1, -1))
+
+    def blocks_for(self, cache, n: int) -> int:
+        return -(-n // self.block_size) - len(cache.blocks)
+
+    def reserve(self, cache, n: int) -> bool:
+        """Blocks for `n` tokens in `cache`; False (nothing taken) if the pool has too few."""
+        need = self.blocks_for(cache, n)
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            cache.blocks.append(self.free.pop())
+        return True
+
+    def release(self, cache) -> None:
+        self.free += reversed(cache.blocks)
+        cache.reset()
+
+    def admit(self, caches: OrderedDict, batch: list[tuple[object, int]]) -> None:
+        """batch: (cache, tokens it will hold) of this step's requests, already the most recent in
+        `caches` (request id -> cache, least recently drafted first)."""
+        mine = {id(c) for c, _ in batch}
+        need = sum(self.blocks_for(c, n) for c, n in batch)
+        for rid in list(caches):
+            if len(self.free) >= need or len(caches) <= len(batch):
+                break
+            if id(caches[rid]) not in mine:
+                self.release(caches.pop(rid))
+        while len(caches) > max(_MAX_CACHED_REQUESTS, len(batch)):
+            self.release(caches.popitem(last=False)[1])
 
 
 class DraftModel:
@@ -62,8 +110,6 @@ class DraftModel:
     int8 weights) as the target, with a small block pool of its own."""
 
     def __init__(self, model, vocab_ids: list[int] | None = None, num_blocks: int = 2048, block_size: int = 16):
-        from kvserve.model.kv_quant import cache_shape
-
         cfg = model.config
         self.check_shape(cfg)
         self.model = model
@@ -71,11 +117,7 @@ class DraftModel:
         self.vocab_ids = torch.tensor(vocab_ids if vocab_ids else range(cfg.vocab_size), dtype=torch.long)
         self.head = self.head_of(model, self.vocab_ids)
         self.max_len = cfg.max_position_embeddings
-        self.block_size = block_size
-        dtype = torch.float16
-        self.kv_caches = [torch.empty(cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                                                  dtype), dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.free = list(range(num_blocks - 1, -1, -1))
+        self.pool = DraftPool(cfg, num_blocks, block_size)
 
     @staticmethod
     def check_shape(cfg) -> None:
@@ -100,18 +142,6 @@ class DraftModel:
     def new_cache(self) -> _Cache:
         return _Cache()
 
-    def release(self, cache: _Cache) -> None:
-        self.free += reversed(cache.blocks)
-        cache.blocks, cache.tokens = [], []
-
-    def _reserve(self, cache: _Cache, n: int) -> bool:
-        need = -(-n // self.block_size) - len(cache.blocks)
-        if need > len(self.free):
-            return False
-        for _ in range(need):
-            cache.blocks.append(self.free.pop())
-        return True
-
     @torch.no_grad()
     def _step(self, items: list[tuple[_Cache, list[int]]]) -> list[int]:
         """Run each cache's new tokens after its cached ones (one batched forward); the draft's
@@ -123,8 +153,8 @@ class DraftModel:
         ids = torch.tensor([x for _, t in items for x in t], dtype=torch.long)
         pos = torch.tensor([p for c, t in items for p in range(len(c.tokens), len(c.tokens) + len(t))],
                            dtype=torch.long)
-        meta = AttentionMetadata.build(q_lens, seq_lens, [c.blocks for c, _ in items], self.block_size)
-        hidden = self.model(ids, pos, meta, self.kv_caches)
+        meta = AttentionMetadata.build(q_lens, seq_lens, [c.blocks for c, _ in items], self.pool.block_size)
+        hidden = self.model(ids, pos, meta, self.pool.kv_caches)
         last = torch.tensor(q_lens).cumsum(0) - 1
         logits = self.head(hidden[last].contiguous())
         for c, t in items:
@@ -143,7 +173,7 @@ class DraftModel:
                 n += 1
             del ct[n:]
             k = min(k, self.max_len - len(seq))
-            if k > 0 and self._reserve(cache, len(seq) + k - 1):
+            if k > 0 and self.pool.reserve(cache, len(seq) + k - 1):
                 live.append((i, cache, seq[n:], k))
         if not live:
             return out
@@ -165,27 +195,23 @@ class DraftProposer:
         self.draft = draft
         self.caches: OrderedDict[str, _Cache] = OrderedDict()
 
-    def propose(self, batch: Sequence[tuple[Request, int]]) -> list[list[int]]:
+    def _take(self, batch: Sequence[tuple[Request, int]]) -> list[tuple[object, list[int], int]]:
+        """(cache, sequence, k) per request, the pool made room for them."""
         work = []
         for r, k in batch:
             cache = self.caches.pop(r.request_id, None) or self.draft.new_cache()
             self.caches[r.request_id] = cache              # most recently used last
             work.append((cache, r.prompt_token_ids + r.output_token_ids, k))
-        mine = {id(c) for c, _, _ in work}
-        need = sum(-(-(len(seq) + k) // self.draft.block_size) - len(c.blocks) for c, seq, k in work)
-        for rid in list(self.caches):                      # room for this batch: drop the least recent others
-            if len(self.draft.free) >= need or len(self.caches) <= len(work):
-                break
-            if id(self.caches[rid]) not in mine:
-                self.draft.release(self.caches.pop(rid))
-        while len(self.caches) > max(_MAX_CACHED_REQUESTS, len(work)):
-            self.draft.release(self.caches.popitem(last=False)[1])
-        return self.draft.propose_batch(work)
+        self.draft.pool.admit(self.caches, [(c, len(seq) + k) for c, seq, k in work])
+        return work
+
+    def propose(self, batch: Sequence[tuple[Request, int]]) -> list[list[int]]:
+        return self.draft.propose_batch(self._take(batch))
 
     def forget(self, request_id: str) -> None:
         cache = self.caches.pop(request_id, None)
         if cache is not None:
-            self.draft.release(cache)
+            self.draft.pool.release(cache)
 
     @classmethod
     def load(cls, config, target_model, target_tokenizer):

@@ -26,17 +26,16 @@ not kept, so the next step recomputes them from the target's features.
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from kvserve.engine.request import Request
+from kvserve.engine.spec_decode.draft import DraftModel, DraftPool, DraftProposer
 from kvserve.errors import InvalidRequest
 
 EAGLE_FILE = "eagle_fc.safetensors"
-_MAX_CACHED_REQUESTS = 64
 # Features kept per request beyond what its draft cache holds: a request that does not draft for a
 # long time (a big batch, a long prompt) keeps only its newest rows, and its draft starts over there.
 _MAX_FEATURE_ROWS = 2048
@@ -87,6 +86,9 @@ class _Cache:
     x_{origin+i+1} that position origin+i was computed with (from the target's feature)."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.origin: int | None = None
         self.tokens: list[int] = []
         self.blocks: list[int] = []
@@ -98,9 +100,6 @@ class EagleModel:
 
     def __init__(self, model, fc: torch.Tensor, embed, vocab_ids: list[int] | None = None,
                  num_blocks: int = 2048, block_size: int = 16):
-        from kvserve.engine.spec_decode.draft import DraftModel
-        from kvserve.model.kv_quant import cache_shape
-
         DraftModel.check_shape(model.config)
         cfg = model.config
         H = cfg.hidden_size
@@ -112,26 +111,10 @@ class EagleModel:
         self.vocab_ids = torch.tensor(vocab_ids if vocab_ids else range(cfg.vocab_size), dtype=torch.long)
         self.head = DraftModel.head_of(model, self.vocab_ids)
         self.max_len = cfg.max_position_embeddings
-        self.block_size = block_size
-        dtype = torch.float16
-        self.kv_caches = [torch.empty(cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                                                  dtype), dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.free = list(range(num_blocks - 1, -1, -1))
+        self.pool = DraftPool(cfg, num_blocks, block_size)
 
     def new_cache(self) -> _Cache:
         return _Cache()
-
-    def release(self, cache: _Cache) -> None:
-        self.free += reversed(cache.blocks)
-        cache.blocks, cache.tokens, cache.origin = [], [], None
-
-    def _reserve(self, cache: _Cache, n: int) -> bool:
-        need = -(-n // self.block_size) - len(cache.blocks)
-        if need > len(self.free):
-            return False
-        for _ in range(need):
-            cache.blocks.append(self.free.pop())
-        return True
 
     @torch.no_grad()
     def _step(self, items: list[tuple[_Cache, int, torch.Tensor, list[int]]]) -> tuple[list[int], torch.Tensor]:
@@ -148,8 +131,8 @@ class EagleModel:
         pos = torch.tensor([p - c.origin for c, p0, _, t in items for p in range(p0, p0 + len(t))],
                            dtype=torch.long)
         ends = [p0 - c.origin + len(t) for c, p0, _, t in items]
-        meta = AttentionMetadata.build(q_lens, ends, [c.blocks for c, *_ in items], self.block_size)
-        hidden = self.model(toks, pos, meta, self.kv_caches, inputs_embeds=x)
+        meta = AttentionMetadata.build(q_lens, ends, [c.blocks for c, *_ in items], self.pool.block_size)
+        hidden = self.model(toks, pos, meta, self.pool.kv_caches, inputs_embeds=x)
         last = hidden[torch.tensor(q_lens).cumsum(0) - 1].contiguous()
         return self.vocab_ids[self.head(last).argmax(-1)].tolist(), last
 
@@ -171,12 +154,12 @@ class EagleModel:
             del ct[n:]
             f = feats.get(o + n, L - 1)
             if f is None and feats.origin is not None and o + n < feats.origin <= L - 2:
-                self.release(cache)                    # its features were dropped: start over from theirs
+                self.pool.release(cache)               # its features were dropped: start over from theirs
                 cache.origin = o = feats.origin
                 n = 0
                 f = feats.get(o, L - 1)
             k = min(k, self.max_len - L)
-            if f is None or k <= 0 or not self._reserve(cache, L - 1 - o + k - 1):
+            if f is None or k <= 0 or not self.pool.reserve(cache, L - 1 - o + k - 1):
                 continue
             live.append((i, cache, o + n, f, seq[o + n + 1:L], k))
         if not live:
@@ -197,12 +180,11 @@ class EagleModel:
         return out
 
 
-class EagleProposer:
+class EagleProposer(DraftProposer):
     """The Proposer over an EagleModel; `observe_hidden` is the model runner's hidden sink."""
 
     def __init__(self, draft: EagleModel):
-        self.draft = draft
-        self.caches: OrderedDict[str, _Cache] = OrderedDict()
+        super().__init__(draft)
         self.features: dict[str, _Features] = {}
 
     def observe_hidden(self, scheduled, hidden: torch.Tensor) -> None:
@@ -219,28 +201,13 @@ class EagleProposer:
             row += n
 
     def propose(self, batch: Sequence[tuple[Request, int]]) -> list[list[int]]:
-        work = []
-        for r, k in batch:
-            cache = self.caches.pop(r.request_id, None) or self.draft.new_cache()
-            self.caches[r.request_id] = cache
-            feats = self.features.get(r.request_id) or _Features(self.draft.cfg.hidden_size)
-            work.append((cache, feats, r.prompt_token_ids + r.output_token_ids, k))
-        mine = {id(w[0]) for w in work}
-        need = sum(-(-(len(seq) + k) // self.draft.block_size) - len(c.blocks) for c, _, seq, k in work)
-        for rid in list(self.caches):
-            if len(self.draft.free) >= need or len(self.caches) <= len(work):
-                break
-            if id(self.caches[rid]) not in mine:
-                self.draft.release(self.caches.pop(rid))
-        while len(self.caches) > max(_MAX_CACHED_REQUESTS, len(work)):
-            self.draft.release(self.caches.popitem(last=False)[1])
-        return self.draft.propose_batch(work)
+        work = self._take(batch)
+        feats = [self.features.get(r.request_id) or _Features(self.draft.cfg.hidden_size) for r, _ in batch]
+        return self.draft.propose_batch([(c, f, seq, k) for (c, seq, k), f in zip(work, feats)])
 
     def forget(self, request_id: str) -> None:
         self.features.pop(request_id, None)
-        cache = self.caches.pop(request_id, None)
-        if cache is not None:
-            self.draft.release(cache)
+        super().forget(request_id)
 
     @classmethod
     def load(cls, path: str, draft_model, target_model) -> EagleProposer:
