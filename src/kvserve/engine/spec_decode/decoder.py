@@ -151,7 +151,11 @@ class SpecDecoder:
 
 def make_spec_decoder(config: SpeculativeConfig, model, tokenizer) -> SpecDecoder:
     """The decoder for an engine's target model (startup: errors here are one line, never mid-request)."""
-    if config.method == "draft":
+    if config.method == "draft":   # an EAGLE head when the directory holds its fc (spec_decode/eagle.py)
+        from pathlib import Path
+
         from kvserve.engine.spec_decode.draft import DraftProposer
-        return SpecDecoder(config, DraftProposer.load(config, model, tokenizer))
+        from kvserve.engine.spec_decode.eagle import EAGLE_FILE, EagleProposer
+        cls = EagleProposer if (Path(config.draft_path) / EAGLE_FILE).is_file() else DraftProposer
+        return SpecDecoder(config, cls.load(config, model, tokenizer))
     return SpecDecoder(config)

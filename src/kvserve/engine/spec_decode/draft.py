@@ -214,9 +214,9 @@ class DraftProposer:
             self.draft.pool.release(cache)
 
     @classmethod
-    def load(cls, config, target_model, target_tokenizer):
-        """The proposer for `config.draft_path`: a DraftProposer, or an EagleProposer when the
-        directory holds an EAGLE head's fc (spec_decode/eagle.py)."""
+    def load(cls, config, target_model, target_tokenizer) -> DraftProposer:
+        """The proposer for `config.draft_path`, checked at startup (the draft loads, has the target's
+        tokenizer and vocabulary); the subclass's `build` makes it."""
         from kvserve.model.loader import load_model
         try:
             draft = load_model(config.draft_path, weight_format="q8_0", backend=target_model.backend)
@@ -235,7 +235,8 @@ class DraftProposer:
             vocab = json.loads(vf.read_text())["token_ids"]
             if not vocab or min(vocab) < 0 or max(vocab) >= draft.config.vocab_size:
                 raise InvalidRequest(f"{vf}: token ids outside the vocabulary", param="speculative")
-        from kvserve.engine.spec_decode.eagle import EAGLE_FILE, EagleProposer
-        if (Path(config.draft_path) / EAGLE_FILE).is_file():
-            return EagleProposer.load(config.draft_path, draft.model, target_model)
-        return cls(DraftModel(draft.model, vocab))
+        return cls.build(config.draft_path, draft.model, vocab, target_model)
+
+    @classmethod
+    def build(cls, path: str, draft_model, vocab: list[int] | None, target_model) -> DraftProposer:
+        return cls(DraftModel(draft_model, vocab))

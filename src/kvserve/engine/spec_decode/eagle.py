@@ -25,7 +25,6 @@ not kept, so the next step recomputes them from the target's features.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -210,18 +209,12 @@ class EagleProposer(DraftProposer):
         super().forget(request_id)
 
     @classmethod
-    def load(cls, path: str, draft_model, target_model) -> EagleProposer:
+    def build(cls, path: str, draft_model, vocab: list[int] | None, target_model) -> EagleProposer:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
-
-        from kvserve.engine.spec_decode.draft import DRAFT_VOCAB_FILE
 
         try:
             fc = load_file(str(Path(path) / EAGLE_FILE))["fc.weight"]
         except (SafetensorError, OSError, KeyError) as e:
             raise InvalidRequest(f"cannot read {Path(path) / EAGLE_FILE}: {e}", param="speculative") from None
-        vocab = None
-        vf = Path(path) / DRAFT_VOCAB_FILE
-        if vf.is_file():
-            vocab = json.loads(vf.read_text())["token_ids"]
         return cls(EagleModel(draft_model, fc, target_model.embed, vocab))
