@@ -274,7 +274,8 @@ def train_draft(cfg: DraftConfig) -> dict:
     keep.sort()
     vocab = torch.tensor(keep)
     del target
-    fp32 = load_model(cfg.target, weight_format="fp32")     # the teacher: dense fp32 batches run fastest
+    fp32 = load_model(cfg.target, weight_format="fp32")     # the layers to copy, and the teacher (not for
+                                                             # eagle): dense fp32 batches run fastest
     tok = fp32.tokenizer
     layer_ids = _layer_ids("last" if cfg.kind == "eagle" and cfg.layers == "first,last" else cfg.layers,
                            fp32.config.num_hidden_layers)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from kvserve.engine.request import Request
-from kvserve.engine.spec_decode.draft import DraftModel, DraftPool, DraftProposer
+from kvserve.engine.spec_decode.draft import DraftModel, DraftProposer
 from kvserve.errors import InvalidRequest
 
 EAGLE_FILE = "eagle_fc.safetensors"
@@ -93,24 +93,19 @@ class _Cache:
         self.blocks: list[int] = []
 
 
-class EagleModel:
+class EagleModel(DraftModel):
     """fc + one decoder layer + norm + the kept head rows; the layer stack on the model code (the
     C forward over Q8_0-packed weights where the kernels are), a paged KV pool of its own."""
 
     def __init__(self, model, fc: torch.Tensor, embed, vocab_ids: list[int] | None = None,
                  num_blocks: int = 2048, block_size: int = 16):
-        DraftModel.check_shape(model.config)
-        cfg = model.config
-        H = cfg.hidden_size
+        H = model.config.hidden_size
         if tuple(fc.shape) != (H, 2 * H):
             raise InvalidRequest(f"{EAGLE_FILE}: fc must be [{H}, {2 * H}], got {list(fc.shape)}",
                                  param="speculative")
-        self.model, self.cfg, self.embed = model, cfg, embed
+        super().__init__(model, vocab_ids, num_blocks, block_size)
+        self.embed = embed
         self.fc = fc.float().contiguous()
-        self.vocab_ids = torch.tensor(vocab_ids if vocab_ids else range(cfg.vocab_size), dtype=torch.long)
-        self.head = DraftModel.head_of(model, self.vocab_ids)
-        self.max_len = cfg.max_position_embeddings
-        self.pool = DraftPool(cfg, num_blocks, block_size)
 
     def new_cache(self) -> _Cache:
         return _Cache()
