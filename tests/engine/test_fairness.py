@@ -6,15 +6,30 @@ the same through the real engine."""
 from __future__ import annotations
 
 from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.messages import ModelRunnerOutput, TokenLogprob
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.step_cost import StepCostModel
 from tests.engine.test_scheduler import BS, make_seq, new_tokens, run_step
 
 
 def make(budget: int = 64, threshold: int | None = None, partial: int = 1, step_ms: float | None = None,
-         num_blocks: int = 512, max_num_seqs: int = 16) -> Scheduler:
+         num_blocks: int = 512, max_num_seqs: int = 16, slowdown: float = 0.0) -> Scheduler:
     return Scheduler(KVCacheManager(num_blocks, BS), max_num_seqs, budget, num_blocks * BS,
-                     long_prefill_token_threshold=threshold, max_num_partial_prefills=partial, max_step_ms=step_ms)
+                     long_prefill_token_threshold=threshold, max_num_partial_prefills=partial, max_step_ms=step_ms,
+                     max_decode_slowdown=slowdown)
+
+
+def true_cost(chunks) -> float:
+    """A machine for the scheduler tests: 2 ms a step, 0.3 ms a token, 0.1 ms a row, 0.5 us per token
+    and context position attended."""
+    return 2e-3 + sum(3e-4 * n + 1e-4 + 5e-7 * n * (c + n / 2) for c, n in chunks)
+
+
+def run_timed(s: Scheduler):
+    """run_step, teaching the scheduler's cost model the step's true time."""
+    out = run_step(s)
+    s.observe_step(out, true_cost([(e.num_computed_tokens, e.num_new_tokens) for e in out.scheduled]))
+    return out
 
 
 def test_short_request_starts_in_the_next_step_while_a_long_prompt_prefills():
@@ -83,6 +98,44 @@ def test_step_time_target_cuts_the_long_chunk_but_never_to_nothing():
             assert s.cost.predict([(ctx, c)]) <= 0.05 + 1e-9
 
 
+def test_steps_with_streams_stretch_only_to_the_slowdown_and_the_long_prompt_still_finishes():
+    s = make(budget=512, threshold=256, step_ms=100, num_blocks=2000, slowdown=2.0)
+    streams = [make_seq(8, f"s{i}", max_tokens=400, base=100 * i) for i in range(4)]
+    for r in streams:
+        s.add(r)
+    for _ in range(30):                                 # the streams alone: the model learns their steps
+        run_timed(s)
+    long = make_seq(6000, "long", max_tokens=1, base=50000)
+    s.add(long)
+    chunks = []
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        out = s.schedule()
+        got = new_tokens(out)
+        live = [r for r in streams if not r.is_finished]
+        assert all(got.get(r.request_id) == 1 for r in live)        # every stream gets its token
+        n = got.get("long", 0)
+        assert n >= 1                                               # and the long prompt is never starved
+        rest = [(e.num_computed_tokens, e.num_new_tokens) for e in out.scheduled if e.request is not long]
+        if live and n > 1:                                          # a chunk beyond the floor keeps the step
+            assert s.cost.predict([(e.num_computed_tokens, e.num_new_tokens) for e in out.scheduled]) \
+                <= 2.0 * s.cost.predict(rest) + 1e-9                # within 2x its time without the chunk
+        chunks.append((bool(live), long.num_computed_tokens, n))
+        sampled = [e.request.request_id for e in out.scheduled
+                   if e.num_computed_tokens + e.num_new_tokens == e.request.num_tokens]
+        s.update_from_output(out, ModelRunnerOutput(req_ids=sampled, sampled_token_ids=[[7] for _ in sampled],
+                                                    logprobs=[[TokenLogprob(7, -0.5, 1)] for _ in sampled]))
+        s.observe_step(out, true_cost([(e.num_computed_tokens, e.num_new_tokens) for e in out.scheduled]))
+        assert len(chunks) < 5000
+    with_streams = [n for live, _, n in chunks if live]
+    alone = [(c, n) for live, c, n in chunks if not live]
+    assert with_streams and alone                                   # the streams ended during the prefill
+    assert max(with_streams) < 64                                   # small chunks beside the streams
+    assert max(n for _, n in alone) > 64                            # big ones once they are gone,
+    for (c0, n0), (c1, n1) in zip(alone, alone[1:]):               # reached by at most doubling a step
+        assert n1 <= max(2 * n0, BS)
+    assert long.is_finished and len(long.output_token_ids) == 1
+
+
 def test_a_long_prompt_short_of_blocks_is_the_one_preempted():
     s = make(budget=40, threshold=16, num_blocks=12)
     d = [make_seq(4, f"d{i}", max_tokens=20, base=100 * i) for i in range(2)]    # 6 blocks each at the end
@@ -133,6 +186,26 @@ def test_cost_model_learns_a_linear_step_time():
         assert abs(m.predict(sh) - float(x @ truth)) <= 0.05 * float(x @ truth)
     assert m.max_new_tokens([(0, 1)], 0, 1e-6, 512) == 0
     assert 0 < m.max_new_tokens([], 6000, 0.1, 512) < m.max_new_tokens([], 100, 0.1, 512) <= 512
+
+
+def test_cost_model_keeps_what_it_learned_about_steps_it_no_longer_sees():
+    """A thousand steps of one shape (four streams and a long prompt's token at a slowly growing
+    context) must not spoil what the model knew about other steps: the four decodes alone, and a big
+    chunk deep in a prompt. Forgetting every direction alike let both drift (7.6 ms for 4.0, and
+    309 ms for a step of 863), so a step without the streams took a chunk 3x too big."""
+    m = StepCostModel()
+    decodes = [(200, 1)] * 4
+    big = [(6000, 256)]
+    shapes = [decodes, [(0, 128)] + decodes, [(0, 512)], [(3000, 256)], [(1000, 64)] + decodes]
+    for _ in range(20):
+        for sh in shapes:
+            m.observe(sh, true_cost(sh))
+    for i in range(1000):
+        sh = decodes + [(3000 + 4 * i, 1)]
+        m.observe(sh, true_cost(sh))
+    for sh in (decodes, big):
+        assert abs(m.predict(sh) - true_cost(sh)) <= 0.1 * true_cost(sh)
+    assert (m.coef >= 0).all()
 
 
 def test_real_engine_short_request_overtakes_a_long_prefill_with_the_same_answer():

@@ -23,10 +23,13 @@ class EngineConfig:
     # "long" and takes at most this many per step (default: half of max_num_batched_tokens); at most
     # max_num_partial_prefills long prompts prefill at once; and a long prompt's chunk is cut so the
     # step's predicted time stays under max_step_ms (0 or None: no time target; `kvserve serve` sets
-    # step_cost.DEFAULT_MAX_STEP_MS, offline generation favours throughput).
+    # step_cost.DEFAULT_MAX_STEP_MS, offline generation favours throughput). With a time target, a step
+    # that carries running decodes is stretched by long chunks to at most max_decode_slowdown times its
+    # predicted time without them, so streams keep their pace (0: max_step_ms alone).
     long_prefill_token_threshold: int | None = None
     max_num_partial_prefills: int = 2
     max_step_ms: float | None = None
+    max_decode_slowdown: float = 2.0
     max_model_len: int | None = None       # default: the model's context length
     # fp16 (as llama.cpp; also "auto"), bf16, fp32, or int8 (rows with their own scale, model/kv_quant.py,
     # ~1.9x the tokens per byte): the C attention reads them all
@@ -60,6 +63,10 @@ class EngineConfig:
         m = self.max_step_ms
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1e7):
             raise InvalidRequest(f"max_step_ms must be a number of milliseconds >= 0, got {m!r}", param="max_step_ms")
+        f = self.max_decode_slowdown
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (f == 0 or 1 <= f < 1e3):
+            raise InvalidRequest(f"max_decode_slowdown must be 0 (off) or a factor of at least 1, got {f!r}",
+                                 param="max_decode_slowdown")
         from kvserve.engine.spec_decode.config import SpeculativeConfig
         self.spec_config = SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
         if self.kv_cache_dtype not in _DTYPES:

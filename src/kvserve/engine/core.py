@@ -74,7 +74,8 @@ class EngineCore:
             self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, cfg.kv_window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, eos_token_ids, config.long_prefill_token_threshold,
-                                   config.max_num_partial_prefills, config.max_step_ms)
+                                   config.max_num_partial_prefills, config.max_step_ms,
+                                   config.max_decode_slowdown)
         if tokenizer is not None:   # thinking requests: the scheduler reads the end of <think> as text
             self.scheduler.decode = tokenizer.decode
         if config.spec_config is not None:

@@ -11,11 +11,16 @@ catching up with `num_tokens` (prompt + generated). Each step hands out a token 
    order: a new short request starts in the next step even while a long prompt is prefilling;
 3. long prompts in chunks of at most `long_prefill_token_threshold` tokens (the whole budget when
    one is alone in the engine), at most `max_num_partial_prefills` of them at a time (the others wait, in order, and nothing else
-   overtakes them), each chunk also cut so that the step's predicted time stays under
-   `max_step_ms`, or under twice the step's time without the long chunks where that is more
+   overtakes them), each chunk also cut so that the step's predicted time stays under a limit
    (engine/step_cost.py learns the cost of a token at a given context length from the steps
-   already run). The first long prompt in line always gets at least one block's worth, so it is
-   never starved.
+   already run). A step that carries running decodes may be stretched to `max_decode_slowdown`
+   times its time without the long chunks: the streams' inter-token latency is what bounds it, and
+   a long prompt at a deep position then prefills a few tokens a step. A step without decodes may
+   take `max_step_ms`, or twice its time without the long chunks where that is more (a new request
+   waits at most about one such step). A long prompt's chunk at most doubles from one step to the
+   next (or is one block), so a prediction far outside the sizes just measured cannot make a huge
+   step. The first long prompt in line always gets at least one token (one block when no decodes
+   run), so it is never starved.
 
 Waiting requests may find part of their prompt in the prefix cache. When the block pool runs dry,
 the running request that comes last in (priority, arrival) order is preempted: its blocks are
@@ -53,7 +58,8 @@ from kvserve.engine.stop import check_stop
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  eos_token_ids: list[int] | tuple[int, ...] = (), long_prefill_token_threshold: int | None = None,
-                 max_num_partial_prefills: int = 2, max_step_ms: float | None = None):
+                 max_num_partial_prefills: int = 2, max_step_ms: float | None = None,
+                 max_decode_slowdown: float = 0.0):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -63,6 +69,8 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold or max(1, max_num_batched_tokens // 2)
         self.max_num_partial_prefills = max_num_partial_prefills
         self.max_step_s = max_step_ms / 1000 if max_step_ms else None
+        self.max_decode_slowdown = max_decode_slowdown
+        self._last_chunk: dict[str, int] = {}           # long prompts' previous chunk (the growth cap)
         self.cost = StepCostModel()
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
@@ -100,11 +108,14 @@ class Scheduler:
                 self._schedule_running(out, req, req.num_tokens - req.num_computed_tokens)
         if not self._preempted:
             self._admit_waiting(out, long=False)
-        # Long prompts' chunks may take the step to the time target, or to twice what it costs
-        # without them where that is more (a machine too slow for the target still gets on).
+        # Long prompts' chunks may stretch a step with decodes to max_decode_slowdown x its time
+        # without them; any other step to the time target, or to twice what it costs without them
+        # where that is more (a machine too slow for the target still gets on).
+        self._with_decodes = bool(decodes) and self.max_decode_slowdown > 0
         if self.max_step_s is not None:
             base = self.cost.predict([(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
-            self._step_limit = max(self.max_step_s, 2 * base)
+            self._step_limit = (self.max_decode_slowdown * base if self._with_decodes
+                                else max(self.max_step_s, 2 * base))
         first_long = True
         for req in prefilling:                                     # long prompts already running
             if req.status == Status.RUNNING and self._is_long(req):
@@ -130,7 +141,13 @@ class Scheduler:
         if self.max_step_s is not None and n > 0:
             chunks = [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]
             fit = self.cost.max_new_tokens(chunks, req.num_computed_tokens, self._step_limit, n)
-            n = max(fit, min(n, self.kv.block_size) if first else 0)
+            last = self._last_chunk.get(req.request_id)
+            if last is not None:                        # grow by at most 2x a step (or one block)
+                fit = min(fit, max(2 * last, self.kv.block_size))
+            floor = 1 if self._with_decodes else self.kv.block_size
+            n = max(fit, min(n, floor) if first else 0)
+            if n > 0:
+                self._last_chunk[req.request_id] = n
         return n
 
     def _schedule_running(self, out: SchedulerOutput, req: Request, n: int, drafts: Sequence[int] = ()) -> None:
@@ -363,3 +380,4 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         self.requests.pop(req.request_id, None)
+        self._last_chunk.pop(req.request_id, None)

@@ -7,9 +7,16 @@ A step's forward time is close to linear in three things the scheduler knows bef
 tokens for the projections and the MLP, rows for the per-sequence work (sampling, the lm head), and
 the last term for attention, which grows with how much context each new token attends to (so one
 token of a prompt at position 7,000 costs many times a token at position 100). The coefficients
-are fitted by least squares over the recent steps (an exponential forgetting factor, ridge-pulled
-towards the starting guesses so the first steps on a new machine are already sensible), and the
-scheduler asks `max_new_tokens` how big a prompt chunk still fits under its target step time.
+are fitted by non-negative least squares, ridge-pulled towards the starting guesses so the first
+steps on a new machine are already sensible, and the scheduler asks `max_new_tokens` how big a
+prompt chunk still fits under its target step time.
+
+Old steps are forgotten only along the direction of each new step's features (directional
+forgetting): a long prompt prefilling beside the same four streams for a thousand steps repeats
+one shape of step, which says nothing new about a step of decodes alone, so what was learned
+about those steps stays. Forgetting uniformly, as before, let such a run drift the split between
+the fixed cost and the attention term until a step of four decodes was predicted at four times
+its real cost (BENCHMARKS.md, issue 24).
 """
 
 from __future__ import annotations
@@ -25,14 +32,31 @@ DEFAULT_MAX_STEP_MS = 100.0
 
 # Starting guesses (seconds): a 2-core AVX2 CPU running the default 135M model.
 _PRIOR = np.array([3e-3, 1.2e-3, 2e-4, 5e-7])
-_PRIOR_WEIGHT = np.array([1.0, 2e3, 2e2, 1e7])   # how many "steps' worth" of belief each guess carries
-_FORGET = 0.97
+# How much belief each guess carries (as a sum of squared features): a few steps' worth, so steps
+# seen on this machine soon outweigh them.
+_PRIOR_WEIGHT = np.array([1e-2, 20.0, 2.0, 1e5])
+_FORGET = 0.97       # per step, of the information along the new step's direction
+
+
+def _nnls(P: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """argmin over c >= 0 of c'Pc - 2r'c (P positive definite): drop negative coefficients and
+    solve again on the rest, until none is negative (at most one pass per coefficient)."""
+    c = np.linalg.solve(P, r)
+    free = np.ones(len(c), dtype=bool)
+    while (c[free] < 0).any():
+        free &= c >= 0
+        c = np.zeros(len(c))
+        idx = np.flatnonzero(free)
+        if len(idx):
+            c[idx] = np.linalg.solve(P[np.ix_(idx, idx)], r[idx])
+    return np.maximum(c, 0.0)
 
 
 class StepCostModel:
     def __init__(self) -> None:
-        self._xtx = np.diag(_PRIOR_WEIGHT.copy())
-        self._xty = _PRIOR_WEIGHT * _PRIOR
+        self._prior = np.diag(_PRIOR_WEIGHT)
+        self._info = np.zeros((4, 4))          # the steps' information beyond the prior (X'X, forgotten)
+        self._raw = _PRIOR.copy()               # the unconstrained least-squares solution
         self.coef = _PRIOR.copy()
         self.num_observed = 0
 
@@ -50,12 +74,17 @@ class StepCostModel:
         if not chunks or not math.isfinite(seconds) or seconds <= 0:
             return
         x = self.features(chunks)
-        prior = np.diag(_PRIOR_WEIGHT)
-        # forget old steps, but never below the prior's weight
-        self._xtx = prior + _FORGET * (self._xtx - prior) + np.outer(x, x)
-        self._xty = _PRIOR_WEIGHT * _PRIOR + _FORGET * (self._xty - _PRIOR_WEIGHT * _PRIOR) + x * seconds
-        coef = np.linalg.solve(self._xtx, self._xty)
-        self.coef = np.maximum(coef, 0.0)      # no negative costs, whatever the noise says
+        info = self._info
+        ix = info @ x
+        q = float(x @ ix)
+        if q > 0:                               # forget along x only, keeping the estimate
+            info = info - (1 - _FORGET) * np.outer(ix, ix) / q
+        # r = P raw before the new step (so forgetting alone moves nothing), then the step itself
+        r = (self._prior + info) @ self._raw + x * seconds
+        self._info = info + np.outer(x, x)
+        P = self._prior + self._info
+        self._raw = np.linalg.solve(P, r)
+        self.coef = _nnls(P, r)                # no negative costs, whatever the noise says
         self.num_observed += 1
 
     def max_new_tokens(self, chunks: list[tuple[int, int]], context: int, limit: float, cap: int) -> int:

@@ -80,6 +80,9 @@ def serve(
     max_num_partial_prefills: int = typer.Option(2, min=1, help="Long prompts prefilling at once."),
     max_step_ms: float = typer.Option(DEFAULT_MAX_STEP_MS, min=0, help="Cut long prompts' chunks so a step's "
                                       "predicted time stays under this many ms (0: no target)."),
+    max_decode_slowdown: float = typer.Option(2.0, min=0, help="With a step target, long prompts' chunks stretch "
+                                              "a step with running decodes to at most this times its time "
+                                              "without them (the streams' inter-token latency; 0: off)."),
     kv_cache_memory: str = typer.Option(None, help="KV cache size: bytes, a size such as 2GiB, or a fraction "
                                                    "of RAM such as 0.2 (default 1GiB)."),
     kv_cache_dtype: str = typer.Option("fp16", "--kv-cache-dtype", help="KV cache element type: auto (fp16), "
@@ -152,6 +155,7 @@ def serve(
                                              ("long_prefill_token_threshold", long_prefill_token_threshold),
                                              ("max_num_partial_prefills", max_num_partial_prefills),
                                              ("max_step_ms", max_step_ms),
+                                             ("max_decode_slowdown", max_decode_slowdown),
                                              ("kv_cache_dtype", kv_cache_dtype)] if v is not None}
     engine_kwargs.update({k: v for k, v in [("replicas", replicas), ("ray_address", ray_address),
                                             ("prefill_replicas", prefill_replicas),

@@ -31,7 +31,8 @@ from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound, Overload
 
 logger = logging.getLogger("kvserve.server")
 ENGINE_KEYS = ("max_model_len", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-               "long_prefill_token_threshold", "max_num_partial_prefills", "max_step_ms", "threads")
+               "long_prefill_token_threshold", "max_num_partial_prefills", "max_step_ms", "max_decode_slowdown",
+               "threads")
 
 
 @dataclass
