@@ -62,6 +62,36 @@ def test_chunking_does_not_change_a_bit(default_model):
         model.backend = base
 
 
+def test_a_deep_decode_among_short_ones_gets_its_bits_alone(default_model):
+    """A step of lone queries: short decodes and one deep in its context (a long prompt's token).
+    The deep one's KV heads run as separate items, the short ones' heads together; every query's
+    output is still the bits it gets alone."""
+    model, _ = default_model
+    cfg = model.config
+    lens = [30, 41, 17, 52, 1500]                      # the last: more than the team's share
+    need = [(n + BLOCK - 1) // BLOCK for n in lens]
+    perm = torch.randperm(sum(need), generator=torch.Generator().manual_seed(3)).tolist()
+    tables, i = [], 0
+    for n in need:
+        tables.append(perm[i:i + n])
+        i += n
+    g = torch.Generator().manual_seed(5)
+    kv = [torch.randn(2, sum(need), BLOCK, cfg.num_key_value_heads, cfg.head_dim, generator=g).half()
+          for _ in range(cfg.num_hidden_layers)]
+    ids = torch.tensor([100 + 7 * j for j in range(len(lens))])
+    pos = torch.tensor([n - 1 for n in lens])
+
+    def run(rows: list[int]) -> torch.Tensor:
+        meta = AttentionMetadata.build([1] * len(rows), [lens[r] for r in rows], [tables[r] for r in rows], BLOCK)
+        cache = [c.clone() for c in kv]               # each run writes its rows' own K/V
+        with torch.inference_mode():
+            return model(ids[rows], pos[rows], meta, cache)
+
+    batched = run(list(range(len(lens))))
+    for r in range(len(lens)):
+        assert torch.equal(run([r])[0], batched[r]), lens[r]
+
+
 _CHILD = """
 import sys, torch
 sys.path.insert(0, {here!r})

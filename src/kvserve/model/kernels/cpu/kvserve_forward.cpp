@@ -154,8 +154,21 @@ void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<i
     const int ntiles = (int)tiles.size() - 1;
     thread_local std::vector<float> scores;   // kept between calls: no allocation per layer
     // With enough tiles for the team, a lone query's item (h = 0) takes all its KV heads at once
-    // (attend_heads: contiguous cache reads; the same arithmetic) and its other items are empty.
-    const bool all_heads = ntiles >= 2 * omp_get_num_threads();
+    // (attend_heads: contiguous cache reads; the same arithmetic) and its other items are empty;
+    // except a lone query with more than a thread's share of all the lone queries' context (a long
+    // prompt's token beside short decodes: bound by reading its whole cache), whose heads stay
+    // separate items so that they run on several threads.
+    const int nth = omp_get_num_threads();
+    const bool all_heads = ntiles >= 2 * nth;
+    thread_local std::vector<uint8_t> whole;
+    whole.assign(ntiles, all_heads ? 1 : 0);
+    if (all_heads) {
+        int64_t lone = 0;
+        for (int i = 0; i < ntiles; i++)
+            if (tiles[i + 1] - tiles[i] == 1) lone += positions[tiles[i]] + 1;
+        for (int i = 0; i < ntiles; i++)
+            if (tiles[i + 1] - tiles[i] == 1 && (positions[tiles[i]] + 1) * nth > lone) whole[i] = 0;
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < ntiles * Hkv; it++) {
         const int tile = ntiles - 1 - it / Hkv, h = it % Hkv;
@@ -167,9 +180,9 @@ void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<i
         float *o = out + (size_t)t0 * qd + (size_t)h * group * D;
         const int64_t *table = tables + (size_t)seq_of[t0] * max_blocks;
         if (n == 1) {
-            if (all_heads && h > 0) continue;
+            if (whole[tile] && h > 0) continue;
             scores.resize((size_t)L0 * group);
-            kvs::attend_heads(q, Kc, Vc, kv_dtype, block_stride, tok_stride, h * row, row, all_heads ? Hkv : 1, table,
+            kvs::attend_heads(q, Kc, Vc, kv_dtype, block_stride, tok_stride, h * row, row, whole[tile] ? Hkv : 1, table,
                               block_size, L0, D, group, m->scale, scores.data(), o);
         } else {
             kvs::attend_tile(q, qkv_rows, Kc, Vc, kv_dtype, block_stride, tok_stride, h * row, table, block_size, L0, n,
