@@ -23,13 +23,13 @@ class EngineConfig:
     # "long" and takes at most this many per step (default: half of max_num_batched_tokens); at most
     # max_num_partial_prefills long prompts prefill at once; and a long prompt's chunk is cut so the
     # step's predicted time stays under max_step_ms (0 or None: no time target; `kvserve serve` sets
-    # step_cost.DEFAULT_MAX_STEP_MS, offline generation favours throughput). With a time target, a step
-    # that carries running decodes is stretched by long chunks to at most max_decode_slowdown times its
-    # predicted time without them, so streams keep their pace (0: max_step_ms alone).
+    # step_cost.DEFAULT_MAX_STEP_MS, offline generation favours throughput). With a time target, steps
+    # that carry running decodes take on average at most max_decode_slowdown times their time without
+    # the long chunks, so streams keep their pace (0: max_step_ms alone; engine/scheduler.py).
     long_prefill_token_threshold: int | None = None
     max_num_partial_prefills: int = 2
     max_step_ms: float | None = None
-    max_decode_slowdown: float = 2.0
+    max_decode_slowdown: float = 1.6
     max_model_len: int | None = None       # default: the model's context length
     # fp16 (as llama.cpp; also "auto"), bf16, fp32, or int8 (rows with their own scale, model/kv_quant.py,
     # ~1.9x the tokens per byte): the C attention reads them all

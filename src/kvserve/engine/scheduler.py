@@ -13,14 +13,16 @@ catching up with `num_tokens` (prompt + generated). Each step hands out a token 
    one is alone in the engine), at most `max_num_partial_prefills` of them at a time (the others wait, in order, and nothing else
    overtakes them), each chunk also cut so that the step's predicted time stays under a limit
    (engine/step_cost.py learns the cost of a token at a given context length from the steps
-   already run). A step that carries running decodes may be stretched to `max_decode_slowdown`
-   times its time without the long chunks: the streams' inter-token latency is what bounds it, and
-   a long prompt at a deep position then prefills a few tokens a step. A step without decodes may
-   take `max_step_ms`, or twice its time without the long chunks where that is more (a new request
-   waits at most about one such step). A long prompt's chunk at most doubles from one step to the
-   next (or is one block), so a prediction far outside the sizes just measured cannot make a huge
-   step. The first long prompt in line always gets at least one token (one block when no decodes
-   run), so it is never starved.
+   already run). While decodes run, the streams' inter-token latency is what bounds the chunks:
+   each step with decodes lends the long prompts `max_decode_slowdown - 1` times its own predicted
+   time, and a chunk spends what it is predicted to add, so steps with streams average at most
+   `max_decode_slowdown` times their time without the long chunks. A long prompt deep in its context
+   then prefills a few tokens a step, or one token every second or third step when one token costs
+   more than a step lends (the loan grows until it fits, so the prompt always advances). A step
+   without decodes may take `max_step_ms`, or twice its time without the long chunks where that is
+   more (a new request waits at most about one such step), and the first long prompt in line then
+   gets at least a block. A long prompt's chunk at most doubles from one step to the next (or is one
+   block), so a prediction far outside the sizes just measured cannot make a huge step.
 
 Waiting requests may find part of their prompt in the prefix cache. When the block pool runs dry,
 the running request that comes last in (priority, arrival) order is preempted: its blocks are
@@ -39,6 +41,7 @@ whose text hit one.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -71,6 +74,9 @@ class Scheduler:
         self.max_step_s = max_step_ms / 1000 if max_step_ms else None
         self.max_decode_slowdown = max_decode_slowdown
         self._last_chunk: dict[str, int] = {}           # long prompts' previous chunk (the growth cap)
+        self._credit = 0.0                                # seconds the streams' steps lend long prompts
+        self._one_token = 0.0                             # ... and what the first one's next token costs
+        self._loan: tuple[float, float] | None = None    # this step's (time without long chunks, cap)
         self.cost = StepCostModel()
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
@@ -108,23 +114,42 @@ class Scheduler:
                 self._schedule_running(out, req, req.num_tokens - req.num_computed_tokens)
         if not self._preempted:
             self._admit_waiting(out, long=False)
-        # Long prompts' chunks may stretch a step with decodes to max_decode_slowdown x its time
-        # without them; any other step to the time target, or to twice what it costs without them
-        # where that is more (a machine too slow for the target still gets on).
-        self._with_decodes = bool(decodes) and self.max_decode_slowdown > 0
+        # Long prompts' chunks: in a step with decodes, the time the streams lend them (below); in
+        # any other step, up to the time target, or to twice what the step costs without them where
+        # that is more (a machine too slow for the target still gets on).
+        self._with_decodes = bool(decodes) and self.max_decode_slowdown > 0 and self.max_step_s is not None
         if self.max_step_s is not None:
             base = self.cost.predict([(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
-            self._step_limit = (self.max_decode_slowdown * base if self._with_decodes
-                                else max(self.max_step_s, 2 * base))
-        first_long = True
+            if self._with_decodes:
+                # Each step with decodes lends the long prompts (max_decode_slowdown - 1) x its
+                # predicted time; the step then pays back what it really took beyond that prediction
+                # (observe_step), so a misjudged chunk is paid for by the next ones. A chunk too dear
+                # for one step (one token deep in a long context) waits a step or two while the loan
+                # grows: the streams' steps average at most max_decode_slowdown x their time, and the
+                # long prompt always moves.
+                self._credit += (self.max_decode_slowdown - 1) * base
+                self._step_limit = base + max(0.0, self._credit)
+            else:
+                self._credit = 0.0
+                self._step_limit = max(self.max_step_s, 2 * base)
+        first_long, wanted = True, False
         for req in prefilling:                                     # long prompts already running
             if req.status == Status.RUNNING and self._is_long(req):
                 n = self._long_chunk(out, req, first_long)
-                first_long = False
+                first_long, wanted = False, True
                 if n:
                     self._schedule_running(out, req, n)
         if not (self._preempted or self._pool_short):
-            self._admit_waiting(out, long=True)
+            wanted |= self._admit_waiting(out, long=True)
+        self._loan = None
+        if self._with_decodes:
+            # kept only while a long prompt waits for it, and never more than its next token needs
+            # (or a few steps' worth): a prompt held back for other reasons gets no burst later
+            earn = (self.max_decode_slowdown - 1) * base
+            cap = max(4 * earn, self._one_token + earn)
+            self._credit = min(cap, self._credit) if wanted else 0.0
+            if wanted:
+                self._loan = (base, cap)
         return out
 
     def _is_long(self, req: Request) -> bool:
@@ -141,10 +166,12 @@ class Scheduler:
         if self.max_step_s is not None and n > 0:
             chunks = [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]
             fit = self.cost.max_new_tokens(chunks, req.num_computed_tokens, self._step_limit, n)
+            if first and self._with_decodes:            # what the next token costs (the loan's cap)
+                self._one_token = self.cost.predict(chunks + [(req.num_computed_tokens, 1)]) - self.cost.predict(chunks)
             last = self._last_chunk.get(req.request_id)
             if last is not None:                        # grow by at most 2x a step (or one block)
                 fit = min(fit, max(2 * last, self.kv.block_size))
-            floor = 1 if self._with_decodes else self.kv.block_size
+            floor = 0 if self._with_decodes else self.kv.block_size    # (with decodes: the loan grows)
             n = max(fit, min(n, floor) if first else 0)
             if n > 0:
                 self._last_chunk[req.request_id] = n
@@ -193,8 +220,10 @@ class Scheduler:
             return False
         return True
 
-    def _admit_waiting(self, out: SchedulerOutput, long: bool) -> None:
-        """Admit waiting requests in order: the short prompts (long=False), then the long ones."""
+    def _admit_waiting(self, out: SchedulerOutput, long: bool) -> bool:
+        """Admit waiting requests in order: the short prompts (long=False), then the long ones.
+        True if a long prompt was offered a chunk (admitted or not)."""
+        wanted = False
         threshold = self.long_prefill_token_threshold
         partial = sum(1 for r in self.running if r.num_computed_tokens < r.num_prompt_tokens and self._is_long(r))
         first_long = not any(self._is_long(s.request) and s.num_computed_tokens < s.request.num_prompt_tokens
@@ -220,6 +249,7 @@ class Scheduler:
                     break                               # it waits, and no long one behind it overtakes
                 req.num_computed_tokens += cached       # the chunk's context starts after the hit
                 n = self._long_chunk(out, req, first_long)
+                wanted = True
                 req.num_computed_tokens -= cached
                 if n <= 0:
                     break
@@ -244,10 +274,16 @@ class Scheduler:
         for req in admitted:
             self.waiting.remove(req)
             self.running.append(req)
+        return wanted
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """The step `out` took `seconds` in the model: teach the step-time model."""
+        """The step `out` took `seconds` in the model: teach the step-time model (and pay back the
+        streams' loan to long prompts: the time beyond the step's predicted time without them)."""
         self.cost.observe([(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled], seconds)
+        if self._loan is not None and math.isfinite(seconds):
+            base, cap = self._loan
+            self._credit = max(-cap, self._credit - (seconds - base))
+            self._loan = None
 
     def _preempt(self, req: Request, out: SchedulerOutput | None = None) -> None:
         self.running.remove(req)

@@ -80,9 +80,10 @@ def serve(
     max_num_partial_prefills: int = typer.Option(2, min=1, help="Long prompts prefilling at once."),
     max_step_ms: float = typer.Option(DEFAULT_MAX_STEP_MS, min=0, help="Cut long prompts' chunks so a step's "
                                       "predicted time stays under this many ms (0: no target)."),
-    max_decode_slowdown: float = typer.Option(2.0, min=0, help="With a step target, long prompts' chunks stretch "
-                                              "a step with running decodes to at most this times its time "
-                                              "without them (the streams' inter-token latency; 0: off)."),
+    max_decode_slowdown: float = typer.Option(1.6, min=0, help="With a step target, steps with running streams "
+                                              "take on average at most this times their time without long "
+                                              "prompts' chunks (the streams' inter-token latency; 0: off, the "
+                                              "step target alone).")
     kv_cache_memory: str = typer.Option(None, help="KV cache size: bytes, a size such as 2GiB, or a fraction "
                                                    "of RAM such as 0.2 (default 1GiB)."),
     kv_cache_dtype: str = typer.Option("fp16", "--kv-cache-dtype", help="KV cache element type: auto (fp16), "
