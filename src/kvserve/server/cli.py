@@ -83,7 +83,7 @@ def serve(
     max_decode_slowdown: float = typer.Option(1.6, min=0, help="With a step target, steps with running streams "
                                               "take on average at most this times their time without long "
                                               "prompts' chunks (the streams' inter-token latency; 0: off, the "
-                                              "step target alone).")
+                                              "step target alone)."),
     kv_cache_memory: str = typer.Option(None, help="KV cache size: bytes, a size such as 2GiB, or a fraction "
                                                    "of RAM such as 0.2 (default 1GiB)."),
     kv_cache_dtype: str = typer.Option("fp16", "--kv-cache-dtype", help="KV cache element type: auto (fp16), "
