@@ -127,7 +127,12 @@ class Scheduler:
                 # for one step (one token deep in a long context) waits a step or two while the loan
                 # grows: the streams' steps average at most max_decode_slowdown x their time, and the
                 # long prompt always moves.
-                self._credit += (self.max_decode_slowdown - 1) * base
+                # (lent on the decodes' share only: a step that also prefills a new short prompt
+                # lends no more, so that request's first token does not wait for a long chunk)
+                mine = {id(r) for r in decodes}
+                earn = (self.max_decode_slowdown - 1) * self.cost.predict(
+                    [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled if id(s.request) in mine])
+                self._credit += earn
                 self._step_limit = base + max(0.0, self._credit)
             else:
                 self._credit = 0.0
@@ -145,7 +150,6 @@ class Scheduler:
         if self._with_decodes:
             # kept only while a long prompt waits for it, and never more than its next token needs
             # (or a few steps' worth): a prompt held back for other reasons gets no burst later
-            earn = (self.max_decode_slowdown - 1) * base
             cap = max(4 * earn, self._one_token + earn)
             self._credit = min(cap, self._credit) if wanted else 0.0
             if wanted:
