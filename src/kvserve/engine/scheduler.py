@@ -14,9 +14,10 @@ catching up with `num_tokens` (prompt + generated). Each step hands out a token 
    overtakes them), each chunk also cut so that the step's predicted time stays under a limit
    (engine/step_cost.py learns the cost of a token at a given context length from the steps
    already run). While decodes run, the streams' inter-token latency is what bounds the chunks:
-   each step with decodes lends the long prompts `max_decode_slowdown - 1` times its own predicted
-   time, and a chunk spends what it is predicted to add, so steps with streams average at most
-   `max_decode_slowdown` times their time without the long chunks. A long prompt deep in its context
+   each step with decodes lends the long prompts `max_decode_slowdown - 1` times its decodes'
+   predicted time (a new short prompt in the step earns nothing: its first token does not wait for
+   a long chunk), and each step pays back what it really took beyond its prediction without the
+   long chunks, so steps with streams average at most `max_decode_slowdown` times their time. A long prompt deep in its context
    then prefills a few tokens a step, or one token every second or third step when one token costs
    more than a step lends (the loan grows until it fits, so the prompt always advances). A step
    without decodes may take `max_step_ms`, or twice its time without the long chunks where that is
