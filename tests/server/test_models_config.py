@@ -36,6 +36,9 @@ def test_config_json_and_toml(tmp_path):
         read_config(tmp_path / "missing.json")
     with pytest.raises(InvalidRequest, match="needs at least"):
         ModelSpec.from_dict({"kv_cache_memory": "1GiB"})
+    # a model's scheduler settings, as `kvserve serve` takes them
+    assert ModelSpec.from_dict({"path": "p", "max_step_ms": 50, "max_decode_slowdown": 0}).engine == {
+        "max_step_ms": 50, "max_decode_slowdown": 0}
 
 
 def test_pool_names_and_errors(tmp_path):
