@@ -21,7 +21,8 @@ below load time looks at the environment. Tests make variants with `dataclasses.
 ISA levels, lowest first, and what each adds for us:
   torch   no C kernels (another device, no compiler, a CPU without AVX2, KVSERVE_NO_KERNELS)
   avx2    the int8 kernels (avx2 fma f16c); large calls dequantize into fp32 and use MKL
-  avx512  what oneDNN needs for bf16 matmuls (avx512f/bw/vl/dq); our kernels stay AVX2 builds
+  avx512  avx512f/bw/vl/dq: prompt tiles' attention in 512-bit registers (same bits), and what
+          oneDNN needs for bf16 matmuls; with avx512_vnni, the int8 tiles' VNNI build
   amx     AMX tiles: the int8 kernels run steps of 16 tokens and more on AMX-INT8 (amx_int8, same
           bits); with batch invariance off, large calls use a prepacked bf16 copy through oneDNN
 KVSERVE_ISA=avx2|avx512|amx forces a lower level than the CPU's: its features are then cut to
@@ -212,6 +213,11 @@ class KernelBackend:
         if self.isa == "amx" and "amx_int8" in self.features and self.lib is not None and self.lib.kvs_amx_init():
             return 2
         return 1
+
+    @property
+    def attn_isa(self) -> int:
+        """The prompt tiles' attention build: 1 = AVX-512 (avx512 level or up), 0 = AVX2; the same bits."""
+        return 1 if ISA_LEVELS.index(self.isa) >= ISA_LEVELS.index("avx512") else 0
 
     @property
     def max_fused_tokens(self) -> int:

@@ -51,7 +51,7 @@ class KvsModelDesc(ctypes.Structure):
                 ("n_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
-                ("layers", ctypes.POINTER(KvsLayerDesc))]
+                ("layers", ctypes.POINTER(KvsLayerDesc)), ("attn_isa", ctypes.c_int32)]
 
 
 @dataclass
@@ -107,7 +107,7 @@ class CpuOps(TorchOps):
         self.desc = KvsModelDesc(len(model.layers), model.config.hidden_size, first.num_heads,
                                  first.num_kv_heads, first.head_dim, first.intermediate_size, self.eps,
                                  first.scale, self._keep[0].data_ptr(), self._keep[1].data_ptr(),
-                                 self._keep[2].data_ptr(), self.layers)
+                                 self._keep[2].data_ptr(), self.layers, backend.attn_isa)
         self._cache_ptrs: tuple[int, ...] = ()
 
     def prepare(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None,

@@ -392,7 +392,7 @@ void attend_group(const float *q, const void *K, const void *V, int kv_dtype, si
 
 void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, int kv_dtype, size_t block_stride,
                  size_t tok_stride, int head_off, const int64_t *table, int block_size, int L0, int NQ, int D, int G,
-                 float scale, float *out, size_t out_stride) {
+                 float scale, float *out, size_t out_stride, int attn_isa) {
     // The tile's keys 0..L0+NQ-2 as contiguous float32 rows (exact: bf16/f16 -> f32 loses nothing),
     // then every query of the tile through the same arithmetic as a lone query (attend_rows), with
     // the loops turned so that a block of keys serves all the tile's queries while it is in L1.
@@ -451,6 +451,18 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
         }
     }
     const float *ks = q8 ? ksc.data() : nullptr, *vs = q8 ? vsc.data() : nullptr;
+    if (attn_isa >= 1 && (D == 32 || D == 64 || D == 128)) {
+        thread_local std::vector<float> S, A, inv, kp;
+        const size_t R = (size_t)NQ * G;
+        S.resize(R * Lmax);
+        A.resize(R * D);
+        inv.resize(R);
+        kp.resize((size_t)(Lmax & ~7) * D);
+        pack_keys_avx512(kf.data(), Lmax, D, kp.data());
+        if (tile_rows_avx512(D, q, q_stride, kf.data(), kp.data(), vf.data(), L0, NQ, G, scale,
+                             tile_scratch{S.data(), A.data(), inv.data()}, out, out_stride, ks, vs))
+            return;
+    }
     switch (D % 8 ? 0 : D / 8) {
         case 4: tile_rows<4>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
         case 8: tile_rows<8>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;

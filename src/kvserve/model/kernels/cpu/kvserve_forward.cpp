@@ -58,6 +58,7 @@ struct kvs_model_desc {
     const float *sin;
     const float *final_norm;
     const kvs_layer_desc *layers;
+    int32_t attn_isa;  // prompt tiles' attention: 1 = AVX-512 build, 0 = AVX2 (the same bits)
 };
 
 }  // extern "C"
@@ -186,7 +187,7 @@ void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<i
                               block_size, L0, D, group, m->scale, scores.data(), o);
         } else {
             kvs::attend_tile(q, qkv_rows, Kc, Vc, kv_dtype, block_stride, tok_stride, h * row, table, block_size, L0, n,
-                             D, group, m->scale, o, qd);
+                             D, group, m->scale, o, qd, m->attn_isa);
         }
     }
 }

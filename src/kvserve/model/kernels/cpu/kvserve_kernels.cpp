@@ -57,7 +57,7 @@
 
 extern "C" {
 
-int kvs_version(void) { return 8; }
+int kvs_version(void) { return 9; }
 
 }  // extern "C"
 

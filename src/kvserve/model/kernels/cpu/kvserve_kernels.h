@@ -75,9 +75,25 @@ void groups_amx(const kvs_weight *w, const int8_t *xq, const float *xd, const fl
 // q + i * q_stride, its output at out + i * out_stride) against the same KV head: the keys are
 // widened to float32 once for the tile, then each query runs exactly the arithmetic of
 // attend_group (same bits as a lone query: the tile only saves the conversion and the gathers).
+// attn_isa: 1 = the AVX-512 build of the tile (kvserve_attention_avx512.cpp, same bits), 0 = AVX2.
 void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, int kv_dtype, size_t block_stride,
                  size_t tok_stride, int head_off, const int64_t *table, int block_size, int L0, int NQ, int D, int G,
-                 float scale, float *out, size_t out_stride);
+                 float scale, float *out, size_t out_stride, int attn_isa);
+
+// Buffers of one tile's attention, sized by the caller (R = NQ x G rows): S [R x (L0 + NQ - 1)]
+// scores, A [R x D] running V sums, inv [R].
+struct tile_scratch {
+    float *S, *A, *inv;
+};
+
+// The AVX-512 tile's copy of the keys: kf's rows [L, D] in groups of 8 with keys j and j+4 side by
+// side per 8-lane chunk (the last L % 8 rows are left out; D a multiple of 8).
+void pack_keys_avx512(const float *kf, int L, int D, float *kp);
+
+// The AVX-512 tile for head sizes 32, 64 and 128 (false: another size, nothing done).
+bool tile_rows_avx512(int D, const float *q, size_t q_stride, const float *kf, const float *kp, const float *vf, int L0,
+                      int NQ, int G, float scale, const tile_scratch &w, float *out, size_t out_stride,
+                      const float *ksc, const float *vsc);
 
 // y = x / sqrt(mean(x^2) + eps) * w over n floats.
 void rms_norm_row(const float *x, const float *w, int n, float eps, float *y);
