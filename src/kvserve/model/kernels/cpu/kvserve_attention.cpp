@@ -392,7 +392,7 @@ void attend_group(const float *q, const void *K, const void *V, int kv_dtype, si
 
 void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, int kv_dtype, size_t block_stride,
                  size_t tok_stride, int head_off, const int64_t *table, int block_size, int L0, int NQ, int D, int G,
-                 float scale, float *out, size_t out_stride, int attn_isa) {
+                 float scale, float *out, size_t out_stride, int attn_isa, uint64_t reuse) {
     // The tile's keys 0..L0+NQ-2 as contiguous float32 rows (exact: bf16/f16 -> f32 loses nothing),
     // then every query of the tile through the same arithmetic as a lone query (attend_rows), with
     // the loops turned so that a block of keys serves all the tile's queries while it is in L1.
@@ -407,17 +407,36 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
         }
         return;
     }
-    thread_local std::vector<float> kf, vf, scores, ksc, vsc;
+    // The widened rows stay with the thread: its next tile of the same call, sequence and KV head
+    // (the caller's `reuse` tag names the call) widens only the rows it does not have yet.
+    struct Widened {
+        const void *K, *V;
+        const int64_t *table;
+        int head_off, kv_dtype, D, block_size;
+        uint64_t reuse;
+        int rows, packed;   // rows widened into kf/vf (and ksc/vsc), of them rows packed into kp
+    };
+    thread_local Widened have{};
+    thread_local std::vector<float> kf, vf, scores, ksc, vsc, kp;
     thread_local std::vector<size_t> offs;
-    kf.resize((size_t)Lmax * D);
-    vf.resize((size_t)Lmax * D);
-    ksc.resize(q8 ? Lmax + 8 : 0);
-    vsc.resize(q8 ? Lmax + 8 : 0);
-    for (int b = 0, t0 = 0; t0 < Lmax; b++, t0 += block_size) {
+    if (!(reuse != 0 && have.reuse == reuse && have.K == K && have.V == V && have.table == table &&
+          have.head_off == head_off && have.kv_dtype == kv_dtype && have.D == D && have.block_size == block_size))
+        have = Widened{K, V, table, head_off, kv_dtype, D, block_size, reuse, 0, 0};
+    const int from = have.rows < Lmax ? have.rows : Lmax;
+    if (have.rows < Lmax) have.rows = Lmax;
+    const auto grow = [](std::vector<float> &v, size_t n) { if (v.size() < n) v.resize(n); };   // never shrinks:
+    grow(kf, (size_t)Lmax * D);                                                               // rows are kept
+    grow(vf, (size_t)Lmax * D);
+    if (q8) {
+        grow(ksc, (size_t)Lmax + 8);
+        grow(vsc, (size_t)Lmax + 8);
+    }
+    for (int t = from; t < Lmax;) {
+        const int b = t / block_size;
         const size_t base = (size_t)table[b] * block_stride + head_off;
-        for (int i = 0; i < block_size && t0 + i < Lmax; i++) {
+        for (int i = t - b * block_size; i < block_size && t < Lmax; i++, t++) {
             const size_t src = base + (size_t)i * tok_stride;
-            float *kd = kf.data() + (size_t)(t0 + i) * D, *vd = vf.data() + (size_t)(t0 + i) * D;
+            float *kd = kf.data() + (size_t)t * D, *vd = vf.data() + (size_t)t * D;
             if (kv_dtype == 0) {
                 memcpy(kd, (const float *)K + src, D * sizeof(float));
                 memcpy(vd, (const float *)V + src, D * sizeof(float));
@@ -426,8 +445,8 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
                 uint16_t hk, hv;
                 memcpy(&hk, kr + D, 2);
                 memcpy(&hv, vr + D, 2);
-                ksc[t0 + i] = _cvtsh_ss(hk);
-                vsc[t0 + i] = _cvtsh_ss(hv);
+                ksc[t] = _cvtsh_ss(hk);
+                vsc[t] = _cvtsh_ss(hv);
                 int d = 0;
                 for (; d + 8 <= D; d += 8) {
                     _mm256_storeu_ps(kd + d, load8(kr + d));
@@ -452,13 +471,17 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
     }
     const float *ks = q8 ? ksc.data() : nullptr, *vs = q8 ? vsc.data() : nullptr;
     if (attn_isa >= 1 && (D == 32 || D == 64 || D == 128)) {
-        thread_local std::vector<float> S, A, inv, kp;
+        thread_local std::vector<float> S, A, inv;
         const size_t R = (size_t)NQ * G;
         S.resize(R * Lmax);
         A.resize(R * D);
         inv.resize(R);
-        kp.resize((size_t)(Lmax & ~7) * D);
-        pack_keys_avx512(kf.data(), Lmax, D, kp.data());
+        if (have.packed < (Lmax & ~7)) {   // groups of 8 keys not packed yet
+            const int p0 = have.packed;
+            grow(kp, (size_t)(Lmax & ~7) * D);
+            pack_keys_avx512(kf.data() + (size_t)p0 * D, (Lmax & ~7) - p0, D, kp.data() + (size_t)p0 * D);
+            have.packed = Lmax & ~7;
+        }
         if (tile_rows_avx512(D, q, q_stride, kf.data(), kp.data(), vf.data(), L0, NQ, G, scale,
                              tile_scratch{S.data(), A.data(), inv.data()}, out, out_stride, ks, vs))
             return;

@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <atomic>
 #include <vector>
 
 #include "kvserve_kernels.h"
@@ -130,6 +131,12 @@ void rope_and_store(const kvs_model_desc *m, float *r, int64_t position, int64_t
 // chunk) that share one float32 copy of their keys and values per KV head (kvs::attend_tile); a
 // decode is a tile of 1. Tokens with attend[t] == 0 (if attend is given) are left out. Returns the
 // tile starts followed by T.
+// A tag per call of the attention (attend_tile's reuse of widened keys never crosses calls).
+uint64_t next_call() {
+    static std::atomic<uint64_t> n{0};
+    return ++n;
+}
+
 std::vector<int> attention_tiles(int T, const uint8_t *attend, const int64_t *seq_of, const int64_t *positions) {
     std::vector<int> start;
     for (int t = 0; t < T; t++) {
@@ -148,7 +155,7 @@ std::vector<int> attention_tiles(int T, const uint8_t *attend, const int64_t *se
 // handed out dynamically.
 void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<int> &tiles, const uint8_t *attend,
                   const int64_t *positions, const int64_t *seq_of, const int64_t *tables, int max_blocks,
-                  const char *Kc, const char *Vc, int kv_dtype, int block_size, float *out) {
+                  const char *Kc, const char *Vc, int kv_dtype, int block_size, float *out, uint64_t call) {
     const int Hq = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim;
     const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd, group = Hq / Hkv, row = kvs::kv_row(D, kv_dtype);
     const size_t tok_stride = (size_t)Hkv * row, block_stride = (size_t)block_size * tok_stride;
@@ -170,9 +177,11 @@ void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<i
         for (int i = 0; i < ntiles; i++)
             if (tiles[i + 1] - tiles[i] == 1 && (positions[tiles[i]] + 1) * nth > lone) whole[i] = 0;
     }
+    // Items head by head, each head's tiles deepest first: a thread that takes several tiles of one
+    // prompt chunk and head widens the chunk's keys once (attend_tile's reuse), not once per tile.
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < ntiles * Hkv; it++) {
-        const int tile = ntiles - 1 - it / Hkv, h = it % Hkv;
+        const int tile = ntiles - 1 - it % ntiles, h = it / ntiles;
         const int t0 = tiles[tile];
         int n = 1;
         while (t0 + n < tiles[tile + 1] && (!attend || attend[t0 + n])) n++;
@@ -187,7 +196,7 @@ void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<i
                               block_size, L0, D, group, m->scale, scores.data(), o);
         } else {
             kvs::attend_tile(q, qkv_rows, Kc, Vc, kv_dtype, block_stride, tok_stride, h * row, table, block_size, L0, n,
-                             D, group, m->scale, o, qd, m->attn_isa);
+                             D, group, m->scale, o, qd, m->attn_isa, call);
         }
     }
 }
@@ -228,6 +237,7 @@ int kvs_forward_lora(const kvs_model_desc *m, int kv_dtype, int num_blocks, int 
     const size_t tok_stride = (size_t)Hkv * kvs::kv_row(D, kv_dtype), block_stride = (size_t)block_size * tok_stride;
     const size_t esize = kvs::kv_esize(kv_dtype);
     const std::vector<int> tiles = attention_tiles(T, nullptr, seq_of, positions);
+    const uint64_t call = next_call();   // one per forward: each layer's cache is its own tag too
     if (nth < 1) nth = 1;
 
 #pragma omp parallel num_threads(nth)
@@ -289,7 +299,7 @@ int kvs_forward_lora(const kvs_model_desc *m, int kv_dtype, int num_blocks, int 
                                block_size);
 #pragma omp barrier
             attend_tiles(m, qkv.data(), tiles, nullptr, positions, seq_of, tables, max_blocks, Kc, Vc, kv_dtype,
-                         block_size, attn.data());
+                         block_size, attn.data(), call);
             quantize(attn.data(), qd, false, nullptr);
 #pragma omp barrier
             kvs::linear_rows(L.o, xq.data(), xd.data(), xs.data(), T, x, H, true, ith, nt);
@@ -347,6 +357,7 @@ void kvs_rope_kv_attention(const kvs_model_desc *m, float *qkv, int T, const int
     char *Kc = (char *)kv_cache;
     char *Vc = Kc + (size_t)num_blocks * block_stride * esize;
     const std::vector<int> tiles = attention_tiles(T, attend, seq_of, positions);
+    const uint64_t call = next_call();
     if (nth < 1) nth = 1;
 #pragma omp parallel num_threads(nth)
     {
@@ -354,7 +365,8 @@ void kvs_rope_kv_attention(const kvs_model_desc *m, float *qkv, int T, const int
         for (int t = ith; t < T; t += nt)
             rope_and_store(m, qkv + (size_t)t * qkv_rows, positions[t], slots[t], Kc, Vc, kv_dtype, block_size);
 #pragma omp barrier
-        attend_tiles(m, qkv, tiles, attend, positions, seq_of, tables, max_blocks, Kc, Vc, kv_dtype, block_size, out);
+        attend_tiles(m, qkv, tiles, attend, positions, seq_of, tables, max_blocks, Kc, Vc, kv_dtype, block_size, out,
+                     call);
     }
 }
 

@@ -76,9 +76,11 @@ void groups_amx(const kvs_weight *w, const int8_t *xq, const float *xd, const fl
 // widened to float32 once for the tile, then each query runs exactly the arithmetic of
 // attend_group (same bits as a lone query: the tile only saves the conversion and the gathers).
 // attn_isa: 1 = the AVX-512 build of the tile (kvserve_attention_avx512.cpp, same bits), 0 = AVX2.
+// reuse: a tag for one call's attention (0: none); a thread's next tile with the same tag, cache,
+// sequence and KV head reuses the keys and values it widened to float32 for the last one.
 void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, int kv_dtype, size_t block_stride,
                  size_t tok_stride, int head_off, const int64_t *table, int block_size, int L0, int NQ, int D, int G,
-                 float scale, float *out, size_t out_stride, int attn_isa);
+                 float scale, float *out, size_t out_stride, int attn_isa, uint64_t reuse);
 
 // Buffers of one tile's attention, sized by the caller (R = NQ x G rows): S [R x (L0 + NQ - 1)]
 // scores, A [R x D] running V sums, inv [R].
