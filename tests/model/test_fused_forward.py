@@ -182,10 +182,11 @@ def test_q8_0_format_packs_dense_weights_for_the_c_forward(tmp_path):
 @pytest.mark.skipif(BACKEND.attn_isa < 1, reason="no AVX-512 on this CPU: only the AVX2 attention build runs")
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_avx512_attention_tiles_give_the_avx2_bits(tmp_path, int8_only, head_dim, kv_dtype):
-    """The prompt tiles' AVX-512 attention (cpu/kvserve_attention_avx512.cpp) against the AVX2 one:
-    the same hidden states bit for bit, for chunks of 1-16 queries (odd and even, so query pairs
-    and lone queries), prefixes with and without a partial 8-key block, GQA groups of 3."""
+def test_avx512_attention_gives_the_avx2_bits(tmp_path, int8_only, head_dim, kv_dtype):
+    """The AVX-512 attention (cpu/kvserve_attention_avx512.cpp) against the AVX2 one: the same
+    hidden states bit for bit, for prompt chunks of 1-16 queries (odd and even: rows in threes and
+    what is left), prefixes with and without a partial 8-key block, GQA groups of 3, and lone
+    queries (decodes) beside them, one KV head per work item or all three."""
     path = make_tiny_llama_gguf(tmp_path / f"tiny-{head_dim}.gguf", qtype="Q8_0", hidden=6 * head_dim, inter=256,
                                 heads=6, kv_heads=2, layers=2, ctx=256)
     model = load_model(str(path), backend=int8_only).model
@@ -193,15 +194,17 @@ def test_avx512_attention_tiles_give_the_avx2_bits(tmp_path, int8_only, head_dim
     assert avx2.attn_isa == 0 and int8_only.attn_isa == 1
     cfg = model.config
     g = torch.Generator().manual_seed(head_dim)
+    # two prompts in chunks, and four sequences that take one token per step (decodes)
     chunks = [[5, 16, 13, 9, 16, 2, 11, 1, 16, 7, 15, 3], [16, 1, 16, 14, 8, 16, 12, 16, 6, 10, 4, 13]]
-    tables = [list(range(0, 12)), list(range(12, 24))]
+    chunks += [[1] * 12 for _ in range(4)]
+    tables = [list(range(12 * s, 12 * s + 12)) for s in range(len(chunks))]
     tokens = [torch.randint(3, cfg.vocab_size, (sum(c),), generator=g).tolist() for c in chunks]
-    caches = {b: [torch.zeros(cache_shape(24, BLOCK, cfg.num_key_value_heads, cfg.head_dim, kv_dtype), dtype=kv_dtype)
-                  for _ in range(cfg.num_hidden_layers)] for b in ("avx512", "avx2")}
-    done = [0, 0]
+    caches = {b: [torch.zeros(cache_shape(12 * len(chunks), BLOCK, cfg.num_key_value_heads, cfg.head_dim, kv_dtype),
+                              dtype=kv_dtype) for _ in range(cfg.num_hidden_layers)] for b in ("avx512", "avx2")}
+    done = [0] * len(chunks)
     for step in range(len(chunks[0])):
         ids, pos, q_lens, s_lens = [], [], [], []
-        for s in range(2):
+        for s in range(len(chunks)):
             n = chunks[s][step]
             ids += tokens[s][done[s]:done[s] + n]
             pos += range(done[s], done[s] + n)
@@ -211,7 +214,7 @@ def test_avx512_attention_tiles_give_the_avx2_bits(tmp_path, int8_only, head_dim
         meta = AttentionMetadata.build(q_lens, s_lens, tables, BLOCK)
         outs = {}
         for name, backend in (("avx512", int8_only), ("avx2", avx2)):
-            model.backend = replace(backend, fused_forward=True, fused_max_tokens=64)
+            model.backend = replace(backend, fused_forward=True, fused_max_tokens=128)
             with torch.inference_mode():
                 outs[name] = model(torch.tensor(ids), torch.tensor(pos), meta, caches[name])
         assert torch.equal(outs["avx512"], outs["avx2"]), (step, q_lens, s_lens)

@@ -336,7 +336,7 @@ namespace kvs {
 // token and head (batched decode reads the KV cache at about 3x the speed).
 void attend_heads(const float *q, const void *K, const void *V, int kv_dtype, size_t block_stride, size_t tok_stride,
                   int head_off, int row, int nh, const int64_t *table, int block_size, int L, int D, int G,
-                  float scale, float *scores, float *out) {
+                  float scale, float *scores, float *out, int attn_isa) {
     // Row offsets of the L tokens, block by block (no division per row), for the first head.
     thread_local std::vector<size_t> offs;
     thread_local std::vector<float> ksc, vsc;
@@ -362,6 +362,14 @@ void attend_heads(const float *q, const void *K, const void *V, int kv_dtype, si
                 ksc[t] = _cvtsh_ss(hk);
                 vsc[t] = _cvtsh_ss(hv);
             }
+        }
+        if (attn_isa >= 1) {
+            thread_local std::vector<float> inv;
+            inv.resize(G);
+            const size_t es = kv_esize(kv_dtype);
+            if (attend_rows_avx512(D, qh, (const char *)K + hoff * es, (const char *)V + hoff * es, kv_dtype, offs.data(),
+                                   L, G, scale, scores, oh, ksc.data(), vsc.data(), pf, inv.data()))
+                continue;
         }
 #define KVS_ROWS(KV, KS, VS)                                                                                   \
     switch (D % 8 ? 0 : D / 8) {                                                                               \

@@ -11,6 +11,10 @@
 //           8 lanes at a time in the AVX2 order
 //   V       16 output lanes per register instead of 8: each lane's chain is still key by key
 //
+// A lone query (decode; attend_rows in the AVX2 code) gets the same treatment straight from the
+// paged cache: keys j and j+4 of a head widened into one register and used by the GQA group's
+// query heads together, V rows 16 lanes at a time for up to 3 heads.
+//
 // On a CPU with two full-width FMA pipes (Zen 5, Intel AVX-512) that halves the instructions per
 // (query, key); on Zen 4, whose 512-bit FMAs are split in two, it only saves front-end work. Only
 // entered where the backend found avx512f/bw/vl/dq (the model descriptor's attn_isa), and compiled
@@ -229,6 +233,171 @@ void tile_rows(const float *q, size_t q_stride, const float *kf, const float *kp
         }
 }
 
+
+// Two 8-value chunks of cache rows (keys j and j + 4), widened to float32 exactly, side by side.
+inline __m512 load_pair(const float *a, const float *b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+inline __m512 load_pair(const kvs::f16 *a, const kvs::f16 *b) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                                   _mm_loadu_si128((const __m128i *)b), 1));
+}
+inline __m512 load_pair(const kvs::bf16 *a, const kvs::bf16 *b) {
+    const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                              _mm_loadu_si128((const __m128i *)b), 1);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load_pair(const int8_t *a, const int8_t *b) {
+    const __m128i h = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h));
+}
+// 16 consecutive values of a cache row, widened.
+inline __m512 load16(const float *p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const kvs::f16 *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+inline __m512 load16(const kvs::bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+inline __m512 load16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+inline float load1(const float *p) { return *p; }
+inline float load1(const kvs::f16 *p) { return _cvtsh_ss(p->bits); }
+inline float load1(const kvs::bf16 *p) {
+    uint32_t u = (uint32_t)p->bits << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+inline float load1(const int8_t *p) { return (float)*p; }
+
+template <typename KV>
+constexpr bool kScaled = false;
+template <>
+constexpr bool kScaled<int8_t> = true;
+
+// The AVX2 dot of a query head with one cache row (D a multiple of 8): chunks widened 8 at a time.
+template <typename KV>
+inline float dot_row(const float *a, const KV *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm512_castps512_ps256(load_pair(b + i, b + i)), acc);
+    return hsum(acc);
+}
+
+// Scores of the G (<= 3 at a time) query heads of one KV head against the 8 cache rows k[0..7].
+template <typename KV, int ND, int NR>
+inline void scores_lone(const float *const *qr, const KV *const *k, __m256 *out) {
+    __m512 acc[NR][4];
+    for (int r = 0; r < NR; r++) {
+        const __m512 x = _mm512_broadcast_f32x8(_mm256_loadu_ps(qr[r]));
+        for (int jj = 0; jj < 4; jj++) acc[r][jj] = _mm512_mul_ps(x, load_pair(k[jj], k[jj + 4]));
+    }
+    for (int c = 1; c < ND; c++) {
+        __m512 x[NR];
+        for (int r = 0; r < NR; r++) x[r] = _mm512_broadcast_f32x8(_mm256_loadu_ps(qr[r] + 8 * c));
+        for (int jj = 0; jj < 4; jj++) {
+            __m512 kk = load_pair(k[jj] + 8 * c, k[jj + 4] + 8 * c);
+            in_register(kk);
+            for (int r = 0; r < NR; r++) acc[r][jj] = _mm512_fmadd_ps(x[r], kk, acc[r][jj]);
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r] = hsum8_pairs(acc[r]);
+}
+
+// out[r] = inv[r] * sum over the L rows of p[r][t] * v[t] (times the row's scale for int8), NR heads,
+// 16-lane chunks c0..c0+NC: the AVX2 pv_rows' chains.
+template <typename KV, int NR, int NC, typename Prefetch>
+inline void pv_lone(const float *const *sg, const KV *V, const size_t *off, int L, int D, int c0, const float *vsc,
+                    const float *inv, float *out, Prefetch prefetch_row) {
+    __m512 acc[NR][NC];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int tt = 0; tt < L; tt++) {
+        if (c0 == 0 && tt + 16 < L) prefetch_row(V + off[tt + 16]);
+        const KV *v = V + off[tt] + 16 * c0;
+        __m512 p[NR];
+        for (int r = 0; r < NR; r++) p[r] = _mm512_set1_ps(kScaled<KV> ? sg[r][tt] * vsc[tt] : sg[r][tt]);
+        for (int c = 0; c < NC; c++) {
+            __m512 vv = load16(v + 16 * c);
+            in_register(vv);
+            for (int r = 0; r < NR; r++) acc[r][c] = _mm512_fmadd_ps(p[r], vv, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        const __m512 vinv = _mm512_set1_ps(inv[r]);
+        for (int c = 0; c < NC; c++)
+            _mm512_storeu_ps(out + (size_t)r * D + 16 * (c0 + c), _mm512_mul_ps(acc[r][c], vinv));
+    }
+}
+
+// The AVX2 attend_rows<KV, ND> (one query, the G query heads of one KV head, L cache rows at
+// K + off[t], V + off[t]), same bits.
+template <typename KV, int ND>
+void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, int L, int D, int G, float scale,
+                 float *s, float *out, const float *ksc, const float *vsc, int pf_bytes, float *inv) {
+    constexpr int row_bytes = ND * 8 * (int)sizeof(KV);
+    const int pf = pf_bytes > row_bytes ? pf_bytes : row_bytes;
+    const auto prefetch_row = [pf](const KV *r) {
+        for (int b = 0; b < row_bytes; b += 64) _mm_prefetch((const char *)r + b, _MM_HINT_T0);
+        for (int b = row_bytes; b < pf; b += 64) _mm_prefetch((const char *)r + b, _MM_HINT_T1);
+    };
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int j = 0; j < 16 && j < L; j++) prefetch_row(K + off[j]);
+    int t = 0;
+    for (; t + 8 <= L; t += 8) {
+        for (int j = t + 16; j < t + 24 && j < L; j++) {
+            prefetch_row(K + off[j]);
+            for (int b = 0; b < pf; b += 64) _mm_prefetch((const char *)(V + off[j]) + b, _MM_HINT_T1);
+        }
+        const KV *k[8];
+        for (int j = 0; j < 8; j++) k[j] = K + off[t + j];
+        for (int g0 = 0; g0 < G; g0 += 3) {
+            const int nr = G - g0 < 3 ? G - g0 : 3;
+            const float *qr[3];
+            __m256 sv[3];
+            for (int r = 0; r < nr; r++) qr[r] = q + (size_t)(g0 + r) * D;
+            if (nr == 3) scores_lone<KV, ND, 3>(qr, k, sv);
+            else if (nr == 2) scores_lone<KV, ND, 2>(qr, k, sv);
+            else scores_lone<KV, ND, 1>(qr, k, sv);
+            for (int r = 0; r < nr; r++) {
+                __m256 x = _mm256_mul_ps(sv[r], vscale);
+                if (kScaled<KV>) x = _mm256_mul_ps(x, _mm256_loadu_ps(ksc + t));
+                _mm256_storeu_ps(s + (size_t)(g0 + r) * L + t, x);
+            }
+        }
+    }
+    for (int j = 0; j < 16 && j < L; j++) prefetch_row(V + off[j]);
+    for (; t < L; t++)
+        for (int g = 0; g < G; g++) {
+            const float d = dot_row(q + (size_t)g * D, K + off[t], D);
+            s[(size_t)g * L + t] = kScaled<KV> ? d * scale * ksc[t] : d * scale;
+        }
+    for (int g = 0; g < G; g++) inv[g] = 1.0f / softmax_row(s + (size_t)g * L, L);
+    constexpr int N16 = ND / 2, NC = N16 < 4 ? N16 : 4;
+    for (int g0 = 0; g0 < G; g0 += 3) {
+        const int nr = G - g0 < 3 ? G - g0 : 3;
+        const float *sg[3];
+        for (int r = 0; r < nr; r++) sg[r] = s + (size_t)(g0 + r) * L;
+        for (int c0 = 0; c0 < N16; c0 += NC) {
+            float *o = out + (size_t)g0 * D;
+            if (nr == 3) pv_lone<KV, 3, NC>(sg, V, off, L, D, c0, vsc, inv + g0, o, prefetch_row);
+            else if (nr == 2) pv_lone<KV, 2, NC>(sg, V, off, L, D, c0, vsc, inv + g0, o, prefetch_row);
+            else pv_lone<KV, 1, NC>(sg, V, off, L, D, c0, vsc, inv + g0, o, prefetch_row);
+        }
+    }
+}
+
+template <typename KV>
+bool rows_for(int D, const float *q, const KV *K, const KV *V, const size_t *off, int L, int G, float scale, float *s,
+              float *out, const float *ksc, const float *vsc, int pf_bytes, float *inv) {
+    switch (D) {
+        case 32: attend_rows<KV, 4>(q, K, V, off, L, D, G, scale, s, out, ksc, vsc, pf_bytes, inv); return true;
+        case 64: attend_rows<KV, 8>(q, K, V, off, L, D, G, scale, s, out, ksc, vsc, pf_bytes, inv); return true;
+        case 128: attend_rows<KV, 16>(q, K, V, off, L, D, G, scale, s, out, ksc, vsc, pf_bytes, inv); return true;
+        default: return false;
+    }
+}
+
 }  // namespace
 
 namespace kvs {
@@ -251,6 +420,19 @@ bool tile_rows_avx512(int D, const float *q, size_t q_stride, const float *kf, c
         case 32: tile_rows<4>(q, q_stride, kf, kp, vf, L0, NQ, G, scale, w, out, out_stride, ksc, vsc); return true;
         case 64: tile_rows<8>(q, q_stride, kf, kp, vf, L0, NQ, G, scale, w, out, out_stride, ksc, vsc); return true;
         case 128: tile_rows<16>(q, q_stride, kf, kp, vf, L0, NQ, G, scale, w, out, out_stride, ksc, vsc); return true;
+        default: return false;
+    }
+}
+
+bool attend_rows_avx512(int D, const float *q, const void *K, const void *V, int kv_dtype, const size_t *off, int L,
+                        int G, float scale, float *s, float *out, const float *ksc, const float *vsc, int pf_bytes,
+                        float *inv) {
+    switch (kv_dtype) {
+        case 0: return rows_for(D, q, (const float *)K, (const float *)V, off, L, G, scale, s, out, ksc, vsc, pf_bytes, inv);
+        case 1: return rows_for(D, q, (const bf16 *)K, (const bf16 *)V, off, L, G, scale, s, out, ksc, vsc, pf_bytes, inv);
+        case 2: return rows_for(D, q, (const f16 *)K, (const f16 *)V, off, L, G, scale, s, out, ksc, vsc, pf_bytes, inv);
+        case 3:   // int8 rows, their scales in ksc/vsc
+            return rows_for(D, q, (const int8_t *)K, (const int8_t *)V, off, L, G, scale, s, out, ksc, vsc, pf_bytes, inv);
         default: return false;
     }
 }

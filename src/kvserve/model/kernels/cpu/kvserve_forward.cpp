@@ -193,7 +193,7 @@ void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<i
             if (whole[tile] && h > 0) continue;
             scores.resize((size_t)L0 * group);
             kvs::attend_heads(q, Kc, Vc, kv_dtype, block_stride, tok_stride, h * row, row, whole[tile] ? Hkv : 1, table,
-                              block_size, L0, D, group, m->scale, scores.data(), o);
+                              block_size, L0, D, group, m->scale, scores.data(), o, m->attn_isa);
         } else {
             kvs::attend_tile(q, qkv_rows, Kc, Vc, kv_dtype, block_stride, tok_stride, h * row, table, block_size, L0, n,
                              D, group, m->scale, o, qd, m->attn_isa, call);

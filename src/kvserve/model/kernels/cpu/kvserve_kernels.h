@@ -59,7 +59,14 @@ void attend_group(const float *q, const void *K, const void *V, int kv_dtype, si
 // (contiguous in the cache), so the cache is read in runs of nh rows. Same results as nh calls.
 void attend_heads(const float *q, const void *K, const void *V, int kv_dtype, size_t block_stride,
                   size_t tok_stride, int head_off, int row, int nh, const int64_t *table, int block_size, int L,
-                  int D, int G, float scale, float *scores, float *out);
+                  int D, int G, float scale, float *scores, float *out, int attn_isa = 0);
+
+// The AVX-512 build of one head's lone-query attention (attend_rows; same bits) for head sizes 32,
+// 64 and 128 (false: another size or dtype, nothing done). K, V: the head's rows at K + off[t]
+// (elements of the dtype), ksc/vsc their scales (int8), inv: G floats of scratch.
+bool attend_rows_avx512(int D, const float *q, const void *K, const void *V, int kv_dtype, const size_t *off, int L,
+                        int G, float scale, float *s, float *out, const float *ksc, const float *vsc, int pf_bytes,
+                        float *inv);
 
 // The AVX-512 VNNI tiles (kvserve_gemm_avx512.cpp) for groups [gbeg, gend) of 16 rows: the same
 // arithmetic as the AVX2 tiles in kvserve_kernels.cpp. Only for weights whose isa is 1.
