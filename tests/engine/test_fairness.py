@@ -5,6 +5,8 @@ the same through the real engine."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.messages import ModelRunnerOutput, TokenLogprob
 from kvserve.engine.scheduler import Scheduler
@@ -193,6 +195,17 @@ def test_cost_model_learns_a_linear_step_time():
         assert abs(m.predict(sh) - float(x @ truth)) <= 0.05 * float(x @ truth)
     assert m.max_new_tokens([(0, 1)], 0, 1e-6, 512) == 0
     assert 0 < m.max_new_tokens([], 6000, 0.1, 512) < m.max_new_tokens([], 100, 0.1, 512) <= 512
+
+
+def test_cost_model_with_free_tokens_still_bounds_a_chunk():
+    """A fit that prices new tokens and attention at 0 (it happened in a long-prompt run: the engine
+    failed with int(inf)) lets a chunk take its cap, not crash."""
+    m = StepCostModel()
+    m.coef = np.array([1e-3, 0.0, 1e-4, 0.0])
+    assert m.max_new_tokens([(100, 1)] * 4, 7000, 0.05, 512) == 512
+    assert m.max_new_tokens([(100, 1)] * 4, 7000, 1e-4, 512) == 0
+    m.coef = np.array([1e-3, 0.0, 1e-4, 1e-30])
+    assert m.max_new_tokens([], 7000, 0.05, 512) == 512
 
 
 def test_cost_model_keeps_what_it_learned_about_steps_it_no_longer_sees():

@@ -96,5 +96,8 @@ class StepCostModel:
             return 0
         # c_tok·n + c_att·n·(context + n/2) <= spare: the positive root of a quadratic in n
         a, b = c_att / 2, c_tok + c_att * context
-        n = spare / b if a <= 0 else (-b + math.sqrt(b * b + 4 * a * spare)) / (2 * a)
-        return max(0, min(cap, int(n)))
+        if a > 0:
+            n = (-b + math.sqrt(b * b + 4 * a * spare)) / (2 * a)
+        else:   # the fit may price tokens at 0 (non-negative least squares on noisy steps): no bound
+            n = spare / b if b > 0 else cap
+        return max(0, min(cap, int(n))) if math.isfinite(n) else cap
