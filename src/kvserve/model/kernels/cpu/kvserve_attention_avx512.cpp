@@ -56,7 +56,7 @@ inline __m512 exp16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-// The AVX2 code's hsum and dot (for a query's last keys, fewer than 8).
+// The AVX2 code's hsum.
 inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v);
     lo = _mm_add_ps(lo, _mm256_extractf128_ps(v, 1));
@@ -65,9 +65,44 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-inline float dot(const float *a, const float *b, int n) {   // n a multiple of 8 here
+// Two 8-value chunks of cache rows (keys j and j + 4), widened to float32 exactly, side by side.
+inline __m512 load_pair(const float *a, const float *b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+inline __m512 load_pair(const kvs::f16 *a, const kvs::f16 *b) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                                   _mm_loadu_si128((const __m128i *)b), 1));
+}
+inline __m512 load_pair(const kvs::bf16 *a, const kvs::bf16 *b) {
+    const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                              _mm_loadu_si128((const __m128i *)b), 1);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load_pair(const int8_t *a, const int8_t *b) {
+    const __m128i h = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h));
+}
+// 16 consecutive values of a cache row, widened.
+inline __m512 load16(const float *p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const kvs::f16 *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+inline __m512 load16(const kvs::bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+inline __m512 load16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+template <typename KV>
+constexpr bool kScaled = false;
+template <>
+constexpr bool kScaled<int8_t> = true;
+
+// The AVX2 dot of a query head with one row (D a multiple of 8): chunks widened 8 at a time (a
+// query's last keys, fewer than 8, in the tile and for a lone query).
+template <typename KV>
+inline float dot_row(const float *a, const KV *b, int n) {
     __m256 acc = _mm256_setzero_ps();
-    for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    for (int i = 0; i < n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm512_castps512_ps256(load_pair(b + i, b + i)), acc);
     return hsum(acc);
 }
 
@@ -200,7 +235,7 @@ void tile_rows(const float *q, size_t q_stride, const float *kf, const float *kp
             float *sg = S + (size_t)(i * G + g) * Lmax;
             const float *qg = q + (size_t)i * q_stride + (size_t)g * D;
             for (int t = L & ~7; t < L; t++)
-                sg[t] = ksc ? dot(qg, kf + (size_t)t * D, D) * scale * ksc[t] : dot(qg, kf + (size_t)t * D, D) * scale;
+                sg[t] = ksc ? dot_row(qg, kf + (size_t)t * D, D) * scale * ksc[t] : dot_row(qg, kf + (size_t)t * D, D) * scale;
             inv[i * G + g] = 1.0f / softmax_row(sg, L);
         }
     }
@@ -234,56 +269,6 @@ void tile_rows(const float *q, size_t q_stride, const float *kf, const float *kp
         }
 }
 
-
-// Two 8-value chunks of cache rows (keys j and j + 4), widened to float32 exactly, side by side.
-inline __m512 load_pair(const float *a, const float *b) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
-}
-inline __m512 load_pair(const kvs::f16 *a, const kvs::f16 *b) {
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
-                                                   _mm_loadu_si128((const __m128i *)b), 1));
-}
-inline __m512 load_pair(const kvs::bf16 *a, const kvs::bf16 *b) {
-    const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
-                                              _mm_loadu_si128((const __m128i *)b), 1);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 load_pair(const int8_t *a, const int8_t *b) {
-    const __m128i h = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h));
-}
-// 16 consecutive values of a cache row, widened.
-inline __m512 load16(const float *p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const kvs::f16 *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-inline __m512 load16(const kvs::bf16 *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-inline __m512 load16(const int8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-inline float load1(const float *p) { return *p; }
-inline float load1(const kvs::f16 *p) { return _cvtsh_ss(p->bits); }
-inline float load1(const kvs::bf16 *p) {
-    uint32_t u = (uint32_t)p->bits << 16;
-    float f;
-    __builtin_memcpy(&f, &u, 4);
-    return f;
-}
-inline float load1(const int8_t *p) { return (float)*p; }
-
-template <typename KV>
-constexpr bool kScaled = false;
-template <>
-constexpr bool kScaled<int8_t> = true;
-
-// The AVX2 dot of a query head with one cache row (D a multiple of 8): chunks widened 8 at a time.
-template <typename KV>
-inline float dot_row(const float *a, const KV *b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int i = 0; i < n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm512_castps512_ps256(load_pair(b + i, b + i)), acc);
-    return hsum(acc);
-}
 
 // Scores of the G (<= 3 at a time) query heads of one KV head against the 8 cache rows k[0..7].
 template <typename KV, int ND, int NR>

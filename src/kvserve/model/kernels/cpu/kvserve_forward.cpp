@@ -127,16 +127,16 @@ void rope_and_store(const kvs_model_desc *m, float *r, int64_t position, int64_t
     store_kv(Vc + off * esize, kv_dtype, r + qd + kvd, kvd);
 }
 
-// Attention tiles of a step: runs of up to 16 consecutive query tokens of one sequence (a prompt
-// chunk) that share one float32 copy of their keys and values per KV head (kvs::attend_tile); a
-// decode is a tile of 1. Tokens with attend[t] == 0 (if attend is given) are left out. Returns the
-// tile starts followed by T.
 // A tag per call of the attention (attend_tile's reuse of widened keys never crosses calls).
 uint64_t next_call() {
     static std::atomic<uint64_t> n{0};
     return ++n;
 }
 
+// Attention tiles of a step: runs of up to 16 consecutive query tokens of one sequence (a prompt
+// chunk) that share one float32 copy of their keys and values per KV head (kvs::attend_tile); a
+// decode is a tile of 1. Tokens with attend[t] == 0 (if attend is given) are left out. Returns the
+// tile starts followed by T.
 std::vector<int> attention_tiles(int T, const uint8_t *attend, const int64_t *seq_of, const int64_t *positions) {
     std::vector<int> start;
     for (int t = 0; t < T; t++) {

@@ -146,7 +146,7 @@ using kvs::quantize_row_q8;
 // this point of the loop. Without it GCC reassociates a tile's integer sums (exact, so it may)
 // into a tree that computes every product of the block first and spills them to the stack: the
 // AVX2 Q4 tile ran at ~95 GMAC/s per thread that way and at ~145 with the sums kept in registers
-// in source order (Zen 4, one thread, 1536 x 576 at 2-128 tokens). The values are the same.
+// in source order (Zen 5, one thread, 1536 x 576 at 2-128 tokens). The values are the same.
 template <typename V>
 inline void keep_in_register(V &v) { __asm__("" : "+x"(v)); }
 
