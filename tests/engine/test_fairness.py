@@ -5,6 +5,8 @@ the same through the real engine."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from kvserve.engine.kv_cache_manager import KVCacheManager
@@ -140,7 +142,7 @@ def test_streams_lend_long_prompts_a_bounded_share_of_each_step_and_the_long_one
     assert any(x[2] == 0 for x in with_streams)
     # once the streams are gone, big chunks, reached by at most doubling a step
     assert max(x[2] for x in alone) > 32
-    for a, b in zip(alone, alone[1:]):
+    for a, b in itertools.pairwise(alone):
         assert b[2] <= max(2 * a[2], BS)
     assert long.is_finished and len(long.output_token_ids) == 1
 

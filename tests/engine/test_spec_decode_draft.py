@@ -214,3 +214,50 @@ def test_eagle_features_are_bounded_and_the_draft_starts_over(loaded, eagle_dir,
                 num_speculative_tokens=3)
     check_identical(base, spec, max_tokens=40, batched=False, n=1)
     assert spec.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+# ---- EAGLE-3-style features: inner layers beside the final one ----------------------------------
+
+@pytest.fixture(scope="module")
+def eagle3_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eagle3")
+    r = train_draft(DraftConfig(out=str(out), kind="eagle", feature_layers="2,14", num_prompts=6, gen_tokens=12,
+                                steps=3, batch_size=2, vocab_size=512, heldout=2, quiet=True))
+    assert r["feature_layers"] == [2, 14]
+    return out
+
+
+def test_eagle_with_inner_layers_is_exact(loaded, eagle3_dir):
+    from kvserve.engine.spec_decode.eagle import EAGLE_CONFIG
+
+    assert json.loads((eagle3_dir / EAGLE_CONFIG).read_text()) == {"feature_layers": [2, 14]}
+    try:
+        base = make(loaded)
+        spec = make(loaded, speculative={"method": "draft", "draft_path": str(eagle3_dir), "max_batch_rows": 0},
+                    num_speculative_tokens=3)
+        proposer = spec.engine.core.scheduler.spec.proposer
+        assert proposer.draft.num_inner == 2 and loaded.model.capture_layers == (2, 14)
+        seen = []
+        observe = proposer.observe_hidden
+        spec.engine.core.runner.hidden_sink = lambda s, h, c: (seen.append(h.shape[-1] + c.shape[1] * c.shape[2]),
+                                                                observe(s, h, c))
+        check_identical(base, spec)
+        H = loaded.model.config.hidden_size
+        assert set(seen) == {3 * H}                            # the final row and two inner layers' each step
+        assert spec.stats()["spec_decode_num_draft_tokens"] > 0
+    finally:
+        loaded.model.capture_layers = ()
+
+
+@pytest.mark.parametrize("layers", [[2, 2], [99], "2"])
+def test_bad_inner_layers_fail_at_startup(loaded, eagle3_dir, tmp_path, layers):
+    from kvserve.engine.spec_decode.eagle import EAGLE_CONFIG
+
+    bad = tmp_path / "bad"
+    shutil.copytree(eagle3_dir, bad)
+    (bad / EAGLE_CONFIG).write_text(json.dumps({"feature_layers": layers}))
+    try:
+        with pytest.raises(InvalidRequest, match="feature_layers"):
+            make(loaded, speculative=f"draft:{bad}")
+    finally:
+        loaded.model.capture_layers = ()

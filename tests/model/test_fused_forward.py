@@ -220,3 +220,29 @@ def test_avx512_attention_gives_the_avx2_bits(tmp_path, int8_only, head_dim, kv_
         assert torch.equal(outs["avx512"], outs["avx2"]), (step, q_lens, s_lens)
     for a, b in zip(caches["avx512"], caches["avx2"]):
         assert torch.equal(a, b)
+
+
+def test_captured_inner_layers_match_the_layer_path():
+    """model.capture_layers: the one-call C forward copies out the same residual rows as the layer path
+    (an EAGLE-3-style draft reads them, spec_decode/eagle.py)."""
+    m = load_model(None).model
+    cfg = m.config
+    if not getattr(m.layer_ops(), "packed", False):
+        pytest.skip("no C whole-stack forward here")
+
+    def caches():
+        return [torch.zeros(cache_shape(8, 16, cfg.num_key_value_heads, cfg.head_dim, torch.float16),
+                            dtype=torch.float16) for _ in range(cfg.num_hidden_layers)]
+
+    ids, pos = torch.arange(100, 140), torch.arange(40)
+    meta = AttentionMetadata.build([40], [40], [list(range(8))], 16)
+    m.capture_layers = (14, 2, 26)
+    with torch.no_grad():
+        h_c = m(ids, pos, meta, caches())
+        aux_c = m.captured.clone()
+        ops = m.layer_ops()
+        ops.forward_stack = lambda *a, **k: None
+        h_l = m(ids, pos, meta, caches())
+    assert aux_c.shape == (40, 3, cfg.hidden_size)
+    assert torch.equal(h_c, h_l) and torch.equal(aux_c, m.captured)
+    assert not torch.equal(aux_c[:, 0], aux_c[:, 1])

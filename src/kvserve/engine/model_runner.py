@@ -87,8 +87,9 @@ class ModelRunner:
                           for i in range(cfg.num_hidden_layers)]
         self.sampler = Sampler(eos_token_ids)
         self.grammar = None     # kvserve.structured.backend.GrammarBackend, set by the core when needed
-        # (scheduled, hidden) -> None: every step's final hidden states [T, H], rows in the order of
-        # `scheduled` (an EAGLE draft reads the target's features from them); None: not kept
+        # (scheduled, hidden, captured) -> None: every step's final hidden states [T, H], rows in the
+        # order of `scheduled`, and the model's `captured` inner layers [T, n, H] or None (an EAGLE
+        # draft reads the target's features from them); None: not kept
         self.hidden_sink = None
 
     @staticmethod
@@ -157,7 +158,7 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         if self.hidden_sink is not None:
-            self.hidden_sink(sched.scheduled, hidden)
+            self.hidden_sink(sched.scheduled, hidden, getattr(self.model, "captured", None))
         clock.lap("forward")
         out = ModelRunnerOutput()
         if self.model.config.num_experts:

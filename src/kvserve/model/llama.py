@@ -166,6 +166,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg)
         self.rotary_local = RotaryEmbedding(cfg, cfg.rope_local_theta) if cfg.rope_local_theta else None
         self.lora = None   # model/lora.py's LoRAState once adapters are served (hooks on the projections)
+        # Layers whose residual stream a paged inference forward also keeps, in `captured` [T, n, H]
+        # (an EAGLE-3-style draft reads them beside the final hidden state, spec_decode/eagle.py).
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attn_metadata: AttentionMetadata | None = None,
@@ -181,6 +185,9 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         reference = TorchOps(self.rotary, self.backend, self.rotary_local)
         ops, step = reference, None
+        cap = self.capture_layers if attn_metadata is not None and kv_caches is not None else ()
+        aux = torch.empty(x.shape[0], len(cap), x.shape[-1]) if cap else None
+        self.captured = aux
         if attn_metadata is not None and kv_caches is not None and not torch.is_grad_enabled():
             ops = self.layer_ops()
             step = ops.prepare(x, positions, attn_metadata, kv_caches)
@@ -188,14 +195,18 @@ class LlamaForCausalLM(nn.Module):
                 ops = reference
             else:
                 lora = None if self.lora is None else self.lora.batch   # LoRA rows: the C forward adds them
-                out = (ops.forward_stack(x, step, kv_caches) if lora is None
-                       else ops.forward_stack(x, step, kv_caches, lora=lora))
+                if aux is not None:
+                    ops.set_capture(cap)
+                out = (ops.forward_stack(x, step, kv_caches) if lora is None and aux is None
+                       else ops.forward_stack(x, step, kv_caches, lora=lora, aux=aux))
                 if out is not None:
                     return out
         if step is None:
             step = ops.prepare(x, positions, attn_metadata, kv_caches)
         for i, layer in enumerate(self.layers):
             x = layer(x, step, None if kv_caches is None else kv_caches[i], ops)
+            if i in cap:
+                aux[:, cap.index(i)] = x
         return ops.rms_norm(x, self.norm)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -70,10 +70,14 @@ class TorchOps:
             step.cos_local, step.sin_local = self.rotary_local(positions)
         return step
 
+    def set_capture(self, layers: tuple[int, ...]) -> None:
+        """Which layers' residual stream forward_stack copies into `aux` (none here: no stack)."""
+
     def forward_stack(self, x: torch.Tensor, step: Step, kv_caches: list[torch.Tensor] | None,
-                      lora=None) -> torch.Tensor | None:
+                      lora=None, aux: torch.Tensor | None = None) -> torch.Tensor | None:
         """The whole layer stack and final norm in one call, or None: run the layers one by one.
-        lora: the step's model.lora.LoRABatch (None: no adapter rows)."""
+        lora: the step's model.lora.LoRABatch (None: no adapter rows). aux [T, n, H]: receives the
+        residual stream after each set_capture layer."""
         return None
 
     def rms_norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:

@@ -54,6 +54,8 @@ def draft_cmd(
                                                      "EAGLE head reading the target's features."),
     layers: str = typer.Option("first,last", help="The target's layers the draft starts from: first, last, indices "
                                                   "(eagle: one layer, default the last)."),
+    feature_layers: str = typer.Option("", "--feature-layers", help="eagle: inner target layers the head reads "
+                                                                      "beside the final one, e.g. 2,14,26 (EAGLE-3)."),
     vocab_size: int = typer.Option(4096, "--vocab-size", help="LM-head rows kept: the target's most used tokens "
                                                               "(0: the whole vocabulary)."),
     num_prompts: int = typer.Option(320, "--num-prompts", help="Built-in chat prompts the target answers."),
@@ -70,7 +72,8 @@ def draft_cmd(
     from kvserve.train.draft import DraftConfig, train_draft
 
     try:
-        r = train_draft(DraftConfig(out=out, target=target, kind=kind, layers=layers, vocab_size=vocab_size,
+        r = train_draft(DraftConfig(out=out, target=target, kind=kind, layers=layers, feature_layers=feature_layers,
+                                    vocab_size=vocab_size,
                                     num_prompts=num_prompts, gen_tokens=gen_tokens, temperature=temperature,
                                     greedy_share=greedy_share,
                                     steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads))

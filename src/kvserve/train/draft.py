@@ -16,7 +16,8 @@ decoding (`--speculative draft:DIR`) from the target, on text the target writes 
                  proxy for the acceptance rate of greedy drafts)
 
 `--kind eagle` makes an EAGLE-style head instead (spec_decode/eagle.py): one decoder layer (from the
-target's last) over fc([f_j ; e(x_{j+1})]), f_j the target's final hidden state at position j. Its
+target's last) over fc([f_j ; e(x_{j+1})]), f_j the target's final hidden state at position j
+(with `--feature-layers 2,14,26`, followed by those inner layers' residual streams). Its
 data come from step 1 alone: the engine's hidden rows are kept as the target writes (the model
 runner's hidden sink), and the label at each position is the token the target wrote there (its
 argmax, for the greedy share), so there is no teacher pass. Loss: cross-entropy on that token over
@@ -85,6 +86,7 @@ class DraftConfig:
                                        # EAGLE head over the target's features (spec_decode/eagle.py)
     layers: str = "first,last"         # target layers copied into the draft: "first,last", "0", "0,15,29"
     reg_weight: float = 1.0            # eagle: weight of the feature regression beside the token loss
+    feature_layers: str = ""           # eagle: inner target layers the head reads too ("2,14,26"; EAGLE-3)
     vocab_size: int = 4096             # LM-head rows kept (0: the whole vocabulary)
     num_prompts: int = 320
     gen_tokens: int = 192
@@ -103,6 +105,8 @@ class DraftConfig:
             raise InvalidRequest("num_prompts must be larger than heldout", param="num_prompts")
         if self.kind not in ("layers", "eagle"):
             raise InvalidRequest(f"unknown draft kind {self.kind!r}: layers or eagle", param="kind")
+        if self.feature_layers and self.kind != "eagle":
+            raise InvalidRequest("feature_layers is for --kind eagle", param="feature_layers")
         if self.steps < 0 or self.batch_size < 1 or self.gen_tokens < 1 or self.vocab_size < 0:
             raise InvalidRequest("steps, batch_size, gen_tokens and vocab_size must be positive", param="steps")
 
@@ -118,19 +122,24 @@ def _layer_ids(spec: str, n: int) -> list[int]:
     return out
 
 
-def _generate(loaded, prompts: list[str], cfg: DraftConfig, features: bool = False):
+def _generate(loaded, prompts: list[str], cfg: DraftConfig, features: bool = False,
+              inner: tuple[int, ...] = ()):
     """The target's answers (prompt + answer ids) and each prompt's length: the first
     `greedy_share` of the prompts answered greedily (what greedy requests will verify), the rest
     sampled at `temperature`. features: also the target's final hidden state at every position
-    but the last, [len - 1, H] fp16 per sequence, kept from the engine's own steps (the model
+    but the last (followed by the `inner` layers' rows, spec_decode/eagle.py's draft_features),
+    [len - 1, (1 + len(inner)) H] fp16 per sequence, kept from the engine's own steps (the model
     runner's hidden sink: the features an EAGLE draft will read when serving)."""
     from kvserve import LLM, SamplingParams
+    from kvserve.engine.spec_decode.eagle import draft_features
 
     tok = loaded.tokenizer
+    loaded.model.capture_layers = inner if features else ()
     llm = LLM(loaded.model, tokenizer=tok, kv_cache_memory="512MiB", enable_prefix_caching=False)
-    kept: dict[str, torch.Tensor] = {}     # request id -> [prompt + gen_tokens, H] fp16, written in place
+    kept: dict[str, torch.Tensor] = {}     # request id -> [prompt + gen_tokens, width] fp16, written in place
     if features:
-        def sink(scheduled, hidden):
+        def sink(scheduled, hidden, captured=None):
+            hidden = draft_features(hidden, captured)
             r = 0
             for s in scheduled:
                 req, n = s.request, s.num_new_tokens
@@ -207,13 +216,13 @@ class EagleHead(torch.nn.Module):
     """fc([f_j ; e(x_{j+1})]) -> one decoder layer -> norm: the draft's output at position j, which
     should be f_{j+1} and, through the head, predict x_{j+2} (spec_decode/eagle.py serves it)."""
 
-    def __init__(self, layer_model, hidden: int):
+    def __init__(self, layer_model, hidden: int, num_inner: int = 0):
         super().__init__()
         self.body = layer_model
-        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
-        with torch.no_grad():    # start from the token's embedding plus a little of the feature
+        self.fc = torch.nn.Linear((2 + num_inner) * hidden, hidden, bias=False)
+        with torch.no_grad():    # start from the token's embedding plus a little of the final feature
             self.fc.weight.zero_()
-            self.fc.weight[:, hidden:] = torch.eye(hidden)
+            self.fc.weight[:, (1 + num_inner) * hidden:] = torch.eye(hidden)
             self.fc.weight[:, :hidden] = 0.1 * torch.eye(hidden)
 
     def forward(self, feats: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
@@ -228,7 +237,7 @@ def _eagle_loss(head_model: EagleHead, seqs, feats, head: torch.Tensor, remap: t
     T = max(len(s) for s in seqs) - 2
     B, H = len(seqs), head.shape[1]
     ids = torch.zeros(B, T, dtype=torch.long)
-    f = torch.zeros(B, T, H)
+    f = torch.zeros(B, T, feats[0].shape[-1])     # the final feature, then any inner layers'
     ft = torch.zeros(B, T, H)
     label = torch.full((B, T), -100, dtype=torch.long)
     mask = torch.zeros(B, T)
@@ -236,7 +245,7 @@ def _eagle_loss(head_model: EagleHead, seqs, feats, head: torch.Tensor, remap: t
         n = len(s) - 2
         ids[b, :n] = torch.tensor(s[1:n + 1])
         f[b, :n] = fs[:n].float()
-        ft[b, :n] = fs[1:n + 1].float()
+        ft[b, :n] = fs[1:n + 1, :H].float()
         lab = remap[torch.tensor(s[2:n + 2])]
         lo = max(0, p - 2)
         label[b, lo:n] = lab[lo:]
@@ -263,7 +272,10 @@ def train_draft(cfg: DraftConfig) -> dict:
     rng.shuffle(prompts)
     prompts = (prompts * (1 + cfg.num_prompts // len(prompts)))[:cfg.num_prompts]
     target = load_model(cfg.target)
-    seqs, starts, feats = _generate(target, prompts, cfg, features=cfg.kind == "eagle")
+    inner = tuple(_layer_ids(cfg.feature_layers, target.config.num_hidden_layers)) if cfg.feature_layers else ()
+    if len(set(inner)) != len(inner):
+        raise InvalidRequest(f"feature layers repeat: {cfg.feature_layers!r}", param="feature_layers")
+    seqs, starts, feats = _generate(target, prompts, cfg, features=cfg.kind == "eagle", inner=inner)
     t_gen = time.perf_counter() - t0
     counts = Counter(t for s in seqs for t in s)
     keep = [t for t, _ in counts.most_common(cfg.vocab_size or None)] if cfg.vocab_size else list(
@@ -283,7 +295,7 @@ def train_draft(cfg: DraftConfig) -> dict:
         teach = None
         layer_ids = layer_ids[:1]
         draft = _draft_model(fp32.model, layer_ids)
-        model = EagleHead(draft, fp32.config.hidden_size)
+        model = EagleHead(draft, fp32.config.hidden_size, len(inner))
         remap = torch.full((fp32.config.vocab_size,), -100, dtype=torch.long)
         remap[vocab] = torch.arange(len(keep))
     else:
@@ -334,9 +346,10 @@ def train_draft(cfg: DraftConfig) -> dict:
     if cfg.kind == "eagle":
         from safetensors.torch import save_file
 
-        from kvserve.engine.spec_decode.eagle import EAGLE_FILE
+        from kvserve.engine.spec_decode.eagle import EAGLE_CONFIG, EAGLE_FILE
         save_file({"fc.weight": model.fc.weight.detach().contiguous()}, str(out / EAGLE_FILE))
-    result = {"out": str(out), "kind": cfg.kind, "layers": layer_ids, "vocab_size": len(keep), "sequences": len(seqs),
+        (out / EAGLE_CONFIG).write_text(json.dumps({"feature_layers": list(inner)}) + "\n")
+    result = {"out": str(out), "kind": cfg.kind, "layers": layer_ids, "feature_layers": list(inner), "vocab_size": len(keep), "sequences": len(seqs),
               "tokens": sum(len(s) for s in seqs), "steps": cfg.steps,
               "heldout_top1_agreement_before": round(before, 4), "heldout_top1_agreement": round(after, 4),
               "generate_s": round(t_gen, 1), "teacher_s": round(t_teach, 1),

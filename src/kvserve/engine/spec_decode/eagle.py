@@ -11,6 +11,13 @@ well, so a draft step feeds its own output as the next step's feature:
     step 1   position L-2: fc([f_{L-2} ; e(x_{L-1})]) -> d_1, h_1     (x_{L-1}: the newest token)
     step i   position L-3+i: fc([h_{i-1} ; e(d_{i-1})]) -> d_i, h_i
 
+With `eagle_config.json` listing `feature_layers` (EAGLE-3's idea), f_j is instead the final
+hidden state followed by the residual stream after those target layers, each RMS-normalised
+(`draft_features`; the target's forward copies them out, `model.capture_layers`), and fc reads
+(2 + n) H values; later draft steps pair the head's own output with the inner layers of the
+newest position the target computed. Same data, same steps: 0.33 -> 0.41 agreement on the open
+prompts of `bench latency` with layers 2, 14 and 26 (BENCHMARKS.md, issue 16).
+
 Features come from the engine: the model runner hands every step's hidden rows to
 `observe_hidden`, which keeps them per request by position. A position's latest row is always
 the verified one: a rejected draft's row sits at the position of the token that replaced it, and
@@ -35,6 +42,19 @@ from kvserve.engine.spec_decode.draft import DraftModel, DraftProposer
 from kvserve.errors import InvalidRequest
 
 EAGLE_FILE = "eagle_fc.safetensors"
+# Optional: {"feature_layers": [i, ...]}: the head also reads the residual stream after these target
+# layers (EAGLE-3's low, middle and high features), each RMS-normalised, after the final feature.
+EAGLE_CONFIG = "eagle_config.json"
+
+
+def draft_features(hidden: torch.Tensor, captured: torch.Tensor | None) -> torch.Tensor:
+    """A step's feature rows as the head reads them: the final hidden state [T, H], then each
+    captured inner layer [T, n, H] RMS-normalised without a weight (their scales differ by orders,
+    and raw residual streams overflow fp16)."""
+    if captured is None or captured.shape[1] == 0:
+        return hidden
+    inner = torch.nn.functional.rms_norm(captured, (captured.shape[-1],))
+    return torch.cat([hidden, inner.reshape(hidden.shape[0], -1)], -1)
 # Features kept per request beyond what its draft cache holds: a request that does not draft for a
 # long time (a big batch, a long prompt) keeps only its newest rows, and its draft starts over there.
 _MAX_FEATURE_ROWS = 2048
@@ -99,17 +119,18 @@ class EagleModel(DraftModel):
     paged KV pool of its own."""
 
     def __init__(self, model, fc: torch.Tensor, embed, vocab_ids: list[int] | None = None,
-                 num_blocks: int = 2048, block_size: int = 16):
+                 num_blocks: int = 2048, block_size: int = 16, num_inner: int = 0):
         H = model.config.hidden_size
-        if tuple(fc.shape) != (H, 2 * H):
-            raise InvalidRequest(f"{EAGLE_FILE}: fc must be [{H}, {2 * H}], got {list(fc.shape)}",
-                                 param="speculative")
+        if tuple(fc.shape) != (H, (2 + num_inner) * H):
+            raise InvalidRequest(f"{EAGLE_FILE}: fc must be [{H}, {(2 + num_inner) * H}] for {num_inner} inner "
+                                 f"feature layers, got {list(fc.shape)}", param="speculative")
         super().__init__(model, vocab_ids, num_blocks, block_size)
         self.embed = embed
+        self.num_inner = num_inner
         # fc packed like the head: an fp32 fc (2.7 MB) read from memory every draft step cost more
         # than the draft's decoder layer (0.25 against 0.05 ms in the engine, Zen 5)
         from kvserve.model.linear import WeightSource, make_linear
-        self.fc = make_linear(WeightSource((H, 2 * H), tensor=fc.float().contiguous()), None, "q8_0",
+        self.fc = make_linear(WeightSource(tuple(fc.shape), tensor=fc.float().contiguous()), None, "q8_0",
                               backend=model.backend)
 
     def new_cache(self) -> _Cache:
@@ -117,7 +138,7 @@ class EagleModel(DraftModel):
 
     @torch.no_grad()
     def _step(self, items: list[tuple[_Cache, int, torch.Tensor, list[int]]]) -> tuple[list[int], torch.Tensor]:
-        """items: (cache, first position, features [n, H], next tokens [n]) per request; runs the
+        """items: (cache, first position, features [n, (1 + num_inner) H], next tokens [n]) per request; runs the
         positions and returns each item's draft token after its last position and that row's output."""
         from kvserve.model.attention import AttentionMetadata
 
@@ -168,10 +189,15 @@ class EagleModel(DraftModel):
             out[i].append(toks[row])
             c.tokens.extend(t)
             work[i][1].trim(p0 + len(t))
+        # a later draft step's feature: the head's own output for the final one, and the inner layers
+        # of the newest position the target computed (the draft's own positions have none)
+        H = self.cfg.hidden_size
+        inner = {i: f[-1:, H:].float() for i, c, p0, f, t, k in live}
         state = {i: (c, p0 + len(t), h[row:row + 1]) for row, (i, c, p0, f, t, k) in enumerate(live)}
         for j in range(1, max(x[-1] for x in live)):
             now = [i for i, *_, k in live if k > j]
-            items = [(state[i][0], state[i][1] + j - 1, state[i][2], out[i][-1:]) for i in now]
+            items = [(state[i][0], state[i][1] + j - 1, torch.cat([state[i][2], inner[i]], -1), out[i][-1:])
+                     for i in now]
             toks, h = self._step(items)
             for row, i in enumerate(now):
                 out[i].append(toks[row])
@@ -186,7 +212,9 @@ class EagleProposer(DraftProposer):
         super().__init__(draft)
         self.features: dict[str, _Features] = {}
 
-    def observe_hidden(self, scheduled, hidden: torch.Tensor) -> None:
+    def observe_hidden(self, scheduled, hidden: torch.Tensor, captured: torch.Tensor | None = None) -> None:
+        if self.draft.num_inner:
+            hidden = draft_features(hidden, captured)
         row = 0
         for s in scheduled:
             n, req = s.num_new_tokens, s.request
@@ -201,7 +229,8 @@ class EagleProposer(DraftProposer):
 
     def propose(self, batch: Sequence[tuple[Request, int]]) -> list[list[int]]:
         work = self._take(batch)
-        feats = [self.features.get(r.request_id) or _Features(self.draft.cfg.hidden_size) for r, _ in batch]
+        width = (1 + self.draft.num_inner) * self.draft.cfg.hidden_size
+        feats = [self.features.get(r.request_id) or _Features(width) for r, _ in batch]
         return self.draft.propose_batch([(c, f, seq, k) for (c, seq, k), f in zip(work, feats)])
 
     def forget(self, request_id: str) -> None:
@@ -217,4 +246,26 @@ class EagleProposer(DraftProposer):
             fc = load_file(str(Path(path) / EAGLE_FILE))["fc.weight"]
         except (SafetensorError, OSError, KeyError) as e:
             raise InvalidRequest(f"cannot read {Path(path) / EAGLE_FILE}: {e}", param="speculative") from None
-        return cls(EagleModel(draft_model, fc, target_model.embed, vocab))
+        layers = feature_layers(path, target_model.config.num_hidden_layers)
+        proposer = cls(EagleModel(draft_model, fc, target_model.embed, vocab, num_inner=len(layers)))
+        target_model.capture_layers = layers      # the target's forward keeps those layers' rows
+        return proposer
+
+
+def feature_layers(path: str, num_layers: int) -> tuple[int, ...]:
+    """The inner layers a head in `path` reads (EAGLE_CONFIG; none without the file), checked."""
+    import json
+
+    f = Path(path) / EAGLE_CONFIG
+    if not f.is_file():
+        return ()
+    try:
+        layers = json.loads(f.read_text()).get("feature_layers", [])
+    except (OSError, ValueError, AttributeError) as e:
+        raise InvalidRequest(f"cannot read {f}: {e}", param="speculative") from None
+    if (not isinstance(layers, list) or len(set(layers)) != len(layers)
+            or not all(isinstance(i, int) and 0 <= i < num_layers for i in layers)):
+        raise InvalidRequest(f"{f}: feature_layers must be distinct target layer indices below {num_layers}, "
+                             f"got {layers!r}",
+                             param="speculative")
+    return tuple(layers)

@@ -41,7 +41,7 @@ class KvsLayerDesc(ctypes.Structure):
     _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
                 ("qkv", ctypes.POINTER(KvsWeight)), ("o", ctypes.POINTER(KvsWeight)),
                 ("gate_up", ctypes.POINTER(KvsWeight)), ("down", ctypes.POINTER(KvsWeight)),
-                ("kv_cache", ctypes.c_void_p)]
+                ("kv_cache", ctypes.c_void_p), ("aux_slot", ctypes.c_int32)]
 
 
 class KvsModelDesc(ctypes.Structure):
@@ -102,6 +102,7 @@ class CpuOps(TorchOps):
         for d, layer in zip(self.layers, model.layers):
             d.attn_norm = layer.input_layernorm.weight.data_ptr()
             d.ffn_norm = layer.post_attention_layernorm.weight.data_ptr()
+            d.aux_slot = -1
             if self.packed:
                 d.qkv, d.o, d.gate_up, d.down = (ctypes.pointer(lin.desc) for lin in _projections(layer))
         self.desc = KvsModelDesc(len(model.layers), model.config.hidden_size, first.num_heads,
@@ -144,8 +145,14 @@ class CpuOps(TorchOps):
                        kv_dtype=KV_DTYPE_CODES[cache.dtype], num_blocks=num_blocks, block_size=block_size,
                        attend=attend_mask, long_seqs=long_seqs)
 
+    def set_capture(self, layers: tuple[int, ...]) -> None:
+        """The layers whose residual stream forward_stack copies out (aux slots in this order)."""
+        for i, d in enumerate(self.layers):
+            d.aux_slot = layers.index(i) if i in layers else -1
+
     def forward_stack(self, x: torch.Tensor, step: CpuStep, kv_caches: list[torch.Tensor] | None,
-                      lora=None) -> torch.Tensor | None:
+                      lora=None, aux: torch.Tensor | None = None) -> torch.Tensor | None:
+        """aux: [T, n, H] to receive the residual stream after the set_capture layers (or None)."""
         T = x.shape[0]
         if T > self.max_tokens:
             return None
@@ -154,12 +161,15 @@ class CpuOps(TorchOps):
         args = (ctypes.byref(self.desc), step.kv_dtype, step.num_blocks, step.block_size, x.data_ptr(), T,
                 step.positions.data_ptr(), step.slots.data_ptr(), step.seq_of.data_ptr(), step.tables.data_ptr(),
                 step.tables.shape[1], out.data_ptr(), self.lib.kvs_get_num_threads())
-        if lora is None:
+        extra = (None, 0) if aux is None else (aux.data_ptr(), aux.shape[1])
+        if lora is None and aux is None:
             rc = self.lib.kvs_forward(*args)
+        elif lora is None:
+            rc = self.lib.kvs_forward_lora(*args, None, 0, None, *extra)
         else:   # LoRA rows (model/lora.py): the same stack, each adapted row adding its B (A x)
             from kvserve.model.lora import c_terms
             terms, row_slot = c_terms(lora, T, len(self.layers))
-            rc = self.lib.kvs_forward_lora(*args, ctypes.byref(terms), len(lora.groups), row_slot.data_ptr())
+            rc = self.lib.kvs_forward_lora(*args, ctypes.byref(terms), len(lora.groups), row_slot.data_ptr(), *extra)
         return out if rc == 0 else None
 
     def rms_norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:

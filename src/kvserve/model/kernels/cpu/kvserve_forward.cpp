@@ -38,6 +38,7 @@ struct kvs_layer_desc {
     const kvs_weight *gate_up;  // [2*I, H]: gate rows then up rows
     const kvs_weight *down;     // [H, I]
     void *kv_cache;             // [2, num_blocks, block_size, Hkv, kv_row(D)], dtype per kvs_forward's kv_dtype
+    int32_t aux_slot;           // >= 0: the residual stream after this layer is copied to aux (below)
 };
 
 // LoRA in the whole-stack forward: one term per (layer, projection, adapter slot), at index
@@ -208,22 +209,24 @@ extern "C" {
 // x [T, hidden] (the embedded tokens) is updated in place through every layer; out [T, hidden]
 // receives the final-normed hidden states. Token t sits at positions[t] of sequence seq_of[t]
 // (a row of tables) and its K/V go to flat slot slots[t]. Returns 0, or -1 on bad shapes.
+// aux [T, n_aux, hidden] (or null): after a layer whose aux_slot is in [0, n_aux), each token's
+// residual stream is copied to its slot (an EAGLE-3 draft reads inner layers' features).
 int kvs_forward_lora(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block_size, float *x, int T,
                      const int64_t *positions, const int64_t *slots, const int64_t *seq_of, const int64_t *tables,
                      int max_blocks, float *out, int nth, const kvs_lora_term *lora, int n_slots,
-                     const int32_t *row_slot);
+                     const int32_t *row_slot, float *aux, int n_aux);
 
 int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block_size, float *x, int T,
                 const int64_t *positions, const int64_t *slots, const int64_t *seq_of, const int64_t *tables,
                 int max_blocks, float *out, int nth) {
     return kvs_forward_lora(m, kv_dtype, num_blocks, block_size, x, T, positions, slots, seq_of, tables, max_blocks,
-                            out, nth, nullptr, 0, nullptr);
+                            out, nth, nullptr, 0, nullptr, nullptr, 0);
 }
 
 int kvs_forward_lora(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block_size, float *x, int T,
                      const int64_t *positions, const int64_t *slots, const int64_t *seq_of, const int64_t *tables,
                      int max_blocks, float *out, int nth, const kvs_lora_term *lora, int n_slots,
-                     const int32_t *row_slot) {
+                     const int32_t *row_slot, float *aux, int n_aux) {
     const int H = m->hidden, Hq = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim, I = m->inter;
     if (T <= 0 || Hkv <= 0 || Hq % Hkv || D % 2 || H % kvs::QK || I % kvs::QK || (Hq * D) % kvs::QK) return -1;
     const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd;
@@ -324,6 +327,9 @@ int kvs_forward_lora(const kvs_model_desc *m, int kv_dtype, int num_blocks, int 
                 add_lora(l, 3, nullptr, I, x, H);
 #pragma omp barrier
             }
+            if (aux && L.aux_slot >= 0 && L.aux_slot < n_aux)   // this thread's rows, as the next quantize
+                for (int t = ith; t < T; t += nt)
+                    memcpy(aux + ((size_t)t * n_aux + L.aux_slot) * H, x + (size_t)t * H, H * sizeof(float));
         }
         for (int t = ith; t < T; t += nt)
             if (m->final_norm)

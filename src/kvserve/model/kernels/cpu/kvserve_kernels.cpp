@@ -57,7 +57,7 @@
 
 extern "C" {
 
-int kvs_version(void) { return 9; }
+int kvs_version(void) { return 10; }
 
 }  // extern "C"
 
