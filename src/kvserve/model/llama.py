@@ -197,8 +197,7 @@ class LlamaForCausalLM(nn.Module):
                 lora = None if self.lora is None else self.lora.batch   # LoRA rows: the C forward adds them
                 if aux is not None:
                     ops.set_capture(cap)
-                out = (ops.forward_stack(x, step, kv_caches) if lora is None and aux is None
-                       else ops.forward_stack(x, step, kv_caches, lora=lora, aux=aux))
+                out = ops.forward_stack(x, step, kv_caches, lora=lora, aux=aux)
                 if out is not None:
                     return out
         if step is None:

@@ -55,6 +55,8 @@ def draft_features(hidden: torch.Tensor, captured: torch.Tensor | None) -> torch
         return hidden
     inner = torch.nn.functional.rms_norm(captured, (captured.shape[-1],))
     return torch.cat([hidden, inner.reshape(hidden.shape[0], -1)], -1)
+
+
 # Features kept per request beyond what its draft cache holds: a request that does not draft for a
 # long time (a big batch, a long prompt) keeps only its newest rows, and its draft starts over there.
 _MAX_FEATURE_ROWS = 2048
@@ -192,12 +194,15 @@ class EagleModel(DraftModel):
         # a later draft step's feature: the head's own output for the final one, and the inner layers
         # of the newest position the target computed (the draft's own positions have none)
         H = self.cfg.hidden_size
-        inner = {i: f[-1:, H:].float() for i, c, p0, f, t, k in live}
+        inner = {i: f[-1:, H:].float() for i, c, p0, f, t, k in live} if self.num_inner else {}
+
+        def feature(i: int) -> torch.Tensor:
+            return torch.cat([state[i][2], inner[i]], -1) if self.num_inner else state[i][2]
+
         state = {i: (c, p0 + len(t), h[row:row + 1]) for row, (i, c, p0, f, t, k) in enumerate(live)}
         for j in range(1, max(x[-1] for x in live)):
             now = [i for i, *_, k in live if k > j]
-            items = [(state[i][0], state[i][1] + j - 1, torch.cat([state[i][2], inner[i]], -1), out[i][-1:])
-                     for i in now]
+            items = [(state[i][0], state[i][1] + j - 1, feature(i), out[i][-1:]) for i in now]
             toks, h = self._step(items)
             for row, i in enumerate(now):
                 out[i].append(toks[row])
@@ -266,6 +271,5 @@ def feature_layers(path: str, num_layers: int) -> tuple[int, ...]:
     if (not isinstance(layers, list) or len(set(layers)) != len(layers)
             or not all(isinstance(i, int) and 0 <= i < num_layers for i in layers)):
         raise InvalidRequest(f"{f}: feature_layers must be distinct target layer indices below {num_layers}, "
-                             f"got {layers!r}",
-                             param="speculative")
+                             f"got {layers!r}", param="speculative")
     return tuple(layers)

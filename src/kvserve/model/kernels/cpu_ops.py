@@ -110,6 +110,7 @@ class CpuOps(TorchOps):
                                  first.scale, self._keep[0].data_ptr(), self._keep[1].data_ptr(),
                                  self._keep[2].data_ptr(), self.layers, backend.attn_isa)
         self._cache_ptrs: tuple[int, ...] = ()
+        self._capture: tuple[int, ...] = ()
 
     def prepare(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None,
                 kv_caches: list[torch.Tensor] | None) -> CpuStep | None:
@@ -147,8 +148,11 @@ class CpuOps(TorchOps):
 
     def set_capture(self, layers: tuple[int, ...]) -> None:
         """The layers whose residual stream forward_stack copies out (aux slots in this order)."""
+        if layers == self._capture:     # every step asks: the descriptors change only with the layers
+            return
         for i, d in enumerate(self.layers):
             d.aux_slot = layers.index(i) if i in layers else -1
+        self._capture = layers
 
     def forward_stack(self, x: torch.Tensor, step: CpuStep, kv_caches: list[torch.Tensor] | None,
                       lora=None, aux: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -161,15 +165,16 @@ class CpuOps(TorchOps):
         args = (ctypes.byref(self.desc), step.kv_dtype, step.num_blocks, step.block_size, x.data_ptr(), T,
                 step.positions.data_ptr(), step.slots.data_ptr(), step.seq_of.data_ptr(), step.tables.data_ptr(),
                 step.tables.shape[1], out.data_ptr(), self.lib.kvs_get_num_threads())
-        extra = (None, 0) if aux is None else (aux.data_ptr(), aux.shape[1])
         if lora is None and aux is None:
             rc = self.lib.kvs_forward(*args)
-        elif lora is None:
-            rc = self.lib.kvs_forward_lora(*args, None, 0, None, *extra)
-        else:   # LoRA rows (model/lora.py): the same stack, each adapted row adding its B (A x)
-            from kvserve.model.lora import c_terms
-            terms, row_slot = c_terms(lora, T, len(self.layers))
-            rc = self.lib.kvs_forward_lora(*args, ctypes.byref(terms), len(lora.groups), row_slot.data_ptr(), *extra)
+        else:
+            lora_args = (None, 0, None)
+            if lora is not None:   # LoRA rows (model/lora.py): the same stack, each adapted row adding its B (A x)
+                from kvserve.model.lora import c_terms
+                terms, row_slot = c_terms(lora, T, len(self.layers))
+                lora_args = (ctypes.byref(terms), len(lora.groups), row_slot.data_ptr())
+            aux_args = (None, 0) if aux is None else (aux.data_ptr(), aux.shape[1])
+            rc = self.lib.kvs_forward_lora(*args, *lora_args, *aux_args)
         return out if rc == 0 else None
 
     def rms_norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
