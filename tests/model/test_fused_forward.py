@@ -223,8 +223,8 @@ def test_avx512_attention_gives_the_avx2_bits(tmp_path, int8_only, head_dim, kv_
 
 
 def test_captured_inner_layers_match_the_layer_path():
-    """model.capture_layers: the one-call C forward copies out the same residual rows as the layer path
-    (an EAGLE-3-style draft reads them, spec_decode/eagle.py)."""
+    """model.capture_layers: the one-call C forward copies out the same residual rows as the layer path,
+    RMS-normalised (an EAGLE-3-style draft reads them, spec_decode/eagle.py)."""
     m = load_model(None).model
     cfg = m.config
     if not getattr(m.layer_ops(), "packed", False):
@@ -246,3 +246,4 @@ def test_captured_inner_layers_match_the_layer_path():
     assert aux_c.shape == (40, 3, cfg.hidden_size)
     assert torch.equal(h_c, h_l) and torch.equal(aux_c, m.captured)
     assert not torch.equal(aux_c[:, 0], aux_c[:, 1])
+    assert torch.allclose(aux_c.pow(2).mean(-1), torch.ones(40, 3), atol=1e-4)

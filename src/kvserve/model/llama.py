@@ -48,6 +48,20 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+class FeatureNorm:
+    """RMS normalisation without a weight (eps: float32's), for the residual rows a forward captures
+    (their scales differ by orders across layers, and raw ones overflow fp16). Not a module: it has
+    nothing to save. The C whole-stack forward computes the same with a unit weight."""
+
+    eps = torch.finfo(torch.float32).eps          # kvs_forward_lora uses FLT_EPSILON
+
+    def __init__(self, hidden: int):
+        self.weight = torch.ones(hidden)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), None, self.eps)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
@@ -166,10 +180,12 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg)
         self.rotary_local = RotaryEmbedding(cfg, cfg.rope_local_theta) if cfg.rope_local_theta else None
         self.lora = None   # model/lora.py's LoRAState once adapters are served (hooks on the projections)
-        # Layers whose residual stream a paged inference forward also keeps, in `captured` [T, n, H]
-        # (an EAGLE-3-style draft reads them beside the final hidden state, spec_decode/eagle.py).
+        # Layers whose residual stream a paged inference forward also keeps, RMS-normalised
+        # (FeatureNorm), in `captured` [T, n, H] (an EAGLE-3-style draft reads them beside the final
+        # hidden state, spec_decode/eagle.py).
         self.capture_layers: tuple[int, ...] = ()
         self.captured: torch.Tensor | None = None
+        self.capture_norm = FeatureNorm(cfg.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attn_metadata: AttentionMetadata | None = None,
@@ -205,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, step, None if kv_caches is None else kv_caches[i], ops)
             if i in cap:
-                aux[:, cap.index(i)] = x
+                aux[:, cap.index(i)] = ops.rms_norm(x, self.capture_norm)
         return ops.rms_norm(x, self.norm)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -71,13 +71,13 @@ class TorchOps:
         return step
 
     def set_capture(self, layers: tuple[int, ...]) -> None:
-        """Which layers' residual stream forward_stack copies into `aux` (none here: no stack)."""
+        """Which layers' residual stream forward_stack copies, normalised, into `aux` (none here: no stack)."""
 
     def forward_stack(self, x: torch.Tensor, step: Step, kv_caches: list[torch.Tensor] | None,
                       lora=None, aux: torch.Tensor | None = None) -> torch.Tensor | None:
         """The whole layer stack and final norm in one call, or None: run the layers one by one.
         lora: the step's model.lora.LoRABatch (None: no adapter rows). aux [T, n, H]: receives the
-        residual stream after each set_capture layer."""
+        residual stream after each set_capture layer, normalised as by model.llama.FeatureNorm."""
         return None
 
     def rms_norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:

@@ -13,7 +13,7 @@ well, so a draft step feeds its own output as the next step's feature:
 
 With `eagle_config.json` listing `feature_layers` (EAGLE-3's idea), f_j is instead the final
 hidden state followed by the residual stream after those target layers, each RMS-normalised
-(`draft_features`; the target's forward copies them out, `model.capture_layers`), and fc reads
+(`draft_features`; the target's forward copies them out normalised, `model.capture_layers`), and fc reads
 (2 + n) H values; later draft steps pair the head's own output with the inner layers of the
 newest position the target computed. Same data, same steps: 0.33 -> 0.41 agreement on the open
 prompts of `bench latency` with layers 2, 14 and 26 (BENCHMARKS.md, issue 16).
@@ -49,12 +49,10 @@ EAGLE_CONFIG = "eagle_config.json"
 
 def draft_features(hidden: torch.Tensor, captured: torch.Tensor | None) -> torch.Tensor:
     """A step's feature rows as the head reads them: the final hidden state [T, H], then each
-    captured inner layer [T, n, H] RMS-normalised without a weight (their scales differ by orders,
-    and raw residual streams overflow fp16)."""
+    captured inner layer [T, n, H] (the forward has RMS-normalised them, model.llama.FeatureNorm)."""
     if captured is None or captured.shape[1] == 0:
         return hidden
-    inner = torch.nn.functional.rms_norm(captured, (captured.shape[-1],))
-    return torch.cat([hidden, inner.reshape(hidden.shape[0], -1)], -1)
+    return torch.cat([hidden, captured.reshape(hidden.shape[0], -1)], -1)
 
 
 # Features kept per request beyond what its draft cache holds: a request that does not draft for a

@@ -26,7 +26,7 @@ from pathlib import Path
 
 CXX_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-pthread", "-std=c++17"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
-KERNEL_VERSION = 10  # must match kvs_version() in the source
+KERNEL_VERSION = 11  # must match kvs_version() in the source
 
 
 class KvsWeight(ctypes.Structure):

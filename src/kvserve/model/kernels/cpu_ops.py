@@ -147,7 +147,8 @@ class CpuOps(TorchOps):
                        attend=attend_mask, long_seqs=long_seqs)
 
     def set_capture(self, layers: tuple[int, ...]) -> None:
-        """The layers whose residual stream forward_stack copies out (aux slots in this order)."""
+        """The layers whose residual stream forward_stack copies out, RMS-normalised (aux slots in
+        this order)."""
         if layers == self._capture:     # every step asks: the descriptors change only with the layers
             return
         for i, d in enumerate(self.layers):
@@ -156,7 +157,8 @@ class CpuOps(TorchOps):
 
     def forward_stack(self, x: torch.Tensor, step: CpuStep, kv_caches: list[torch.Tensor] | None,
                       lora=None, aux: torch.Tensor | None = None) -> torch.Tensor | None:
-        """aux: [T, n, H] to receive the residual stream after the set_capture layers (or None)."""
+        """aux: [T, n, H] to receive the residual stream after the set_capture layers, each row
+        RMS-normalised without a weight (model.llama.FeatureNorm), or None."""
         T = x.shape[0]
         if T > self.max_tokens:
             return None

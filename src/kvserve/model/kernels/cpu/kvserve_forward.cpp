@@ -18,6 +18,7 @@
 // rounded to the cache dtype (int8 rows: quantized with their own scale) before attention reads them back.
 
 #include <immintrin.h>
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -38,7 +39,7 @@ struct kvs_layer_desc {
     const kvs_weight *gate_up;  // [2*I, H]: gate rows then up rows
     const kvs_weight *down;     // [H, I]
     void *kv_cache;             // [2, num_blocks, block_size, Hkv, kv_row(D)], dtype per kvs_forward's kv_dtype
-    int32_t aux_slot;           // >= 0: the residual stream after this layer is copied to aux (below)
+    int32_t aux_slot;           // >= 0: the residual stream after this layer goes to aux, normalised (below)
 };
 
 // LoRA in the whole-stack forward: one term per (layer, projection, adapter slot), at index
@@ -210,7 +211,9 @@ extern "C" {
 // receives the final-normed hidden states. Token t sits at positions[t] of sequence seq_of[t]
 // (a row of tables) and its K/V go to flat slot slots[t]. Returns 0, or -1 on bad shapes.
 // aux [T, n_aux, hidden] (or null): after a layer whose aux_slot is in [0, n_aux), each token's
-// residual stream is copied to its slot (an EAGLE-3 draft reads inner layers' features).
+// residual stream, RMS-normalised without a weight (eps FLT_EPSILON), goes to its slot (an EAGLE-3
+// draft reads inner layers' features; normalising here spares the engine a chain of small torch ops
+// a step, ~0.08 ms on a 3 ms step).
 int kvs_forward_lora(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block_size, float *x, int T,
                      const int64_t *positions, const int64_t *slots, const int64_t *seq_of, const int64_t *tables,
                      int max_blocks, float *out, int nth, const kvs_lora_term *lora, int n_slots,
@@ -233,6 +236,7 @@ int kvs_forward_lora(const kvs_model_desc *m, int kv_dtype, int num_blocks, int 
     const int kmax = H > I ? (H > qd ? H : qd) : (I > qd ? I : qd);
 
     std::vector<int8_t> xq((size_t)T * kmax);
+    const std::vector<float> unit(aux ? H : 0, 1.0f);   // the aux rows' norm weight
     std::vector<float> xd((size_t)T * (kmax / kvs::QK)), xs((size_t)T * (kmax / kvs::QK));
     std::vector<float> qkv((size_t)T * qkv_rows), attn((size_t)T * qd), gu((size_t)T * 2 * I);
     // LoRA: each adapted token's fp32 projection input (the int8 path keeps only its quantization)
@@ -329,7 +333,8 @@ int kvs_forward_lora(const kvs_model_desc *m, int kv_dtype, int num_blocks, int 
             }
             if (aux && L.aux_slot >= 0 && L.aux_slot < n_aux)   // this thread's rows, as the next quantize
                 for (int t = ith; t < T; t += nt)
-                    memcpy(aux + ((size_t)t * n_aux + L.aux_slot) * H, x + (size_t)t * H, H * sizeof(float));
+                    kvs::rms_norm_row(x + (size_t)t * H, unit.data(), H, FLT_EPSILON,
+                                      aux + ((size_t)t * n_aux + L.aux_slot) * H);
         }
         for (int t = ith; t < T; t += nt)
             if (m->final_norm)

@@ -57,7 +57,7 @@
 
 extern "C" {
 
-int kvs_version(void) { return 10; }
+int kvs_version(void) { return 11; }
 
 }  // extern "C"
 
