@@ -121,12 +121,54 @@ def test_break_even_rate_from_the_step_cost_model():
     from kvserve.engine.step_cost import StepCostModel
 
     sd, cost = SpecDecoder(SpeculativeConfig("ngram")), StepCostModel()
-    bars = [sd.break_even(r, cost) for r in (1, 2, 4, 8)]
+    bars = [sd.break_even([100] * r, cost)[0] for r in (1, 2, 4, 8)]
     assert 0.1 < bars[0] < 0.5 and bars == sorted(bars) and bars[-1] < 1.0    # bigger batches need more
+    deep = sd.break_even([100, 4000], cost)
+    assert deep[1] > deep[0]                              # a verified row attends to its whole context
     sd.proposer_s_per_token = 2e-3                                            # a costly proposer too
-    assert sd.break_even(1, cost) > bars[0]
-    assert sd.break_even(1, None) == 0.0
-    assert SpecDecoder(SpeculativeConfig("ngram", max_batch_rows=0)).break_even(4, cost) == 0.0
+    assert sd.break_even([100], cost)[0] > bars[0]
+    assert sd.break_even([100, 100], None) == [0.0, 0.0]
+    assert SpecDecoder(SpeculativeConfig("ngram", max_batch_rows=0)).break_even([100] * 4, cost) == [0.0] * 4
+
+
+class _ListProposer:
+    """Proposes `k` copies of token 7 and records the k asked for."""
+
+    def __init__(self):
+        self.asked = []
+
+    def propose(self, batch):
+        self.asked.append([k for _, k in batch])
+        return [[7] * k for _, k in batch]
+
+
+def test_draft_positions_stop_where_they_stop_paying():
+    """k per request: a draft position is proposed only while the chance that it and all before it
+    are accepted clears the break-even bar; the first round after a pause tries one more position."""
+    from kvserve.engine.request import Request
+    from kvserve.engine.spec_decode.config import SpeculativeConfig
+    from kvserve.engine.spec_decode.decoder import SpecDecoder
+    from kvserve.engine.step_cost import StepCostModel
+
+    prop = _ListProposer()
+    sd, cost = SpecDecoder(SpeculativeConfig("ngram", num_speculative_tokens=4), prop), StepCostModel()
+    req = Request("r", list(range(1, 50)), SamplingParams(temperature=0, max_tokens=100), 0, max_tokens=100)
+    bar = sd.break_even([req.num_tokens], cost)[0]
+    assert 0 < bar < 0.6
+    sd.pos_rate = [0.9, 0.99, 0.99, 0.99]                  # later positions almost always accepted
+    sd.propose([req], cost)
+    sd.observe("r", 4, 4)                                  # all 4 accepted: the request stays at k = 4
+    sd.propose([req], cost)
+    sd.pos_rate[1:] = [bar / 2] * 3                        # a second draft would now rarely be accepted
+    sd.observe("r", 4, 4)
+    sd.propose([req], cost)
+    assert prop.asked == [[4], [4], [1]]
+    sd.state["r"].rate = bar / 2                           # the first draft stops paying too: a pause,
+    assert sd.propose([req], cost) == [[]]                 # then a probe at one more position than pays
+    for _ in range(sd.state["r"].pause):
+        assert sd.propose([req], cost) == [[]]
+    sd.propose([req], cost)
+    assert prop.asked[-1] == [2]
 
 
 # ---- EAGLE: a draft head over the target's features (spec_decode/eagle.py) ----------------------
@@ -170,6 +212,24 @@ def test_eagle_after_a_prefix_cache_hit(loaded, eagle_dir):
     assert sig(spec.generate(p, params, use_tqdm=False)[0]) == want
     assert spec.stats()["spec_decode_num_draft_tokens"] > d0
     assert spec.stats()["prefix_cache_hits"] > 0
+
+
+def test_eagle_catches_up_over_a_bounded_window(loaded, eagle_dir, monkeypatch):
+    """A request's first draft after a long prompt runs the draft over the newest positions only
+    (the draft's cache starts there), and speculation stays exact."""
+    from kvserve.engine.spec_decode import eagle
+
+    monkeypatch.setattr(eagle, "_MAX_CATCHUP", 8)
+    base = make(loaded)
+    spec = make(loaded, speculative={"method": "draft", "draft_path": str(eagle_dir), "max_batch_rows": 0},
+                num_speculative_tokens=3)
+    draft = spec.engine.core.scheduler.spec.proposer.draft
+    rows, step = [], draft._step
+    monkeypatch.setattr(draft, "_step", lambda items: (rows.append(max(len(t) for *_, t in items)), step(items))[1])
+    p = chat_ids(base, PROMPTS[2] + " " + "Answer in detail, step by step, please." * 4)
+    params = SamplingParams(temperature=0, max_tokens=20)
+    assert sig(spec.generate(p, params, use_tqdm=False)[0]) == sig(base.generate(p, params, use_tqdm=False)[0])
+    assert len(p["prompt_token_ids"]) > 40 and rows and max(rows) <= 9
 
 
 def test_eagle_features_by_position():

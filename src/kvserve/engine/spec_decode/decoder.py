@@ -3,7 +3,7 @@ how many draft tokens, and the counters the metrics read.
 
 Adaptive k, per request: each request starts at the configured K; a step whose drafts were all
 accepted raises its k by 2 (up to K), a rejection sets it to one more than what was accepted. A
-running acceptance rate (exponential average of accepted / drafted) below `_OFF_RATE` switches
+running rate of accepted first drafts (exponential average) below `_OFF_RATE` switches
 speculation off for that request for a cool-down number of steps (8, doubling on each relapse up
 to 256), after which it tries again; drafts that do not pay therefore cost a few percent at most.
 The n-gram proposer costs nothing when it finds no match, so only rejected drafts count. Under a
@@ -11,13 +11,24 @@ grammar (structured output) the drafts are cut where the request's matcher would
 
 For the whole step: once the step has `max_batch_rows` decoding rows or more, nobody speculates
 (a batch that size is compute-bound on a CPU: the extra positions cost as much as they save).
-Below that, a measured cost model decides per request: the scheduler's StepCostModel (step time
-~ c0 + c_tok * tokens + c_row * rows, fitted on the steps run) gives a step of R single-token
-decodes T0 = c0 + R (c_tok + c_row); a draft token adds c_tok to the step plus the proposer's own
-time per draft token (c_prop, measured here) and yields a token with probability a (the request's
-running acceptance rate). Throughput rises iff a > R (c_tok + c_prop) / T0, so a request drafts
-only while its rate clears that bar (x `_MARGIN` for the verification's own overhead). On the
-prior coefficients the bar is ~0.3 for one stream and ~0.7 at 8 rows.
+Below that, a measured cost model decides per request and per draft position: the scheduler's
+StepCostModel (step time ~ c0 + c_tok * tokens + c_row * rows + c_att * attention, fitted on the
+steps run) gives a step of R single-token decodes T0; a draft token at context c adds c_tok +
+c_att * c (its verification row attends to the whole context) plus the proposer's own time per
+draft token (c_prop: the median of recent calls in which every request drafted in its step
+before as well, since a first round also runs a draft model over the positions it skipped, which
+a request that keeps drafting does not pay again), and yields a token if it and every draft
+before it are accepted. The i-th draft token therefore pays iff
+P(drafts 1..i accepted) > R (c_tok + c_att c + c_prop) / T0
+(x `_MARGIN` for the verification's own overhead): P of the first is the request's running rate,
+and each later position multiplies in the proposer's running rate of accepting that position
+given the ones before (shared by all requests: a draft model's later guesses are worse than its
+first, prompt lookup's are not). A request drafts no further than that; if even its first draft
+does not pay, it waits, then probes again (with one position more than pays, so each position's
+rate stays measured). New requests start from the rate of the requests before them (and if that
+does not pay, wait 32 steps before their first probe: a draft model's first probe also catches
+it up on the prompt). On the prior coefficients the bar is ~0.3 for one stream at a short
+context and ~0.75 at 8 rows.
 
 Not eligible (they decode one token a step as before): requests that opted out
 (`SamplingParams.speculative=False`), thinking requests (a reasoning budget), and
@@ -27,24 +38,28 @@ whether the batch let them speculate).
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from kvserve.engine.request import Request
 from kvserve.engine.spec_decode.config import SpeculativeConfig
 from kvserve.engine.spec_decode.proposer import NgramProposer, Proposer
 
-_EMA = 0.3            # weight of the newest step in the running acceptance rate
+_EMA = 0.3            # weight of the newest step in a request's running acceptance rate
+_EMA_POS = 0.05       # ... and of the newest round in the proposer's rates by draft position
 _OFF_RATE = 0.25      # below this acceptance rate a request stops drafting for a while
 _MIN_ROUNDS = 3       # ... judged only after this many drafting steps
 _COOLDOWN0, _COOLDOWN_MAX = 8, 256
+_COOLDOWN_COLD = 32   # the first wait of a request whose predecessors' first drafts did not pay
 _MARGIN = 1.1         # the cost model's break-even acceptance rate, raised for verification overhead
 
 
 @dataclass
 class _ReqState:
     k: int
-    rate: float = 0.6
+    rate: float = 0.6            # running rate of accepted first drafts
     rounds: int = 0
     pause: int = 0               # steps left without drafting
     cooldown: int = _COOLDOWN0   # the next pause's length
@@ -60,7 +75,11 @@ class SpecDecoder:
         self.num_accepted_tokens = 0
         # acceptance_length_counts[a]: rounds in which `a` drafts were accepted (0..K)
         self.acceptance_length_counts = [0] * (config.num_speculative_tokens + 1)
-        self.proposer_s_per_token = 0.0     # running mean of the proposer's time per draft token
+        self._prop_samples: deque[float] = deque(maxlen=16)   # the proposer's seconds per draft token
+        self.proposer_s_per_token = 0.0     # ... their median
+        # pos_rate[0]: accepted first drafts over all requests (a new request's starting rate);
+        # pos_rate[i]: P(draft i + 1 accepted | drafts 1..i were)
+        self.pos_rate = [0.6] * config.num_speculative_tokens
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -73,25 +92,32 @@ class SpecDecoder:
         cap = self.config.max_batch_rows
         return cap <= 0 or num_decodes < cap
 
-    def break_even(self, num_decodes: int, cost=None) -> float:
-        """The acceptance rate a draft token needs to pay in a step of `num_decodes` decodes."""
+    def break_even(self, contexts: list[int], cost=None) -> list[float]:
+        """For a step of decodes at these context lengths: the probability of being accepted a draft
+        token of each needs to pay (0 with no cost model, or the step switch off)."""
         if cost is None or self.config.max_batch_rows <= 0:
-            return 0.0
-        c0, c_tok, c_row = (float(c) for c in cost.coef[:3])
-        t0 = c0 + num_decodes * (c_tok + c_row)
-        return _MARGIN * num_decodes * (c_tok + self.proposer_s_per_token) / t0 if t0 > 0 else 0.0
+            return [0.0] * len(contexts)
+        _, c_tok, _, c_att = (float(c) for c in cost.coef[:4])
+        t0 = cost.predict([(c, 1) for c in contexts])
+        if t0 <= 0:
+            return [0.0] * len(contexts)
+        R = len(contexts)
+        return [_MARGIN * R * (c_tok + c_att * (c + 1) + self.proposer_s_per_token) / t0 for c in contexts]
 
     def propose(self, reqs: list[Request], cost=None) -> list[list[int]]:
         """Draft tokens for each running decode (empty for those that do not speculate now).
         `cost`: the scheduler's StepCostModel (None: no cost check)."""
-        bar = self.break_even(len(reqs), cost)
-        batch, idx = [], []
+        bars = self.break_even([r.num_tokens for r in reqs], cost)
+        batch, idx, steady = [], [], True
         for i, r in enumerate(reqs):
             if not self.eligible(r):
                 continue
+            bar = bars[i]
             st = self.state.get(r.request_id)
             if st is None:
-                st = self.state[r.request_id] = _ReqState(self.config.num_speculative_tokens)
+                st = self.state[r.request_id] = _ReqState(self.config.num_speculative_tokens, self.pos_rate[0])
+                if st.rate < bar:       # the requests before it did not pay here: a longer first wait
+                    st.cooldown = _COOLDOWN_COLD
             if st.pause > 0:
                 st.pause -= 1
                 continue
@@ -100,18 +126,26 @@ class SpecDecoder:
                 st.rate, st.rounds = max(0.6, bar), 0
                 continue
             room = (r.max_tokens if r.max_tokens is not None else 1 << 30) - len(r.output_token_ids) - 1
-            k = min(st.k, room)
+            k, p = 1, st.rate           # draft positions while P(all accepted) still clears the bar
+            while k < min(st.k, room) and p * self.pos_rate[k] >= bar:
+                p *= self.pos_rate[k]
+                k += 1
+            if st.rounds == 0:          # a first round (new, or after a pause) also tries one more,
+                k += 1                  # so the rate of a position that stopped paying is re-measured
+            k = min(k, st.k, room)
             if k > 0:
                 batch.append((r, k))
                 idx.append(i)
+                steady = steady and st.rounds > 0
         drafts: list[list[int]] = [[] for _ in reqs]
         if not batch:
             return drafts
         t = time.perf_counter()
         proposed = self.proposer.propose(batch)
         n = sum(len(d) for d in proposed)
-        if n:
-            self.proposer_s_per_token += 0.2 * ((time.perf_counter() - t) / n - self.proposer_s_per_token)
+        if n and steady:    # a first round also catches the draft up on the positions it skipped: not priced
+            self._prop_samples.append((time.perf_counter() - t) / n)
+            self.proposer_s_per_token = statistics.median(self._prop_samples)
         for i, d in zip(idx, proposed):
             g = reqs[i].grammar
             drafts[i] = d[:g.validate_tokens(d)] if g is not None and d else d   # drafts the grammar allows
@@ -126,11 +160,13 @@ class SpecDecoder:
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
         self.acceptance_length_counts[min(num_accepted, K)] += 1
+        for i in range(min(num_accepted + 1, num_drafted)):     # positions tried: 1..accepted + 1
+            self.pos_rate[i] += _EMA_POS * ((i < num_accepted) - self.pos_rate[i])
         st = self.state.get(request_id)
         if st is None:
             return
         st.rounds += 1
-        st.rate = (1 - _EMA) * st.rate + _EMA * num_accepted / num_drafted
+        st.rate = (1 - _EMA) * st.rate + _EMA * (num_accepted > 0)
         st.k = min(K, st.k + 2) if num_accepted == num_drafted else max(1, num_accepted + 1)
         if st.rounds >= _MIN_ROUNDS and st.rate < _OFF_RATE:
             st.pause, st.cooldown = st.cooldown, min(_COOLDOWN_MAX, st.cooldown * 2)
