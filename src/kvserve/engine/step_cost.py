@@ -38,10 +38,10 @@ _PRIOR_WEIGHT = np.array([1e-2, 20.0, 2.0, 1e5])
 _FORGET = 0.97       # per step, of the information along the new step's direction
 
 
-def _nnls(P: np.ndarray, r: np.ndarray) -> np.ndarray:
-    """argmin over c >= 0 of c'Pc - 2r'c (P positive definite): drop negative coefficients and
-    solve again on the rest, until none is negative (at most one pass per coefficient)."""
-    c = np.linalg.solve(P, r)
+def _nnls(P: np.ndarray, r: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """argmin over c >= 0 of c'Pc - 2r'c (P positive definite), from the unconstrained solution c:
+    drop negative coefficients and solve again on the rest, until none is negative (at most one
+    pass per coefficient)."""
     free = np.ones(len(c), dtype=bool)
     while (c[free] < 0).any():
         free &= c >= 0
@@ -84,7 +84,7 @@ class StepCostModel:
         self._info = info + np.outer(x, x)
         P = self._prior + self._info
         self._raw = np.linalg.solve(P, r)
-        self.coef = _nnls(P, r)                # no negative costs, whatever the noise says
+        self.coef = _nnls(P, r, self._raw)     # no negative costs, whatever the noise says
         self.num_observed += 1
 
     def max_new_tokens(self, chunks: list[tuple[int, int]], context: int, limit: float, cap: int) -> int:
