@@ -232,6 +232,27 @@ def test_eagle_catches_up_over_a_bounded_window(loaded, eagle_dir, monkeypatch):
     assert len(p["prompt_token_ids"]) > 40 and rows and max(rows) <= 9
 
 
+def test_eagle_starts_over_after_a_long_pause(loaded, eagle_dir, monkeypatch):
+    """A request whose draft fell further behind than _MAX_CATCHUP (it did not draft for a while)
+    restarts its draft cache near the newest position instead of running every position it missed."""
+    import torch
+
+    from kvserve.engine.spec_decode import eagle
+
+    spec = make(loaded, speculative={"method": "draft", "draft_path": str(eagle_dir), "max_batch_rows": 0})
+    draft = spec.engine.core.scheduler.spec.proposer.draft
+    rows, step = [], draft._step
+    monkeypatch.setattr(draft, "_step", lambda items: (rows.append(max(len(t) for *_, t in items)), step(items))[1])
+    feats = eagle._Features(loaded.model.config.hidden_size)
+    feats.put(0, torch.randn(300, loaded.model.config.hidden_size))      # the target's rows, positions 0..299
+    cache, seq = draft.new_cache(), list(range(100, 401))
+    for L in (100, 101, 301):                    # a first draft, the next step's, then one 200 steps later
+        assert len(draft.propose_batch([(cache, feats, seq[:L], 1)])[0]) == 1
+    assert rows[0] == eagle._MAX_CATCHUP and rows[1] <= 2 and rows[2] == eagle._MAX_CATCHUP
+    assert cache.origin == 300 - eagle._MAX_CATCHUP
+    draft.pool.release(cache)
+
+
 def test_eagle_features_by_position():
     import torch
 

@@ -23,7 +23,8 @@ Features come from the engine: the model runner hands every step's hidden rows t
 the verified one: a rejected draft's row sits at the position of the token that replaced it, and
 that token is run (and its row written again) before its feature is needed. Positions the target
 never computed for this request (a prefix-cache hit) have no feature: the draft's own cache then
-starts at the first position that has one, and at most `_MAX_CATCHUP` positions before the newest.
+starts at the first position that has one, and at most `_MAX_CATCHUP` positions before the newest
+(a request that has not drafted for longer than that starts its cache over there).
 
 The draft's KV cache is paged (a pool of its own, like the plain draft's): each request's cache
 holds the positions computed from true features; the draft steps' positions are written too but
@@ -55,16 +56,17 @@ def draft_features(hidden: torch.Tensor, captured: torch.Tensor | None) -> torch
     return torch.cat([hidden, captured.reshape(hidden.shape[0], -1)], -1)
 
 
-# A request's draft cache starts at most this many positions before its newest token: a first draft
-# after a long prompt would otherwise run the draft over all of it (6-8 ms for 300 tokens, against a
-# 0.5 ms draft step). The head reads the target's features, which saw everything: first-draft
+# A draft step reruns at most this many positions of a request before its newest token: a first
+# draft after a long prompt, or one after a long pause, would otherwise run the draft over all of
+# them (6-8 ms for 300 tokens, against a 0.5 ms draft step); further behind, its cache starts over. The head reads the target's features, which saw everything: first-draft
 # acceptance on the grounded prompts of `bench latency` (K = 1, cost gate off) was 0.19 from the
 # whole prompt, 0.17-0.23 from its last 64 positions, 0.21 from 16.
 _MAX_CATCHUP = 64
 
 # Features kept per request beyond what its draft cache holds: a request that does not draft for a
-# long time (a big batch, a long prompt) keeps only its newest rows, and its draft starts over there.
-_MAX_FEATURE_ROWS = 2048
+# long time (a big batch, a long prompt, a pause) keeps only its newest rows (a draft step never
+# reaches further back than _MAX_CATCHUP), 4.6 KB each with three inner layers.
+_MAX_FEATURE_ROWS = 4 * _MAX_CATCHUP
 
 
 class _Features:
@@ -169,22 +171,24 @@ class EagleModel(DraftModel):
         live = []
         for i, (cache, feats, seq, k) in enumerate(work):
             L = len(seq)
-            if cache.origin is None and feats.origin is not None:
-                cache.origin = max(feats.origin, L - 1 - _MAX_CATCHUP)
+            if feats.origin is None:
+                continue
+            start = max(feats.origin, L - 1 - _MAX_CATCHUP)   # the earliest position a step reruns
+            if cache.origin is None:
+                cache.origin = start
             o = cache.origin
-            if o is None or L - 2 < o:
+            if L - 2 < o:
                 continue
             n, ct = 0, cache.tokens                    # roll back to the common prefix (verified tokens)
             limit = min(len(ct), L - 2 - o)            # position L-2 always runs again (new token after it)
             while n < limit and ct[n] == seq[o + n + 1]:
                 n += 1
             del ct[n:]
-            f = feats.get(o + n, L - 1)
-            if f is None and feats.origin is not None and o + n < feats.origin <= L - 2:
-                self.pool.release(cache)               # its features were dropped: start over from theirs
-                cache.origin = o = feats.origin
+            if o + n < start:     # behind by more than _MAX_CATCHUP (a long pause), or its features were
+                self.pool.release(cache)               # dropped: start over near the newest position
+                cache.origin = o = start
                 n = 0
-                f = feats.get(o, L - 1)
+            f = feats.get(o + n, L - 1)
             k = min(k, self.max_len - L)
             if f is None or k <= 0 or not self.pool.reserve(cache, L - 1 - o + k - 1):
                 continue
