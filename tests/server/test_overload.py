@@ -90,7 +90,9 @@ def test_sigkill_under_load_keeps_keys_and_ledger(setup, model_server):
     before = {r["key_name"]: r for r in KeyStore(data_dir / "kvserve.db").usage()}
     assert before["paid"]["requests"] >= 4  # written by the previous test's requests
     pool = cf.ThreadPoolExecutor(4)
-    body = {"messages": HELLO, "max_tokens": 30, "ignore_eos": True, "temperature": 0}
+    # long enough that the first still runs when the fourth arrives on a loaded machine (with 30 tokens
+    # it could finish first, and the queue never showed 3)
+    body = {"messages": HELLO, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
     for _ in range(4):
         pool.submit(httpx.post, url, json=body, headers=hdr(keys["paid"]), timeout=120)
     wait_for_waiting(srv.base_url, keys["paid"], 3)
