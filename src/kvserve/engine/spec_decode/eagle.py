@@ -13,8 +13,8 @@ well, so a draft step feeds its own output as the next step's feature:
 
 With `eagle_config.json` listing `feature_layers` (EAGLE-3's idea), f_j is instead the final
 hidden state followed by the residual stream after those target layers, each RMS-normalised
-(`draft_features`; the target's forward copies them out normalised, `model.capture_layers`), and fc reads
-(2 + n) H values; later draft steps pair the head's own output with the inner layers of the
+(`draft_features`; the target's forward copies them out normalised, `model.capture_layers`), and
+fc reads (2 + n) H values; later draft steps pair the head's own output with the inner layers of the
 newest position the target computed. Same data, same steps: 0.33 -> 0.41 agreement on the open
 prompts of `bench latency` with layers 2, 14 and 26 (BENCHMARKS.md, issue 16).
 
@@ -58,9 +58,10 @@ def draft_features(hidden: torch.Tensor, captured: torch.Tensor | None) -> torch
 
 # A draft step reruns at most this many positions of a request before its newest token: a first
 # draft after a long prompt, or one after a long pause, would otherwise run the draft over all of
-# them (6-8 ms for 300 tokens, against a 0.5 ms draft step); further behind, its cache starts over. The head reads the target's features, which saw everything: first-draft
-# acceptance on the grounded prompts of `bench latency` (K = 1, cost gate off) was 0.19 from the
-# whole prompt, 0.17-0.23 from its last 64 positions, 0.21 from 16.
+# them (6-8 ms for 300 tokens, against a 0.5 ms draft step); further behind, its cache starts over.
+# The head reads the target's features, which saw everything: first-draft acceptance on the
+# grounded prompts of `bench latency` (K = 1, cost gate off) was 0.19 from the whole prompt,
+# 0.17-0.23 from its last 64 positions, 0.21 from 16.
 _MAX_CATCHUP = 64
 
 # Features kept per request beyond what its draft cache holds: a request that does not draft for a
