@@ -61,9 +61,8 @@ class AttentionMetadata:
             for pos in range(s - q, s):
                 slots.append(bt[pos // block_size] * block_size + pos % block_size)
         width = max((len(bt) for bt in block_tables), default=0)
-        table = torch.zeros((len(block_tables), width), dtype=torch.long)
-        for i, bt in enumerate(block_tables):
-            table[i, : len(bt)] = torch.tensor(bt, dtype=torch.long)
+        table = torch.tensor([list(bt) + [0] * (width - len(bt)) for bt in block_tables],   # one tensor, not
+                             dtype=torch.long).view(len(block_tables), width)                 # one a row
         return cls(qsl, list(seq_lens), torch.tensor(slots, dtype=torch.long, device=device),
                    table.to(device), block_size)
 
