@@ -61,8 +61,9 @@ class AttentionMetadata:
             for pos in range(s - q, s):
                 slots.append(bt[pos // block_size] * block_size + pos % block_size)
         width = max((len(bt) for bt in block_tables), default=0)
-        table = torch.tensor([list(bt) + [0] * (width - len(bt)) for bt in block_tables],   # one tensor, not
-                             dtype=torch.long).view(len(block_tables), width)                 # one a row
+        # one tensor from padded lists (a zeros table filled row by row made a tensor per row)
+        table = torch.tensor([list(bt) + [0] * (width - len(bt)) for bt in block_tables],
+                             dtype=torch.long).view(len(block_tables), width)
         return cls(qsl, list(seq_lens), torch.tensor(slots, dtype=torch.long, device=device),
                    table.to(device), block_size)
 
