@@ -342,3 +342,50 @@ def test_bad_inner_layers_fail_at_startup(loaded, eagle3_dir, tmp_path, layers):
             make(loaded, speculative=f"draft:{bad}")
     finally:
         loaded.model.capture_layers = ()
+
+
+def _record(draft) -> tuple[list, list]:
+    """Wrap a draft's step: (every step's tokens and state rows, whether each step took the one call)."""
+    seen, calls = [], []
+    step, one = draft._step, draft._fused_step
+
+    def fused_step(items, feats):
+        r = one(items, feats)
+        calls.append(r is not None)
+        return r
+
+    def recorded(items):
+        toks, h = step(items)
+        seen.append((toks, h.clone()))
+        return toks, h
+
+    draft._fused_step, draft._step = fused_step, recorded
+    return seen, calls
+
+
+def test_eagle_step_in_one_call_matches_the_model_path(loaded, eagle3_dir):
+    """The draft step as one C call (fc, the layer, the head and argmax: CpuOps.draft_step) proposes
+    the same tokens from the same states, bit for bit, as the model forward between the packed fc
+    and head, over the same steps (catch-up rows, later draft positions, several requests)."""
+    import torch
+
+    try:
+        runs = []
+        for fused in (True, False):
+            spec = make(loaded, speculative={"method": "draft", "draft_path": str(eagle3_dir), "max_batch_rows": 0},
+                        num_speculative_tokens=3)
+            draft = spec.engine.core.scheduler.spec.proposer.draft
+            if fused and getattr(draft.model.layer_ops(), "draft_step", None) is None:
+                pytest.skip("no C kernels on this machine: the draft runs on PyTorch")
+            draft.fused = fused
+            seen, calls = _record(draft)
+            prompts = [chat_ids(spec, t) for t in PROMPTS]
+            spec.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+            runs.append(seen)
+            assert calls == ([True] * len(seen) if fused else [])      # every step took the one call
+        fused, ref = runs
+        assert len(fused) == len(ref) > 3
+        for (ta, ha), (tb, hb) in zip(fused, ref):
+            assert ta == tb and torch.equal(ha, hb)
+    finally:
+        loaded.model.capture_layers = ()

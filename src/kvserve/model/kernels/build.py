@@ -26,7 +26,7 @@ from pathlib import Path
 
 CXX_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-pthread", "-std=c++17"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
-KERNEL_VERSION = 11  # must match kvs_version() in the source
+KERNEL_VERSION = 12  # must match kvs_version() in the source
 
 
 class KvsWeight(ctypes.Structure):
@@ -149,6 +149,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvs_forward.restype = i32
     lib.kvs_forward_lora.argtypes = [vp, i32, i32, i32, vp, i32, vp, vp, vp, vp, i32, vp, i32, vp, i32, vp, vp, i32]
     lib.kvs_forward_lora.restype = i32
+    lib.kvs_draft_step.argtypes = [vp, i32, i32, i32, vp, i32, vp, vp, vp, vp, i32, vp, vp, vp, vp, i32, vp, i32, vp,
+                                   vp, vp, vp, vp, i32]
+    lib.kvs_draft_step.restype = i32
     lib.kvs_rope_kv_attention.argtypes = [vp, vp, i32, vp, vp, vp, vp, i32, vp, i32, i32, i32, vp, vp, i32]
     lib.kvs_rope_kv_attention.restype = None
     lib.kvs_silu_mul.argtypes = [vp, i32, i32, vp, i32]

@@ -121,13 +121,8 @@ class CpuOps(TorchOps):
             return None
         if int(positions.max()) >= self.max_positions:
             return None   # let the PyTorch path raise its own error
-        ptrs = tuple(c.data_ptr() for c in kv_caches)
-        if ptrs != self._cache_ptrs:
-            if not all(c.is_contiguous() and c.dtype == cache.dtype and c.shape == cache.shape for c in kv_caches):
-                return None
-            for d, p in zip(self.layers, ptrs):
-                d.kv_cache = p
-            self._cache_ptrs = ptrs
+        if not self._bind(kv_caches):
+            return None
         qsl = meta.query_start_loc
         q_lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
         if meta.is_all_decode:
@@ -148,6 +143,50 @@ class CpuOps(TorchOps):
                        seq_of=seq_of, tables=meta.block_tables.to(torch.int64).contiguous(),
                        kv_dtype=KV_DTYPE_CODES[cache.dtype], num_blocks=num_blocks, block_size=block_size,
                        attend=attend_mask, long_seqs=long_seqs)
+
+    def _bind(self, kv_caches: list[torch.Tensor]) -> bool:
+        """Point the layer descriptors at these caches; False if the C code cannot read them."""
+        ptrs = tuple(c.data_ptr() for c in kv_caches)
+        if ptrs != self._cache_ptrs:
+            cache = kv_caches[0]
+            if not all(c.is_contiguous() and c.dtype == cache.dtype and c.shape == cache.shape for c in kv_caches):
+                return False
+            for d, p in zip(self.layers, ptrs):
+                d.kv_cache = p
+            self._cache_ptrs = ptrs
+        return True
+
+    def draft_step(self, feats: torch.Tensor, tokens: list[int], embed: GGUFQuantLinear, fc: GGUFQuantLinear,
+                   head: GGUFQuantLinear, positions: list[int], slots: list[int], seq_of: list[int],
+                   tables: torch.Tensor, last: list[int], kv_caches: list[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An EAGLE draft step in one C call (`kvs_draft_step`): rows fc([feats ; embed(tokens)]) through
+        the layer stack at `positions` (cache `slots`, sequence `seq_of` of the int64 block `tables`),
+        then for the rows `last`: (argmax over `head`'s rows [n], final-normed state [n, H]). The same
+        numbers as the model forward between the packed fc and head; None where that path must run
+        (weights not on the int8 kernels, a cache the C code does not read, too many rows)."""
+        T = len(tokens)
+        if (not self.packed or T > self.max_tokens or not all(_int8(w) for w in (embed, fc, head))
+                or kv_caches[0].dtype not in KV_DTYPE_CODES or not self._bind(kv_caches)
+                or max(positions) >= self.max_positions):
+            return None
+        H = self.desc.hidden
+        feats = feats.contiguous()
+        i64 = torch.int64
+        tok, pos, slot, seq, lst = (torch.tensor(v, dtype=i64) for v in (tokens, positions, slots, seq_of, last))
+        x, out = torch.empty(T, H), torch.empty(T, H)
+        hidden, logits = torch.empty(len(last), H), torch.empty(len(last), head.out_features)
+        arg = torch.empty(len(last), dtype=i64)
+        _, num_blocks, block_size, _, _ = kv_caches[0].shape
+        rc = self.lib.kvs_draft_step(
+            ctypes.byref(self.desc), KV_DTYPE_CODES[kv_caches[0].dtype], num_blocks, block_size, feats.data_ptr(),
+            feats.shape[1], tok.data_ptr(), ctypes.byref(embed.desc), ctypes.byref(fc.desc), ctypes.byref(head.desc),
+            T, pos.data_ptr(), slot.data_ptr(), seq.data_ptr(), tables.data_ptr(), tables.shape[1], lst.data_ptr(),
+            len(last), x.data_ptr(), out.data_ptr(), hidden.data_ptr(), logits.data_ptr(), arg.data_ptr(),
+            self.lib.kvs_get_num_threads())
+        if rc == -2:
+            raise IndexError(f"token id out of range [0, {embed.out_features})")
+        return (arg, hidden) if rc == 0 else None
 
     def set_capture(self, layers: tuple[int, ...]) -> None:
         """The layers whose residual stream forward_stack copies out, RMS-normalised (aux slots in

@@ -219,6 +219,36 @@ int kvs_forward_lora(const kvs_model_desc *m, int kv_dtype, int num_blocks, int 
                      int max_blocks, float *out, int nth, const kvs_lora_term *lora, int n_slots,
                      const int32_t *row_slot, float *aux, int n_aux);
 
+}  // extern "C"
+
+namespace {
+
+// An EAGLE draft step around the layer stack (kvs_draft_step): the stack's input is fc applied to
+// [feature ; embedding of the token], and after the final norm the chosen rows go through the
+// draft's head to their argmax.
+struct draft_io {
+    const float *feats;       // [T, F]
+    int F;
+    const int64_t *tok;       // [T] token ids, rows of `embed`
+    const kvs_weight *embed;  // the target's (packed) embedding rows, [vocab, H]
+    const kvs_weight *fc;     // [H, F + H]
+    const kvs_weight *head;   // [V, H]
+    const int64_t *last;      // [n_last] rows of the step whose draft token is wanted
+    int n_last;
+    float *hidden;            // [n_last, H]: those rows after the final norm
+    float *logits;            // [n_last, V] scratch
+    int64_t *arg;             // [n_last]: argmax over the head's rows (the first of equal maxima)
+};
+
+int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block_size, float *x, int T,
+                 const int64_t *positions, const int64_t *slots, const int64_t *seq_of, const int64_t *tables,
+                 int max_blocks, float *out, int nth, const kvs_lora_term *lora, int n_slots,
+                 const int32_t *row_slot, float *aux, int n_aux, const draft_io *io);
+
+}  // namespace
+
+extern "C" {
+
 int kvs_forward(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block_size, float *x, int T,
                 const int64_t *positions, const int64_t *slots, const int64_t *seq_of, const int64_t *tables,
                 int max_blocks, float *out, int nth) {
@@ -230,10 +260,49 @@ int kvs_forward_lora(const kvs_model_desc *m, int kv_dtype, int num_blocks, int 
                      const int64_t *positions, const int64_t *slots, const int64_t *seq_of, const int64_t *tables,
                      int max_blocks, float *out, int nth, const kvs_lora_term *lora, int n_slots,
                      const int32_t *row_slot, float *aux, int n_aux) {
+    return forward_impl(m, kv_dtype, num_blocks, block_size, x, T, positions, slots, seq_of, tables, max_blocks, out,
+                        nth, lora, n_slots, row_slot, aux, n_aux, nullptr);
+}
+
+// One step of an EAGLE draft (spec_decode/eagle.py) in one call, with the numbers of its PyTorch
+// pieces (the packed fc, the model forward, the packed head, argmax): each row's input is
+// fc([feats[t] ; embed row tok[t]]), the layer stack runs as in kvs_forward over x [T, H] (scratch,
+// overwritten), and for the rows `last` the final-normed state goes to hidden [n_last, H] and the
+// argmax of the head's logits to arg [n_last]. The Python glue it replaces (metadata, the
+// embedding lookup, the concatenation, two more calls and the argmax) took ~0.2 ms a draft step,
+// as long as the draft's weights take to read. Returns 0, -1 on bad shapes, -2 on a token id
+// outside the embedding.
+int kvs_draft_step(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block_size, const float *feats, int F,
+                   const int64_t *tok, const kvs_weight *embed, const kvs_weight *fc, const kvs_weight *head, int T,
+                   const int64_t *positions, const int64_t *slots, const int64_t *seq_of, const int64_t *tables,
+                   int max_blocks, const int64_t *last, int n_last, float *x, float *out, float *hidden,
+                   float *logits, int64_t *arg, int nth) {
+    const int H = m->hidden;
+    if (F % kvs::QK || fc->cols != F + H || fc->rows != H || embed->cols != H || head->cols != H || n_last <= 0 ||
+        n_last > T)
+        return -1;
+    for (int t = 0; t < T; t++)
+        if (tok[t] < 0 || tok[t] >= embed->rows) return -2;
+    for (int j = 0; j < n_last; j++)
+        if (last[j] < 0 || last[j] >= T) return -1;
+    const draft_io io{feats, F, tok, embed, fc, head, last, n_last, hidden, logits, arg};
+    return forward_impl(m, kv_dtype, num_blocks, block_size, x, T, positions, slots, seq_of, tables, max_blocks, out,
+                        nth, nullptr, 0, nullptr, nullptr, 0, &io);
+}
+
+}  // extern "C"
+
+namespace {
+
+int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block_size, float *x, int T,
+                 const int64_t *positions, const int64_t *slots, const int64_t *seq_of, const int64_t *tables,
+                 int max_blocks, float *out, int nth, const kvs_lora_term *lora, int n_slots,
+                 const int32_t *row_slot, float *aux, int n_aux, const draft_io *io) {
     const int H = m->hidden, Hq = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim, I = m->inter;
     if (T <= 0 || Hkv <= 0 || Hq % Hkv || D % 2 || H % kvs::QK || I % kvs::QK || (Hq * D) % kvs::QK) return -1;
     const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd;
-    const int kmax = H > I ? (H > qd ? H : qd) : (I > qd ? I : qd);
+    int kmax = H > I ? (H > qd ? H : qd) : (I > qd ? I : qd);
+    if (io && io->F + H > kmax) kmax = io->F + H;
 
     std::vector<int8_t> xq((size_t)T * kmax);
     const std::vector<float> unit(aux ? H : 0, 1.0f);   // the aux rows' norm weight
@@ -250,7 +319,7 @@ int kvs_forward_lora(const kvs_model_desc *m, int kv_dtype, int num_blocks, int 
 #pragma omp parallel num_threads(nth)
     {
         const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
-        std::vector<float> row((size_t)(H > I ? H : I));
+        std::vector<float> row((size_t)(H > I ? H : I) + (io ? io->F + H : 0));
         // Quantize this thread's tokens of src [T, K] (row stride K) into xq/xd/xs.
         std::vector<float> lr(64);
         auto quantize = [&](const float *src, int K, bool norm, const float *w) {
@@ -292,6 +361,19 @@ int kvs_forward_lora(const kvs_model_desc *m, int kv_dtype, int num_blocks, int 
                 }
             }
         };
+        if (io) {   // x = fc([feature ; embedding]), quantized as kvs_linear quantizes its input rows
+            const int K = io->F + H;
+            for (int t = ith; t < T; t += nt) {
+                float *r = row.data();
+                memcpy(r, io->feats + (size_t)t * io->F, io->F * sizeof(float));
+                kvs_dequantize_rows(io->embed, io->tok + t, 1, r + io->F);
+                kvs::quantize_row_q8(r, K, xq.data() + (size_t)t * K, xd.data() + (size_t)t * (K / kvs::QK),
+                                     xs.data() + (size_t)t * (K / kvs::QK));
+            }
+#pragma omp barrier
+            kvs::linear_rows(io->fc, xq.data(), xd.data(), xs.data(), T, x, H, false, ith, nt);
+#pragma omp barrier
+        }
         for (int l = 0; l < m->n_layers; l++) {
             const kvs_layer_desc &L = m->layers[l];
             char *Kc = (char *)L.kv_cache;
@@ -341,11 +423,31 @@ int kvs_forward_lora(const kvs_model_desc *m, int kv_dtype, int num_blocks, int 
                 kvs::rms_norm_row(x + (size_t)t * H, m->final_norm, H, m->eps, out + (size_t)t * H);
             else
                 memcpy(out + (size_t)t * H, x + (size_t)t * H, H * sizeof(float));
+        if (io) {   // the head over the chosen rows, as kvs_linear would run it, then each row's argmax
+            const int V = io->head->rows;
+#pragma omp barrier
+            for (int j = ith; j < io->n_last; j += nt) {
+                const float *r = out + (size_t)io->last[j] * H;
+                memcpy(io->hidden + (size_t)j * H, r, H * sizeof(float));
+                kvs::quantize_row_q8(r, H, xq.data() + (size_t)j * H, xd.data() + (size_t)j * (H / kvs::QK),
+                                     xs.data() + (size_t)j * (H / kvs::QK));
+            }
+#pragma omp barrier
+            kvs::linear_rows(io->head, xq.data(), xd.data(), xs.data(), io->n_last, io->logits, V, false, ith, nt);
+#pragma omp barrier
+            for (int j = ith; j < io->n_last; j += nt) {
+                const float *lg = io->logits + (size_t)j * V;
+                int best = 0;
+                for (int v = 1; v < V; v++)
+                    if (lg[v] > lg[best]) best = v;
+                io->arg[j] = best;
+            }
+        }
     }
     return 0;
 }
 
-}  // extern "C"
+}  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // Pieces of a layer for the steps too large for kvs_forward (batched decode, prompt chunks), where

@@ -57,7 +57,7 @@
 
 extern "C" {
 
-int kvs_version(void) { return 11; }
+int kvs_version(void) { return 12; }
 
 }  // extern "C"
 

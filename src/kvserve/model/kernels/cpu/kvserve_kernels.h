@@ -25,6 +25,9 @@ struct kvs_weight {
     const float *bias;  // may be NULL
 };
 
+// Rows `ids` of W as float32 [n, cols] (an embedding lookup from packed rows); -1 on an id out of range.
+int kvs_dequantize_rows(const kvs_weight *w, const int64_t *ids, int n, float *out);
+
 }  // extern "C"
 
 namespace kvs {
