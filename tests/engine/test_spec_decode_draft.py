@@ -267,8 +267,17 @@ def test_eagle_features_by_position():
     assert f.get(7, 9)[:, 0].tolist() == [7, 8]
     for i in range(9, 200):
         f.put(i, torch.tensor([[float(i), 0]]))
-    f.trim(150)                                               # consumed: dropped (compacted)
+    f.trim(150)                                               # consumed: dropped
     assert f.origin > 5 and f.get(150, 200)[:, 0].tolist() == list(range(150, 200))
+    assert f.get(149, 151) is None and len(f.chunks) == 50
+
+    # a step's rows by reference: this request's rows 1..2 of the step, final [T, 2] and inner [T, 2, 2]
+    g = _Features(6)
+    step = torch.arange(8.0).view(4, 2)
+    inner = 100 + torch.arange(16.0).view(4, 2, 2)
+    g.put(10, step, inner, row=1, n=2)
+    assert g.get(10, 12).tolist() == [[2, 3, 104, 105, 106, 107], [4, 5, 108, 109, 110, 111]]
+    assert g.get(10, 12).dtype == torch.float16
 
 
 def test_bad_eagle_head_fails_at_startup(loaded, eagle_dir, tmp_path):
