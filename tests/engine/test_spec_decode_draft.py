@@ -171,6 +171,40 @@ def test_draft_positions_stop_where_they_stop_paying():
     assert prop.asked[-1] == [2]
 
 
+def test_acceptance_rate_settles_and_pauses_stay_short():
+    """A request accepted half the time keeps drafting through a short run of misses; one that is
+    never accepted is paused within a few rounds; after settled rounds its next pause is short."""
+    from kvserve.engine.request import Request
+    from kvserve.engine.spec_decode import decoder
+    from kvserve.engine.spec_decode.config import SpeculativeConfig
+    from kvserve.engine.spec_decode.decoder import SpecDecoder
+    from kvserve.engine.step_cost import StepCostModel
+
+    sd = SpecDecoder(SpeculativeConfig("ngram", num_speculative_tokens=1), _ListProposer())
+    cost = StepCostModel()
+    good = Request("good", list(range(1, 50)), SamplingParams(temperature=0, max_tokens=500), 0, max_tokens=500)
+    bad = Request("bad", list(range(1, 50)), SamplingParams(temperature=0, max_tokens=500), 0, max_tokens=500)
+    bar = sd.break_even([good.num_tokens], cost)[0]
+    assert 0.2 < bar < 0.4
+    st = {}
+    for i in range(40):
+        drafts = sd.propose([good], cost) + sd.propose([bad], cost)     # one stream a step: bar ~0.3
+        if i == 0:
+            sd.state["good"].cooldown = 64                 # as after earlier relapses
+        if drafts[0]:
+            sd.observe("good", 1, i % 2 if i < 36 else 0)      # half accepted, then four misses
+        if drafts[1]:
+            sd.observe("bad", 1, 0)
+        st[i] = (bool(drafts[0]), bool(drafts[1]))
+    assert all(g for g, _ in st.values())                  # never paused
+    assert sum(b for _, b in st.values()) <= 8             # three rounds, then probes of two between pauses
+    g = sd.state["good"]
+    assert g.rounds == 40 and g.cooldown == decoder._COOLDOWN0   # settled: the doubling starts over
+    g.rate = bar / 2                                       # it stops paying: a pause of the first length
+    sd.propose([good], cost)
+    assert g.pause == decoder._COOLDOWN0
+
+
 # ---- EAGLE: a draft head over the target's features (spec_decode/eagle.py) ----------------------
 
 @pytest.fixture(scope="module")
