@@ -216,6 +216,25 @@ def eagle_dir(tmp_path_factory):
     return out
 
 
+def test_eagle_training_labels_are_the_target_argmax(loaded, tmp_path):
+    """An EAGLE head learns the target's top token at each answer position (what greedy verification
+    accepts), not a sampled answer's own token: greedy answers are their own labels, sampled ones
+    get the argmax of the target's logits from the very features the head reads."""
+    from kvserve.train.draft import _generate
+
+    cfg = DraftConfig(out=str(tmp_path), kind="eagle", num_prompts=4, heldout=1, gen_tokens=32, greedy_share=0.5,
+                      temperature=1.0)
+    prompts = ["Tell me about the moon.", "Write a haiku about tea.", "Tell me about owls.", "Describe a picnic."]
+    seqs, starts, feats, best = _generate(loaded, prompts, cfg, features=True)
+    H = loaded.model.config.hidden_size
+    assert best[0] == seqs[0] and best[1] == seqs[1]                         # greedy
+    for s, b, f, p in zip(seqs[2:], best[2:], feats[2:], starts[2:]):
+        assert len(b) == len(s) and b[:p] == s[:p] and b[p:] != s[p:]        # sampled: labels differ
+        top = loaded.model.compute_logits(f[p - 1:, :H].float()).argmax(-1).tolist()
+        same = sum(x == y for x, y in zip(top, b[p:]))
+        assert same >= 0.9 * len(top)                                        # fp16 features: near ties may flip
+
+
 def test_trained_eagle_draft_is_exact(loaded, eagle_dir):
     from kvserve.engine.spec_decode.eagle import EAGLE_FILE, EagleProposer
 

@@ -155,12 +155,20 @@ def _generate(loaded, prompts: list[str], cfg: DraftConfig, features: bool = Fal
     reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True)}
             for p in prompts]
     n_greedy = round(cfg.greedy_share * len(reqs))
+    # sampled answers also report the target's raw top token at each position (logprobs=1): an EAGLE
+    # head learns what greedy verification accepts, the argmax, not the sampled token
     params = [SamplingParams(temperature=0.0 if i < n_greedy else cfg.temperature, max_tokens=cfg.gen_tokens,
-                             seed=cfg.seed + i) for i in range(len(reqs))]
+                             seed=cfg.seed + i, logprobs=1 if features and i >= n_greedy else None)
+              for i in range(len(reqs))]
     outs = llm.generate(reqs, params, use_tqdm=False)
     seqs = [list(r["prompt_token_ids"]) + list(o.outputs[0].token_ids) for r, o in zip(reqs, outs)]
     feats = [kept.pop(o.request_id)[:len(s) - 1].clone() for s, o in zip(seqs, outs)] if features else None
-    return seqs, [len(r["prompt_token_ids"]) for r in reqs], feats
+    best = None
+    if features:
+        best = [list(s) if o.outputs[0].logprobs is None else list(r["prompt_token_ids"]) + [
+            min(lp, key=lambda t: lp[t].rank or 1 << 30) for lp in o.outputs[0].logprobs]
+            for s, r, o in zip(seqs, reqs, outs)]
+    return seqs, [len(r["prompt_token_ids"]) for r in reqs], feats, best
 
 
 @torch.no_grad()
@@ -230,9 +238,10 @@ class EagleHead(torch.nn.Module):
         return self.body(next_ids, inputs_embeds=x)
 
 
-def _eagle_loss(head_model: EagleHead, seqs, feats, head: torch.Tensor, remap: torch.Tensor, starts,
+def _eagle_loss(head_model: EagleHead, seqs, feats, best, head: torch.Tensor, remap: torch.Tensor, starts,
                 reg_weight: float) -> tuple[torch.Tensor, float]:
-    """Token loss (cross-entropy on the target's own next token, kept vocabulary) plus the feature
+    """Token loss (cross-entropy on the target's top token at each position, `best`: the sampled
+    answers' own tokens are not what greedy verification accepts; kept vocabulary) plus the feature
     regression, at the answers' positions; also the top-1 agreement."""
     T = max(len(s) for s in seqs) - 2
     B, H = len(seqs), head.shape[1]
@@ -241,12 +250,12 @@ def _eagle_loss(head_model: EagleHead, seqs, feats, head: torch.Tensor, remap: t
     ft = torch.zeros(B, T, H)
     label = torch.full((B, T), -100, dtype=torch.long)
     mask = torch.zeros(B, T)
-    for b, (s, fs, p) in enumerate(zip(seqs, feats, starts)):
+    for b, (s, fs, top, p) in enumerate(zip(seqs, feats, best, starts)):
         n = len(s) - 2
         ids[b, :n] = torch.tensor(s[1:n + 1])
         f[b, :n] = fs[:n].float()
         ft[b, :n] = fs[1:n + 1, :H].float()
-        lab = remap[torch.tensor(s[2:n + 2])]
+        lab = remap[torch.tensor(top[2:n + 2])]
         lo = max(0, p - 2)
         label[b, lo:n] = lab[lo:]
         mask[b, lo:n] = 1
@@ -275,9 +284,9 @@ def train_draft(cfg: DraftConfig) -> dict:
     inner = tuple(_layer_ids(cfg.feature_layers, target.config.num_hidden_layers)) if cfg.feature_layers else ()
     if len(set(inner)) != len(inner):
         raise InvalidRequest(f"feature layers repeat: {cfg.feature_layers!r}", param="feature_layers")
-    seqs, starts, feats = _generate(target, prompts, cfg, features=cfg.kind == "eagle", inner=inner)
+    seqs, starts, feats, best = _generate(target, prompts, cfg, features=cfg.kind == "eagle", inner=inner)
     t_gen = time.perf_counter() - t0
-    counts = Counter(t for s in seqs for t in s)
+    counts = Counter(t for s in (best or seqs) for t in s)     # the tokens a draft is trained to propose
     keep = [t for t, _ in counts.most_common(cfg.vocab_size or None)] if cfg.vocab_size else list(
         range(target.config.vocab_size))
     for e in target.tokenizer.eos_token_ids:
@@ -315,8 +324,8 @@ def train_draft(cfg: DraftConfig) -> dict:
 
     def loss_of(idx: list[int]) -> tuple[torch.Tensor, float]:
         if cfg.kind == "eagle":
-            return _eagle_loss(model, [seqs[i] for i in idx], [feats[i] for i in idx], head, remap,
-                               [starts[i] for i in idx], cfg.reg_weight)
+            return _eagle_loss(model, [seqs[i] for i in idx], [feats[i] for i in idx], [best[i] for i in idx],
+                               head, remap, [starts[i] for i in idx], cfg.reg_weight)
         return _loss(draft, [seqs[i] for i in idx], [teach[i] for i in idx], head, [starts[i] for i in idx])
 
     def held_agreement() -> float:
