@@ -74,7 +74,8 @@ class _Features:
     """One request's target features by position, from `origin` on. The sink keeps each step's rows
     by reference (the step's hidden and captured tensors and the request's first row in them: no
     copy, no torch op in a step that does not draft; 38 -> ~5 us a step, Zen 5); `get` copies the
-    rows a draft step reads into fp16 (as in training). Positions are computed contiguously and a
+    rows a draft step reads (float32: training rounded them to fp16, a difference of 2^-11 that
+    costs acceptance nothing and a conversion a step). Positions are computed contiguously and a
     position's newest row is the one that counts (a rejected draft's row is computed again with
     the token that replaced it before a draft reads it)."""
 
@@ -97,10 +98,10 @@ class _Features:
         self.end = max(self.end, start + n)
 
     def get(self, a: int, b: int) -> torch.Tensor | None:
-        """Rows for positions [a, b) as fp16 [b - a, width], or None if any is missing."""
+        """Rows for positions [a, b) as float32 [b - a, width], or None if any is missing."""
         if self.origin is None or a < self.origin or b > self.end:
             return None
-        out = torch.empty(b - a, self.width, dtype=torch.float16)
+        out = torch.empty(b - a, self.width)
         lo = hi = None                    # what newer chunks cover: starts never decrease, so [lo, hi)
         for start, n, rows, inner, row in reversed(self.chunks):
             end = start + n
@@ -162,6 +163,7 @@ class EagleModel(DraftModel):
         self.fc = make_linear(WeightSource(tuple(fc.shape), tensor=fc.float().contiguous()), None, "q8_0",
                               backend=model.backend)
         self.embed_rows = embed_rows
+        self._vocab_list = self.vocab_ids.tolist()
         self.fused = True         # the one-call step where the C kernels take it (tests compare both ways)
 
     def new_cache(self) -> _Cache:
@@ -173,7 +175,7 @@ class EagleModel(DraftModel):
         positions and returns each item's draft token after its last position and that row's output."""
         from kvserve.model.attention import AttentionMetadata
 
-        feats = torch.cat([f for _, _, f, _ in items]).float()
+        feats = items[0][2] if len(items) == 1 else torch.cat([f for _, _, f, _ in items])
         if self.fused and self.embed_rows is not None:
             done = self._fused_step(items, feats)
             if done is not None:
@@ -209,13 +211,13 @@ class EagleModel(DraftModel):
             seq_of += [i] * len(t)
             last.append(len(toks) - 1)
         width = max(len(c.blocks) for c, *_ in items)
-        tables = torch.tensor([c.blocks + [0] * (width - len(c.blocks)) for c, *_ in items], dtype=torch.long)
-        out = step(feats, toks, self.embed_rows, self.fc, self.head, pos, slots, seq_of, tables, last,
+        tables = [x for c, *_ in items for x in c.blocks + [0] * (width - len(c.blocks))]
+        out = step(feats, toks, self.embed_rows, self.fc, self.head, pos, slots, seq_of, tables, width, last,
                    self.pool.kv_caches)
         if out is None:
             return None
         arg, hidden = out
-        return self.vocab_ids[arg].tolist(), hidden
+        return [self._vocab_list[i] for i in arg.tolist()], hidden
 
     def propose_batch(self, work: list[tuple[_Cache, _Features, list[int], int]]) -> list[list[int]]:
         """work: (cache, the request's features, its sequence, k) per request."""

@@ -158,31 +158,35 @@ class CpuOps(TorchOps):
 
     def draft_step(self, feats: torch.Tensor, tokens: list[int], embed: GGUFQuantLinear, fc: GGUFQuantLinear,
                    head: GGUFQuantLinear, positions: list[int], slots: list[int], seq_of: list[int],
-                   tables: torch.Tensor, last: list[int], kv_caches: list[torch.Tensor]
+                   tables: list[int], max_blocks: int, last: list[int], kv_caches: list[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """An EAGLE draft step in one C call (`kvs_draft_step`): rows fc([feats ; embed(tokens)]) through
-        the layer stack at `positions` (cache `slots`, sequence `seq_of` of the int64 block `tables`),
-        then for the rows `last`: (argmax over `head`'s rows [n], final-normed state [n, H]). The same
-        numbers as the model forward between the packed fc and head; None where that path must run
-        (weights not on the int8 kernels, a cache the C code does not read, too many rows)."""
-        T = len(tokens)
+        the layer stack at `positions` (cache `slots`, sequence `seq_of` of the block `tables`, rows of
+        `max_blocks` flattened), then for the rows `last`: (argmax over `head`'s rows [n], final-normed
+        state [n, H]). The same numbers as the model forward between the packed fc and head; None
+        where that path must run (weights not on the int8 kernels, a cache the C code does not read,
+        too many rows)."""
+        T, n = len(tokens), len(last)
         if (not self.packed or T > self.max_tokens or not all(_int8(w) for w in (embed, fc, head))
                 or kv_caches[0].dtype not in KV_DTYPE_CODES or not self._bind(kv_caches)
                 or max(positions) >= self.max_positions):
             return None
         H = self.desc.hidden
         feats = feats.contiguous()
-        i64 = torch.int64
-        tok, pos, slot, seq, lst = (torch.tensor(v, dtype=i64) for v in (tokens, positions, slots, seq_of, last))
-        x, out = torch.empty(T, H), torch.empty(T, H)
-        hidden, logits = torch.empty(len(last), H), torch.empty(len(last), head.out_features)
-        arg = torch.empty(len(last), dtype=i64)
+        # every index list in one int64 tensor (a tensor each cost ~3 us after the forward), and one
+        # float32 scratch: x, out [T, H], logits [n, V]
+        idx = torch.tensor(tokens + positions + slots + seq_of + last + tables, dtype=torch.int64)
+        ptr = idx.data_ptr()
+        tok, pos, slot, seq, lst, tab = (ptr + 8 * o for o in (0, T, 2 * T, 3 * T, 4 * T, 4 * T + n))
+        scratch = torch.empty(2 * T * H + n * head.out_features)
+        hidden = torch.empty(n, H)
+        arg = torch.empty(n, dtype=torch.int64)
+        s = scratch.data_ptr()
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
         rc = self.lib.kvs_draft_step(
             ctypes.byref(self.desc), KV_DTYPE_CODES[kv_caches[0].dtype], num_blocks, block_size, feats.data_ptr(),
-            feats.shape[1], tok.data_ptr(), ctypes.byref(embed.desc), ctypes.byref(fc.desc), ctypes.byref(head.desc),
-            T, pos.data_ptr(), slot.data_ptr(), seq.data_ptr(), tables.data_ptr(), tables.shape[1], lst.data_ptr(),
-            len(last), x.data_ptr(), out.data_ptr(), hidden.data_ptr(), logits.data_ptr(), arg.data_ptr(),
+            feats.shape[1], tok, embed._desc_ptr, fc._desc_ptr, head._desc_ptr, T, pos, slot, seq, tab, max_blocks,
+            lst, n, s, s + 4 * T * H, hidden.data_ptr(), s + 8 * T * H, arg.data_ptr(),
             self.lib.kvs_get_num_threads())
         if rc == -2:
             raise IndexError(f"token id out of range [0, {embed.out_features})")
