@@ -50,10 +50,11 @@ class AttentionMetadata:
     def is_all_decode(self) -> bool:
         return self.query_start_loc[-1] == self.num_seqs
 
-    @classmethod
-    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
-        """Derive query offsets, slot mapping and the padded block-table tensor."""
+    @staticmethod
+    def layout(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+               block_size: int) -> tuple[list[int], list[int], list[int], int]:
+        """As plain lists: query offsets, each new token's flat slot, the block tables padded with 0
+        to one width (rows concatenated), and that width."""
         qsl = [0]
         slots: list[int] = []
         for q, s, bt in zip(query_lens, seq_lens, block_tables):
@@ -61,9 +62,15 @@ class AttentionMetadata:
             for pos in range(s - q, s):
                 slots.append(bt[pos // block_size] * block_size + pos % block_size)
         width = max((len(bt) for bt in block_tables), default=0)
-        # one tensor from padded lists (a zeros table filled row by row made a tensor per row)
-        table = torch.tensor([list(bt) + [0] * (width - len(bt)) for bt in block_tables],
-                             dtype=torch.long).view(len(block_tables), width)
+        return qsl, slots, [x for bt in block_tables for x in list(bt) + [0] * (width - len(bt))], width
+
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+        """Derive query offsets, slot mapping and the padded block-table tensor."""
+        qsl, slots, table, width = cls.layout(query_lens, seq_lens, block_tables, block_size)
+        # one tensor from the padded lists (a zeros table filled row by row made a tensor per row)
+        table = torch.tensor(table, dtype=torch.long).view(len(block_tables), width)
         return cls(qsl, list(seq_lens), torch.tensor(slots, dtype=torch.long, device=device),
                    table.to(device), block_size)
 

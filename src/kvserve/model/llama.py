@@ -228,7 +228,14 @@ class LlamaForCausalLM(nn.Module):
         """Token embeddings, float32 [*input_ids.shape, hidden]."""
         if self.embed_tokens is not None:
             return F.embedding(input_ids, self.embed_tokens).float()
-        return (self.lm_head if self.packed_embed is None else self.packed_embed).rows(input_ids)
+        return self.packed_embedding().rows(input_ids)
+
+    def packed_embedding(self) -> nn.Module | None:
+        """The packed Linear whose rows() are the token embeddings (the LM head when tied), or None
+        when the model keeps an fp32 table."""
+        if self.embed_tokens is not None:
+            return None
+        return self.lm_head if self.packed_embed is None else self.packed_embed
 
     def __getstate__(self) -> dict:
         """Copies (copy.deepcopy for a DPO/GRPO reference model) rebuild their layer ops on first

@@ -176,44 +176,37 @@ class EagleModel(DraftModel):
         from kvserve.model.attention import AttentionMetadata
 
         feats = items[0][2] if len(items) == 1 else torch.cat([f for _, _, f, _ in items])
-        if self.fused and self.embed_rows is not None:
-            done = self._fused_step(items, feats)
-            if done is not None:
-                return done
         q_lens = [len(t) for *_, t in items]
-        toks = torch.tensor([x for *_, t in items for x in t], dtype=torch.long)
-        x = self.fc(torch.cat([feats, self.embed(toks)], -1))
         # positions count from each cache's origin (slots and RoPE alike: attention scores depend only
         # on distances, so a cache that starts after a prefix-cache hit needs no shift)
-        pos = torch.tensor([p - c.origin for c, p0, _, t in items for p in range(p0, p0 + len(t))],
-                           dtype=torch.long)
         ends = [p0 - c.origin + len(t) for c, p0, _, t in items]
+        toks = [x for *_, t in items for x in t]
+        pos = [p for e, q in zip(ends, q_lens) for p in range(e - q, e)]
+        if self.fused and self.embed_rows is not None:
+            done = self._fused_step(items, feats, q_lens, ends, toks, pos)
+            if done is not None:
+                return done
+        ids = torch.tensor(toks, dtype=torch.long)
+        x = self.fc(torch.cat([feats, self.embed(ids)], -1))
         meta = AttentionMetadata.build(q_lens, ends, [c.blocks for c, *_ in items], self.pool.block_size)
-        hidden = self.model(toks, pos, meta, self.pool.kv_caches, inputs_embeds=x)
-        last = hidden[torch.tensor(q_lens).cumsum(0) - 1].contiguous()
+        hidden = self.model(ids, torch.tensor(pos, dtype=torch.long), meta, self.pool.kv_caches, inputs_embeds=x)
+        last = hidden[torch.tensor(meta.query_start_loc[1:]) - 1].contiguous()
         return self.vocab_ids[self.head(last).argmax(-1)].tolist(), last
 
-    def _fused_step(self, items, feats: torch.Tensor) -> tuple[list[int], torch.Tensor] | None:
+    def _fused_step(self, items, feats: torch.Tensor, q_lens: list[int], ends: list[int], toks: list[int],
+                    pos: list[int]) -> tuple[list[int], torch.Tensor] | None:
         """_step as one C call (fc, the layer, the head and argmax: CpuOps.draft_step), its step
-        metadata built here from the caches' blocks; None where the C kernels do not take it."""
-        ops = self.model.layer_ops()
-        step = getattr(ops, "draft_step", None)
+        layout as lists (no tensor per index); None where the C kernels do not take it."""
+        from kvserve.model.attention import AttentionMetadata
+
+        step = getattr(self.model.layer_ops(), "draft_step", None)
         if step is None:
             return None
-        bs = self.pool.block_size
-        toks, pos, slots, seq_of, last = [], [], [], [], []
-        for i, (c, p0, _, t) in enumerate(items):
-            b = c.blocks
-            for p in range(p0 - c.origin, p0 - c.origin + len(t)):
-                pos.append(p)
-                slots.append(b[p // bs] * bs + p % bs)
-            toks += t
-            seq_of += [i] * len(t)
-            last.append(len(toks) - 1)
-        width = max(len(c.blocks) for c, *_ in items)
-        tables = [x for c, *_ in items for x in c.blocks + [0] * (width - len(c.blocks))]
-        out = step(feats, toks, self.embed_rows, self.fc, self.head, pos, slots, seq_of, tables, width, last,
-                   self.pool.kv_caches)
+        qsl, slots, tables, width = AttentionMetadata.layout(q_lens, ends, [c.blocks for c, *_ in items],
+                                                             self.pool.block_size)
+        seq_of = [i for i, q in enumerate(q_lens) for _ in range(q)]
+        out = step(feats, toks, self.embed_rows, self.fc, self.head, pos, slots, seq_of, tables, width,
+                   [e - 1 for e in qsl[1:]], self.pool.kv_caches)
         if out is None:
             return None
         arg, hidden = out
@@ -318,9 +311,8 @@ class EagleProposer(DraftProposer):
         except (SafetensorError, OSError, KeyError) as e:
             raise InvalidRequest(f"cannot read {Path(path) / EAGLE_FILE}: {e}", param="speculative") from None
         layers = feature_layers(path, target_model.config.num_hidden_layers)
-        packed = target_model.lm_head if target_model.packed_embed is None else target_model.packed_embed
-        rows = packed if target_model.embed_tokens is None and hasattr(packed, "rows") else None
-        proposer = cls(EagleModel(draft_model, fc, target_model.embed, vocab, num_inner=len(layers), embed_rows=rows))
+        proposer = cls(EagleModel(draft_model, fc, target_model.embed, vocab, num_inner=len(layers),
+                                  embed_rows=target_model.packed_embedding()))
         target_model.capture_layers = layers      # the target's forward keeps those layers' rows
         return proposer
 
