@@ -20,7 +20,8 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.bench.spec_latency import OPEN_PROMPTS
 from kvserve.model.loader import load_model
-from kvserve.train.draft import EagleHead, _draft_model, chat_prompts
+from kvserve.train.draft import EagleHead, _draft_model
+from kvserve.train.draft_prompts import chat_prompts
 
 N, STEPS, OUT = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 LAYERS = [2, 14, 26]          # residual stream after these layers (low, mid, high)

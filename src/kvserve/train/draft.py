@@ -41,41 +41,7 @@ import torch
 
 from kvserve.errors import InvalidRequest
 from kvserve.train.common import RunLog, make_optimizer
-
-_TOPICS = ["the ocean", "a city at night", "bread baking", "learning a language", "the moon", "chess",
-           "gardening", "a rainy morning", "electric cars", "friendship", "mountains", "coffee", "music practice",
-           "a lost key", "volcanoes", "libraries", "trains", "honey bees", "saving money", "the internet",
-           "a first job", "winter", "photography", "recycling", "a birthday party", "the human heart",
-           "time management", "dinosaurs", "a village market", "solar power", "sleep", "running a marathon",
-           "the history of writing", "cooking pasta", "a job interview", "climate change", "penguins", "the desert",
-           "public speaking", "a train journey", "old castles", "video games", "first aid", "kites",
-           "a science fair", "tea", "the stock market", "a thunderstorm", "learning to swim", "robots in factories",
-           "the Roman Empire", "a school garden", "budget travel", "owls", "the printing press", "board games",
-           "a lighthouse", "healthy breakfasts", "wind turbines", "a family dinner", "spiders", "space telescopes",
-           "writing a resume", "a picnic", "a music festival", "a small bakery", "electric guitars",
-           "a hiking trip", "the water cycle", "a chess club", "a haunted house", "ancient Egypt", "a new puppy",
-           "learning to code", "a city park", "a football match", "a snowy village", "the solar system",
-           "a lemonade stand", "the rain forest", "a long flight", "a pottery class", "a street market",
-           "a science museum", "a quiet library", "a mountain lake", "a jazz club", "a farm in spring",
-           "paper airplanes", "a road trip", "a magic trick", "an old map", "a sailing boat", "a treehouse",
-           "a birthday cake", "a lost cat"]
-_TEMPLATES = ["Tell me about {t}.", "Write a short poem about {t}.", "Explain {t} in simple words.",
-              "Give three interesting facts about {t}.", "Write a short story that involves {t}.",
-              "What should a beginner know about {t}?", "Describe {t} in one paragraph.",
-              "List some tips related to {t}.", "Why do people care about {t}?",
-              "Write a friendly email to a colleague about {t}.", "How does {t} work?",
-              "What are the pros and cons of {t}?", "Write a haiku about {t}.", "Explain {t} to a child.",
-              "Give me some ideas involving {t}.", "Write a story about {t}.",
-              "Explain how {t} works to a beginner.", "Give me five ideas about {t}, with one sentence on each.",
-              "Compare {t} with something similar.", "What is the history of {t}?",
-              "Summarize what you know about {t}.", "Write a short speech about {t}.",
-              "What are common mistakes people make with {t}?", "Describe a day involving {t}.",
-              "Write a dialogue between two friends about {t}."]
-
-
-def chat_prompts() -> list[str]:
-    """The built-in prompts: every template x topic (2,400 open chat requests)."""
-    return [tpl.format(t=t) for t in _TOPICS for tpl in _TEMPLATES]
+from kvserve.train.draft_prompts import chat_prompts
 
 
 @dataclass
@@ -277,8 +243,7 @@ def train_draft(cfg: DraftConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rng = random.Random(cfg.seed)
-    prompts = chat_prompts()
-    rng.shuffle(prompts)
+    prompts = chat_prompts(cfg.num_prompts, cfg.seed)     # distinct, so the held-out ones are unseen
     prompts = (prompts * (1 + cfg.num_prompts // len(prompts)))[:cfg.num_prompts]
     target = load_model(cfg.target)
     inner = tuple(_layer_ids(cfg.feature_layers, target.config.num_hidden_layers)) if cfg.feature_layers else ()
