@@ -181,29 +181,17 @@ def _space() -> list[tuple[str, ...]]:
     return out
 
 
+_SHAPES = {"story": "Write a short story about {0} who {1}.", "device": "Explain how {0} works{1}.",
+           "ideas": "Give me {1} ideas for {0}{2}.", "question": "{0}", "letter": "Write {0} about {1}.",
+           "compare": "What is the difference between {0} and {1}?", "poem": "Write {0} about {1}.",
+           "advice": "{0}. {1}"}
+
+
 def _text(parts: tuple[str, ...]) -> str:
     kind, *p = parts
-    if kind == "topic":
-        return p[0].format(t=p[1])
-    if kind == "story":
-        return f"Write a short story about {p[0]} who {p[1]}."
-    if kind == "device":
-        return f"Explain how {p[0]} works{p[1]}."
-    if kind == "ideas":
-        return f"Give me {p[1]} ideas for {p[0]}{p[2]}."
-    if kind == "proscons":
-        return p[1].format(a=p[0])
-    if kind == "howto":
-        return p[1].format(x=p[0])
-    if kind == "question":
-        return p[0]
-    if kind == "compare":
-        return f"What is the difference between {p[0]} and {p[1]}?"
-    if kind == "letter":
-        return f"Write {p[0]} about {p[1]}."
-    if kind == "poem":
-        return f"Write {p[0]} about {p[1]}."
-    return f"{p[0]}. {p[1]}"
+    if kind in _SHAPES:
+        return _SHAPES[kind].format(*p)
+    return p[0].format(t=p[1]) if kind == "topic" else p[1].format(a=p[0], x=p[0])     # proscons, howto
 
 
 # how often each kind of request is drawn (a kind runs out at its size): subjects x phrasings alone
