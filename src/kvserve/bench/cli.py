@@ -36,7 +36,8 @@ def latency(
                                  "(runs interleaved, one row each).")] = None,
     out_dir: Annotated[Path, typer.Option(help="Where the table (.md, .json) and chart (.png) go.")] = OUT_DIR,
     speculative: str = typer.Option(None, "--speculative", help="Instead: grounded and open chat prompts through "
-                                    "the engine, greedy, with this proposer (ngram, draft:PATH) and without."),
+                                    "the engine, greedy, with this proposer (ngram, draft:PATH, "
+                                    "ngram+draft:PATH) and without."),
     num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", help="Most draft tokens per step."),
     spec_workloads: str = typer.Option("grounded,open", "--spec-workloads",
                                        help="With --speculative: which workloads (grounded, open)."),

@@ -41,7 +41,7 @@ class EngineConfig:
     device: str = "cpu"
     # Split each layer's heads and MLP over this many processes (model/parallel.py; fp32 PyTorch path).
     tensor_parallel_size: int = 1
-    # Speculative decoding (engine/spec_decode): "ngram", "draft:PATH", a dict of SpeculativeConfig
+    # Speculative decoding (engine/spec_decode): "ngram", "draft:PATH", "ngram+draft:PATH", a dict of SpeculativeConfig
     # fields, or None (off); num_speculative_tokens: the most draft tokens per step (1..16, default 4).
     speculative: object = None
     num_speculative_tokens: int | None = None

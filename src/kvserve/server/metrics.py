@@ -51,6 +51,7 @@ SPEC_STATS = {
     "spec_decode_num_drafts": ("spec_decode_num_drafts", "Verification rounds with at least one draft token."),
     "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
     "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens the target accepted."),
+    "spec_decode_num_lookup_drafts": ("spec_decode_num_lookup_drafts", "Rounds prompt lookup drafted (ngram+draft)."),
 }
 PHASE_HELP = ("Cumulative wall time per phase. In the engine (thread or process), per step: schedule, "
               "prepare (batch and attention metadata), forward (the decoder stack, attention included), logits "

@@ -1,4 +1,4 @@
-"""`--speculative ngram|draft:PATH --num-speculative-tokens K`, checked once at startup: a bad
+"""`--speculative ngram|draft:PATH|ngram+draft:PATH --num-speculative-tokens K`, checked once at startup: a bad
 value is a one-line `InvalidRequest`, never an error in the middle of a request."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from kvserve.errors import InvalidRequest
 
 MAX_SPECULATIVE_TOKENS = 16
+SPECULATIVE_HELP = ("Speculative decoding: ngram (prompt lookup), draft:PATH (a draft model) or ngram+draft:PATH "
+                    "(prompt lookup first, the draft model where it finds nothing).")
 
 
 @dataclass
@@ -17,6 +19,8 @@ class SpeculativeConfig:
     draft_path: str | None = None         # method "draft": the draft model's file or directory
     ngram_max: int = 4                    # longest suffix the n-gram proposer matches ...
     ngram_min: int = 1                    # ... and the shortest
+    lookup_first: bool = False            # method "draft": prompt lookup first, the model where it finds
+    lookup_min: int = 2                   # nothing ('ngram+draft:PATH'), matching this many tokens or more
     # The step's switch: no drafts once the step's decoding rows reach this many (a batch that big
     # is compute-bound on a CPU, so verifying drafts costs as much as it saves). 0: never switch off.
     max_batch_rows: int = 8
@@ -31,13 +35,15 @@ class SpeculativeConfig:
                                  param="speculative")
         if self.method == "draft" and not self.draft_path:
             raise InvalidRequest("speculative 'draft:PATH' needs the draft model's path", param="speculative")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise InvalidRequest("ngram_min must be >= 1 and <= ngram_max", param="speculative")
+        if not 1 <= self.ngram_min <= self.ngram_max or not 1 <= self.lookup_min <= self.ngram_max:
+            raise InvalidRequest("ngram_min and lookup_min must be >= 1 and <= ngram_max", param="speculative")
+        if self.lookup_first and self.method != "draft":
+            raise InvalidRequest("lookup_first goes with a draft model ('ngram+draft:PATH')", param="speculative")
 
     @classmethod
     def parse(cls, spec: str | dict | SpeculativeConfig | None, num_speculative_tokens: int | None = None
               ) -> SpeculativeConfig | None:
-        """'ngram', 'draft:PATH', a dict of fields, a SpeculativeConfig, or None/''/'off' (none)."""
+        """'ngram', 'draft:PATH', 'ngram+draft:PATH', a dict of fields, a SpeculativeConfig, or None/''/'off' (none)."""
         if num_speculative_tokens is not None:
             cls(num_speculative_tokens=num_speculative_tokens)      # the range check, even with no proposer
         if spec is None or isinstance(spec, SpeculativeConfig):
@@ -52,7 +58,7 @@ class SpeculativeConfig:
             except TypeError as e:
                 raise InvalidRequest(f"bad speculative options: {e}", param="speculative") from None
         if not isinstance(spec, str):
-            raise InvalidRequest(f"speculative must be 'ngram' or 'draft:PATH', got {spec!r}", param="speculative")
+            raise InvalidRequest(f"speculative must be 'ngram', 'draft:PATH' or 'ngram+draft:PATH', got {spec!r}", param="speculative")
         s = spec.strip()
         if s in ("", "off", "none"):
             return None
@@ -60,5 +66,7 @@ class SpeculativeConfig:
             return cls("ngram", **extra)
         if s.startswith("draft:"):
             return cls("draft", draft_path=s[len("draft:"):], **extra)
-        raise InvalidRequest(f"unknown speculative proposer {spec!r}: use 'ngram' or 'draft:PATH'",
-                             param="speculative")
+        if s.startswith("ngram+draft:"):
+            return cls("draft", draft_path=s[len("ngram+draft:"):], lookup_first=True, **extra)
+        raise InvalidRequest(f"unknown speculative proposer {spec!r}: use 'ngram', 'draft:PATH' or "
+                             f"'ngram+draft:PATH'", param="speculative")
