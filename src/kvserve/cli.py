@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from kvserve.engine.spec_decode.config import SPECULATIVE_HELP
+from kvserve.engine.spec_decode.config import NUM_SPEC_HELP, SPECULATIVE_HELP
 from kvserve.errors import KVServeError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -34,7 +34,6 @@ def _load_llm(model: str | None, weight_format: str, max_model_len: int | None =
                    speculative=speculative, num_speculative_tokens=num_speculative_tokens)
 
 
-NUM_SPEC_HELP = "Most draft tokens per step (1-16, default 4; adapted per request)."
 
 
 def _stream(llm, prompt_ids: list[int], params, stats: bool = False) -> str:

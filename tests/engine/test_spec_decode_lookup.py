@@ -11,6 +11,7 @@ from test_spec_decode_eagle import eagle_dir  # noqa: F401  (a fixture: a tiny t
 
 from kvserve import SamplingParams
 from kvserve.engine.request import Request
+from kvserve.engine.spec_decode import decoder
 from kvserve.engine.spec_decode.config import SpeculativeConfig
 from kvserve.engine.spec_decode.decoder import SpecDecoder
 from kvserve.errors import InvalidRequest
@@ -67,6 +68,11 @@ def test_lookup_positions_stop_where_they_stop_paying():
     bar = sd.break_even([rep.num_tokens], cost, proposer_s=0.0)[0]
     sd.lookup_rate = [0.9, 0.9, bar / 0.81 * 0.9, 0.9]  # P(1..3 accepted) falls just under the bar
     assert sd.propose([rep], cost) == [[8, 9]]
+    sd.lookup_rate = [bar / 2] * 4                       # after a run of rejected lookups: off, but probed
+    got = [sd.propose([rep], cost)[0] for _ in range(3 * decoder._COOLDOWN_COLD)]
+    assert [d for d in got if d[:1] == [8]] == [[8]] * 3      # the rest are the model's
+    sd.observe("rep", 1, 1)                              # a probe accepted: its rate recovers
+    assert sd.lookup_rate[0] > bar / 2
 
 
 PASSAGE = ("The old mill stood by the river for two hundred years. The old mill ground wheat for the village, "

@@ -15,6 +15,7 @@ import typer
 from kvserve.bench.common import OUT_DIR, console, progress, progress_events, write_outputs
 from kvserve.bench.serve_cli import serve_command
 from kvserve.bench.throughput import throughput
+from kvserve.engine.spec_decode.config import NUM_SPEC_HELP
 from kvserve.errors import InvalidRequest, KVServeError
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks: latency (prefill/decode), kernels; peers side by side.")
@@ -38,7 +39,7 @@ def latency(
     speculative: str = typer.Option(None, "--speculative", help="Instead: grounded and open chat prompts through "
                                     "the engine, greedy, with this proposer (ngram, draft:PATH, "
                                     "ngram+draft:PATH) and without."),
-    num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", help="Most draft tokens per step."),
+    num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", help=NUM_SPEC_HELP),
     spec_workloads: str = typer.Option("grounded,open", "--spec-workloads",
                                        help="With --speculative: which workloads (grounded, open)."),
 ) -> None:

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvserve.engine.spec_decode.config import SPECULATIVE_HELP
+from kvserve.engine.spec_decode.config import NUM_SPEC_HELP, SPECULATIVE_HELP
 from kvserve.engine.step_cost import DEFAULT_MAX_STEP_MS
 from kvserve.errors import KVServeError
 from kvserve.server.backends import open_key_backend
@@ -115,8 +115,7 @@ def serve(
     body_timeout: float = typer.Option(30.0, help="Seconds for each chunk of a request body (408 past it)."),
     shutdown_grace: float = typer.Option(5.0, help="On SIGTERM, seconds in-flight requests may finish."),
     speculative: str = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
-    num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens",
-                                               help="Most draft tokens per step (1-16, default 4)."),
+    num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", help=NUM_SPEC_HELP),
     moderation: str = typer.Option("input,output", "--moderation",
                                    help="Moderate input,output | input | output | off (server/moderation.py)."),
     moderation_config: str = typer.Option(None, "--moderation-config",

@@ -1,5 +1,5 @@
-"""`--speculative ngram|draft:PATH|ngram+draft:PATH --num-speculative-tokens K`, checked once at startup: a bad
-value is a one-line `InvalidRequest`, never an error in the middle of a request."""
+"""`--speculative ngram|draft:PATH|ngram+draft:PATH --num-speculative-tokens K`, checked once at
+startup: a bad value is a one-line `InvalidRequest`, never an error in the middle of a request."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from kvserve.errors import InvalidRequest
 
 MAX_SPECULATIVE_TOKENS = 16
+FORMS = "'ngram', 'draft:PATH' or 'ngram+draft:PATH'"
 SPECULATIVE_HELP = ("Speculative decoding: ngram (prompt lookup), draft:PATH (a draft model) or ngram+draft:PATH "
                     "(prompt lookup first, the draft model where it finds nothing).")
+NUM_SPEC_HELP = "Most draft tokens per step (1-16, default 4; adapted per request)."
 
 
 @dataclass
@@ -31,7 +33,7 @@ class SpeculativeConfig:
             raise InvalidRequest(f"num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, "
                                  f"got {k!r}", param="num_speculative_tokens")
         if self.method not in ("ngram", "draft"):
-            raise InvalidRequest(f"unknown speculative proposer {self.method!r}: use 'ngram' or 'draft:PATH'",
+            raise InvalidRequest(f"unknown speculative proposer {self.method!r}: use {FORMS}",
                                  param="speculative")
         if self.method == "draft" and not self.draft_path:
             raise InvalidRequest("speculative 'draft:PATH' needs the draft model's path", param="speculative")
@@ -58,7 +60,7 @@ class SpeculativeConfig:
             except TypeError as e:
                 raise InvalidRequest(f"bad speculative options: {e}", param="speculative") from None
         if not isinstance(spec, str):
-            raise InvalidRequest(f"speculative must be 'ngram', 'draft:PATH' or 'ngram+draft:PATH', got {spec!r}", param="speculative")
+            raise InvalidRequest(f"speculative must be {FORMS}, got {spec!r}", param="speculative")
         s = spec.strip()
         if s in ("", "off", "none"):
             return None
@@ -68,5 +70,4 @@ class SpeculativeConfig:
             return cls("draft", draft_path=s[len("draft:"):], **extra)
         if s.startswith("ngram+draft:"):
             return cls("draft", draft_path=s[len("ngram+draft:"):], lookup_first=True, **extra)
-        raise InvalidRequest(f"unknown speculative proposer {spec!r}: use 'ngram', 'draft:PATH' or "
-                             f"'ngram+draft:PATH'", param="speculative")
+        raise InvalidRequest(f"unknown speculative proposer {spec!r}: use {FORMS}", param="speculative")

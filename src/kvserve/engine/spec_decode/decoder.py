@@ -37,7 +37,8 @@ context and ~0.75 at 8 rows.
 Prompt lookup first (`--speculative ngram+draft:PATH`): before the draft model is asked, the
 n-gram proposer looks for the request's last `lookup_min` or more tokens earlier in its sequence;
 where it finds them, its continuation is the step's draft (up to the positions whose lookup
-acceptance rates, kept apart from the model's, still clear the bar at no proposer cost) and the
+acceptance rates, kept apart from the model's, still clear the bar at no proposer cost; when not
+even the first does, every 32nd chance drafts one token so the rate stays measured) and the
 model is not run for that request. Greedy answers of a small model repeat themselves: on the
 bench's open prompts a match of 2 or more tokens is found at 17% of steps and 2.5 of its 4 tokens
 are accepted, where the draft model's one guess is right about half the time.
@@ -96,9 +97,9 @@ class SpecDecoder:
         # pos_rate[i]: P(draft i + 1 accepted | drafts 1..i were)
         self.pos_rate = [0.6] * config.num_speculative_tokens
         # prompt lookup before the model (ngram+draft): its own rates by position, and who it drafted for
-        self.lookup = (NgramProposer(config.ngram_max, config.lookup_min)
-                       if config.lookup_first and config.method == "draft" else None)
+        self.lookup = NgramProposer(config.ngram_max, config.lookup_min) if config.lookup_first else None
         self.lookup_rate = [0.8] * config.num_speculative_tokens
+        self._lookup_wait = _COOLDOWN_COLD     # chances left before a probe once its first position stops paying
         self.num_lookup_drafts = 0
         self._looked: set[str] = set()
 
@@ -132,11 +133,19 @@ class SpecDecoder:
         return (r.max_tokens if r.max_tokens is not None else 1 << 30) - len(r.output_token_ids) - 1
 
     def _look(self, r: Request, bar: float) -> list[int]:
-        """Prompt lookup's draft for r: as many positions as still pay at its own rates (none found: [])."""
+        """Prompt lookup's draft for r: as many positions as still pay at its own rates (none found: []).
+        Its rates are shared and only move when it drafts, so once even its first position does not pay,
+        every `_COOLDOWN_COLD`-th chance still drafts one token: a workload that returns to repeating
+        itself gets lookup back."""
         k, p, most = 0, 1.0, min(self.config.num_speculative_tokens, self._room(r))
         while k < most and p * self.lookup_rate[k] >= bar:
             p *= self.lookup_rate[k]
             k += 1
+        if k == 0 and most > 0:
+            self._lookup_wait -= 1
+            if self._lookup_wait > 0:
+                return []
+            self._lookup_wait, k = _COOLDOWN_COLD, 1
         return self.lookup.lookup(r.prompt_token_ids + r.output_token_ids, k) if k else []
 
     def propose(self, reqs: list[Request], cost=None) -> list[list[int]]:
