@@ -1,7 +1,8 @@
-"""The draft's built-in prompts: distinct, reproducible, of every kind, and never the bench's."""
+"""The draft's prompts: built in (distinct, reproducible, of every kind) or written by the target
+(usable requests), and never the bench's."""
 
 from kvserve.bench.spec_latency import OPEN_PROMPTS
-from kvserve.train.draft_prompts import WEIGHTS, _space, chat_prompts
+from kvserve.train.draft_prompts import WEIGHTS, _space, _usable, chat_prompts, self_prompts
 
 
 def test_prompts_are_distinct_and_reproducible():
@@ -27,3 +28,37 @@ def test_the_bench_prompts_and_subjects_are_not_trained_on():
     assert not set(OPEN_PROMPTS) & set(every)
     for words in (("robot", "paint"), ("bicycle",), ("rainy Sunday",), ("working from home",)):
         assert not [p for p in every if all(w in p for w in words)], words
+
+
+def test_self_written_requests_are_filtered():
+    assert _usable("Can you suggest a recipe for a quick vegetable soup?", 14)
+    assert not _usable("Hello there", 3)                                        # too short to be a request
+    assert not _usable("Adresar za obrazovanji kakome jako, ajnči i mišlički služednost", 30)   # drifted script
+    assert not _usable("Can you explain how a bicycle gear works?", 10)           # a bench subject
+    assert not _usable("I'd love a story about a robot that paints.", 12)
+    assert not _usable("Can you list " + "many things " * 40, 97)                # too long
+
+
+def test_the_target_writes_distinct_usable_requests():
+    from kvserve import LLM
+    from kvserve.model.loader import load_model
+
+    lm = load_model(None)
+    llm = LLM(lm.model, tokenizer=lm.tokenizer, kv_cache_memory="64MiB")
+    a = self_prompts(llm, lm.tokenizer, 6, seed=3)
+    assert len(a) == len(set(a)) == 6
+    assert all(_usable(p, len(lm.tokenizer.encode(p, add_special_tokens=False))) for p in a)
+    assert not any(p.startswith(("<|", "system", "user")) for p in a)        # the request, not the template
+    assert a == self_prompts(llm, lm.tokenizer, 6, seed=3)
+    assert a != self_prompts(llm, lm.tokenizer, 6, seed=4)
+
+
+def test_the_self_written_share_is_checked():
+    import pytest
+
+    from kvserve.errors import InvalidRequest
+    from kvserve.train.draft import DraftConfig
+
+    with pytest.raises(InvalidRequest, match="self_prompt_share"):
+        DraftConfig(out="x", self_prompt_share=1.5)
+    DraftConfig(out="x", self_prompt_share=0.5)

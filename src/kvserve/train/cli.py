@@ -62,6 +62,8 @@ def draft_cmd(
     gen_tokens: int = typer.Option(192, "--gen-tokens", help="Tokens the target writes per prompt."),
     temperature: float = typer.Option(0.7, help="Temperature of the sampled answers."),
     greedy_share: float = typer.Option(0.5, "--greedy-share", help="Share of the prompts answered greedily."),
+    self_prompt_share: float = typer.Option(0.0, "--self-prompts", help="Share of the prompts the target writes "
+                                                                        "itself (sampled user turns), 0..1."),
     steps: int = typer.Option(600),
     batch_size: int = typer.Option(8, "--batch-size"),
     lr: float = typer.Option(3e-4),
@@ -75,7 +77,7 @@ def draft_cmd(
         r = train_draft(DraftConfig(out=out, target=target, kind=kind, layers=layers, feature_layers=feature_layers,
                                     vocab_size=vocab_size,
                                     num_prompts=num_prompts, gen_tokens=gen_tokens, temperature=temperature,
-                                    greedy_share=greedy_share,
+                                    greedy_share=greedy_share, self_prompt_share=self_prompt_share,
                                     steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads))
     except KVServeError as e:
         _fail(e)

@@ -1,8 +1,10 @@
 """`kvserve train draft --target MODEL --out DIR`: distil a small draft model for speculative
 decoding (`--speculative draft:DIR`) from the target, on text the target writes itself.
 
-    1. generate  the target answers built-in chat prompts (the engine, batched; half greedily,
-                 half sampled at `temperature`): the draft learns the target's own continuations
+    1. generate  the target answers chat prompts (the engine, batched; half greedily, half sampled
+                 at `temperature`): the draft learns the target's own continuations. The prompts are
+                 built in (train/draft_prompts.py), and a `self_prompt_share` of them can be requests
+                 the target writes itself, as varied as its own chat data
     2. teacher   the target's log-probabilities at every position of those sequences
     3. vocab     the `vocab_size` token ids the target used most: the draft's LM head keeps only
                  those rows (a full 49k x 576 head would cost more than the draft's layers)
@@ -41,7 +43,7 @@ import torch
 
 from kvserve.errors import InvalidRequest
 from kvserve.train.common import RunLog, make_optimizer
-from kvserve.train.draft_prompts import chat_prompts
+from kvserve.train.draft_prompts import chat_prompts, self_prompts
 
 
 @dataclass
@@ -58,6 +60,7 @@ class DraftConfig:
     gen_tokens: int = 192
     temperature: float = 0.7           # sampled answers' temperature ...
     greedy_share: float = 0.5          # ... and the share of prompts answered greedily instead
+    self_prompt_share: float = 0.0     # share of the prompts the target writes itself (draft_prompts.py)
     steps: int = 600
     batch_size: int = 8
     lr: float = 3e-4
@@ -73,6 +76,8 @@ class DraftConfig:
             raise InvalidRequest(f"unknown draft kind {self.kind!r}: layers or eagle", param="kind")
         if self.feature_layers and self.kind != "eagle":
             raise InvalidRequest("feature_layers is for --kind eagle", param="feature_layers")
+        if not 0.0 <= self.self_prompt_share <= 1.0:
+            raise InvalidRequest("self_prompt_share must be within 0..1", param="self_prompt_share")
         if self.steps < 0 or self.batch_size < 1 or self.gen_tokens < 1 or self.vocab_size < 0:
             raise InvalidRequest("steps, batch_size, gen_tokens and vocab_size must be positive", param="steps")
 
@@ -235,6 +240,25 @@ def _eagle_loss(head_model: EagleHead, seqs, feats, best, head: torch.Tensor, re
     return loss, float(agree)
 
 
+def _prompts(loaded, cfg: DraftConfig) -> tuple[list[str], int]:
+    """cfg.num_prompts distinct prompts (so the held-out ones are unseen): built in, and a
+    self_prompt_share written by the target (fewer if it writes fewer usable ones), mixed so that
+    both kinds are answered greedily and sampled, and held out. Also how many the target wrote."""
+    n_self = round(cfg.self_prompt_share * cfg.num_prompts)
+    prompts = chat_prompts(cfg.num_prompts - n_self, cfg.seed)
+    prompts = (prompts * (1 + (cfg.num_prompts - n_self) // max(1, len(prompts))))[:cfg.num_prompts - n_self]
+    if not n_self:
+        return prompts, 0
+    from kvserve import LLM
+
+    llm = LLM(loaded.model, tokenizer=loaded.tokenizer, kv_cache_memory="512MiB")
+    own = self_prompts(llm, loaded.tokenizer, n_self, cfg.seed)
+    del llm
+    prompts += own
+    random.Random(cfg.seed + 1).shuffle(prompts)
+    return prompts, len(own)
+
+
 def train_draft(cfg: DraftConfig) -> dict:
     from kvserve.model.loader import load_model
     from kvserve.train.export import export_hf
@@ -243,9 +267,8 @@ def train_draft(cfg: DraftConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rng = random.Random(cfg.seed)
-    prompts = chat_prompts(cfg.num_prompts, cfg.seed)     # distinct, so the held-out ones are unseen
-    prompts = (prompts * (1 + cfg.num_prompts // len(prompts)))[:cfg.num_prompts]
     target = load_model(cfg.target)
+    prompts, n_own = _prompts(target, cfg)
     inner = tuple(_layer_ids(cfg.feature_layers, target.config.num_hidden_layers)) if cfg.feature_layers else ()
     if len(set(inner)) != len(inner):
         raise InvalidRequest(f"feature layers repeat: {cfg.feature_layers!r}", param="feature_layers")
@@ -324,6 +347,7 @@ def train_draft(cfg: DraftConfig) -> dict:
         save_file({"fc.weight": model.fc.weight.detach().contiguous()}, str(out / EAGLE_FILE))
         (out / EAGLE_CONFIG).write_text(json.dumps({"feature_layers": list(inner)}) + "\n")
     result = {"out": str(out), "kind": cfg.kind, "layers": layer_ids, "feature_layers": list(inner), "vocab_size": len(keep), "sequences": len(seqs),
+              "self_prompts": n_own,
               "tokens": sum(len(s) for s in seqs), "steps": cfg.steps,
               "heldout_top1_agreement_before": round(before, 4), "heldout_top1_agreement": round(after, 4),
               "generate_s": round(t_gen, 1), "teacher_s": round(t_teach, 1),
