@@ -280,3 +280,25 @@ def test_max_decode_slowdown_is_checked_at_startup():
             EngineConfig(max_decode_slowdown=bad)
     assert EngineConfig(max_decode_slowdown=0).max_decode_slowdown == 0
     assert EngineConfig().max_decode_slowdown == 1.6
+
+
+def test_cost_model_folds_steps_in_batches_with_the_same_arithmetic():
+    """observe queues steps and folds them _BATCH at a time (numpy right after a forward is slow),
+    in order: the fit is then exactly the one step-by-step folding gives."""
+    from kvserve.engine.step_cost import _BATCH, _PRIOR
+
+    a, b = StepCostModel(), StepCostModel()
+    shapes = [[(100 + i, 1)] * (1 + i % 3) + ([(0, 64)] if i % 4 == 0 else []) for i in range(2 * _BATCH)]
+    for sh in shapes[:_BATCH - 1]:
+        a.observe(sh, true_cost(sh))
+    assert a.num_observed == 0 and (a.coef == _PRIOR).all()        # queued, not yet learnt
+    for sh in shapes[_BATCH - 1:]:
+        a.observe(sh, true_cost(sh))
+    assert a.num_observed == 2 * _BATCH
+    for sh in shapes:
+        b._fold(b.features(sh), true_cost(sh))
+    assert (a.coef == b.coef).all() and not (a.coef == _PRIOR).all()
+    a.observe(shapes[0], 0.0)                   # not a step time: ignored
+    a.observe(shapes[0], true_cost(shapes[0]))
+    a.flush()
+    assert a.num_observed == 2 * _BATCH + 1

@@ -36,6 +36,7 @@ _PRIOR = np.array([3e-3, 1.2e-3, 2e-4, 5e-7])
 # seen on this machine soon outweigh them.
 _PRIOR_WEIGHT = np.array([1e-2, 20.0, 2.0, 1e5])
 _FORGET = 0.97       # per step, of the information along the new step's direction
+_BATCH = 8           # steps learnt from at once (observe)
 
 
 def _nnls(P: np.ndarray, r: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -58,7 +59,8 @@ class StepCostModel:
         self._info = np.zeros((4, 4))          # the steps' information beyond the prior (X'X, forgotten)
         self._raw = _PRIOR.copy()               # the unconstrained least-squares solution
         self.coef = _PRIOR.copy()
-        self.num_observed = 0
+        self.num_observed = 0                   # steps folded into the fit
+        self._pending: list[tuple[list[tuple[int, int]], float]] = []
 
     @staticmethod
     def features(chunks: list[tuple[int, int]]) -> np.ndarray:
@@ -71,9 +73,23 @@ class StepCostModel:
         return float(self.features(chunks) @ self.coef)
 
     def observe(self, chunks: list[tuple[int, int]], seconds: float) -> None:
+        """Learn from a step: queued, and folded into the fit `_BATCH` steps at a time (same order,
+        same arithmetic). A step's few numpy calls right after a forward, which has just streamed the
+        weights through the caches, took 0.15-0.19 ms (15 us when warm): 5% of a decode step, paid
+        once per `_BATCH` steps now. The fit lags by fewer than `_BATCH` steps."""
         if not chunks or not math.isfinite(seconds) or seconds <= 0:
             return
-        x = self.features(chunks)
+        self._pending.append((chunks, seconds))
+        if len(self._pending) >= _BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        """Fold the queued steps into the fit."""
+        pending, self._pending = self._pending, []
+        for chunks, seconds in pending:
+            self._fold(self.features(chunks), seconds)
+
+    def _fold(self, x: np.ndarray, seconds: float) -> None:
         info = self._info
         ix = info @ x
         q = float(x @ ix)
