@@ -268,3 +268,23 @@ def test_eagle_step_in_one_call_matches_the_model_path(loaded, eagle3_dir):
             assert ta == tb and torch.equal(ha, hb)
     finally:
         loaded.model.capture_layers = ()
+
+
+def test_common_prefix_of_a_draft_cache_and_its_sequence():
+    import random
+
+    from kvserve.engine.spec_decode.draft import _common_prefix
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        seq = [rng.randrange(5) for _ in range(rng.randrange(1, 120))]
+        off = rng.randrange(len(seq))
+        a = seq[off:] + [rng.randrange(5) for _ in range(rng.randrange(4))]
+        if a and rng.random() < 0.7:           # a mismatch somewhere: near the end mostly, anywhere at times
+            i = len(a) - 1 - rng.randrange(min(len(a), 6)) if rng.random() < 0.8 else rng.randrange(len(a))
+            a[i] = 9
+        limit = rng.randrange(min(len(a), len(seq) - off) + 1)
+        want = 0
+        while want < limit and a[want] == seq[off + want]:
+            want += 1
+        assert _common_prefix(a, seq, off, limit) == want

@@ -47,6 +47,24 @@ def same_tokenizer(a, b) -> bool:
     return va == vb and list(a.eos_token_ids) == list(b.eos_token_ids)
 
 
+def _common_prefix(a: list[int], seq: list[int], off: int, limit: int) -> int:
+    """How many of a[:limit] equal seq[off:off + limit], from the start. A draft's cache differs from
+    the sequence only in its last few tokens (drafts since rejected), so the tail is tried first and
+    whole runs are compared as list slices (C speed): a token-by-token loop over the whole cache each
+    step cost ~3 us per 100 tokens warm, several times that right after a forward."""
+    n = limit
+    for back in (0, 1, 2, 4, 8, 16, 32):
+        m = max(0, limit - back)
+        if a[:m] == seq[off:off + m]:
+            n = m
+            break
+    else:
+        n = 0
+    while n < limit and a[n] == seq[off + n]:
+        n += 1
+    return n
+
+
 class _Cache:
     """One request's place in the draft's paged KV cache: the tokens whose K/V it holds, and the
     blocks they are in."""
@@ -167,10 +185,8 @@ class DraftModel:
         out: list[list[int]] = [[] for _ in work]
         live = []
         for i, (cache, seq, k) in enumerate(work):
-            n, ct = 0, cache.tokens
-            limit = min(len(ct), len(seq) - 1)         # at least the last token is run again
-            while n < limit and ct[n] == seq[n]:
-                n += 1
+            ct = cache.tokens
+            n = _common_prefix(ct, seq, 0, min(len(ct), len(seq) - 1))   # at least the last token runs again
             del ct[n:]
             k = min(k, self.max_len - len(seq))
             if k > 0 and self.pool.reserve(cache, len(seq) + k - 1):

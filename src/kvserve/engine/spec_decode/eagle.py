@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from kvserve.engine.request import Request
-from kvserve.engine.spec_decode.draft import DraftModel, DraftProposer
+from kvserve.engine.spec_decode.draft import DraftModel, DraftProposer, _common_prefix
 from kvserve.errors import InvalidRequest
 
 EAGLE_FILE = "eagle_fc.safetensors"
@@ -226,10 +226,8 @@ class EagleModel(DraftModel):
             o = cache.origin
             if L - 2 < o:
                 continue
-            n, ct = 0, cache.tokens                    # roll back to the common prefix (verified tokens)
-            limit = min(len(ct), L - 2 - o)            # position L-2 always runs again (new token after it)
-            while n < limit and ct[n] == seq[o + n + 1]:
-                n += 1
+            ct = cache.tokens                          # roll back to the common prefix (verified tokens)
+            n = _common_prefix(ct, seq, o + 1, min(len(ct), L - 2 - o))   # position L-2 always runs again
             del ct[n:]
             if o + n < start:     # behind by more than _MAX_CATCHUP (a long pause), or its features were
                 self.pool.release(cache)               # dropped: start over near the newest position
