@@ -140,6 +140,8 @@ def test_eagle_features_by_position():
     f.trim(150)                                               # consumed: dropped
     assert f.origin > 5 and f.get(150, 200)[:, 0].tolist() == list(range(150, 200))
     assert f.get(149, 151) is None and len(f.chunks) == 50
+    f.put(200, torch.tensor([[200.0, 1], [201, 1], [202, 1]]))   # inside the newest step's rows
+    assert f.get(201, 203).tolist() == [[201, 1], [202, 1]] and f.get(199, 201)[:, 0].tolist() == [199, 200]
 
     # a step's rows by reference: this request's rows 1..2 of the step, final [T, 2] and inner [T, 2, 2]
     g = _Features(6)

@@ -101,6 +101,12 @@ class _Features:
         """Rows for positions [a, b) as float32 [b - a, width], or None if any is missing."""
         if self.origin is None or a < self.origin or b > self.end:
             return None
+        start, n, rows, inner, row = self.chunks[-1]
+        if start <= a and b <= start + n:    # the newest step holds them all (a drafting request's usual
+            r = row + a - start              # case): one op, not an empty tensor and a copy per part
+            if inner is None:
+                return rows[r:r + b - a].float()
+            return torch.cat((rows[r:r + b - a], inner[r:r + b - a].flatten(1)), 1).float()
         out = torch.empty(b - a, self.width)
         lo = hi = None                    # what newer chunks cover: starts never decrease, so [lo, hi)
         for start, n, rows, inner, row in reversed(self.chunks):

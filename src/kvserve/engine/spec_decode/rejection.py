@@ -106,7 +106,10 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SpecRow], num_top:
                                 b.in_reasoning) for j in range(len(r.drafts) + 1)]
         index += range(r.first_row, r.first_row + len(r.drafts) + 1)
     dev = logits.device
-    raw = logits[torch.tensor(index, device=dev)].float()
+    if index == list(range(index[0], index[0] + len(index))):   # the usual case: a view, not a copy of
+        raw = logits[index[0]:index[0] + len(index)].float()     # rows of the whole vocabulary
+    else:
+        raw = logits[torch.tensor(index, device=dev)].float()
     greedy = [e.params.greedy for e in ext]
     masks = None
     if grammar:
