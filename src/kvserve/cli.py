@@ -34,8 +34,6 @@ def _load_llm(model: str | None, weight_format: str, max_model_len: int | None =
                    speculative=speculative, num_speculative_tokens=num_speculative_tokens)
 
 
-
-
 def _stream(llm, prompt_ids: list[int], params, stats: bool = False) -> str:
     """Generate and print the answer as it comes; Ctrl-C stops the answer (the request is aborted).
     With `stats`, a line of counts and speed follows on stderr."""

@@ -31,12 +31,11 @@ def test_the_bench_prompts_and_subjects_are_not_trained_on():
 
 
 def test_self_written_requests_are_filtered():
-    assert _usable("Can you suggest a recipe for a quick vegetable soup?", 14)
-    assert not _usable("Hello there", 3)                                        # too short to be a request
-    assert not _usable("Adresar za obrazovanji kakome jako, ajnči i mišlički služednost", 30)   # drifted script
-    assert not _usable("Can you explain how a bicycle gear works?", 10)           # a bench subject
-    assert not _usable("I'd love a story about a robot that paints.", 12)
-    assert not _usable("Can you list " + "many things " * 40, 97)                # too long
+    assert _usable("Can you suggest a recipe for a quick vegetable soup?")
+    assert not _usable("Hello there")                                        # too short to be a request
+    assert not _usable("Adresar za obrazovanji kakome jako, ajnči i mišlički služednost")   # drifted script
+    assert not _usable("Can you explain how a bicycle gear works?")           # a bench subject
+    assert not _usable("I'd love a story about a robot that paints.")
 
 
 def test_the_target_writes_distinct_usable_requests():
@@ -47,7 +46,7 @@ def test_the_target_writes_distinct_usable_requests():
     llm = LLM(lm.model, tokenizer=lm.tokenizer, kv_cache_memory="64MiB")
     a = self_prompts(llm, lm.tokenizer, 6, seed=3)
     assert len(a) == len(set(a)) == 6
-    assert all(_usable(p, len(lm.tokenizer.encode(p, add_special_tokens=False))) for p in a)
+    assert all(_usable(p) for p in a)
     assert not any(p.startswith(("<|", "system", "user")) for p in a)        # the request, not the template
     assert a == self_prompts(llm, lm.tokenizer, 6, seed=3)
     assert a != self_prompts(llm, lm.tokenizer, 6, seed=4)

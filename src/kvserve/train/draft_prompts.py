@@ -233,10 +233,10 @@ def chat_prompts(n: int | None = None, seed: int = 0) -> list[str]:
     return out
 
 
-def _usable(text: str, num_tokens: int) -> bool:
-    """A self-written request worth answering: a few words to a paragraph, mostly Latin script
-    (the target drifts into other scripts and mixed-up words at times), none of the bench's subjects."""
-    if len(text.split()) < 3 or num_tokens > 96:
+def _usable(text: str) -> bool:
+    """A self-written request worth answering: a few words or more, mostly Latin script (the target
+    drifts into other scripts and mixed-up words at times), none of the bench's subjects."""
+    if len(text.split()) < 3:
         return False
     if sum(c.isascii() for c in text) < 0.97 * len(text):
         return False
@@ -264,7 +264,7 @@ def self_prompts(llm, tokenizer, n: int, seed: int = 0, temperature: float = 0.9
         for o in llm.generate([{"prompt_token_ids": prefix}] * want, params, use_tqdm=False):
             c = o.outputs[0]
             t = c.text.strip()
-            if c.finish_reason == "stop" and t not in seen and _usable(t, len(c.token_ids)):
+            if c.finish_reason == "stop" and t not in seen and _usable(t):     # "length": cut off
                 seen.add(t)
                 out.append(t)
         r += 1

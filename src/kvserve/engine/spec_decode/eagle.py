@@ -73,9 +73,10 @@ _MAX_FEATURE_ROWS = 4 * _MAX_CATCHUP
 class _Features:
     """One request's target features by position, from `origin` on. The sink keeps each step's rows
     by reference (the step's hidden and captured tensors and the request's first row in them: no
-    copy, no torch op in a step that does not draft; 38 -> ~5 us a step, Zen 5); `get` copies the
-    rows a draft step reads (float32: training rounded them to fp16, a difference of 2^-11 that
-    costs acceptance nothing and a conversion a step). Positions are computed contiguously and a
+    copy, no torch op in a step that does not draft; 38 -> ~5 us a step, Zen 5); `get` gives the
+    rows a draft step reads, as float32 (training rounded them to fp16, a difference of 2^-11 that
+    costs acceptance nothing and a conversion a step): a slice of the newest step's rows where it
+    holds them all, else a copy. Positions are computed contiguously and a
     position's newest row is the one that counts (a rejected draft's row is computed again with
     the token that replaced it before a draft reads it)."""
 
