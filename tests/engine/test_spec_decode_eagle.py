@@ -290,3 +290,61 @@ def test_common_prefix_of_a_draft_cache_and_its_sequence():
         while want < limit and a[want] == seq[off + want]:
             want += 1
         assert _common_prefix(a, seq, off, limit) == want
+
+
+def test_chained_training_steps_are_the_served_steps():
+    """`--eagle-steps`: EagleHead.chain runs every draft step from every position in one masked pass,
+    and gives what serving computes one step at a time: step 1 is the plain head, and step s at row j
+    is the head run over the true inputs to position j followed by its own chained inputs (output of
+    step s-1, position j's inner layers, the next token) at positions j+1.., causally."""
+    import torch
+
+    from kvserve.model.loader import load_model
+    from kvserve.train.draft import _draft_model
+    from kvserve.train.draft_eagle import EagleHead
+
+    torch.manual_seed(0)
+    fp32 = load_model(None, weight_format="fp32")
+    H = fp32.config.hidden_size
+    head = EagleHead(_draft_model(fp32.model, [fp32.config.num_hidden_layers - 1]), H, num_inner=1).eval()
+    with torch.no_grad():
+        head.fc.weight.normal_(0, 0.05)             # every part of the input counts
+        T = 12
+        feats = torch.randn(2, T, 2 * H)
+        ids = torch.randint(0, 1000, (2, T + 2))
+        one = head.chain(feats, ids, 1)
+        three = head.chain(feats, ids, 3)
+        torch.testing.assert_close(one[0], head(feats, ids[:, :T]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(three[0], one[0], atol=1e-4, rtol=1e-4)
+        body, emb = head.body, head.body.embed_tokens
+        x1 = head.fc(torch.cat([feats, emb[ids[:, :T]]], -1))
+        for j in (0, 5, T - 1):
+            xs, out = [x1[:, :j + 1]], one[0][:, j:j + 1]
+            for s in (1, 2):                        # steps 2 and 3, one at a time as served
+                xs.append(head.fc(torch.cat([out, feats[:, j:j + 1, H:], emb[ids[:, j + s:j + s + 1]]], -1)))
+                x = torch.cat(xs, 1)
+                out = body(ids[:, :x.shape[1]], inputs_embeds=x)[:, -1:]
+                torch.testing.assert_close(three[s][:, j:j + 1], out, atol=1e-4, rtol=1e-4)
+
+
+def test_continue_training_a_saved_head(loaded, eagle_dir, eagle3_dir, tmp_path):
+    """`--init DIR` continues from a saved head (its vocabulary and feature layers) and reports the
+    chained second step's agreement; a directory without a head, another head's feature layers, and
+    the options on a non-EAGLE draft are one-line errors."""
+    from kvserve.engine.spec_decode.eagle import EAGLE_CONFIG
+
+    out = tmp_path / "more"
+    r = train_draft(DraftConfig(out=str(out), kind="eagle", init=str(eagle3_dir), num_prompts=6, gen_tokens=12,
+                                steps=2, batch_size=2, heldout=2, quiet=True, seed=3))
+    assert r["init"] == str(eagle3_dir) and 0 <= r["heldout_step2_agreement"] <= 1
+    assert (json.loads((out / "draft_vocab.json").read_text())
+            == json.loads((eagle3_dir / "draft_vocab.json").read_text()))
+    assert (json.loads((out / EAGLE_CONFIG).read_text())
+            == json.loads((eagle3_dir / EAGLE_CONFIG).read_text()))
+    for bad, message in (({"init": str(tmp_path)}, "cannot continue from"),
+                         ({"init": str(eagle3_dir), "feature_layers": "1,2"}, "reads feature layers"),
+                         ({"init": str(eagle_dir), "kind": "layers"}, "init is for --kind eagle"),
+                         ({"eagle_steps": 5}, "eagle_steps must be 1 to 4")):
+        with pytest.raises(InvalidRequest, match=message):
+            train_draft(DraftConfig(**{"out": str(tmp_path / "x"), "kind": "eagle", "num_prompts": 4,
+                                       "gen_tokens": 4, "steps": 1, "heldout": 1, "quiet": True, **bad}))

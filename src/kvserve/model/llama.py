@@ -190,10 +190,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attn_metadata: AttentionMetadata | None = None,
                 kv_caches: list[torch.Tensor] | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the final norm: [B, T, H] (dense) or [T, H] (paged).
         inputs_embeds: the first layer's input instead of the token embeddings (an EAGLE draft
-        feeds its fused features, spec_decode/eagle.py); input_ids then only give the shape."""
+        feeds its fused features, spec_decode/eagle.py); input_ids then only give the shape.
+        attn_mask: dense only, [T, T] bool, which positions each may attend to (default causal;
+        training an EAGLE head on its own chained steps, train/draft.py)."""
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
@@ -218,6 +220,11 @@ class LlamaForCausalLM(nn.Module):
                     return out
         if step is None:
             step = ops.prepare(x, positions, attn_metadata, kv_caches)
+        if attn_mask is not None:
+            if (attn_metadata is not None or self.config.attn_logit_softcapping
+                    or any(self.config.window_of(i) for i in range(len(self.layers)))):
+                raise ValueError("attn_mask is for dense attention without a sliding window or soft-capping")
+            step.mask = attn_mask
         for i, layer in enumerate(self.layers):
             x = layer(x, step, None if kv_caches is None else kv_caches[i], ops)
             if i in cap:

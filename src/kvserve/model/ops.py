@@ -38,6 +38,7 @@ class Step:
     sin: torch.Tensor | None = None
     cos_local: torch.Tensor | None = None    # the sliding layers' tables when their RoPE base differs
     sin_local: torch.Tensor | None = None
+    mask: torch.Tensor | None = None         # dense only: [T, T] bool, True where a query may attend (None: causal)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -115,8 +116,8 @@ class TorchOps:
             rep = layer.num_heads // layer.num_kv_heads   # K/V expanded to every head: the fused
             kt = k.transpose(1, 2).repeat_interleave(rep, dim=1)   # SDPA kernel also runs under autograd
             vt = v.transpose(1, 2).repeat_interleave(rep, dim=1)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, is_causal=True,
-                                               scale=layer.scale).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, attn_mask=step.mask,
+                                               is_causal=step.mask is None, scale=layer.scale).transpose(1, 2)
         else:   # sliding layers of a model with both kinds read their own pool (engine/kv_hybrid.py)
             meta = step.meta.local if window and step.meta.local is not None else step.meta
             write_kv(kv_cache, k, v, meta.slot_mapping)

@@ -58,6 +58,10 @@ def draft_cmd(
                                                                       "beside the final one, e.g. 2,14,26 (EAGLE-3)."),
     vocab_size: int = typer.Option(4096, "--vocab-size", help="LM-head rows kept: the target's most used tokens "
                                                               "(0: the whole vocabulary)."),
+    eagle_steps: int = typer.Option(2, "--eagle-steps", help="eagle: chained draft steps trained, as served (1: the "
+                                                            "first only, from the target's features)."),
+    init: str = typer.Option(None, "--init", help="eagle: continue from the head saved in this directory (its "
+                                                  "vocabulary and feature layers)."),
     num_prompts: int = typer.Option(320, "--num-prompts", help="Built-in chat prompts the target answers."),
     gen_tokens: int = typer.Option(192, "--gen-tokens", help="Tokens the target writes per prompt."),
     temperature: float = typer.Option(0.7, help="Temperature of the sampled answers."),
@@ -75,7 +79,7 @@ def draft_cmd(
 
     try:
         r = train_draft(DraftConfig(out=out, target=target, kind=kind, layers=layers, feature_layers=feature_layers,
-                                    vocab_size=vocab_size,
+                                    vocab_size=vocab_size, eagle_steps=eagle_steps, init=init,
                                     num_prompts=num_prompts, gen_tokens=gen_tokens, temperature=temperature,
                                     greedy_share=greedy_share, self_prompt_share=self_prompt_share,
                                     steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads))

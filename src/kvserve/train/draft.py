@@ -24,7 +24,14 @@ data come from step 1 alone: the engine's hidden rows are kept as the target wri
 runner's hidden sink), and the label at each position is the token the target wrote there (its
 argmax, for the greedy share), so there is no teacher pass. Loss: cross-entropy on that token over
 the kept vocabulary plus `reg_weight` x smooth-L1 between the head's output and f_{j+1} (the next
-draft step feeds its own output as the feature).
+draft step feeds its own output as the feature). With `eagle_steps` > 1 (EAGLE-3's training-time
+test) the head is also run as serving chains it: step s at position j+s-1 reads its own step s-1
+output, the inner layers of position j and the token x_{j+s}, attends to the positions computed from
+true features up to j and to its own chain, and is scored on x_{j+s+1} (train/draft_eagle.py's
+EagleHead.chain). `init` continues from a saved head (its weights, vocabulary and feature layers):
+1,200 steps of this from e7 on 2,400 new prompts took the second draft, where the first was
+accepted, from 0.32 to 0.50 accepted, and the first from 0.54 to 0.57 (the open prompts of
+`bench latency` at k = 2; BENCHMARKS.md, issue 16).
 
 Verification keeps speculative decoding exact whatever the draft proposes: training only
 decides how many drafts are accepted.
@@ -43,6 +50,7 @@ import torch
 
 from kvserve.errors import InvalidRequest
 from kvserve.train.common import RunLog, make_optimizer
+from kvserve.train.draft_eagle import EagleHead, _eagle_loss, saved_head
 from kvserve.train.draft_prompts import chat_prompts, self_prompts
 
 
@@ -55,6 +63,8 @@ class DraftConfig:
     layers: str = "first,last"         # target layers copied into the draft: "first,last", "0", "0,15,29"
     reg_weight: float = 1.0            # eagle: weight of the feature regression beside the token loss
     feature_layers: str = ""           # eagle: inner target layers the head reads too ("2,14,26"; EAGLE-3)
+    eagle_steps: int = 2               # eagle: chained draft steps trained (1: only the first, from true features)
+    init: str | None = None            # eagle: start from the head saved in this directory
     vocab_size: int = 4096             # LM-head rows kept (0: the whole vocabulary)
     num_prompts: int = 320
     gen_tokens: int = 192
@@ -76,6 +86,10 @@ class DraftConfig:
             raise InvalidRequest(f"unknown draft kind {self.kind!r}: layers or eagle", param="kind")
         if self.feature_layers and self.kind != "eagle":
             raise InvalidRequest("feature_layers is for --kind eagle", param="feature_layers")
+        if self.init and self.kind != "eagle":
+            raise InvalidRequest("init is for --kind eagle", param="init")
+        if not 1 <= self.eagle_steps <= 4:
+            raise InvalidRequest("eagle_steps must be 1 to 4", param="eagle_steps")
         if not 0.0 <= self.self_prompt_share <= 1.0:
             raise InvalidRequest("self_prompt_share must be within 0..1", param="self_prompt_share")
         if self.steps < 0 or self.batch_size < 1 or self.gen_tokens < 1 or self.vocab_size < 0:
@@ -191,55 +205,6 @@ def _loss(model, seqs, teach, head: torch.Tensor, starts: list[int]) -> tuple[to
     return loss, float(agree)
 
 
-class EagleHead(torch.nn.Module):
-    """fc([f_j ; e(x_{j+1})]) -> one decoder layer -> norm: the draft's output at position j, which
-    should be f_{j+1} and, through the head, predict x_{j+2} (spec_decode/eagle.py serves it)."""
-
-    def __init__(self, layer_model, hidden: int, num_inner: int = 0):
-        super().__init__()
-        self.body = layer_model
-        self.fc = torch.nn.Linear((2 + num_inner) * hidden, hidden, bias=False)
-        with torch.no_grad():    # start from the token's embedding plus a little of the final feature
-            self.fc.weight.zero_()
-            self.fc.weight[:, (1 + num_inner) * hidden:] = torch.eye(hidden)
-            self.fc.weight[:, :hidden] = 0.1 * torch.eye(hidden)
-
-    def forward(self, feats: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        x = self.fc(torch.cat([feats, self.body.embed_tokens[next_ids]], -1))
-        return self.body(next_ids, inputs_embeds=x)
-
-
-def _eagle_loss(head_model: EagleHead, seqs, feats, best, head: torch.Tensor, remap: torch.Tensor, starts,
-                reg_weight: float) -> tuple[torch.Tensor, float]:
-    """Token loss (cross-entropy on the target's top token at each position, `best`: the sampled
-    answers' own tokens are not what greedy verification accepts; kept vocabulary) plus the feature
-    regression, at the answers' positions; also the top-1 agreement."""
-    T = max(len(s) for s in seqs) - 2
-    B, H = len(seqs), head.shape[1]
-    ids = torch.zeros(B, T, dtype=torch.long)
-    f = torch.zeros(B, T, feats[0].shape[-1])     # the final feature, then any inner layers'
-    ft = torch.zeros(B, T, H)
-    label = torch.full((B, T), -100, dtype=torch.long)
-    mask = torch.zeros(B, T)
-    for b, (s, fs, top, p) in enumerate(zip(seqs, feats, best, starts)):
-        n = len(s) - 2
-        ids[b, :n] = torch.tensor(s[1:n + 1])
-        f[b, :n] = fs[:n].float()
-        ft[b, :n] = fs[1:n + 1, :H].float()
-        lab = remap[torch.tensor(top[2:n + 2])]
-        lo = max(0, p - 2)
-        label[b, lo:n] = lab[lo:]
-        mask[b, lo:n] = 1
-    out = head_model(f, ids)
-    logits = out @ head.T
-    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), label, ignore_index=-100, reduction="none")
-    reg = torch.nn.functional.smooth_l1_loss(out, ft, reduction="none").mean(-1)
-    loss = ((ce + reg_weight * reg) * mask).sum() / mask.sum()
-    valid = (label >= 0).float() * mask
-    agree = ((logits.argmax(-1) == label).float() * valid).sum() / valid.sum().clamp(min=1)
-    return loss, float(agree)
-
-
 def _prompts(loaded, cfg: DraftConfig) -> tuple[list[str], int]:
     """cfg.num_prompts distinct prompts (so the held-out ones are unseen): built in, and a
     self_prompt_share written by the target (fewer if it writes fewer usable ones), mixed so that
@@ -272,11 +237,17 @@ def train_draft(cfg: DraftConfig) -> dict:
     inner = tuple(_layer_ids(cfg.feature_layers, target.config.num_hidden_layers)) if cfg.feature_layers else ()
     if len(set(inner)) != len(inner):
         raise InvalidRequest(f"feature layers repeat: {cfg.feature_layers!r}", param="feature_layers")
+    start = None                  # a saved head to continue from: its feature layers and vocabulary
+    if cfg.init:
+        start = saved_head(cfg.init, inner if cfg.feature_layers else None, target.config.num_hidden_layers)
+        inner = start[3]
     seqs, starts, feats, best = _generate(target, prompts, cfg, features=cfg.kind == "eagle", inner=inner)
     t_gen = time.perf_counter() - t0
     counts = Counter(t for s in (best or seqs) for t in s)     # the tokens a draft is trained to propose
     keep = [t for t, _ in counts.most_common(cfg.vocab_size or None)] if cfg.vocab_size else list(
         range(target.config.vocab_size))
+    if start is not None:        # the saved head's rows
+        keep = list(start[2])
     for e in target.tokenizer.eos_token_ids:
         if e not in keep:
             keep.append(e)
@@ -291,8 +262,11 @@ def train_draft(cfg: DraftConfig) -> dict:
     if cfg.kind == "eagle":    # hard labels and features from the generation itself: no teacher pass
         teach = None
         layer_ids = layer_ids[:1]
-        draft = _draft_model(fp32.model, layer_ids)
+        draft = _draft_model(fp32.model, layer_ids) if start is None else start[0]
         model = EagleHead(draft, fp32.config.hidden_size, len(inner))
+        if start is not None:
+            with torch.no_grad():
+                model.fc.weight.copy_(start[1])
         remap = torch.full((fp32.config.vocab_size,), -100, dtype=torch.long)
         remap[vocab] = torch.arange(len(keep))
     else:
@@ -310,29 +284,33 @@ def train_draft(cfg: DraftConfig) -> dict:
     log = RunLog(Path(cfg.out), cfg.steps, enabled=not cfg.quiet, title="draft")
     log.start()
 
-    def loss_of(idx: list[int]) -> tuple[torch.Tensor, float]:
+    chained = cfg.kind == "eagle" and cfg.eagle_steps > 1
+
+    def loss_of(idx: list[int]) -> tuple[torch.Tensor, float, float]:
         if cfg.kind == "eagle":
             return _eagle_loss(model, [seqs[i] for i in idx], [feats[i] for i in idx], [best[i] for i in idx],
-                               head, remap, [starts[i] for i in idx], cfg.reg_weight)
-        return _loss(draft, [seqs[i] for i in idx], [teach[i] for i in idx], head, [starts[i] for i in idx])
+                               head, remap, [starts[i] for i in idx], cfg.reg_weight, cfg.eagle_steps)
+        return *_loss(draft, [seqs[i] for i in idx], [teach[i] for i in idx], head, [starts[i] for i in idx]), \
+            float("nan")
 
-    def held_agreement() -> float:
+    def held_agreement() -> tuple[float, float]:
         with torch.no_grad():
-            return loss_of(held)[1]
+            return loss_of(held)[1:]
 
-    before = held_agreement()
+    before, before2 = held_agreement()
     for step in range(cfg.steps):
         lr = cfg.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - step / max(1, cfg.steps)))
         for g in opt.param_groups:
             g["lr"] = lr
-        loss, agree = loss_of(rng.sample(train_idx, min(cfg.batch_size, len(train_idx))))
+        loss, agree, then = loss_of(rng.sample(train_idx, min(cfg.batch_size, len(train_idx))))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         opt.step()
-        log.log("train", step, loss=float(loss.detach()), agreement=agree, lr=lr)
+        log.log("train", step, loss=float(loss.detach()), agreement=agree, lr=lr,
+                **({"step2_agreement": then} if chained else {}))
     model.requires_grad_(False).eval()
-    after = held_agreement()
+    after, after2 = held_agreement()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     tok.hf.save(str(out / "tokenizer.json"))
@@ -350,6 +328,9 @@ def train_draft(cfg: DraftConfig) -> dict:
               "self_prompts": n_own,
               "tokens": sum(len(s) for s in seqs), "steps": cfg.steps,
               "heldout_top1_agreement_before": round(before, 4), "heldout_top1_agreement": round(after, 4),
+              **({"heldout_step2_agreement_before": round(before2, 4), "heldout_step2_agreement": round(after2, 4)}
+                 if chained else {}),
+              "init": cfg.init,
               "generate_s": round(t_gen, 1), "teacher_s": round(t_teach, 1),
               "seconds": round(time.perf_counter() - t0, 1)}
     log.log("summary", cfg.steps, **{k: v for k, v in result.items() if isinstance(v, (int, float))})

@@ -6,7 +6,8 @@ its LM head turns into the distribution of token j+1). The draft at position j t
 fc([f_j ; e(x_{j+1})]) (the feature and the embedding of the token that followed, 2H -> H) through
 one decoder layer of the target's shape and its own final norm, and predicts x_{j+2} with the
 target's (tied) head restricted to the draft vocabulary. Its output is trained to be f_{j+1} as
-well, so a draft step feeds its own output as the next step's feature:
+well, so a draft step feeds its own output as the next step's feature (and the steps are trained
+chained as they run here: train/draft_eagle.py's EagleHead.chain):
 
     step 1   position L-2: fc([f_{L-2} ; e(x_{L-1})]) -> d_1, h_1     (x_{L-1}: the newest token)
     step i   position L-3+i: fc([h_{i-1} ; e(d_{i-1})]) -> d_i, h_i
