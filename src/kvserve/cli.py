@@ -81,7 +81,7 @@ def run(
     seed: int = typer.Option(None, help="Seed for reproducible sampling."),
     system: str = typer.Option(None, help="System prompt."),
     raw: bool = typer.Option(False, help="Continue the text as is, without the chat template."),
-    weight_format: str = typer.Option("auto", help="auto | fp32 | bf16 | fp16 | gguf | q8_0"),
+    weight_format: str = typer.Option("auto", help="auto | fp32 | bf16 | fp16 | gguf | q8_0 | q4_1"),
     stats: bool = typer.Option(False, help="Print token counts and speed after the answer."),
     speculative: str = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
     num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", help=NUM_SPEC_HELP),
@@ -110,7 +110,7 @@ def chat(
     top_p: float = typer.Option(0.9, "--top-p"),
     max_tokens: int = typer.Option(512, "--max-tokens"),
     system: str = typer.Option(None, help="System prompt."),
-    weight_format: str = typer.Option("auto", help="auto | fp32 | bf16 | fp16 | gguf | q8_0"),
+    weight_format: str = typer.Option("auto", help="auto | fp32 | bf16 | fp16 | gguf | q8_0 | q4_1"),
     stats: bool = typer.Option(False, help="Print token counts and speed after each answer."),
 ) -> None:
     """Multi-turn chat in the terminal. /reset, /system TEXT, /exit; Ctrl-C stops an answer."""

@@ -90,6 +90,7 @@ def test_ngram_proposer_finds_the_latest_longest_match():
     ("ngram", 0, "from 1 to 16"),
     ("ngram", 17, "from 1 to 16"),
     ("draft:/nonexistent/draft.gguf", 4, "cannot load the draft model"),
+    ({"method": "draft", "draft_path": "x", "draft_weight_format": "q5_0"}, None, "draft_weight_format must be one of"),
 ])
 def test_bad_speculative_options_fail_at_startup(loaded, spec, k, message):
     with pytest.raises(InvalidRequest, match=message):

@@ -211,6 +211,25 @@ def test_eagle_with_inner_layers_is_exact(loaded, eagle3_dir):
         loaded.model.capture_layers = ()
 
 
+def test_eagle_with_q4_1_weights_is_exact(loaded, eagle3_dir):
+    """draft_weight_format="q4_1": the head's layer, fc and kept head rows are packed into Q4_1 blocks
+    (fewer bytes to read a draft step); verification keeps the output the target's."""
+    import gguf
+
+    try:
+        base = make(loaded)
+        spec = make(loaded, speculative={"method": "draft", "draft_path": str(eagle3_dir), "max_batch_rows": 0,
+                                         "draft_weight_format": "q4_1"}, num_speculative_tokens=3)
+        draft = spec.engine.core.scheduler.spec.proposer.draft
+        layer = draft.model.layers[0]
+        for lin in (draft.fc, draft.head, layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            assert lin.qtype == gguf.GGMLQuantizationType.Q4_1
+        check_identical(base, spec)
+        assert spec.stats()["spec_decode_num_draft_tokens"] > 0
+    finally:
+        loaded.model.capture_layers = ()
+
+
 @pytest.mark.parametrize("layers", [[2, 2], [99], "2"])
 def test_bad_inner_layers_fail_at_startup(loaded, eagle3_dir, tmp_path, layers):
     from kvserve.engine.spec_decode.eagle import EAGLE_CONFIG

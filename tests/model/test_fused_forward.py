@@ -158,14 +158,18 @@ def test_fused_forward_applies_only_to_packed_int8_steps(tmp_path):
     assert type(model.layer_ops()) is TorchOps
 
 
-def test_q8_0_format_packs_dense_weights_for_the_c_forward(tmp_path):
-    """weight_format="q8_0": a dense (F32) model's projections are packed into Q8_0 blocks at load,
-    so it runs the one-call C forward, and answers close to its fp32 self."""
+@pytest.mark.parametrize(("fmt", "tol"), [("q8_0", 0.05), ("q4_1", 0.2)])
+def test_packed_formats_pack_dense_weights_for_the_c_forward(tmp_path, fmt, tol):
+    """weight_format="q8_0" or "q4_1": a dense (F32) model's projections are packed into those blocks
+    at load, so it runs the one-call C forward, and answers close to its fp32 self."""
+    import gguf
+
     path = make_tiny_llama_gguf(tmp_path / "tiny-f32.gguf", hidden=128, inter=256, heads=4, kv_heads=2)
     dense = load_model(str(path), weight_format="fp32", backend=BACKEND).model
-    packed = load_model(str(path), weight_format="q8_0", backend=BACKEND).model
+    packed = load_model(str(path), weight_format=fmt, backend=BACKEND).model
     ops = packed.layer_ops()
     assert isinstance(ops, CpuOps) and ops.packed and not dense.layer_ops().packed
+    assert packed.layers[0].down_proj.qtype == gguf.GGMLQuantizationType[fmt.upper()]
     cfg = packed.config
     ids = [5, 7, 200, 31, 64, 9]
     meta = AttentionMetadata.build([len(ids)], [len(ids)], [[0]], BLOCK)
@@ -175,7 +179,7 @@ def test_q8_0_format_packs_dense_weights_for_the_c_forward(tmp_path):
               for _ in range(cfg.num_hidden_layers)]
         with torch.inference_mode():
             outs.append(m(torch.tensor(ids), torch.arange(len(ids)), meta, kv))
-    assert _rel_rows(outs[1], outs[0]).max() < 0.05
+    assert _rel_rows(outs[1], outs[0]).max() < tol
     assert not torch.equal(outs[1], outs[0])
 
 

@@ -23,7 +23,8 @@ from kvserve.errors import InvalidRequest
 from kvserve.model.kernels.backend import KernelBackend
 from kvserve.model.kernels.gguf_linear import GGUFQuantLinear, supports
 
-WEIGHT_FORMATS = ("auto", "fp32", "bf16", "fp16", "gguf", "q8_0")
+WEIGHT_FORMATS = ("auto", "fp32", "bf16", "fp16", "gguf", "q8_0", "q4_1")
+PACKED_FORMATS = ("q8_0", "q4_1")     # dense weights are packed into these GGUF block types at load
 
 
 @dataclass
@@ -113,20 +114,23 @@ def make_linear(weight: WeightSource, bias: torch.Tensor | None = None, weight_f
 
     "auto" keeps GGUF block quants packed when a packed variant supports them, else fp32.
     "q8_0" does the same, and packs dense weights (safetensors) into Q8_0 blocks at load, so a
-    Hugging Face model runs on the int8 kernels too (rows of a width not divisible by 32 stay fp32).
+    Hugging Face model runs on the int8 kernels too (rows of a width not divisible by 32 stay fp32);
+    "q4_1" packs them into Q4_1 blocks (gguf-py's rounding, as `kvserve quantize --type q4_1`): 0.63
+    of Q8_0's bytes, for what reads its weights from memory every call (a speculative draft).
     lookup_only: the packed variant will only serve row lookups (an untied embedding table).
     backend: the kernel choices of the model being built (default: PyTorch only).
     """
     if weight_format not in WEIGHT_FORMATS:
         raise InvalidRequest(f"unknown weight format {weight_format!r}; choose one of {WEIGHT_FORMATS}",
                              param="weight_format")
-    if weight_format == "q8_0" and weight.raw is None and weight.shape[1] % 32 == 0:
+    if weight_format in PACKED_FORMATS and weight.raw is None and weight.shape[1] % 32 == 0:
         import gguf
         import gguf.quants
 
-        raw = gguf.quants.quantize(weight.dequantize().numpy(), gguf.GGMLQuantizationType.Q8_0)
-        weight = WeightSource(weight.shape, raw=raw, qtype=gguf.GGMLQuantizationType.Q8_0)
-    if weight_format in ("auto", "gguf", "q8_0") and weight.raw is not None and supports(weight.qtype):
+        qtype = gguf.GGMLQuantizationType[weight_format.upper()]
+        raw = gguf.quants.quantize(weight.dequantize().numpy(), qtype)
+        weight = WeightSource(weight.shape, raw=raw, qtype=qtype)
+    if weight_format in ("auto", "gguf", *PACKED_FORMATS) and weight.raw is not None and supports(weight.qtype):
         return GGUFQuantLinear(weight.raw, weight.qtype, weight.shape[1], weight.shape[0], bias,
                                backend=backend or KernelBackend.pytorch(), lookup_only=lookup_only)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(weight_format, torch.float32)

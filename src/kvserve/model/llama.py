@@ -33,7 +33,7 @@ from kvserve.errors import ModelLoadError
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.kernels.backend import KernelBackend
-from kvserve.model.linear import DenseLinear, Linear, WeightSource, make_linear
+from kvserve.model.linear import PACKED_FORMATS, DenseLinear, Linear, WeightSource, make_linear
 from kvserve.model.moe import build_moe
 from kvserve.model.ops import Step, TorchOps
 
@@ -331,7 +331,7 @@ class LlamaForCausalLM(nn.Module):
         tied = head_src is None or cfg.tie_word_embeddings
         embed: torch.Tensor | Linear | None = None
         if (isinstance(emb_src, WeightSource) and emb_src.raw is not None
-                and weight_format in ("auto", "gguf", "q8_0")):
+                and weight_format in ("auto", "gguf", *PACKED_FORMATS)):
             # Packed GGUF embedding: look rows up from the packed weights where a variant holds them.
             packed = make_linear(emb_src, None, weight_format, lookup_only=not tied, backend=backend)
             if packed.supports_rows:

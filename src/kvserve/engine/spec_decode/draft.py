@@ -6,7 +6,8 @@ target's (same vocabulary, same ids), else drafts would be other tokens than the
 
 The draft runs beside the engine with a paged KV cache of its own (a small block pool: a draft
 of 1-2 layers needs a few KB per token), on the same model code as the target: its weights are
-packed into Q8_0 blocks at load (`weight_format="q8_0"`), so on a CPU with the C kernels the
+packed into Q8_0 blocks at load (`weight_format="q8_0"`; `draft_weight_format="q4_1"` takes
+Q4_1 blocks, 0.63 of the bytes), so on a CPU with the C kernels the
 draft's whole layer stack is one C call over int8 weights, as the target's is. The speculating
 requests of a step are drafted together: one batched forward for every request's catch-up
 tokens, then one per further draft position. Each request's cache holds the tokens it has
@@ -127,13 +128,17 @@ class DraftModel:
     the same model code (and, on a CPU with the C kernels, the same one-call layer stack over
     int8 weights) as the target, with a small block pool of its own."""
 
-    def __init__(self, model, vocab_ids: list[int] | None = None, num_blocks: int = 2048, block_size: int = 16):
+    def __init__(self, model, vocab_ids: list[int] | None = None, num_blocks: int = 2048, block_size: int = 16,
+                 weight_format: str = "q8_0"):
+        """weight_format: what the head rows (and an EAGLE head's fc) are packed into, as the model's
+        projections were at load (SpeculativeConfig.draft_weight_format)."""
         cfg = model.config
         self.check_shape(cfg)
         self.model = model
         self.cfg = cfg
+        self.weight_format = weight_format
         self.vocab_ids = torch.tensor(vocab_ids if vocab_ids else range(cfg.vocab_size), dtype=torch.long)
-        self.head = self.head_of(model, self.vocab_ids)
+        self.head = self.head_of(model, self.vocab_ids, weight_format)
         self.max_len = cfg.max_position_embeddings
         self.pool = DraftPool(cfg, num_blocks, block_size)
 
@@ -145,7 +150,7 @@ class DraftModel:
                                  "windows, soft-capping or experts)", param="speculative")
 
     @staticmethod
-    def head_of(model, ids: torch.Tensor):
+    def head_of(model, ids: torch.Tensor, weight_format: str = "q8_0"):
         """The LM head's rows `ids`, packed like the projections where the C kernels run."""
         from kvserve.model.linear import WeightSource, make_linear
 
@@ -154,7 +159,7 @@ class DraftModel:
         else:
             w = getattr(model.lm_head, "weight", None)
             rows = w.detach().float()[ids] if w is not None else model.embed(ids)
-        return make_linear(WeightSource(tuple(rows.shape), tensor=rows.contiguous()), None, "q8_0",
+        return make_linear(WeightSource(tuple(rows.shape), tensor=rows.contiguous()), None, weight_format,
                            backend=model.backend)
 
     def new_cache(self) -> _Cache:
@@ -235,7 +240,8 @@ class DraftProposer:
         tokenizer and vocabulary); the subclass's `build` makes it."""
         from kvserve.model.loader import load_model
         try:
-            draft = load_model(config.draft_path, weight_format="q8_0", backend=target_model.backend)
+            draft = load_model(config.draft_path, weight_format=config.draft_weight_format,
+                               backend=target_model.backend)
         except Exception as e:  # noqa: BLE001 - any load failure is the user's path
             raise InvalidRequest(f"cannot load the draft model {config.draft_path!r}: {e}",
                                  param="speculative") from None
@@ -251,8 +257,9 @@ class DraftProposer:
             vocab = json.loads(vf.read_text())["token_ids"]
             if not vocab or min(vocab) < 0 or max(vocab) >= draft.config.vocab_size:
                 raise InvalidRequest(f"{vf}: token ids outside the vocabulary", param="speculative")
-        return cls.build(config.draft_path, draft.model, vocab, target_model)
+        return cls.build(config.draft_path, draft.model, vocab, target_model, config.draft_weight_format)
 
     @classmethod
-    def build(cls, path: str, draft_model, vocab: list[int] | None, target_model) -> DraftProposer:
-        return cls(DraftModel(draft_model, vocab))
+    def build(cls, path: str, draft_model, vocab: list[int] | None, target_model,
+              weight_format: str = "q8_0") -> DraftProposer:
+        return cls(DraftModel(draft_model, vocab, weight_format=weight_format))

@@ -155,20 +155,21 @@ class EagleModel(DraftModel):
     C code reading the draft's ~8 MB of weights, against 0.42 ms for the pieces one by one (Zen 5)."""
 
     def __init__(self, model, fc: torch.Tensor, embed, vocab_ids: list[int] | None = None,
-                 num_blocks: int = 2048, block_size: int = 16, num_inner: int = 0, embed_rows=None):
+                 num_blocks: int = 2048, block_size: int = 16, num_inner: int = 0, embed_rows=None,
+                 weight_format: str = "q8_0"):
         """embed: token ids -> embedding rows (the target's); embed_rows: the packed Linear whose rows
         they are, if any (the draft step then runs as one C call, CpuOps.draft_step)."""
         H = model.config.hidden_size
         if tuple(fc.shape) != (H, (2 + num_inner) * H):
             raise InvalidRequest(f"{EAGLE_FILE}: fc must be [{H}, {(2 + num_inner) * H}] for {num_inner} inner "
                                  f"feature layers, got {list(fc.shape)}", param="speculative")
-        super().__init__(model, vocab_ids, num_blocks, block_size)
+        super().__init__(model, vocab_ids, num_blocks, block_size, weight_format)
         self.embed = embed
         self.num_inner = num_inner
         # fc packed like the head: an fp32 fc (2.7 MB) read from memory every draft step cost more
         # than the draft's decoder layer (0.25 against 0.05 ms in the engine, Zen 5)
         from kvserve.model.linear import WeightSource, make_linear
-        self.fc = make_linear(WeightSource(tuple(fc.shape), tensor=fc.float().contiguous()), None, "q8_0",
+        self.fc = make_linear(WeightSource(tuple(fc.shape), tensor=fc.float().contiguous()), None, weight_format,
                               backend=model.backend)
         self.embed_rows = embed_rows
         self._vocab_list = self.vocab_ids.tolist()
@@ -308,7 +309,8 @@ class EagleProposer(DraftProposer):
         super().forget(request_id)
 
     @classmethod
-    def build(cls, path: str, draft_model, vocab: list[int] | None, target_model) -> EagleProposer:
+    def build(cls, path: str, draft_model, vocab: list[int] | None, target_model,
+              weight_format: str = "q8_0") -> EagleProposer:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -318,7 +320,7 @@ class EagleProposer(DraftProposer):
             raise InvalidRequest(f"cannot read {Path(path) / EAGLE_FILE}: {e}", param="speculative") from None
         layers = feature_layers(path, target_model.config.num_hidden_layers)
         proposer = cls(EagleModel(draft_model, fc, target_model.embed, vocab, num_inner=len(layers),
-                                  embed_rows=target_model.packed_embedding()))
+                                  embed_rows=target_model.packed_embedding(), weight_format=weight_format))
         target_model.capture_layers = layers      # the target's forward keeps those layers' rows
         return proposer
 
