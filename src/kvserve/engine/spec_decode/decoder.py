@@ -29,12 +29,12 @@ and each later position multiplies in the proposer's running rate of accepting t
 given the ones before (shared by all requests: a draft model's later guesses are worse than its
 first, prompt lookup's are not; a mean over the rounds that tried the position until it has had
 ~20, so a position that never pays stops being drafted after two or three tries: a slow average
-from the starting 0.6 kept e7's head drafting a second token, accepted 0.18 of the time, in 29%
-of the bench's open-prompt steps, 1.15x against 1.22x). A request drafts no further than that; if even its first draft
-does not pay, it waits, then probes again (with one position more than pays, so each position's
-rate stays measured). New requests start from the rate of the requests before them (and if that
-does not pay, wait 32 steps before their first probe: a draft model's first probe also catches
-it up on the prompt). On the prior coefficients the bar is ~0.3 for one stream at a short
+from the starting 0.6 kept e7's head drafting a second token, right about a third of the times its
+first was, in 29% of the bench's open-prompt steps, 1.15x against 1.22x). A request drafts no
+further than that; if even its first draft does not pay, it waits, then probes again (with one
+position more than pays, so each position's rate stays measured). New requests start from the
+rate of the requests before them (and if that does not pay, wait 32 steps before their first
+probe: a draft model's first probe also catches it up on the prompt). On the prior coefficients the bar is ~0.3 for one stream at a short
 context and ~0.75 at 8 rows.
 
 Prompt lookup first (`--speculative ngram+draft:PATH`): before the draft model is asked, the
