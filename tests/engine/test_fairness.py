@@ -6,6 +6,7 @@ the same through the real engine."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 
@@ -302,3 +303,18 @@ def test_cost_model_folds_steps_in_batches_with_the_same_arithmetic():
     a.observe(shapes[0], true_cost(shapes[0]))
     a.flush()
     assert a.num_observed == 2 * _BATCH + 1
+
+
+def test_decode_step_price_in_floats_is_the_fit():
+    """decode_step_seconds (the speculative decoder's price of a step of decodes, in plain floats)
+    is predict() for one new token per row, before and after the fit learns and when set."""
+    m = StepCostModel()
+    contexts = [5, 300, 4000]
+    for _ in range(2):
+        assert math.isclose(m.decode_step_seconds(contexts), m.predict([(c, 1) for c in contexts]), rel_tol=1e-12)
+        for i in range(16):
+            sh = [(200 + 10 * i, 1)] * (1 + i % 4)
+            m.observe(sh, 2 * true_cost(sh))
+        m.flush()
+    m.coef = np.array([1e-3, 2e-4, 1e-4, 1e-6])
+    assert math.isclose(m.decode_step_seconds([100, 100]), 1e-3 + 2 * 3e-4 + 1e-6 * 201, rel_tol=1e-12)

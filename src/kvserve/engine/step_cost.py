@@ -62,6 +62,23 @@ class StepCostModel:
         self.num_observed = 0                   # steps folded into the fit
         self._pending: list[tuple[list[tuple[int, int]], float]] = []
 
+    @property
+    def coef(self) -> np.ndarray:
+        return self._coef
+
+    @coef.setter
+    def coef(self, value: np.ndarray) -> None:
+        self._coef = value
+        # as Python floats: the speculative decoder prices a step of decodes every step, right after
+        # a forward, where each numpy call costs ~10 us (decode_step_seconds)
+        self.coef_floats = tuple(float(c) for c in value)
+
+    def decode_step_seconds(self, contexts: list[int]) -> float:
+        """predict() for a step of one new token per row at these contexts, in plain floats."""
+        c0, c_tok, c_row, c_att = self.coef_floats
+        R = len(contexts)
+        return c0 + (c_tok + c_row) * R + c_att * (sum(contexts) + 0.5 * R)
+
     @staticmethod
     def features(chunks: list[tuple[int, int]]) -> np.ndarray:
         """chunks: (context already computed, new tokens) per scheduled row."""

@@ -126,8 +126,8 @@ class SpecDecoder:
         proposer's seconds per draft token (default: the model proposer's running median)."""
         if cost is None or self.config.max_batch_rows <= 0:
             return [0.0] * len(contexts)
-        _, c_tok, _, c_att = (float(c) for c in cost.coef[:4])
-        t0 = cost.predict([(c, 1) for c in contexts])
+        _, c_tok, _, c_att = cost.coef_floats
+        t0 = cost.decode_step_seconds(contexts)
         if t0 <= 0:
             return [0.0] * len(contexts)
         R = len(contexts)
