@@ -50,7 +50,7 @@ import torch
 
 from kvserve.errors import InvalidRequest
 from kvserve.train.common import RunLog, make_optimizer
-from kvserve.train.draft_eagle import EagleHead, _eagle_loss, saved_head
+from kvserve.train.draft_eagle import EagleHead, eagle_loss, saved_head
 from kvserve.train.draft_prompts import chat_prompts, self_prompts
 
 
@@ -225,6 +225,7 @@ def _prompts(loaded, cfg: DraftConfig) -> tuple[list[str], int]:
 
 
 def train_draft(cfg: DraftConfig) -> dict:
+    from kvserve.engine.spec_decode.draft import DRAFT_VOCAB_FILE
     from kvserve.model.loader import load_model
     from kvserve.train.export import export_hf
 
@@ -240,14 +241,14 @@ def train_draft(cfg: DraftConfig) -> dict:
     start = None                  # a saved head to continue from: its feature layers and vocabulary
     if cfg.init:
         start = saved_head(cfg.init, inner if cfg.feature_layers else None, target.config.num_hidden_layers)
-        inner = start[3]
+        inner = start.feature_layers
     seqs, starts, feats, best = _generate(target, prompts, cfg, features=cfg.kind == "eagle", inner=inner)
     t_gen = time.perf_counter() - t0
     counts = Counter(t for s in (best or seqs) for t in s)     # the tokens a draft is trained to propose
     keep = [t for t, _ in counts.most_common(cfg.vocab_size or None)] if cfg.vocab_size else list(
         range(target.config.vocab_size))
     if start is not None:        # the saved head's rows
-        keep = list(start[2])
+        keep = list(start.vocab)
     for e in target.tokenizer.eos_token_ids:
         if e not in keep:
             keep.append(e)
@@ -262,11 +263,11 @@ def train_draft(cfg: DraftConfig) -> dict:
     if cfg.kind == "eagle":    # hard labels and features from the generation itself: no teacher pass
         teach = None
         layer_ids = layer_ids[:1]
-        draft = _draft_model(fp32.model, layer_ids) if start is None else start[0]
+        draft = _draft_model(fp32.model, layer_ids) if start is None else start.body
         model = EagleHead(draft, fp32.config.hidden_size, len(inner))
         if start is not None:
             with torch.no_grad():
-                model.fc.weight.copy_(start[1])
+                model.fc.weight.copy_(start.fc)
         remap = torch.full((fp32.config.vocab_size,), -100, dtype=torch.long)
         remap[vocab] = torch.arange(len(keep))
     else:
@@ -288,7 +289,7 @@ def train_draft(cfg: DraftConfig) -> dict:
 
     def loss_of(idx: list[int]) -> tuple[torch.Tensor, float, float]:
         if cfg.kind == "eagle":
-            return _eagle_loss(model, [seqs[i] for i in idx], [feats[i] for i in idx], [best[i] for i in idx],
+            return eagle_loss(model, [seqs[i] for i in idx], [feats[i] for i in idx], [best[i] for i in idx],
                                head, remap, [starts[i] for i in idx], cfg.reg_weight, cfg.eagle_steps)
         return *_loss(draft, [seqs[i] for i in idx], [teach[i] for i in idx], head, [starts[i] for i in idx]), \
             float("nan")
@@ -317,7 +318,7 @@ def train_draft(cfg: DraftConfig) -> dict:
     tok_cfg = {"chat_template": tok.chat_template} if tok.has_chat_template else {}
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
     export_hf(draft, out, out, tok.eos_token_ids)
-    (out / "draft_vocab.json").write_text(json.dumps({"token_ids": keep}) + "\n")
+    (out / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": keep}) + "\n")
     if cfg.kind == "eagle":
         from safetensors.torch import save_file
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -60,7 +61,7 @@ class EagleHead(torch.nn.Module):
         return outs
 
 
-def _eagle_loss(head_model: EagleHead, seqs, feats, best, head: torch.Tensor, remap: torch.Tensor, starts,
+def eagle_loss(head_model: EagleHead, seqs, feats, best, head: torch.Tensor, remap: torch.Tensor, starts,
                 reg_weight: float, depth: int = 1) -> tuple[torch.Tensor, float, float]:
     """Token loss at each of `depth` chained draft steps (cross-entropy on the target's top token,
     `best`: the sampled answers' own tokens are not what greedy verification accepts; kept
@@ -95,12 +96,20 @@ def _eagle_loss(head_model: EagleHead, seqs, feats, best, head: torch.Tensor, re
     return loss, agree, then
 
 
-def saved_head(init: str, inner: tuple[int, ...] | None, num_layers: int):
-    """The EAGLE head saved in directory `init` to continue from: (its layer model in fp32, fc weight,
-    kept vocabulary, feature layers); its feature layers must be `inner` if that is given."""
+class SavedHead(NamedTuple):
+    body: torch.nn.Module           # its decoder layer, embedding and norm, fp32
+    fc: torch.Tensor
+    vocab: list[int]                # the kept head rows
+    feature_layers: tuple[int, ...]
+
+
+def saved_head(init: str, inner: tuple[int, ...] | None, num_layers: int) -> SavedHead:
+    """The EAGLE head saved in directory `init` to continue from; its feature layers must be `inner`
+    if that is given."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from kvserve.engine.spec_decode.draft import DRAFT_VOCAB_FILE
     from kvserve.engine.spec_decode.eagle import EAGLE_FILE, feature_layers
     from kvserve.errors import KVServeError
     from kvserve.model.loader import load_model
@@ -108,7 +117,7 @@ def saved_head(init: str, inner: tuple[int, ...] | None, num_layers: int):
     path = Path(init)
     try:
         fc = load_file(str(path / EAGLE_FILE))["fc.weight"]
-        keep = json.loads((path / "draft_vocab.json").read_text())["token_ids"]
+        keep = json.loads((path / DRAFT_VOCAB_FILE).read_text())["token_ids"]
         layers = feature_layers(str(path), num_layers)
         body = load_model(str(path), weight_format="fp32").model
     except (SafetensorError, OSError, KeyError, ValueError, TypeError, KVServeError) as e:
@@ -117,4 +126,4 @@ def saved_head(init: str, inner: tuple[int, ...] | None, num_layers: int):
         raise InvalidRequest(f"{path} reads feature layers {list(layers)}, not {list(inner)}", param="init")
     if body.config.num_hidden_layers != 1:
         raise InvalidRequest(f"{path} is not an EAGLE head (one decoder layer)", param="init")
-    return body, fc, keep, layers
+    return SavedHead(body, fc, keep, layers)

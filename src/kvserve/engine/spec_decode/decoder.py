@@ -34,8 +34,8 @@ first was, in 29% of the bench's open-prompt steps, 1.15x against 1.22x). A requ
 further than that; if even its first draft does not pay, it waits, then probes again (with one
 position more than pays, so each position's rate stays measured). New requests start from the
 rate of the requests before them (and if that does not pay, wait 32 steps before their first
-probe: a draft model's first probe also catches it up on the prompt). On the prior coefficients the bar is ~0.3 for one stream at a short
-context and ~0.75 at 8 rows.
+probe: a draft model's first probe also catches it up on the prompt). On the prior coefficients
+the bar is ~0.3 for one stream at a short context and ~0.75 at 8 rows.
 
 Prompt lookup first (`--speculative ngram+draft:PATH`): before the draft model is asked, the
 n-gram proposer looks for the request's last `lookup_min` or more tokens earlier in its sequence;

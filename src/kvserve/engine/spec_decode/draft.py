@@ -136,7 +136,6 @@ class DraftModel:
         self.check_shape(cfg)
         self.model = model
         self.cfg = cfg
-        self.weight_format = weight_format
         self.vocab_ids = torch.tensor(vocab_ids if vocab_ids else range(cfg.vocab_size), dtype=torch.long)
         self.head = self.head_of(model, self.vocab_ids, weight_format)
         self.max_len = cfg.max_position_embeddings
