@@ -290,7 +290,7 @@ def train_draft(cfg: DraftConfig) -> dict:
     def loss_of(idx: list[int]) -> tuple[torch.Tensor, float, float]:
         if cfg.kind == "eagle":
             return eagle_loss(model, [seqs[i] for i in idx], [feats[i] for i in idx], [best[i] for i in idx],
-                               head, remap, [starts[i] for i in idx], cfg.reg_weight, cfg.eagle_steps)
+                              head, remap, [starts[i] for i in idx], cfg.reg_weight, cfg.eagle_steps)
         return *_loss(draft, [seqs[i] for i in idx], [teach[i] for i in idx], head, [starts[i] for i in idx]), \
             float("nan")
 

@@ -62,7 +62,7 @@ class EagleHead(torch.nn.Module):
 
 
 def eagle_loss(head_model: EagleHead, seqs, feats, best, head: torch.Tensor, remap: torch.Tensor, starts,
-                reg_weight: float, depth: int = 1) -> tuple[torch.Tensor, float, float]:
+               reg_weight: float, depth: int = 1) -> tuple[torch.Tensor, float, float]:
     """Token loss at each of `depth` chained draft steps (cross-entropy on the target's top token,
     `best`: the sampled answers' own tokens are not what greedy verification accepts; kept
     vocabulary) plus the feature regression of the first, at the answers' positions; also the first
