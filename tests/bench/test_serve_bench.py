@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
+import tempfile
 
 import pytest
 from typer.testing import CliRunner
@@ -133,11 +135,16 @@ def test_profile_delta_and_table():
     assert "| http | event loop | 0.50 | 10.0% | 2.50 |" in table
 
 
-def test_bench_serve_against_a_launched_kvserve(tmp_path):
+def test_bench_serve_against_a_launched_kvserve(tmp_path, monkeypatch):
+    scratch = tmp_path / "tmp"   # the temp dir of the bench and of the server it starts
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     res = CliRunner().invoke(app, [
         "serve", "--launch", "kvserve", "--num-prompts", "3", "--concurrency", "2", "--input-len", "24",
         "--output-len", "6", "--goodput", "e2el:3600000", "--profile", "--out-dir", str(tmp_path)])
     assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in scratch.iterdir()) == []   # its data dir and log went with it
     assert "| metric | kvserve |" in res.output
     [m] = json.loads((tmp_path / "serve.json").read_text())
     assert (m["completed"], m["failed"]) == (3, 0)
@@ -183,3 +190,15 @@ def test_long_prompt_scenario_against_a_launched_kvserve(tmp_path):
 def test_bench_serve_unknown_scenario(tmp_path):
     res = CliRunner().invoke(app, ["serve", "--launch", "kvserve", "--scenario", "nope", "--out-dir", str(tmp_path)])
     assert res.exit_code == 1 and "choose default or long-prompt" in res.output
+
+
+def test_a_launched_server_that_fails_keeps_its_log_and_not_its_data(tmp_path, monkeypatch):
+    from kvserve.bench.serve_launch import plan_server
+    from kvserve.errors import ModelLoadError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    server = plan_server("kvserve", None, 2, 1, 256, ["--no-such-flag"])
+    with pytest.raises(ModelLoadError, match="exited with code") as err:
+        server.start(timeout_s=120)
+    assert str(server.log_path) in str(err.value) and "no-such-flag" in server.log_path.read_text()
+    assert not os.path.exists(server.data_dir)

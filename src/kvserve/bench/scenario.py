@@ -161,14 +161,16 @@ def bench_long_prompt(target, tokenizer, cfg: ServeConfig, sc: LongPromptConfig,
         emit("launch", label=target.label, cmd=" ".join(server.cmd), note=server.note)
         server.start()
         target.base_url, target.backend = server.base_url, server.backend
+    keep_log = True
     try:
         served = server.model_name() if server else None
         asyncio.run(warmup(target.base_url, cfg, target.backend, served, api_key))
         phases = asyncio.run(run_long_prompt(target.base_url, streams, probes, longs, sc, target.backend, served,
                                              api_key))
+        keep_log = False
     finally:
         if server:
-            server.stop()
+            server.stop(keep_log=keep_log)
     data = {name: {"probe_ttft_s": [r.ttft for r in ph.probes], "itl_s": ph.itl,
                    "long": [{"prompt_len": r.prompt_len, "ttft_s": r.ttft, "error": r.error} for r in ph.longs]}
             for name, ph in phases.items()}

@@ -105,7 +105,8 @@ def serve_command(
                 elif kind == "advance":
                     prog.advance(tasks[info["label"]], info["n"])
                 elif kind == "errors":
-                    console.print(f"{info['label']}: {info['n']} requests failed; first: {info['first']}")
+                    console.print(f"{info['label']}: {info['n']} requests failed; first: {info['first']}"
+                                  + (f" (server log: {info['log']})" if info.get("log") else ""))
                 elif kind == "no-profile":
                     console.print(f"{info['label']}: no step profile (--profile reads a kvserve server's /metrics)")
 

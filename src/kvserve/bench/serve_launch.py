@@ -119,6 +119,7 @@ class LaunchedServer:
     port: int
     note: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    data_dir: str | None = None   # a temp dir of ours (kvserve's --data-dir), removed by stop()
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
 
@@ -140,8 +141,10 @@ class LaunchedServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                tail = self.log_tail()
+                self.stop(keep_log=True)
                 raise ModelLoadError(f"{self.name} server exited with code {self.proc.returncode}; "
-                                     f"its log ({self.log_path}) ends with:\n{self.log_tail()}")
+                                     f"its log ({self.log_path}) ends with:\n{tail}")
             with contextlib.suppress(httpx.HTTPError):
                 code = httpx.get(self.base_url + "/health", timeout=2).status_code
                 if code == 404:   # llama-cpp-python's server has no /health
@@ -149,13 +152,15 @@ class LaunchedServer:
                 if code == 200:
                     return self
             time.sleep(0.25)
-        self.stop()
+        self.stop(keep_log=True)
         raise ModelLoadError(f"{self.name} server not healthy after {timeout_s:.0f}s; log: {self.log_path}")
 
     def log_tail(self, n: int = 2000) -> str:
         return self.log_path.read_text(errors="replace")[-n:] if self.log_path else ""
 
-    def stop(self) -> None:
+    def stop(self, keep_log: bool = False) -> None:
+        """Stop the server and remove what it left in the temp dir: its data dir, and its log
+        unless `keep_log` (a run that failed; the error names the log's path)."""
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -163,6 +168,10 @@ class LaunchedServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=20)
+        if self.data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        if self.log_path and not keep_log:
+            self.log_path.unlink(missing_ok=True)
 
     def model_name(self) -> str | None:
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
@@ -188,7 +197,7 @@ def plan_server(name: str, model: str | None, threads: int, concurrency: int, ct
         if not any(a.startswith("--moderation") for a in extra):   # the peers do not moderate, and the
             cmd += ["--moderation", "off"]   # benches' random-token prompts are not text a classifier can judge
         env = {"OMP_NUM_THREADS": str(threads)}   # torch's intra-op threads in the server
-        return LaunchedServer(name, cmd + extra, "kvserve", port, env=env)
+        return LaunchedServer(name, cmd + extra, "kvserve", port, env=env, data_dir=data_dir)
     if name != "llama-cpp":
         raise InvalidRequest(f"--launch {name!r}: choose from {', '.join(LAUNCHABLE)} "
                              "(or give --base-url for a server you started)", param="launch")
@@ -240,6 +249,7 @@ def bench_target(target: Target, requests: list[BenchRequest], cfg: ServeConfig,
         server.start()
         target.base_url, target.backend = server.base_url, server.backend
     assert target.base_url
+    keep_log = True   # until the run ends without failed requests
     try:
         served = server.model_name() if server else None
         asyncio.run(warmup(target.base_url, cfg, target.backend, served, api_key))
@@ -276,11 +286,15 @@ def bench_target(target: Target, requests: list[BenchRequest], cfg: ServeConfig,
         errors = [r.error for r in results if not r.success]
         if errors:
             m.extra["first_error"] = errors[0]
-            emit("errors", label=target.label, n=len(errors), first=errors[0])
+            if server:
+                m.extra["server_log"] = str(server.log_path)
+            emit("errors", label=target.label, n=len(errors), first=errors[0],
+                 log=str(server.log_path) if server else None)
+        keep_log = bool(errors)
         return m
     finally:
         if server:
-            server.stop()
+            server.stop(keep_log=keep_log)
 
 
 def _f(v: float | None, nd: int = 1) -> str:
