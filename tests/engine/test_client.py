@@ -142,3 +142,34 @@ def test_engine_process_outlives_the_thread_that_started_it():
 
     assert asyncio.run(body())[-1].finished
     assert c.proc.returncode == 0
+
+
+def test_an_orphaned_engine_process_exits_and_removes_its_sockets(tmp_path):
+    """A server killed without its shutdown (SIGKILL) leaves its engine process behind: that process
+    must exit by itself and take the server's temp dir of ZMQ sockets with it."""
+    import pathlib
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys\n"
+        "from kvserve.engine.client import make_engine_client\n"
+        "c = make_engine_client(None, engine_process=True, kv_cache_memory='64MiB')\n"
+        "print(c.proc.pid, c._tmpdir, flush=True)\n"
+        "os.kill(os.getpid(), 9)\n")], stdout=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    pid, sockets = parent.stdout.readline().split()
+    parent.wait(timeout=60)
+    assert parent.returncode == -signal.SIGKILL and sockets.startswith(str(tmp_path))
+
+    def running() -> bool:   # a zombie (nobody reaped it yet) has exited
+        try:
+            return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and running():
+        time.sleep(0.1)
+    assert not running()
+    assert not os.path.exists(sockets)

@@ -5,7 +5,8 @@ SPEC is a JSON object: model, weight_format, engine_kwargs, the two ZMQ addresse
 model, sends EngineReady (with the tokenizer, so the client does not load the model again) or
 EngineFailed, then runs the core's busy loop until Shutdown, or until its parent is gone (checked
 at every poll; PR_SET_PDEATHSIG would fire when the *thread* that started us ends, and the server
-starts us from its model-loading thread).
+starts us from its model-loading thread); an orphan then also removes the parent's temp dir of
+sockets, which nobody else will.
 Every message is msgpack (kvserve.engine.messages); nothing is pickled.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 
@@ -68,8 +70,12 @@ def main(argv: list[str]) -> int:
         vocab_size=loaded.model.config.vocab_size, kv_cache_limited=core.context_limited_by_kv,
         enable_prefix_caching=cfg.enable_prefix_caching, tokenizer=tokenizer_spec(loaded.tokenizer))))
 
+    orphaned = False
+
     def poll(timeout: float) -> list[CoreInput]:
+        nonlocal orphaned
         if os.getppid() != parent:
+            orphaned = True
             return [Shutdown()]
         msgs: list[CoreInput] = []
         if pull.poll(int(timeout * 1000)):
@@ -83,9 +89,11 @@ def main(argv: list[str]) -> int:
         return msgs
 
     core.run_busy_loop(poll, lambda outs: push.send(encode(outs)))
-    push.close(linger=1000)
+    push.close(linger=1000 if not orphaned else 0)
     pull.close()
     ctx.term()
+    if orphaned:   # the server died without its shutdown (SIGKILL): its temp dir of sockets is ours to remove
+        shutil.rmtree(os.path.dirname(spec["input"].removeprefix("ipc://")), ignore_errors=True)
     return 0
 
 
