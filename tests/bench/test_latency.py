@@ -62,3 +62,21 @@ def test_kernel_bench_tiny():
     assert all(r["auto_us"] > 0 and r["fp32_us"] > 0 and r["bf16_us"] > 0 for r in rows)
     table = kernel_table(rows)
     assert table.count("\n") == 5 and "| 64x64 | Q4_1 | 3 |" in table
+
+
+def test_latency_speculative_end_to_end(tmp_path):
+    """`bench latency --speculative`: both arms interleaved on one workload, the same greedy tokens,
+    a best-of and a paired ratio per row, and the outputs written."""
+    res = CliRunner().invoke(app, ["latency", "--speculative", "ngram", "--decode-tokens", "12", "--repeats", "2",
+                                   "--spec-workloads", "grounded", "--out-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "paired speedup, median (range)" in res.output
+    base, spec = json.loads((tmp_path / "latency_speculative.json").read_text())
+    assert (base["engine"], spec["engine"]) == ("baseline", "ngram") and base["workload"] == spec["workload"]
+    assert base["output_tokens"] == spec["output_tokens"] > 0 and spec["identical"] is True
+    assert base["paired"] is None and len(spec["paired"]) == 2 * 4      # 2 repeats x the 4 grounded prompts
+    assert all(r > 0 for r in spec["paired"]) and spec["paired_median"] > 0
+    assert f"n = {len(spec['paired'])})" in (tmp_path / "latency_speculative.md").read_text()
+    bad = CliRunner().invoke(app, ["latency", "--speculative", "ngram", "--spec-workloads", "chat",
+                                   "--out-dir", str(tmp_path)])
+    assert bad.exit_code == 1 and "unknown workload 'chat'" in bad.output

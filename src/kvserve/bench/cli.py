@@ -97,11 +97,12 @@ def _spec_latency(model: str | None, speculative: str, k: int | None, decode_tok
         console.print(f"error: {e.message}")
         raise typer.Exit(1) from None
     table = spec_markdown_table(rows)
-    print(f"greedy, up to {decode_tokens} tokens per answer, single stream, {threads} threads, best of {repeats}, "
+    print(f"greedy, up to {decode_tokens} tokens per answer, single stream, {threads} threads, best of {repeats} "
+          "(paired: each prompt against the baseline run just before it), "
           f"load average {os.getloadavg()[0]:.1f}\n")
     print(table)
     write_outputs(out_dir, "latency_speculative", table,
-                  [{**r.__dict__, "decode_tps": r.decode_tps} for r in rows])
+                  [{**r.__dict__, "decode_tps": r.decode_tps, "paired_median": r.paired_median} for r in rows])
     console.print(f"wrote {out_dir}/latency_speculative.md, latency_speculative.json")
 
 

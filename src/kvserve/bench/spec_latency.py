@@ -8,10 +8,17 @@ Two workloads:
 Decode tok/s of a request is (output tokens - 1) / (last token time - first token time), so the
 prefill is left out; each cell is the total over the workload's prompts, best of `repeats`. The
 greedy answers with and without speculation are compared token for token.
+
+Beside the best-of ratio, each prompt of each repeat gives a paired ratio (its decode rate with
+speculation over the rate of the baseline run just before it): their median and range are
+reported too. On a machine whose speed drifts from one minute to the next (a shared VM: +-10-20%),
+the best-of totals can pair a fast minute of one arm with a slow one of the other, and the paired
+median is the steadier number.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,10 +60,15 @@ class SpecBenchRow:
     decode_s: float
     acceptance: float | None = None
     identical: bool | None = None
+    paired: list[float] | None = None   # per prompt and repeat: rate with speculation / rate without
 
     @property
     def decode_tps(self) -> float:
         return self.output_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def paired_median(self) -> float | None:
+        return statistics.median(self.paired) if self.paired else None
 
 
 def _decode_time(llm, prompt: dict, params) -> tuple[int, float, list[int]]:
@@ -87,6 +99,7 @@ def run_spec_latency(model: str | None, speculative: str, num_speculative_tokens
                    for t in texts]
         best = {"baseline": (0, float("inf")), "spec": (0, float("inf"))}
         identical = True
+        paired = []
         s0 = spec.stats()
         for _ in range(repeats):
             totals = {"baseline": [0, 0.0], "spec": [0, 0.0]}
@@ -94,6 +107,8 @@ def run_spec_latency(model: str | None, speculative: str, num_speculative_tokens
                 n_a, t_a, ids_a = _decode_time(base, p, params)
                 n_b, t_b, ids_b = _decode_time(spec, p, params)
                 identical &= ids_a == ids_b
+                if min(n_a, n_b, t_a, t_b) > 0:
+                    paired.append((n_b / t_b) / (n_a / t_a))
                 totals["baseline"][0] += n_a
                 totals["baseline"][1] += t_a
                 totals["spec"][0] += n_b
@@ -107,21 +122,25 @@ def run_spec_latency(model: str | None, speculative: str, num_speculative_tokens
         drafted = s1["spec_decode_num_draft_tokens"] - s0["spec_decode_num_draft_tokens"]
         accepted = s1["spec_decode_num_accepted_tokens"] - s0["spec_decode_num_accepted_tokens"]
         rows.append(SpecBenchRow(name, "baseline", *best["baseline"]))
-        rows.append(SpecBenchRow(name, speculative, *best["spec"], accepted / drafted if drafted else None, identical))
+        rows.append(SpecBenchRow(name, speculative, *best["spec"], accepted / drafted if drafted else None, identical,
+                                 paired))
     return rows
 
 
 def spec_markdown_table(rows: list[SpecBenchRow]) -> str:
-    lines = ["| workload | engine | output tokens | decode tok/s | speedup | draft acceptance | same tokens |",
-             "|---|---|---:|---:|---:|---:|---|"]
+    lines = [("| workload | engine | output tokens | decode tok/s | speedup | paired speedup, median (range) | "
+              "draft acceptance | same tokens |"),
+             "|---|---|---:|---:|---:|---:|---:|---|"]
     base = {r.workload: r for r in rows if r.engine == "baseline"}
     for r in rows:
         b = base[r.workload]
         speedup = r.decode_tps / b.decode_tps if b.decode_tps else 0.0
         acc = f"{r.acceptance:.0%}" if r.acceptance is not None else "-"
         same = "-" if r.identical is None else ("yes" if r.identical else "NO")
+        pm = r.paired_median
+        pair = "-" if pm is None else f"{pm:.2f}x ({min(r.paired):.2f}-{max(r.paired):.2f}, n = {len(r.paired)})"
         lines.append(f"| {r.workload} | {r.engine} | {r.output_tokens} | {r.decode_tps:.1f} | {speedup:.2f}x | "
-                     f"{acc} | {same} |")
+                     f"{pair} | {acc} | {same} |")
     return "\n".join(lines)
 
 
