@@ -28,7 +28,9 @@ def test_two_gloo_processes_match_one_process(tok_dir, tmp_path):
     cmd = [str(torchrun), "--standalone", "--nproc_per_node=2", "-m", "kvserve.train", "pretrain",
            f"--tokenizer={tok_dir}", f"--out={tmp_path / 'ddp'}", "--threads=1", "--eval-every=1000",
            "--checkpoint-every=1000", *cli]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    scratch = tmp_path / "tmp"   # torchrun's agent makes a torchelastic_* dir there and leaves it
+    scratch.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch)}
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
