@@ -153,7 +153,7 @@ def test_an_orphaned_engine_process_exits_and_removes_its_sockets(tmp_path):
     import time
 
     parent = subprocess.Popen([sys.executable, "-c", (
-        "import os, sys\n"
+        "import os\n"
         "from kvserve.engine.client import make_engine_client\n"
         "c = make_engine_client(None, engine_process=True, kv_cache_memory='64MiB')\n"
         "print(c.proc.pid, c._tmpdir, flush=True)\n"

@@ -286,10 +286,10 @@ def bench_target(target: Target, requests: list[BenchRequest], cfg: ServeConfig,
         errors = [r.error for r in results if not r.success]
         if errors:
             m.extra["first_error"] = errors[0]
-            if server:
-                m.extra["server_log"] = str(server.log_path)
-            emit("errors", label=target.label, n=len(errors), first=errors[0],
-                 log=str(server.log_path) if server else None)
+            log = str(server.log_path) if server else None
+            if log:
+                m.extra["server_log"] = log
+            emit("errors", label=target.label, n=len(errors), first=errors[0], log=log)
         keep_log = bool(errors)
         return m
     finally:

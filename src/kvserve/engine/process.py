@@ -92,8 +92,9 @@ def main(argv: list[str]) -> int:
     push.close(linger=1000 if not orphaned else 0)
     pull.close()
     ctx.term()
-    if orphaned:   # the server died without its shutdown (SIGKILL): its temp dir of sockets is ours to remove
-        shutil.rmtree(os.path.dirname(spec["input"].removeprefix("ipc://")), ignore_errors=True)
+    sockets = os.path.dirname(spec["input"].removeprefix("ipc://"))
+    if orphaned and os.path.basename(sockets).startswith("kvserve-engine-"):   # MPClient's temp dir: the server
+        shutil.rmtree(sockets, ignore_errors=True)    # died without its shutdown (SIGKILL), so nobody else will
     return 0
 
 
