@@ -329,11 +329,6 @@ void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf
 
 namespace kvs {
 
-// A tile of at most this many queries with no widened keys to reuse runs query by query (attend_tile).
-// Measured on the default model (2 threads, Zen 5): at 400 and 2,000 cached tokens a tile of 2 to 12
-// queries took 13-55% less time query by query than widened; at 16 the two were even.
-constexpr int kSmallTile = 8;
-
 // nh consecutive KV heads (from head_off, row elements apart) of one sequence for one query, one
 // head after another, each exactly as attend_group computes it. With nh > 1 the first head's sweep
 // prefetches every head's rows of a token (contiguous in the cache: tok_stride) and the later

@@ -137,16 +137,24 @@ uint64_t next_call() {
 
 // Attention tiles of a step: runs of up to 16 consecutive query tokens of one sequence (a prompt
 // chunk) that share one float32 copy of their keys and values per KV head (kvs::attend_tile); a
-// decode is a tile of 1. Tokens with attend[t] == 0 (if attend is given) are left out. Returns the
-// tile starts followed by T.
+// decode is a tile of 1. A run of at most kSmallTile tokens (a speculating request's verified rows,
+// a short prompt) would go query by query inside its tile anyway, so each of its tokens is a tile
+// of its own: its (token, KV head) items then spread over the team instead of one item per head
+// doing all the run's queries (the same arithmetic, so the same bits). Tokens with attend[t] == 0
+// (if attend is given) are left out. Returns the tile starts followed by T.
 std::vector<int> attention_tiles(int T, const uint8_t *attend, const int64_t *seq_of, const int64_t *positions) {
     std::vector<int> start;
-    for (int t = 0; t < T; t++) {
-        if (attend && !attend[t]) continue;
-        const int s = start.empty() ? -1 : start.back();
-        const bool extend = s >= 0 && t - s < 16 && (!attend || attend[t - 1]) && seq_of[t - 1] == seq_of[t] &&
-                            positions[t - 1] + 1 == positions[t];
-        if (!extend) start.push_back(t);
+    for (int t = 0; t < T;) {
+        if (attend && !attend[t]) {
+            t++;
+            continue;
+        }
+        int e = t + 1;   // the run [t, e)
+        while (e < T && (!attend || attend[e]) && seq_of[e - 1] == seq_of[e] && positions[e - 1] + 1 == positions[e])
+            e++;
+        const int step = e - t <= kvs::kSmallTile ? 1 : 16;
+        for (int s = t; s < e; s += step) start.push_back(s);
+        t = e;
     }
     start.push_back(T);
     return start;
