@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kvserve.engine.sampler import Sampler, SamplingRequest, _top_p, make_generator
+from kvserve.engine.sampler import Sampler, SamplingRequest, _top_p, greedy_ids, make_generator
 from kvserve.sampling_params import SamplingParams
 
 EOS = 0
@@ -133,6 +133,23 @@ def test_greedy_is_argmax_and_greedy_rows_ignore_truncation():
     assert out.token_ids[1] == expected_row1.argmax()
     assert out.token_ids[2] in logits[2].topk(3).indices.tolist()
     assert out.token_ids[3] == logits[3].argmax()
+
+
+def test_greedy_takes_the_first_of_equal_maxima_as_argmax_does():
+    """greedy_ids (max(dim).indices, the faster call) picks what argmax picks: ties to the first
+    maximum, a NaN row to its first NaN, an all -inf row to 0, in float32 and bfloat16."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        x = torch.randint(-3, 3, (4, 49152 if trial % 10 == 0 else 1000), generator=g).float()   # many ties
+        if trial % 5 == 1:
+            x[torch.rand(x.shape, generator=g) < 0.001] = float("nan")
+        if trial % 7 == 2:
+            x[1] = float("-inf")
+        for dt in (torch.float32, torch.bfloat16):
+            assert torch.equal(greedy_ids(x.to(dt)), x.to(dt).argmax(-1))
+    x = torch.zeros(2, 10)
+    x[0, [3, 7]] = 1.0
+    assert greedy_ids(x).tolist() == [3, 0]
 
 
 def test_repetition_penalty_formula():

@@ -43,6 +43,13 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of equal maxima, as argmax): `max(dim).indices`, which gives the
+    same index but is vectorised in PyTorch's CPU build where `argmax` is not (a 49,152-wide row:
+    21 against 62 us, on every decode step)."""
+    return logits.max(dim=-1).indices
+
+
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, with_ranks: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Raw log-probs of `token_ids` ([N]) under `logits` ([N, V]), their 1-based ranks (zeros when
@@ -96,7 +103,7 @@ class Sampler:
         with_ranks = any(p.logprobs is not None for p in params)
 
         if grammar is None and all(p.greedy and not self._needs_processing(r) for p, r in zip(params, reqs)):
-            token_ids = logits.argmax(dim=-1)
+            token_ids = greedy_ids(logits)
             lp, ranks, top_ids, top_lp = compute_logprobs(logits, token_ids, num_top, with_ranks)
             return SamplerOutput(token_ids, lp, ranks, top_ids, top_lp)
 
@@ -105,7 +112,7 @@ class Sampler:
 
         greedy = [p.greedy for p in params]
         if all(greedy):
-            token_ids = logits.argmax(dim=-1)
+            token_ids = greedy_ids(logits)
         else:
             token_ids = self._sample(logits, reqs, greedy)
         lp, ranks, top_ids, top_lp = compute_logprobs(raw_logits, token_ids, num_top, with_ranks)
@@ -185,11 +192,11 @@ class Sampler:
 
     # ---- truncation and sampling ---------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, reqs: list[SamplingRequest], greedy: list[bool]) -> torch.Tensor:
-        greedy_ids = logits.argmax(dim=-1) if any(greedy) else None
+        best = greedy_ids(logits) if any(greedy) else None
         logits = self.truncate(logits, reqs, greedy)
         token_ids = self.draw(logits, reqs, greedy)
-        if greedy_ids is not None:
-            token_ids = torch.where(torch.tensor(greedy, device=logits.device), greedy_ids, token_ids)
+        if best is not None:
+            token_ids = torch.where(torch.tensor(greedy, device=logits.device), best, token_ids)
         return token_ids
 
     def truncate(self, logits: torch.Tensor, reqs: list[SamplingRequest], greedy: list[bool]) -> torch.Tensor:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.messages import TokenLogprob
-from kvserve.engine.sampler import Sampler, SamplingRequest, compute_logprobs
+from kvserve.engine.sampler import Sampler, SamplingRequest, compute_logprobs, greedy_ids
 
 
 @dataclass
@@ -120,7 +120,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SpecRow], num_top:
         masks = (mrows, torch.cat([grammar[i] for i in sorted(grammar)]))
     plain = masks is None and all(greedy) and not any(sampler._needs_processing(e) for e in ext)
     processed = raw if plain else sampler.process_logits(raw, ext, masks)
-    best = processed.argmax(dim=-1).tolist() if any(greedy) else []
+    best = greedy_ids(processed).tolist() if any(greedy) else []
     probs = sampler.truncate(processed.clone(), ext, greedy).softmax(dim=-1) if not all(greedy) else None
     u = _uniforms([r for r in rows if not r.sreq.params.greedy], dev) if probs is not None else []
     tokens: list[list[int]] = []
