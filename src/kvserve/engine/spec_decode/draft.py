@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from kvserve.engine.request import Request
+from kvserve.engine.sampler import greedy_ids
 from kvserve.errors import InvalidRequest
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -181,7 +182,7 @@ class DraftModel:
         logits = self.head(hidden[last].contiguous())
         for c, t in items:
             c.tokens.extend(t)
-        return self.vocab_ids[logits.argmax(-1)].tolist()
+        return self.vocab_ids[greedy_ids(logits)].tolist()
 
     def propose_batch(self, work: list[tuple[_Cache, list[int], int]]) -> list[list[int]]:
         """work: (cache, sequence, k) per request. Each cache is rolled back to its common prefix

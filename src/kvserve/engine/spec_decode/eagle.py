@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from kvserve.engine.request import Request
+from kvserve.engine.sampler import greedy_ids
 from kvserve.engine.spec_decode.draft import DraftModel, DraftProposer, _common_prefix
 from kvserve.errors import InvalidRequest
 
@@ -200,7 +201,7 @@ class EagleModel(DraftModel):
         meta = AttentionMetadata.build(q_lens, ends, [c.blocks for c, *_ in items], self.pool.block_size)
         hidden = self.model(ids, torch.tensor(pos, dtype=torch.long), meta, self.pool.kv_caches, inputs_embeds=x)
         last = hidden[torch.tensor(meta.query_start_loc[1:]) - 1].contiguous()
-        return self.vocab_ids[self.head(last).argmax(-1)].tolist(), last
+        return self.vocab_ids[greedy_ids(self.head(last))].tolist(), last
 
     def _fused_step(self, items, feats: torch.Tensor, q_lens: list[int], ends: list[int], toks: list[int],
                     pos: list[int]) -> tuple[list[int], torch.Tensor] | None:
