@@ -22,8 +22,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "
 
 from state_servers import RedisServer
 
-from kvserve.server.backends.redis_cache import RedisCacheBackend
 from kvserve.server.semantic_cache import Entry, SQLiteBackend
+from kvserve.server.stores.redis_cache import RedisCacheBackend
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ import httpx
 from kvserve.bench.common import wait_healthy
 from kvserve.bench.moderation import PROMPT
 from kvserve.bench.serve_launch import free_port
-from kvserve.server.keys import KeyStore
-from kvserve.server.moderation_policy import PolicyStore
+from kvserve.server.stores.keys import KeyStore
+from kvserve.server.stores.moderation_policies import PolicyStore
 
 
 def main(requests: int = 8) -> None:

@@ -177,7 +177,7 @@ def hardened_server(tmp_path_factory, model_server) -> ModelServer:
     """One server for test_hardening.py and test_fuzz_api.py: the real model, a context of 512,
     a declared shared prompt, a 1 s header timeout, and keys (`server.keys`: a, b, c, limited
     at 4 requests/minute, fuzz)."""
-    from kvserve.server.keys import KeyStore
+    from kvserve.server.stores.keys import KeyStore
 
     data_dir = tmp_path_factory.mktemp("hardened")
     store = KeyStore(data_dir / "kvserve.db")
@@ -230,7 +230,7 @@ class KeyStores:
         self.opened: list = []
 
     def open(self):
-        from kvserve.server.backends import open_key_backend
+        from kvserve.server.stores.factory import open_key_backend
 
         store = open_key_backend(self.db_path, self.database_url, self.redis_url)
         self.opened.append(store)
@@ -274,7 +274,7 @@ def make_limiter(request):
         shared = RateLimiter()
         yield lambda: shared
         return
-    from kvserve.server.backends.redis_state import RedisRateLimiter, connect_redis
+    from kvserve.server.stores.redis_state import RedisRateLimiter, connect_redis
 
     url = request.getfixturevalue("redis_server").fresh_url()
     clients: list = []

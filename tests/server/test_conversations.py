@@ -9,8 +9,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from kvserve.server.backends.pg_conversations import PostgresConversationStore
-from kvserve.server.conversations import StoreLimits
+from kvserve.server.stores.conversations import ConversationStore, StoreLimits
 from kvserve.server.webui import CLIENT_HEADER, mount_webui
 
 ALICE = {CLIENT_HEADER: "browser-alice-0001"}
@@ -29,7 +28,7 @@ class Stores:
     def open(self, limits: StoreLimits | None = None):
         if self.url is None:
             return None   # mount_webui opens the SQLite store at the path
-        store = PostgresConversationStore(self.url, limits)
+        store = ConversationStore(self.url, limits)
         self.opened.append(store)
         return store
 

@@ -29,8 +29,8 @@ import psycopg
 import pytest
 from conftest import ModelServer
 
-from kvserve.server.backends import open_key_backend
-from kvserve.server.keys import KeyStore
+from kvserve.server.stores.factory import open_key_backend
+from kvserve.server.stores.keys import KeyStore
 
 HELLO = [{"role": "user", "content": "Name a colour."}]
 

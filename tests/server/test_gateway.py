@@ -264,12 +264,13 @@ def test_stores_are_durable(gateway):
     if url:
         import psycopg
 
-        from kvserve.server.backends import pg_arena, pg_conversations, pg_keys, pg_moderation, pg_responses
+        from kvserve.server.stores import arena, conversations, keys, moderation_policies, responses
 
         with psycopg.connect(url) as conn:
             versions = dict(conn.execute("SELECT component, version FROM kvserve_schema_version").fetchall())
-        assert versions == {m.COMPONENT: len(m.MIGRATIONS)
-                            for m in (pg_keys, pg_conversations, pg_arena, pg_responses, pg_moderation)}
+        stores = (keys.KeyStore, conversations.ConversationStore, arena.ArenaStore, responses.ResponseStore,
+                  moderation_policies.PolicyStore)
+        assert versions == {s.component: len(s.steps) for s in stores}
         return
     with sqlite3.connect(gateway.state.settings.db_path) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from kvserve.model.registry import resolve
 from kvserve.server.cli import keys_app
-from kvserve.server.keys import KeyStore
+from kvserve.server.stores.keys import KeyStore
 from kvserve.tokenizer import Tokenizer
 
 WORD = "zanzibar"

@@ -78,8 +78,8 @@ def test_conversation_builder():
 def test_serve_options_and_policies(tmp_path):
     import json
 
-    from kvserve.server.moderation_policy import PolicyStore, load_options
     from kvserve.server.settings import ServerSettings
+    from kvserve.server.stores.moderation_policies import PolicyStore, load_options
 
     cfg = ServerSettings(load_model=False, data_dir=tmp_path, moderation="input").moderation_config()
     assert cfg.input and not cfg.output

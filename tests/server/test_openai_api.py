@@ -19,7 +19,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.server.keys import KeyStore
+from kvserve.server.stores.keys import KeyStore
 
 HELLO = [{"role": "user", "content": "Name a colour."}]
 MODEL = ""  # the served model's name, set by the srv fixture

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.server.keys import KeyStore
+from kvserve.server.stores.keys import KeyStore
 
 HELLO = [{"role": "user", "content": "Name a colour."}]
 ARGS = ("--max-model-len", "512", "--max-running", "1", "--max-waiting", "3", "--ladder-cap-at", "1",

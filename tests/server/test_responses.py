@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from kvserve.server.keys import KeyStore
+from kvserve.server.stores.keys import KeyStore
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from conftest import ModelServer
 
-from kvserve.server.backends import open_key_backend
+from kvserve.server.stores.factory import open_key_backend
 
 CHAT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2}
 

@@ -20,15 +20,13 @@ from prometheus_client import CollectorRegistry
 from typer.testing import CliRunner
 
 from kvserve.errors import InvalidRequest
-from kvserve.server.backends.pg_moderation import PostgresPolicyStore
-from kvserve.server.backends.pg_responses import PostgresResponseStore
-from kvserve.server.backends.redis_cache import RedisCacheBackend
 from kvserve.server.cli import keys_app
-from kvserve.server.moderation_policy import PolicyStore
 from kvserve.server.protocol import ChatCompletionRequest
-from kvserve.server.responses_store import ResponseNotFound, ResponseStore
 from kvserve.server.semantic_cache import CacheOptions, Entry, SemanticCache, SQLiteBackend, make_plan
 from kvserve.server.settings import ServerSettings
+from kvserve.server.stores.moderation_policies import PolicyStore
+from kvserve.server.stores.redis_cache import RedisCacheBackend
+from kvserve.server.stores.responses import ResponseNotFound, ResponseStore
 
 
 @pytest.fixture(params=("sqlite", "postgres"))
@@ -37,15 +35,15 @@ def db(request, tmp_path):
     url = request.getfixturevalue("postgres_server").new_database() if request.param == "postgres" else None
     opened: list = []
 
-    def opener(sqlite_cls, pg_cls):
+    def opener(cls):
         def open_():
-            store = pg_cls(url) if url else sqlite_cls(tmp_path / "kvserve.db")
+            store = cls(url or tmp_path / "kvserve.db")
             opened.append(store)
             return store
         return open_
 
-    yield types.SimpleNamespace(url=url, responses=opener(ResponseStore, PostgresResponseStore),
-                                policies=opener(PolicyStore, PostgresPolicyStore))
+    yield types.SimpleNamespace(url=url, responses=opener(ResponseStore),
+                                policies=opener(PolicyStore))
     for store in opened:
         store.close()
 

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from kvserve.server.keys import KeyStore
+from kvserve.server.stores.keys import KeyStore
 
 HELLO = [{"role": "user", "content": "Tell me about the sea."}]
 

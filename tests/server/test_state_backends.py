@@ -12,14 +12,14 @@ from conftest import InProcessServer, free_port
 from typer.testing import CliRunner
 
 from kvserve.errors import InvalidRequest, KVServeError, RateLimitError
-from kvserve.server.backends import open_backends, open_key_backend
-from kvserve.server.backends.common import StateStoreUnavailable, redact
-from kvserve.server.backends.pg_conversations import PostgresConversationStore
-from kvserve.server.backends.pg_keys import PostgresKeyStore
-from kvserve.server.backends.postgres import Database, migrate
-from kvserve.server.backends.redis_state import RedisRateLimiter, connect_redis
 from kvserve.server.cli import keys_app
 from kvserve.server.settings import ServerSettings
+from kvserve.server.stores.common import StateStoreUnavailable, redact
+from kvserve.server.stores.conversations import ConversationStore
+from kvserve.server.stores.factory import open_backends, open_key_backend
+from kvserve.server.stores.keys import KeyStore
+from kvserve.server.stores.postgres import PostgresDatabase, migrate
+from kvserve.server.stores.redis_state import RedisRateLimiter, connect_redis
 
 
 def test_replicas_hammering_one_bucket_get_exactly_its_capacity(redis_server):
@@ -80,7 +80,7 @@ def test_key_cache_sees_changes_from_any_process(redis_server, postgres_server, 
 
 def test_migrations_are_versioned_and_run_once(postgres_server):
     url = postgres_server.new_database()
-    db = Database(url)
+    db = PostgresDatabase(url)
     steps = [("CREATE TABLE m1 (x INT)",), ("ALTER TABLE m1 ADD COLUMN y INT", "CREATE TABLE m2 (z INT)")]
     assert migrate(db, "demo", steps[:1]) == 1
     assert migrate(db, "demo", steps) == 2
@@ -103,7 +103,7 @@ def test_replicas_starting_together_migrate_once(postgres_server):
 
     def start() -> None:
         try:
-            stores.append(PostgresKeyStore(url))
+            stores.append(KeyStore(url))
         except Exception as e:   # noqa: BLE001 - collected and asserted below
             errors.append(e)
 
@@ -120,7 +120,7 @@ def test_replicas_starting_together_migrate_once(postgres_server):
 
 
 def test_postgres_refuses_nul_with_a_400(postgres_server):
-    store = PostgresConversationStore(postgres_server.new_database())
+    store = ConversationStore(postgres_server.new_database())
     conv = store.create("o", "t")
     with pytest.raises(InvalidRequest) as e:
         store.put_messages("o", conv["id"], [{"role": "user", "content": "a\x00b"}])

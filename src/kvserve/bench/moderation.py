@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from kvserve.bench.common import wait_healthy
     from kvserve.bench.serve_launch import free_port
-    from kvserve.server.keys import KeyStore
-    from kvserve.server.moderation_policy import PolicyStore
+    from kvserve.server.stores.keys import KeyStore
+    from kvserve.server.stores.moderation_policies import PolicyStore
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=12)

@@ -21,8 +21,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kvserve
 from kvserve.errors import InvalidRequest, KVServeError
 from kvserve.server.admission import Admission
-from kvserve.server.backends import open_backends
-from kvserve.server.backends.counters import CountersCollector
 from kvserve.server.cache_scope import CacheScope
 from kvserve.server.conformance import mount_conformance
 from kvserve.server.features import ServerFeatures
@@ -36,6 +34,8 @@ from kvserve.server.moderation import ModerationService, mount_moderation
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
 from kvserve.server.responses import mount_responses
 from kvserve.server.settings import ServerSettings
+from kvserve.server.stores.counters import CountersCollector
+from kvserve.server.stores.factory import open_backends
 
 logger = logging.getLogger("kvserve.server")
 
@@ -46,7 +46,7 @@ class ServerState:
     def __init__(self, engine, settings: ServerSettings):
         self.settings = settings
         self.pool = ModelPool(settings, engine=engine)
-        self.backends = open_backends(settings)   # keys, buckets, counters, conversations (backends/)
+        self.backends = open_backends(settings)   # keys, buckets, counters, conversations (stores/)
         self.keystore = self.backends.keys
         self.limiter = self.backends.limiter
         self.cache_scope = CacheScope(settings.prefix_cache_scope, settings.shared_prompts)

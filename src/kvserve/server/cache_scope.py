@@ -18,7 +18,7 @@ With auth off there are no keys: every caller is the same anonymous owner.
 
 from __future__ import annotations
 
-from kvserve.server.keys import ApiKey
+from kvserve.server.stores.keys import ApiKey
 
 SCOPES = ("key", "tier", "global")
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import logging
 import pathlib
 import sys
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from kvserve.engine.spec_decode.config import NUM_SPEC_HELP, SPECULATIVE_HELP
 from kvserve.engine.step_cost import DEFAULT_MAX_STEP_MS
 from kvserve.errors import KVServeError
-from kvserve.server.backends import open_key_backend
-from kvserve.server.backends.common import redact
 from kvserve.server.settings import ServerSettings, default_data_dir
+from kvserve.server.stores.common import DATABASE_SCHEMES, check_url, redact
+from kvserve.server.stores.factory import open_key_backend
 
 DATA_DIR_HELP = "Directory for the keys/usage database (default $KVSERVE_DATA_DIR or ~/.kvserve)."
 DataDir = Annotated[pathlib.Path | None, typer.Option(help=DATA_DIR_HELP)]
@@ -144,7 +144,7 @@ def serve(
                 typer.echo(f"error: --shared-prompt {text}: {e.strerror}", err=True)
                 raise typer.Exit(2) from None
         shared.append(text)
-    from kvserve.server.moderation_policy import load_options
+    from kvserve.server.stores.moderation_policies import load_options
 
     try:
         moderation_options = load_options(moderation, moderation_config)
@@ -332,16 +332,12 @@ def keys_moderation(
     """Set, show or clear the moderation policy of a key or tier (on top of `serve --moderation`)."""
     import json
 
-    from kvserve.server.moderation_policy import PolicyStore, policy_from_options
+    from kvserve.server.stores.moderation_policies import PolicyStore, policy_from_options
 
-    try:
-        if database_url:   # the servers started with the same --database-url apply it within a second
-            from kvserve.server.backends.common import DATABASE_SCHEMES, check_url
-            from kvserve.server.backends.pg_moderation import PostgresPolicyStore
-
-            store: Any = PostgresPolicyStore(check_url(database_url, "--database-url", DATABASE_SCHEMES))
-        else:
-            store = PolicyStore(ServerSettings(load_model=False, data_dir=data_dir or default_data_dir()).db_path)
+    try:   # with --database-url, the servers started with the same URL apply it within a second
+        where = check_url(database_url, "--database-url", DATABASE_SCHEMES) if database_url else \
+            ServerSettings(load_model=False, data_dir=data_dir or default_data_dir()).db_path
+        store = PolicyStore(where)
     except KVServeError as e:
         typer.echo(f"error: {e.message}", err=True)
         raise typer.Exit(1) from None

@@ -58,8 +58,8 @@ class ServerFeatures:
         cache = None
         if s.semantic_cache and s.load_model:
             options = CacheOptions.from_dict(s.semantic_cache_options or {})
-            if s.redis_url:   # shared by every replica on this Redis (backends/redis_cache.py)
-                from kvserve.server.backends.redis_cache import RedisCacheBackend
+            if s.redis_url:   # shared by every replica on this Redis (stores/redis_cache.py)
+                from kvserve.server.stores.redis_cache import RedisCacheBackend
 
                 backend: CacheBackend = RedisCacheBackend(s.redis_url, options.ttl_s)
             else:

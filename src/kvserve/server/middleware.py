@@ -9,8 +9,8 @@ needs a key.
 Every authenticated route takes one token from the key's request bucket here (429 when empty),
 so /tokenize and the conversation API are limited like generation, and every response to a
 limited key carries the `x-ratelimit-*` headers. When a shared store (Redis, PostgreSQL) is
-unreachable, auth and the bucket answer 503 with Retry-After (backends/). It also counts, in the
-live counters (backends/), the authenticated-route requests let through (`requests`) and those
+unreachable, auth and the bucket answer 503 with Retry-After (stores/). It also counts, in the
+live counters (stores/), the authenticated-route requests let through (`requests`) and those
 refused (`rate_limited`, `refused_401`, `refused_503`). With a shared store these checks are
 network round trips, so they run in a worker thread rather than on the event loop.
 
@@ -32,10 +32,11 @@ import time
 import uuid
 
 from kvserve.errors import AuthenticationError, KVServeError, RateLimitError
-from kvserve.server.backends.base import CounterBackend, KeyBackend, RateLimitBackend
-from kvserve.server.keys import ApiKey
 from kvserve.server.lora_admin import ADMIN_PATHS
+from kvserve.server.ratelimit import RateLimiter
 from kvserve.server.records import RequestRecord
+from kvserve.server.stores.counters import CounterBackend
+from kvserve.server.stores.keys import ApiKey, KeyBackend
 
 access_log = logging.getLogger("kvserve.access")
 
@@ -65,7 +66,7 @@ async def send_error(send, err: KVServeError, headers: list[tuple[bytes, bytes]]
 
 
 class GatewayMiddleware:
-    def __init__(self, app, keystore: KeyBackend, api_key: str | None = None, limiter: RateLimitBackend | None = None,
+    def __init__(self, app, keystore: KeyBackend, api_key: str | None = None, limiter: RateLimiter | None = None,
                  counters: CounterBackend | None = None):
         self.app = app
         self.keystore = keystore

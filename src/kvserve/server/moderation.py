@@ -31,8 +31,8 @@ from kvserve.errors import ContentPolicyViolation, InvalidRequest, KVServeError
 from kvserve.safety import pii
 from kvserve.safety.moderator import ModerationConfig, Moderator, Verdict
 from kvserve.server.limits import load_json, read_body
-from kvserve.server.moderation_policy import PolicyStore
 from kvserve.server.stages import ChoiceDelta
+from kvserve.server.stores.moderation_policies import PolicyStore
 
 MODEL = "kvserve-moderation-1"
 CHUNK = 2000          # input text is checked in windows of this many characters

@@ -57,7 +57,7 @@ class RateLimiter:
     """Buckets per key name, created on first use from the key's rpm/tpm, in this process's memory.
 
     The refusal messages and headers are built here from three bucket primitives (`_take`,
-    `_give`, `_peek`); a shared store overrides only those (backends/redis_state.py keeps every
+    `_give`, `_peek`); a shared store overrides only those (stores/redis_state.py keeps every
     bucket in Redis so all replicas draw from the same one)."""
 
     def __init__(self) -> None:

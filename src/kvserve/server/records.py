@@ -22,8 +22,8 @@ from kvserve.outputs import PositionLogprobs, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.admission import Ticket
 from kvserve.server.context import Prompt
-from kvserve.server.keys import ApiKey
 from kvserve.server.stages import ChoiceDelta, Stage
+from kvserve.server.stores.keys import ApiKey
 from kvserve.server.tools import ParsedCall
 
 

@@ -25,7 +25,7 @@ stored. Entries expire after `ttl_s` and the least recently used go past `max_en
 Storage is a `CacheBackend`: the default keeps entries in SQLite on disk (semantic_cache.db in
 the data directory, 0600) with an in-memory mirror of each partition's vectors; because the exact
 part partitions the space, a lookup scans only the handful of vectors that share its partition.
-With --redis-url, backends/redis_cache.RedisCacheBackend implements the same four methods in Redis, so
+With --redis-url, stores/redis_cache.RedisCacheBackend implements the same four methods in Redis, so
 every replica shares the answers (features.py picks the backend).
 """
 

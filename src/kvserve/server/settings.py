@@ -35,7 +35,7 @@ class ServerSettings:
     shared_prompts: list[str] = field(default_factory=list)
 
     data_dir: pathlib.Path = field(default_factory=default_data_dir)
-    # Shared state (server/backends/): PostgreSQL for keys, usage and conversations instead of the
+    # Shared state (server/stores/): PostgreSQL for keys, usage and conversations instead of the
     # SQLite file in data_dir; Redis for the key-lookup cache, rate-limit buckets and live counters
     # instead of this process's memory. None: the embedded stores.
     database_url: str | None = None
@@ -84,7 +84,7 @@ class ServerSettings:
     conversation_quota_bytes: int = 64 << 20
 
     def store_limits(self):
-        from kvserve.server.conversations import StoreLimits
+        from kvserve.server.stores.conversations import StoreLimits
 
         return StoreLimits(max_body_bytes=self.conversation_body_bytes, max_owner_bytes=self.conversation_quota_bytes,
                            body_timeout_s=self.body_timeout_s, max_json_depth=self.max_json_depth)

@@ -31,9 +31,8 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest, KVServeError
-from kvserve.server.backends.base import ConversationBackend
-from kvserve.server.conversations import ConversationStore, StoreLimits
 from kvserve.server.limits import load_json, read_body
+from kvserve.server.stores.conversations import ConversationStore, StoreLimits
 
 STATIC_DIR = pathlib.Path(__file__).parent / "static"
 CLIENT_HEADER = "X-KVServe-Client"
@@ -60,7 +59,7 @@ def owner_of(request: Request) -> str:
     return f"client:{client}"
 
 
-def conversations_router(store: ConversationBackend) -> APIRouter:
+def conversations_router(store: ConversationStore) -> APIRouter:
     router = APIRouter(prefix="/v1/kvserve/conversations")
     lim = store.limits
 
@@ -117,9 +116,9 @@ async def _kvserve_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def mount_webui(app: FastAPI, db_path: pathlib.Path, limits: StoreLimits | None = None,
-                store: ConversationBackend | None = None) -> None:
+                store: ConversationStore | None = None) -> None:
     """Serve the chat page at `/`, its assets at `/static/*` and the conversation API, on `store`
-    (a backend from server/backends/) or else the SQLite store at `db_path`."""
+    (the server's, from stores/factory.py) or else the SQLite store at `db_path`."""
     if store is None:
         store = ConversationStore(db_path, limits)
     app.state.conversation_store = store

@@ -1,9 +1,17 @@
-"""Live counters in this process's memory (the embedded default of `CounterBackend`)."""
+"""Live counters (cumulative, named): in this process's memory by default, in Redis
+(redis_state.RedisCounters) with --redis-url, summed over every replica."""
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from typing import Protocol
+
+
+class CounterBackend(Protocol):
+    def incr(self, name: str, amount: int = 1) -> None: ...
+    def snapshot(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
 
 
 class MemoryCounters:

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.server.backends.common import REDIS_SCHEMES, check_url
-from kvserve.server.backends.redis_state import PREFIX, connect_redis, redis_errors
 from kvserve.server.semantic_cache import Entry
+from kvserve.server.stores.common import REDIS_SCHEMES, check_url
+from kvserve.server.stores.redis_state import PREFIX, connect_redis, redis_errors
 
 logger = logging.getLogger("kvserve.server")
 NS = PREFIX + "scache:"

@@ -1,8 +1,10 @@
-"""PostgreSQL plumbing for the stores: a small connection pool and schema migrations.
+"""PostgreSQL for the stores (`--database-url`): a small connection pool, schema migrations, and
+the `Database` interface of stores/sql.py on top of them.
 
-`Database(url)` holds up to `size` (8) psycopg 3 connections in autocommit mode; `with db.connection()
-as conn:` borrows one (a broken one is dropped, so a restarted PostgreSQL is reconnected on the
-next request), and `with db.transaction() as conn:` runs a block in one transaction.
+`PostgresDatabase(url)` holds up to `size` (8) psycopg 3 connections in autocommit mode; `with
+db.connection() as conn:` borrows one (a broken one is dropped, so a restarted PostgreSQL is
+reconnected on the next request), and `with db.transaction() as conn:` runs a block in one
+transaction. Every store of a server shares one pool.
 
 Migrations: each store owns a *component* name and an ordered list of steps (each a tuple of SQL
 statements). `migrate(db, component, steps)` runs, under a transaction-scoped advisory lock (so
@@ -17,35 +19,32 @@ Every connection failure on the request path is a 503 with Retry-After (StateSto
 from __future__ import annotations
 
 import contextlib
-import functools
 import queue
 import threading
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from kvserve.errors import KVServeError
-from kvserve.server.backends.common import StateStoreUnavailable, redact
+from kvserve.errors import InvalidRequest, KVServeError
+from kvserve.server.stores.common import StateStoreUnavailable, redact
+from kvserve.server.stores.sql import Connection, Database, Steps
 
 VERSION_TABLE = "kvserve_schema_version"
 _MIGRATION_LOCK = 0x6B7673  # pg_advisory_xact_lock key shared by every kvserve ("kvs")
 
 
-def pg_errors(fn):
-    """Turn a lost PostgreSQL connection into a 503 with Retry-After."""
-    import psycopg
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except psycopg.OperationalError as e:
-            raise StateStoreUnavailable(f"The database (PostgreSQL) is unavailable ({type(e).__name__}); "
-                                        "retry shortly.", retry_after=2.0) from None
-    return wrapper
+def _unavailable(e: Exception) -> StateStoreUnavailable:
+    return StateStoreUnavailable(f"The database (PostgreSQL) is unavailable ({type(e).__name__}); retry shortly.",
+                                 retry_after=2.0)
 
 
-class Database:
+class PostgresDatabase(Database):
     """A pool of autocommit connections to one PostgreSQL database."""
+
+    remote = True
+    insert_order = "seq"      # a BIGSERIAL column stands in for SQLite's rowid
+    for_update = " FOR UPDATE"
+    types: ClassVar[dict[str, str]] = {"time": "DOUBLE PRECISION", "bigint": "BIGINT", "id": "BIGSERIAL PRIMARY KEY",
+                                       "seq": ",\n            seq         BIGSERIAL"}
 
     def __init__(self, url: str, size: int = 8, connect_timeout_s: int = 5):
         import psycopg
@@ -57,7 +56,7 @@ class Database:
         self._slots = threading.BoundedSemaphore(size)
         self._closed = False
         try:
-            with self.connection() as conn:
+            with self._borrow() as conn:
                 conn.execute("SELECT 1")
         except psycopg.Error as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -72,7 +71,35 @@ class Database:
                                connect_timeout=self.connect_timeout_s)
 
     @contextlib.contextmanager
-    def connection(self) -> Iterator[Any]:
+    def connection(self) -> Iterator[Connection]:
+        import psycopg
+
+        try:
+            with self._borrow() as raw:
+                yield Connection(raw, conflicts=(psycopg.errors.UniqueViolation,), pyformat=True)
+        except psycopg.OperationalError as e:
+            raise _unavailable(e) from None
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        with self.connection() as conn, conn.raw.transaction():
+            yield conn
+
+    def schema(self, component: str, steps: Steps) -> None:
+        migrate(self, component, self.render(steps))
+
+    def octets(self, expr: str) -> str:
+        return f"octet_length({expr})"
+
+    def check_text(self, value: object, param: str, label: str | None = None) -> None:
+        """PostgreSQL text cannot hold NUL characters: a 400 rather than a 500."""
+        if isinstance(value, str) and "\x00" in value:
+            label = label or f"'{param}'"
+            raise InvalidRequest(f"{label} contains a NUL character, which cannot be stored; remove it.",
+                                 param=param)
+
+    @contextlib.contextmanager
+    def _borrow(self) -> Iterator[Any]:
         if self._closed:   # the server is shutting down
             raise StateStoreUnavailable("The server is shutting down; retry on another.", retry_after=1.0)
         self._slots.acquire()
@@ -94,11 +121,6 @@ class Database:
                     self._idle.put(conn)
             self._slots.release()
 
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[Any]:
-        with self.connection() as conn, conn.transaction():
-            yield conn
-
     def close(self) -> None:
         self._closed = True
         while True:
@@ -110,13 +132,13 @@ class Database:
                 conn.close()
 
 
-def migrate(db: Database, component: str, steps: list[tuple[str, ...]]) -> int:
+def migrate(db: PostgresDatabase, component: str, steps: Steps) -> int:
     """Bring `component`'s tables to the last of `steps`; returns the version now applied."""
     with db.transaction() as conn:
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        conn.execute("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
         conn.execute(f"CREATE TABLE IF NOT EXISTS {VERSION_TABLE} (component TEXT PRIMARY KEY, "
                      "version INTEGER NOT NULL, updated_at TIMESTAMPTZ NOT NULL DEFAULT now())")
-        row = conn.execute(f"SELECT version FROM {VERSION_TABLE} WHERE component = %s", (component,)).fetchone()
+        row = conn.execute(f"SELECT version FROM {VERSION_TABLE} WHERE component = ?", (component,)).fetchone()
         current = row["version"] if row else 0
         if current > len(steps):
             raise KVServeError(f"The database's {component!r} schema is version {current}, newer than this "
@@ -125,25 +147,7 @@ def migrate(db: Database, component: str, steps: list[tuple[str, ...]]) -> int:
             for statement in step:
                 conn.execute(statement)
         if len(steps) > current:
-            conn.execute(f"INSERT INTO {VERSION_TABLE} (component, version) VALUES (%s, %s) "
+            conn.execute(f"INSERT INTO {VERSION_TABLE} (component, version) VALUES (?, ?) "
                          "ON CONFLICT (component) DO UPDATE SET version = excluded.version, updated_at = now()",
                          (component, len(steps)))
     return len(steps)
-
-
-class PostgresStore:
-    """What every PostgreSQL store shares: the connection pool (its own, or a shared `db` it does
-    not close) and its schema brought up to date by its `component`'s `migrations` at open."""
-
-    remote = True   # a network round trip per call (the gateway runs it off the event loop)
-    component = ""
-    migrations: ClassVar[list[tuple[str, ...]]] = []
-
-    def __init__(self, url: str, *, db: Database | None = None):
-        self.db = db or Database(url)
-        self._owns_db = db is None
-        migrate(self.db, self.component, self.migrations)
-
-    def close(self) -> None:
-        if self._owns_db:
-            self.db.close()

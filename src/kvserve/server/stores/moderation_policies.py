@@ -3,30 +3,39 @@
 A policy is a JSON object of `ModerationConfig` overrides (`mode`, `thresholds`, `blocklist`,
 `regexes`, `pii_input`, `pii_output`, `jailbreak`, `check_every`) stored under a subject: a key's
 name, or `tier:free` / `tier:paid`. A request's config is the server's (`kvserve serve
---moderation ...`), then its tier's policy, then its key's. The SQLite SQL is here and nowhere else; the
-server re-reads the table only when `PRAGMA data_version` says another connection changed it.
-With --database-url the policies are in PostgreSQL (backends/pg_moderation.py, same API).
+--moderation ...`), then its tier's policy, then its key's.
+
+The request path reads policies from an in-memory copy (`all`), refreshed as cheaply as the
+database allows: from SQLite, re-read when `data_version` says another connection (the CLI)
+changed the table; from PostgreSQL (--database-url, shared by every server), never waited for on
+the event loop: when the copy is older than `refresh_s` (1 s), a request starts one background
+SELECT that replaces it, so a change made elsewhere applies within about a second. A change made
+through this store is read back at once (the CLI shows it). If the database cannot be read, the
+last copy stays in use (moderation keeps applying the policies it last saw).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
-import sqlite3
 import threading
 import time
 from typing import Any
 
 from kvserve.errors import InvalidRequest
-from kvserve.server import storage
+from kvserve.server.stores.sql import SQLStore, Steps
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS moderation_policies (
+STEPS: Steps = [
+    (  # 1
+        """CREATE TABLE IF NOT EXISTS moderation_policies (
     subject TEXT PRIMARY KEY,
     policy TEXT NOT NULL,
-    updated_at REAL NOT NULL
-);
-"""
+    updated_at $time NOT NULL
+)""",
+    ),
+]
+logger = logging.getLogger("kvserve.server")
 FIELDS = {"mode", "thresholds", "blocklist", "regexes", "pii_input", "pii_output", "jailbreak", "check_every",
           "window_chars"}
 
@@ -52,44 +61,66 @@ def validate(policy: dict[str, Any]) -> dict[str, Any]:
     return policy
 
 
-class PolicyStore:
-    def __init__(self, db_path: pathlib.Path):
-        self._lock = threading.Lock()
-        self._conn = storage.connect(pathlib.Path(db_path), check_same_thread=False, isolation_level=None,
-                                     timeout=10.0)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.executescript(SCHEMA)
-        self._version: int | None = None
-        self._cache: dict[str, dict[str, Any]] = {}
+class PolicyStore(SQLStore):
+    """Policies by subject on one database, read through an in-memory copy (see the module's docstring)."""
 
-    def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+    component, steps = "moderation_policies", STEPS
+
+    def __init__(self, db, *, refresh_s: float = 1.0):
+        self.refresh_s = refresh_s
+        self._lock = threading.Lock()
+        self._cache: dict[str, dict[str, Any]] = {}
+        self._version: int | None = None        # SQLite: the data_version the copy is of
+        self._loaded_at: float | None = None    # PostgreSQL: when the copy was read
+        self._refreshing = False
+        super().__init__(db)
+
+    def _changed(self) -> None:
+        self._version = self._loaded_at = None   # read back at the next `all`
 
     def set(self, subject: str, policy: dict[str, Any]) -> None:
         validate(policy)
-        with self._lock:
-            self._conn.execute("INSERT INTO moderation_policies (subject, policy, updated_at) VALUES (?, ?, ?) "
-                               "ON CONFLICT(subject) DO UPDATE SET policy = excluded.policy, "
-                               "updated_at = excluded.updated_at", (subject, json.dumps(policy), time.time()))
-            self._version = None
+        with self.db.connection() as conn:
+            conn.execute("INSERT INTO moderation_policies (subject, policy, updated_at) VALUES (?, ?, ?) "
+                         "ON CONFLICT (subject) DO UPDATE SET policy = excluded.policy, "
+                         "updated_at = excluded.updated_at", (subject, json.dumps(policy), time.time()))
+        self._changed()
 
     def delete(self, subject: str) -> bool:
-        with self._lock:
-            cur = self._conn.execute("DELETE FROM moderation_policies WHERE subject = ?", (subject,))
-            self._version = None
-            return cur.rowcount > 0
+        with self.db.connection() as conn:
+            cur = conn.execute("DELETE FROM moderation_policies WHERE subject = ?", (subject,))
+        self._changed()
+        return cur.rowcount > 0
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        with self.db.connection() as conn:
+            rows = conn.execute("SELECT subject, policy FROM moderation_policies").fetchall()
+        return {r["subject"]: json.loads(r["policy"]) for r in rows}
+
+    def _refresh(self) -> None:
+        try:
+            self._cache = self._read()
+        except Exception:   # keep the last copy (see the module's docstring)
+            logger.warning("reading moderation policies failed; using the last copy", exc_info=True)
+        finally:
+            self._loaded_at = time.monotonic()
+            self._refreshing = False
 
     def all(self) -> dict[str, dict[str, Any]]:
         with self._lock:
             try:
-                version = self._conn.execute("PRAGMA data_version").fetchone()[0]
-                if version != self._version:
-                    rows = self._conn.execute("SELECT subject, policy FROM moderation_policies").fetchall()
-                    self._cache = {s: json.loads(p) for s, p in rows}
-                    self._version = version
-            except sqlite3.Error:
-                pass
+                version = self.db.data_version()
+                if version is not None and version != self._version:   # a local file changed elsewhere
+                    self._cache, self._version = self._read(), version
+            except Exception:   # keep the last copy
+                logger.warning("reading moderation policies failed; using the last copy", exc_info=True)
+                return dict(self._cache)
+            if version is None and self._loaded_at is None:   # first use, or a change through this store
+                self._cache = self._read()
+                self._loaded_at = time.monotonic()
+            elif version is None and time.monotonic() - self._loaded_at >= self.refresh_s and not self._refreshing:
+                self._refreshing = True   # no change signal (PostgreSQL): replace the copy in the background
+                threading.Thread(target=self._refresh, name="kvserve-policy-refresh", daemon=True).start()
             return dict(self._cache)
 
     def for_caller(self, key_name: str | None, tier: str | None) -> list[dict[str, Any]]:

@@ -26,9 +26,9 @@ import json
 import math
 from typing import Any
 
-from kvserve.server.backends.common import StateStoreUnavailable, redact
-from kvserve.server.keys import ApiKey, hash_key
 from kvserve.server.ratelimit import RateLimiter
+from kvserve.server.stores.common import StateStoreUnavailable, redact
+from kvserve.server.stores.keys import ApiKey, hash_key
 
 PREFIX = "kvserve:"
 
