@@ -11,7 +11,7 @@ dropped is in the prompt (`dropped_messages`) and in `kvserve_trace.context`.
 The conversation itself is assembled here too, for every API that has one: chat completions send
 it whole; the Responses API (server/responses.py) builds it with `conversation()`: the
 instructions as the system prompt, the stored history of `previous_response_id`
-(server/responses_store.py), the new input items, and tool outputs as `tool` turns.
+(server/stores/responses.py), the new input items, and tool outputs as `tool` turns.
 """
 
 from __future__ import annotations

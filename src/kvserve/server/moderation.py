@@ -12,7 +12,7 @@
   aborts the engine request (`cut`), which frees its KV blocks. So a violating text is cut within
   one window of `check_every` tokens after it appears.
 * Per request the config is the server's (`--moderation`, `--moderation-config`) with the tier's
-  and the key's stored policies on top (moderation_policy.py); a Moderator per distinct config is
+  and the key's stored policies on top (stores/moderation_policies.py); a Moderator per distinct config is
   cached. Each check's time and verdict goes in `kvserve_trace.moderation`.
 """
 

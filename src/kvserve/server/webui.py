@@ -12,7 +12,7 @@
                                                      whole conversation
 
 Bodies go through the same limits as every route (limits.py: size cap, read timeout, JSON depth,
-valid Unicode; parsed off the event loop), each owner has a storage quota (conversations.py), and
+valid Unicode; parsed off the event loop), each owner has a storage quota (stores/conversations.py), and
 the key's request bucket is taken by the middleware like anywhere else.
 
 The page and its assets are public; the conversation API sits behind the server's auth
