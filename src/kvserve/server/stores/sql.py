@@ -132,10 +132,10 @@ class SQLiteDatabase(Database):
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 yield self._wrapped
+                self._conn.execute("COMMIT")
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
-            self._conn.execute("COMMIT")
 
     def schema(self, component: str, steps: Steps) -> None:
         """Every statement of every step, each `CREATE ... IF NOT EXISTS` (SQLite files keep no
