@@ -1,44 +1,19 @@
-"""The arena: two anonymous contestants answer one prompt, the person votes, names are revealed.
-
-    POST /v1/kvserve/arena/battles                    {prompt} → {id}: two contestants drawn at random,
-                                                      in random order; who they are stays on the server
-    POST /v1/kvserve/arena/battles/{id}/answers/{a|b} the side's answer, streamed as chat-completion SSE
-    POST /v1/kvserve/arena/battles/{id}/vote          {winner: a | b | tie | both_bad} → the names
-    GET  /v1/kvserve/arena/leaderboard                Bradley-Terry ratings, bootstrap 95% intervals,
-                                                      online Elo (arena_ratings.py), over every vote
-
-A contestant is a model plus how it is asked: system prompt and sampling settings. The server
-serves one model today, so the default contestants are the served model under three system
-prompts and temperatures; `kvserve serve --arena-contestants FILE` (a JSON list of {name, model?,
-system?, temperature?, top_p?, max_tokens?}) replaces them. An answer runs through the ordinary
-/v1/chat/completions handler (auth, limits, admission, stages, usage ledger) with the
-contestant's request body, so the arena adds no second generation path; each streamed chunk's
-`model` is replaced by `arena-a` / `arena-b`, so the stream does not name the contestant's model
-before the vote.
-
-Battles and votes are stored in the server's SQLite file (table `arena_battles`), each with
-its owner (the API key's name, or the browser id without auth: webui.owner_of); a battle can
-be answered and voted on only by its owner, and only once.
+"""The arena's battles and votes, stored in the server's SQLite file (table `arena_battles`), each
+with its owner (the API key's name, or the browser id without auth: webui.owner_of); a battle can
+be answered and voted on only by its owner, and only once. The routes are in api/arena.py.
 """
 
 from __future__ import annotations
 
-import json
 import pathlib
 import secrets
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass
-
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest, KVServeError
-from kvserve.server.arena_ratings import SCORES, leaderboard
+from kvserve.server.arena_ratings import SCORES
 
-MAX_PROMPT_CHARS = 8000
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS arena_battles (
     id          TEXT PRIMARY KEY,
@@ -52,46 +27,6 @@ CREATE TABLE IF NOT EXISTS arena_battles (
 );
 CREATE INDEX IF NOT EXISTS arena_battles_voted ON arena_battles(voted_at);
 """
-
-
-@dataclass(frozen=True)
-class Contestant:
-    name: str
-    model: str | None = None          # None: the served model
-    system: str | None = None
-    temperature: float = 0.7
-    top_p: float = 0.95
-    max_tokens: int = 256
-
-    def chat_body(self, prompt: str) -> dict:
-        messages = ([{"role": "system", "content": self.system}] if self.system else []) + \
-                   [{"role": "user", "content": prompt}]
-        body = {"messages": messages, "stream": True, "temperature": self.temperature, "top_p": self.top_p,
-                "max_tokens": self.max_tokens}
-        return body | ({"model": self.model} if self.model else {})
-
-
-DEFAULT_CONTESTANTS = (
-    Contestant("plain"),
-    Contestant("concise", system="Answer in one or two short sentences.", temperature=0.3),
-    Contestant("storyteller", system="You are a vivid, imaginative writer. Answer with colour and detail.",
-               temperature=1.0),
-)
-
-
-def load_contestants(path: str | pathlib.Path | None) -> tuple[Contestant, ...]:
-    if path is None:
-        return DEFAULT_CONTESTANTS
-    try:
-        rows = json.loads(pathlib.Path(path).read_text())
-        out = tuple(Contestant(**row) for row in rows)
-    except (OSError, ValueError, TypeError) as e:
-        raise InvalidRequest(f"--arena-contestants {path}: expected a JSON list of {{name, model?, system?, "
-                             f"temperature?, top_p?, max_tokens?}} objects ({e})", param="arena_contestants") from None
-    if len(out) < 2 or len({c.name for c in out}) != len(out):
-        raise InvalidRequest(f"--arena-contestants {path}: give at least two contestants with distinct names",
-                             param="arena_contestants")
-    return out
 
 
 class BattleNotFound(KVServeError):
@@ -149,125 +84,3 @@ class ArenaStore:
 
     def close(self) -> None:
         self._db.close()
-
-
-def _anonymous(resp: Response, name: str) -> Response:
-    """The streamed answer without its model's name: every SSE `data:` chunk's "model" becomes `name`.
-    (An arena answer is always streamed; anything else, such as an error, passes through.)"""
-
-    def rename(payload: bytes) -> bytes:
-        try:
-            obj = json.loads(payload)
-        except ValueError:
-            return payload
-        if isinstance(obj, dict) and "model" in obj:
-            obj["model"] = name
-        return json.dumps(obj, separators=(",", ":")).encode()
-
-    if not isinstance(resp, StreamingResponse):
-        return resp
-    inner = resp.body_iterator
-
-    async def events():
-        buf = b""
-        async for chunk in inner:
-            buf += chunk.encode() if isinstance(chunk, str) else chunk
-            *lines, buf = buf.split(b"\n")
-            if lines:
-                yield b"".join((b"data: " + rename(line[6:]) if line.startswith(b"data: {") else line) + b"\n"
-                               for line in lines)
-        if buf:
-            yield buf
-
-    resp.body_iterator = events()
-    return resp
-
-
-def _sse_request(request: Request, body: dict) -> Request:
-    """The incoming request, its body replaced: the chat handler reads `body`; the connection's
-    disconnect still arrives through the original `receive`."""
-    data = json.dumps(body).encode()
-    sent = False
-
-    async def receive() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": data, "more_body": False}
-        return await request.receive()
-
-    headers = [(k, v) for k, v in request.scope["headers"] if k.lower() not in (b"content-length", b"content-type")]
-    scope = {**request.scope, "headers": headers + [(b"content-type", b"application/json"),
-                                                     (b"content-length", str(len(data)).encode())]}
-    return Request(scope, receive)
-
-
-def arena_router(store: ArenaStore, contestants: tuple[Contestant, ...]) -> APIRouter:
-    from kvserve.server.handlers import generate
-    from kvserve.server.webui import owner_of
-
-    async def _json_body(request: Request) -> dict:
-        """The body under the server's own gates (size, read timeout, JSON depth)."""
-        from starlette.concurrency import run_in_threadpool
-
-        from kvserve.server.limits import load_json, read_body
-
-        settings = request.app.state.server.settings
-        raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
-        return await run_in_threadpool(load_json, raw, settings.max_json_depth)
-
-    router = APIRouter(prefix="/v1/kvserve/arena")
-    by_name = {c.name: c for c in contestants}
-    rng = secrets.SystemRandom()
-
-    @router.post("/battles")
-    async def create_battle(request: Request) -> dict:
-        owner = owner_of(request)
-        prompt = (await _json_body(request)).get("prompt")
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise InvalidRequest("Send {\"prompt\": \"...\"}: the question both contestants answer.", param="prompt")
-        if len(prompt) > MAX_PROMPT_CHARS:
-            raise InvalidRequest(f"The prompt is longer than {MAX_PROMPT_CHARS} characters.", param="prompt")
-        a, b = rng.sample(contestants, 2)
-        battle_id = await run_in_threadpool(store.create, owner, prompt, a.name, b.name)
-        return {"id": battle_id, "object": "kvserve.arena.battle", "sides": ["a", "b"]}
-
-    @router.post("/battles/{battle_id}/answers/{side}")
-    async def answer(battle_id: str, side: str, request: Request) -> Response:
-        if side not in ("a", "b"):
-            raise InvalidRequest("side is a or b", param="side")
-        battle = await run_in_threadpool(store.get, owner_of(request), battle_id)
-        if battle["winner"] is not None:
-            raise InvalidRequest("This battle is over; start a new one.", param="id", code="already_voted")
-        contestant = by_name.get(battle[f"model_{side}"])
-        if contestant is None:
-            raise BattleNotFound("This battle's contestant is no longer configured; start a new one.", param="id")
-        resp = await generate(request.app.state.server, _sse_request(request, contestant.chat_body(battle["prompt"])),
-                              "chat")
-        return _anonymous(resp, f"arena-{side}")
-
-    @router.post("/battles/{battle_id}/vote")
-    async def vote(battle_id: str, request: Request) -> dict:
-        owner = owner_of(request)
-        winner = (await _json_body(request)).get("winner")
-        battle = await run_in_threadpool(store.vote, owner, battle_id, winner)
-        return {"id": battle_id, "object": "kvserve.arena.vote", "winner": winner,
-                "model_a": battle["model_a"], "model_b": battle["model_b"]}
-
-    @router.get("/leaderboard")
-    async def get_leaderboard() -> dict:
-        votes = await run_in_threadpool(store.votes)
-        rows = await run_in_threadpool(leaderboard, votes)
-        return {"object": "list", "votes": len(votes), "data": rows,
-                "contestants": [asdict(c) for c in contestants]}
-
-    return router
-
-
-def mount_arena(app: FastAPI, db_path: pathlib.Path, contestants_file: str | None = None, store=None):
-    """The arena's routes on `store` (a backend from server/backends/), else the SQLite store at `db_path`."""
-    if store is None:
-        store = ArenaStore(db_path)
-    app.state.arena_store = store
-    app.include_router(arena_router(store, load_contestants(contestants_file)))
-    return store
