@@ -72,7 +72,7 @@ def runs(monkeypatch) -> list[str]:
         async for event in run_generation(gw, gen, lease):
             yield event
 
-    for module in ("kvserve.server.api.openai", "kvserve.server.api.responses"):
+    for module in ("kvserve.server.api.openai", "kvserve.server.api.responses", "kvserve.server.generation.run"):
         monkeypatch.setattr(f"{module}.run_generation", spy)
     return ran
 

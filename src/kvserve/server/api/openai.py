@@ -31,7 +31,7 @@ from kvserve.server.generation import (
     TokenTexts,
     build_plan,
     run_generation,
-    until_disconnected,
+    run_to_end,
 )
 from kvserve.server.limits import read_body
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
@@ -70,14 +70,13 @@ async def answer(gw: ServerState, request: Request, req: ChatCompletionRequest |
         return StreamingResponse(sse_events(gw, gen, lease, render), media_type="text/event-stream",
                                  headers=gen.plan.headers, background=BackgroundTask(lease.release, 499))
     try:
-        async with lease:
-            await until_disconnected(request.receive, _drain(run_generation(gw, gen, lease)))
-            t0 = time.perf_counter_ns()
-            body = render.body()
-            gw.http_ns += time.perf_counter_ns() - t0
+        await run_to_end(gw, gen, lease, request.receive)
     except ClientGone:
         return Response(status_code=499)
-    return JSONResponse(body, headers=gen.plan.headers)
+    t0 = time.perf_counter_ns()
+    response = JSONResponse(render.body(), headers=gen.plan.headers)
+    gw.http_ns += time.perf_counter_ns() - t0
+    return response
 
 
 async def sse_events(gw: ServerState, gen: Generation, lease: Lease, render: OpenAIRenderer) -> AsyncIterator[str]:
@@ -101,8 +100,3 @@ async def sse_events(gw: ServerState, gen: Generation, lease: Lease, render: Ope
             lease.fail(500, repr(e))
             yield render.error(INTERNAL_ERROR)
     yield render.done()
-
-
-async def _drain(events: AsyncIterator) -> None:
-    async for _ in events:
-        pass

@@ -25,14 +25,7 @@ from kvserve.errors import InvalidRequest, KVServeError
 from kvserve.server.api.openai_wire import INTERNAL_ERROR
 from kvserve.server.api.responses_wire import ResponseRenderer
 from kvserve.server.context import conversation
-from kvserve.server.generation import (
-    ClientGone,
-    Generation,
-    Lease,
-    build_plan,
-    run_generation,
-    until_disconnected,
-)
+from kvserve.server.generation import ClientGone, Generation, Lease, build_plan, run_generation, run_to_end
 from kvserve.server.limits import load_json, read_body
 from kvserve.server.protocol import ChatCompletionRequest, validate_body
 
@@ -146,11 +139,10 @@ def mount_responses(app: FastAPI, gw: ServerState) -> None:
             return StreamingResponse(_stream(gw, gen, lease, render, save), media_type="text/event-stream",
                                      headers=gen.plan.headers, background=BackgroundTask(lease.release, 499))
         try:
-            async with lease:
-                await until_disconnected(request.receive, _drain(run_generation(gw, gen, lease)))
-                final = render.whole()
+            await run_to_end(gw, gen, lease, request.receive)
         except ClientGone:
             return Response(status_code=499)
+        final = render.whole()
         await save(final)
         return JSONResponse(final, headers=gen.plan.headers)
 
@@ -180,8 +172,3 @@ async def _stream(gw: ServerState, gen: Generation, lease: Lease, render: Respon
             lease.fail(500, repr(e))
             for event in render.failed(INTERNAL_ERROR["error"]):
                 yield event
-
-
-async def _drain(events: AsyncIterator) -> None:
-    async for _ in events:
-        pass

@@ -4,7 +4,7 @@
     lease.py  Lease.acquire → `async with lease:` holds the token reservation, the admission slot
               and the engine requests, and gives them back exactly once
     run.py    run_generation(gw, gen, lease) → ChoiceEvent stream (engine client or cached answer,
-              each choice through its stage list)
+              each choice through its stage list); run_to_end for an answer that does not stream
     state.py  Generation: the plan and the choices accumulated from the run (usage, log entry)
     engine.py ModelHandle: every call the gateway makes on an EngineClient
     trace.py  kvserve_trace
@@ -24,10 +24,10 @@ from kvserve.server.generation.plan import (
     Timings,
     build_plan,
 )
-from kvserve.server.generation.run import ChoiceEvent, run_generation
+from kvserve.server.generation.run import ChoiceEvent, run_generation, run_to_end
 from kvserve.server.generation.state import ChoiceState, Generation, PromptState, Usage
 from kvserve.server.generation.trace import TokenTexts, request_trace
 
 __all__ = ["CACHE_HEADER", "CAP_HEADER", "TRUNCATED_HEADER", "ChoiceEvent", "ChoiceState", "ClientGone",
            "Generation", "GenerationPlan", "Kind", "Lease", "ModelHandle", "PromptState", "Timings", "TokenTexts",
-           "Usage", "build_plan", "request_trace", "run_generation", "until_disconnected"]
+           "Usage", "build_plan", "request_trace", "run_generation", "run_to_end", "until_disconnected"]

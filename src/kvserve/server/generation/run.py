@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvserve.outputs import RequestOutput
-from kvserve.server.generation.lease import Lease
+from kvserve.server.generation.lease import Lease, Receive, until_disconnected
 from kvserve.server.generation.state import Generation, PromptState
 from kvserve.server.stages import ChoiceDelta, run_stages
 
@@ -66,6 +66,18 @@ async def run_generation(gw: ServerState, gen: Generation, lease: Lease) -> Asyn
         gw.http_ns += time.perf_counter_ns() - t0
         if gen.finished:
             return
+
+
+async def run_to_end(gw: ServerState, gen: Generation, lease: Lease, receive: Receive) -> None:
+    """Run a generation that does not stream to its end under its lease (released on the way out);
+    raises ClientGone when the client hangs up first. The answer is then in `gen`."""
+    async with lease:
+        await until_disconnected(receive, _drain(run_generation(gw, gen, lease)))
+
+
+async def _drain(events: AsyncIterator[ChoiceEvent]) -> None:
+    async for _ in events:
+        pass
 
 
 def _observe(gw: ServerState, gen: Generation, ps: PromptState, out: RequestOutput) -> None:
