@@ -8,7 +8,7 @@ import httpx
 import numpy as np
 import pytest
 
-from kvserve.server.arena import DEFAULT_CONTESTANTS
+from kvserve.server.api.arena import DEFAULT_CONTESTANTS
 from kvserve.server.arena_ratings import leaderboard
 
 ALICE = {"X-KVServe-Client": "arena-alice-0001"}

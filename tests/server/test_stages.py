@@ -7,9 +7,10 @@ import json
 
 from kvserve.outputs import Logprob
 from kvserve.sampling_params import SamplingParams
+from kvserve.server.api.openai_wire import OpenAIRenderer
 from kvserve.server.context import Prompt
-from kvserve.server.formatting import ChunkWriter
-from kvserve.server.records import Generation, GenerationLog, RequestRecord, Timings
+from kvserve.server.generation import Generation, GenerationPlan, ModelHandle, Timings
+from kvserve.server.records import GenerationLog, RequestRecord
 from kvserve.server.stages import ChoiceDelta, build_stages, run_stages
 from kvserve.server.tools import make_plan, parse_output
 
@@ -18,10 +19,11 @@ PLAN = make_plan([WEATHER], "auto", None)
 ANSWER = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
 
 
-def generation(plan=None, top: int | None = None, n: int = 1) -> Generation:
-    return Generation.create("chat", [Prompt(token_ids=[1, 2, 3], text="hi")], SamplingParams(n=n, max_tokens=8),
-                             lambda: build_stages(plan), model_name="m", timings=Timings(t0=0.0),
-                             top_logprobs=top, trace=False)
+def generation(plan=None, top: int | None = None, n: int = 1, include_usage: bool = False) -> Generation:
+    return Generation.start(GenerationPlan(
+        kind="chat", model=ModelHandle(None, "m"), prompts=[Prompt(token_ids=[1, 2, 3], text="hi")],
+        params=SamplingParams(n=n, max_tokens=8), stages=lambda: build_stages(plan), timings=Timings(t0=0.0),
+        top_logprobs=top, include_usage=include_usage))
 
 
 def feed(gen: Generation, pieces: list[str]) -> list[ChoiceDelta]:
@@ -54,7 +56,7 @@ def test_tool_stage_streamed_equals_whole_text():
 
 
 def test_chunk_shapes():
-    plain = ChunkWriter(generation(), include_usage=True, decode=str)
+    plain = OpenAIRenderer(generation(include_usage=True), decode=str)
     event = plain.choice(0, ChoiceDelta(0, "", [7]))
     body = json.loads(event[6:])
     assert body["choices"] == [{"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": None}]
@@ -62,7 +64,7 @@ def test_chunk_shapes():
     final = json.loads(plain.choice(1, ChoiceDelta(1, "", [], finish_reason="repetition", stop_reason=None))[6:])
     assert final["choices"][0] == {"index": 1, "delta": {}, "logprobs": None, "finish_reason": "stop",
                                    "stop_reason": None}
-    tools = ChunkWriter(generation(PLAN), include_usage=False, decode=str)
+    tools = OpenAIRenderer(generation(PLAN), decode=str)
     assert tools.choice(0, ChoiceDelta(0, "", [7], filtered=True)) is None   # held back: nothing to send
     call = ChoiceDelta(0, "", [], finish_reason="stop", filtered=True, calls=[object()],
                        tool_calls=[{"index": 0, "function": {"arguments": "{}"}}])
@@ -71,7 +73,7 @@ def test_chunk_shapes():
 
 
 def test_logprobs_keep_a_held_back_step():
-    writer = ChunkWriter(generation(PLAN, top=1), include_usage=False, decode=lambda t: f"<{t}>")
+    writer = OpenAIRenderer(generation(PLAN, top=1), decode=lambda t: f"<{t}>")
     d = ChoiceDelta(0, "", [7], logprobs=[{7: Logprob(-0.5, 1)}], filtered=True)
     choice = json.loads(writer.choice(0, d)[6:])["choices"][0]
     assert choice["delta"] == {} and choice["logprobs"]["content"][0]["token"] == "<7>"

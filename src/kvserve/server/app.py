@@ -21,10 +21,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kvserve
 from kvserve.errors import InvalidRequest, KVServeError
 from kvserve.server.admission import Admission
+from kvserve.server.api.openai import mount_openai
+from kvserve.server.api.responses import mount_responses
 from kvserve.server.cache_scope import CacheScope
 from kvserve.server.conformance import mount_conformance
 from kvserve.server.features import ServerFeatures
-from kvserve.server.handlers import mount
 from kvserve.server.limits import read_body
 from kvserve.server.lora_admin import mount_lora
 from kvserve.server.metrics import ServerMetrics
@@ -32,7 +33,6 @@ from kvserve.server.middleware import GatewayMiddleware
 from kvserve.server.models import ModelPool
 from kvserve.server.moderation import ModerationService, mount_moderation
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
-from kvserve.server.responses import mount_responses
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stores.counters import CountersCollector
 from kvserve.server.stores.factory import open_backends
@@ -51,7 +51,7 @@ class ServerState:
         self.limiter = self.backends.limiter
         self.cache_scope = CacheScope(settings.prefix_cache_scope, settings.shared_prompts)
         self.admission = Admission(settings)
-        self.http_ns = 0    # the generation handlers' time on the event loop (stages, formatting, writes)
+        self.http_ns = 0    # generations' time on the event loop (stages, rendering, writes): generation/run.py
         self.metrics = ServerMetrics(self.engine_stats, lambda: self.model_name or "", self.all_engine_stats)
         self.metrics.gateway_waiting.set_function(lambda: self.admission.num_waiting)
         self.metrics.registry.register(CountersCollector(self.backends.counters))
@@ -166,7 +166,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         return JSONResponse({"error": {"message": "Internal server error.", "type": "server_error",
                                        "param": None, "code": "internal_error"}}, status_code=500)
 
-    mount(app, state)   # /v1/chat/completions, /v1/completions
+    mount_openai(app, state)       # /v1/chat/completions, /v1/completions
     mount_moderation(app, state)   # /v1/moderations
     mount_responses(app, state)    # /v1/responses
     mount_lora(app, state)         # /v1/load_lora_adapter, /v1/unload_lora_adapter
@@ -240,9 +240,9 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         from kvserve.server.webui import mount_webui
 
         mount_webui(app, settings.db_path, settings.store_limits(), store=state.backends.conversations)
-        from kvserve.server.arena import mount_arena
+        from kvserve.server.api.arena import mount_arena
 
-        mount_arena(app, settings.db_path, settings.arena_contestants, store=state.backends.arena)
+        mount_arena(app, state, settings.arena_contestants, store=state.backends.arena)
     mount_conformance(app, state)   # /v1/models/{id}, /tokenizer_info, /openapi.json
     state.features.mount(app)       # /v1/embeddings
 

@@ -9,7 +9,7 @@ always kept. Without it, a prompt that does not fit is a 400 `context_length_exc
 dropped is in the prompt (`dropped_messages`) and in `kvserve_trace.context`.
 
 The conversation itself is assembled here too, for every API that has one: chat completions send
-it whole; the Responses API (server/responses.py) builds it with `conversation()`: the
+it whole; the Responses API (server/api/responses.py) builds it with `conversation()`: the
 instructions as the system prompt, the stored history of `previous_response_id`
 (server/stores/responses.py), the new input items, and tool outputs as `tool` turns.
 """

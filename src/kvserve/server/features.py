@@ -1,9 +1,10 @@
 """The routing step's optional parts, held together for the app: the sentence encoder behind
 /v1/embeddings, the semantic cache (semantic_cache.py) and the model router (router.py).
 
-The generation handler calls, in order: `route(req)` (which model a request with model "auto"
-goes to), the pool's `resolve`, then `from_cache(...)` (a cached answer as a Response, or None
-and the request's CachePlan), and, when the answer is complete, `store(gen, plan)`.
+The plan builder (generation/plan.py) calls, in order: `route(req)` (which model a request with
+model "auto" goes to), the pool's `resolve`, then `from_cache(...)` (a Hit, whose answer the run
+streams as a cached source through the API's own renderer; or None and the request's CachePlan),
+and, when the answer is complete, the lease calls `store(gen, plan)`.
 
 Both the router and the cache look at the same thing: the embedding of the request's last user
 message, normalized (semantic_text.normalize). `route` returns it as a `QueryEmbedding` that
@@ -12,13 +13,10 @@ message, normalized (semantic_text.normalize). `route` returns it as a `QueryEmb
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import uuid
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
 
 from kvserve.errors import Overloaded
@@ -27,13 +25,12 @@ from kvserve.server.semantic_cache import (
     CacheBackend,
     CacheOptions,
     CachePlan,
+    Hit,
     SemanticCache,
     SQLiteBackend,
     bypass_reason,
     make_plan,
 )
-
-CACHE_HEADER = "x-kvserve-cache"
 
 
 class ServerFeatures:
@@ -118,8 +115,8 @@ class ServerFeatures:
 
     # ---- the semantic cache ---------------------------------------------------------------
     async def from_cache(self, req, kind: str, model_name: str, key_name: str | None, capped: bool,
-                         route: dict | None = None, query: QueryEmbedding | None = None
-                         ) -> tuple[Response | None, CachePlan | None]:
+                         query: QueryEmbedding | None = None) -> tuple[Hit | None, CachePlan | None]:
+        """(the hit, None) or (None, the key a complete answer is stored under; None: bypassed)."""
         if self.cache is None:
             return None, None
         reason = "max_tokens_capped" if capped else bypass_reason(req, self.cache.options)
@@ -142,7 +139,7 @@ class ServerFeatures:
             return None, plan
         self.cache_queries.labels(model_name, "hit").inc()
         self.cache_hits.labels(model_name).inc()
-        return hit_response(req, model_name, hit, route, chat=kind == "chat"), None
+        return hit, None
 
     def store(self, gen, plan: CachePlan | None, status: int) -> None:
         """After a complete answer: store it under the request's plan (one choice, no tool calls)."""
@@ -153,60 +150,3 @@ class ServerFeatures:
             return
         prompt, completion, _ = gen.usage_counts()
         self.cache.store(plan, ch[0].content, ch[0].finish_reason or "", prompt, completion)
-
-
-def hit_response(req, model_name: str, hit, route: dict | None, chat: bool = True) -> Response:
-    """A cached answer, shaped as a normal chat completion or completion (SSE chunks when
-    streaming) with `kvserve_cache: "semantic"` and the `x-kvserve-cache: semantic` header."""
-    e = hit.entry
-    cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-    kind = "chat.completion" if chat else "text_completion"
-    usage = {"prompt_tokens": e.prompt_tokens, "completion_tokens": e.completion_tokens,
-             "total_tokens": e.prompt_tokens + e.completion_tokens, "prompt_tokens_details": {"cached_tokens": 0},
-             "kvserve_compute_tokens": 0}
-    trace = None
-    if req.kvserve_trace:
-        trace = {"semantic_cache": hit.trace_fields(time.time()), "completion_token_count": e.completion_tokens}
-        if route is not None:
-            trace["router"] = route
-    headers = {CACHE_HEADER: "semantic"}
-    finish = e.finish_reason
-    if not req.stream:
-        choice = ({"index": 0, "message": {"role": "assistant", "content": e.answer, "refusal": None,
-                                           "tool_calls": []}} if chat else {"index": 0, "text": e.answer})
-        choice.update({"logprobs": None, "finish_reason": finish, "stop_reason": None})
-        body = {"id": cid, "object": kind, "created": created, "model": model_name, "choices": [choice],
-                "usage": usage, "system_fingerprint": None, "kvserve_cache": "semantic"}
-        if trace is not None:
-            body["kvserve_trace"] = trace
-        return JSONResponse(body, headers=headers)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-    def chunk(choices: list, **extra) -> str:
-        c = {"id": cid, "object": kind + ".chunk" if chat else kind, "created": created, "model": model_name,
-             "choices": choices, "kvserve_cache": "semantic"}
-        if include_usage:
-            c["usage"] = None
-        c.update(extra)
-        return f"data: {json.dumps(c)}\n\n"
-
-    def piece(text: str | None) -> dict:
-        if chat:
-            return {"index": 0, "delta": {} if text is None else {"content": text}}
-        return {"index": 0, "text": text or ""}
-
-    def events():
-        if chat:
-            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-        words = e.answer.split(" ")
-        for i in range(0, len(words), 16):   # a few pieces, as a stream would bring them
-            text = " ".join(words[i:i + 16]) + (" " if i + 16 < len(words) else "")
-            yield chunk([{**piece(text), "logprobs": None, "finish_reason": None}])
-        last = {**piece(None), "logprobs": None, "finish_reason": finish, "stop_reason": None}
-        yield chunk([last], **({"kvserve_trace": trace} if trace is not None else {}))
-        if include_usage:
-            yield chunk([], usage=usage)
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

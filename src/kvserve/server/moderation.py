@@ -8,8 +8,8 @@
 * Output (`OutputModerationStage`, the last stage of every choice): personal data is redacted as
   the text streams (safety.pii.StreamRedactor), and every `check_every` tokens the last
   `window_chars` characters are checked while the engine keeps decoding. On a flag the choice
-  ends with `finish_reason: "content_filter"`, the rest of its text is dropped, and the handler
-  aborts the engine request (`cut`), which frees its KV blocks. So a violating text is cut within
+  ends with `finish_reason: "content_filter"`, the rest of its text is dropped, and the run
+  (generation/run.py) aborts the engine request, which frees its KV blocks. So a violating text is cut within
   one window of `check_every` tokens after it appears.
 * Per request the config is the server's (`--moderation`, `--moderation-config`) with the tier's
   and the key's stored policies on top (stores/moderation_policies.py); a Moderator per distinct config is
@@ -242,19 +242,10 @@ class OutputModerationStage:
         return delta
 
 
-async def cut_if_filtered(gen, ps, delta: ChoiceDelta) -> None:
-    """After a choice's stages: when output moderation ended every choice of this prompt, abort its
-    engine request now (its KV blocks are freed; `_release` sees a final and does nothing more)."""
-    if delta.finish_reason != "content_filter":
-        return
-    if all(ch.finish_reason is not None for ch in ps.choices) and ps.final is None:
-        await gen.engine.abort(ps.request_id)   # the engine serving it (not the default model's)
-
-
-def trace_entries(gen) -> list[dict[str, Any]]:
-    """The moderation checks of a request (input, then the first choice's output checks)."""
-    out = list(getattr(gen, "moderation", []) or [])
-    for stage in gen.prompts[0].choices[0].stages:
+def trace_entries(input_checks: list[dict[str, Any]], stages: list) -> list[dict[str, Any]]:
+    """The moderation checks of a request: the input's, then those of a choice's output stage."""
+    out = list(input_checks)
+    for stage in stages:
         out += getattr(stage, "checks", [])
     return out
 

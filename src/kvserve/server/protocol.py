@@ -203,7 +203,11 @@ def _param(loc: tuple) -> str:
 
 def parse_body(raw: bytes, model: type[BaseModel], max_depth: int = 64) -> Any:
     """Parse and validate a JSON body; every failure is an InvalidRequest naming the field."""
-    data = load_json(raw, max_depth)
+    return validate_body(load_json(raw, max_depth), model)
+
+
+def validate_body(data: Any, model: type[BaseModel]) -> Any:
+    """Validate a parsed body (an API's translation into a chat request, say) as `parse_body` does."""
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -4,10 +4,10 @@ client and the wire.
 The engine client has already detokenized, applied stop strings and built logprobs; what comes
 out of it for one choice in one step is a `ChoiceDelta`. Every stage has one method,
 `feed(delta) -> delta`, called once per step and in order; the delta that carries a
-`finish_reason` is the choice's last, so a stage that held text back releases it then. The
-formatter (formatting.py: SSE chunk or JSON body) is the end of the line.
+`finish_reason` is the choice's last, so a stage that held text back releases it then. The run
+(generation/run.py) feeds the stages; the API's renderer (server/api/) is the end of the line.
 
-    engine client (detokenize, stops, logprobs) -> [reasoning] -> [tool calls] -> [moderation] -> format
+    engine client (detokenize, stops, logprobs) -> [reasoning] -> [tool calls] -> [moderation] -> render
 
 A streamed and a non-streamed answer run through the same stages, so they agree. Adding a stage
 (reasoning split, output moderation) is one line in `build_stages`.

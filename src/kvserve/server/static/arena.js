@@ -2,7 +2,7 @@
 // once), a vote (A / B / tie / both bad), then the names, and the leaderboard.
 //
 // Which contestant is A and which is B is known only to the server until the vote
-// (server/arena.py); answers are rendered through renderMarkdown (escape first), like the chat.
+// (server/api/arena.py); answers are rendered through renderMarkdown (escape first), like the chat.
 
 import { api, streamSSE } from "./api.js";
 import { renderMarkdown } from "./markdown.js";

@@ -1,6 +1,6 @@
 """The arena's battles and votes (table `arena_battles`), in the server's SQLite file or in
 PostgreSQL with --database-url (a battle started through one server can then be answered and
-voted on through another). The routes are server/arena.py.
+voted on through another). The routes are server/api/arena.py.
 
 Each battle has its owner (the API key's name, or the browser id without auth: webui.owner_of);
 only its owner can read it or vote, another owner's id is the same 404 as an unknown one. A

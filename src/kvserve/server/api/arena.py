@@ -10,15 +10,11 @@
 A contestant is a model plus how it is asked: system prompt and sampling settings. The server
 serves one model today, so the default contestants are the served model under three system
 prompts and temperatures; `kvserve serve --arena-contestants FILE` (a JSON list of {name, model?,
-system?, temperature?, top_p?, max_tokens?}) replaces them. An answer runs through the ordinary
-/v1/chat/completions handler (auth, limits, admission, stages, usage ledger) with the
-contestant's request body, so the arena adds no second generation path; each streamed chunk's
-`model` is replaced by `arena-a` / `arena-b`, so the stream does not name the contestant's model
-before the vote.
-
-Battles and votes are stored in the server's SQLite file (table `arena_battles`), each with
-its owner (the API key's name, or the browser id without auth: webui.owner_of); a battle can
-be answered and voted on only by its owner, and only once.
+system?, temperature?, top_p?, max_tokens?}) replaces them. An answer is the contestant's chat
+request on the one generation path (plan, lease, run: auth, limits, admission, stages, usage
+ledger), rendered by the chat renderer with the model's name replaced by `arena-a` / `arena-b`,
+so the stream does not name the contestant's model before the vote. Battles and votes are kept by
+the arena store (stores/arena.py, on SQLite or PostgreSQL).
 """
 
 from __future__ import annotations
@@ -27,14 +23,22 @@ import json
 import pathlib
 import secrets
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest
-from kvserve.server.arena_ratings import leaderboard
+from kvserve.server.api.openai import answer
 from kvserve.server.stores.arena import ArenaStore, BattleNotFound
+from kvserve.server.arena_ratings import leaderboard
+from kvserve.server.limits import load_json, read_body
+from kvserve.server.protocol import ChatCompletionRequest, validate_body
+from kvserve.server.webui import owner_of
+
+if TYPE_CHECKING:
+    from kvserve.server.app import ServerState
 
 MAX_PROMPT_CHARS = 8000
 
@@ -79,71 +83,14 @@ def load_contestants(path: str | pathlib.Path | None) -> tuple[Contestant, ...]:
     return out
 
 
-def _anonymous(resp: Response, name: str) -> Response:
-    """The streamed answer without its model's name: every SSE `data:` chunk's "model" becomes `name`.
-    (An arena answer is always streamed; anything else, such as an error, passes through.)"""
-
-    def rename(payload: bytes) -> bytes:
-        try:
-            obj = json.loads(payload)
-        except ValueError:
-            return payload
-        if isinstance(obj, dict) and "model" in obj:
-            obj["model"] = name
-        return json.dumps(obj, separators=(",", ":")).encode()
-
-    if not isinstance(resp, StreamingResponse):
-        return resp
-    inner = resp.body_iterator
-
-    async def events():
-        buf = b""
-        async for chunk in inner:
-            buf += chunk.encode() if isinstance(chunk, str) else chunk
-            *lines, buf = buf.split(b"\n")
-            if lines:
-                yield b"".join((b"data: " + rename(line[6:]) if line.startswith(b"data: {") else line) + b"\n"
-                               for line in lines)
-        if buf:
-            yield buf
-
-    resp.body_iterator = events()
-    return resp
+async def _json_body(gw: ServerState, request: Request) -> dict:
+    """The body under the server's own gates (size, read timeout, JSON depth)."""
+    s = gw.settings
+    raw = await read_body(request, s.max_body_bytes, s.body_timeout_s)
+    return await run_in_threadpool(load_json, raw, s.max_json_depth)
 
 
-def _sse_request(request: Request, body: dict) -> Request:
-    """The incoming request, its body replaced: the chat handler reads `body`; the connection's
-    disconnect still arrives through the original `receive`."""
-    data = json.dumps(body).encode()
-    sent = False
-
-    async def receive() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": data, "more_body": False}
-        return await request.receive()
-
-    headers = [(k, v) for k, v in request.scope["headers"] if k.lower() not in (b"content-length", b"content-type")]
-    scope = {**request.scope, "headers": headers + [(b"content-type", b"application/json"),
-                                                     (b"content-length", str(len(data)).encode())]}
-    return Request(scope, receive)
-
-
-def arena_router(store: ArenaStore, contestants: tuple[Contestant, ...]) -> APIRouter:
-    from kvserve.server.handlers import generate
-    from kvserve.server.webui import owner_of
-
-    async def _json_body(request: Request) -> dict:
-        """The body under the server's own gates (size, read timeout, JSON depth)."""
-        from starlette.concurrency import run_in_threadpool
-
-        from kvserve.server.limits import load_json, read_body
-
-        settings = request.app.state.server.settings
-        raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
-        return await run_in_threadpool(load_json, raw, settings.max_json_depth)
-
+def arena_router(gw: ServerState, store: ArenaStore, contestants: tuple[Contestant, ...]) -> APIRouter:
     router = APIRouter(prefix="/v1/kvserve/arena")
     by_name = {c.name: c for c in contestants}
     rng = secrets.SystemRandom()
@@ -151,7 +98,7 @@ def arena_router(store: ArenaStore, contestants: tuple[Contestant, ...]) -> APIR
     @router.post("/battles")
     async def create_battle(request: Request) -> dict:
         owner = owner_of(request)
-        prompt = (await _json_body(request)).get("prompt")
+        prompt = (await _json_body(gw, request)).get("prompt")
         if not isinstance(prompt, str) or not prompt.strip():
             raise InvalidRequest("Send {\"prompt\": \"...\"}: the question both contestants answer.", param="prompt")
         if len(prompt) > MAX_PROMPT_CHARS:
@@ -161,7 +108,7 @@ def arena_router(store: ArenaStore, contestants: tuple[Contestant, ...]) -> APIR
         return {"id": battle_id, "object": "kvserve.arena.battle", "sides": ["a", "b"]}
 
     @router.post("/battles/{battle_id}/answers/{side}")
-    async def answer(battle_id: str, side: str, request: Request) -> Response:
+    async def answer_side(battle_id: str, side: str, request: Request) -> Response:
         if side not in ("a", "b"):
             raise InvalidRequest("side is a or b", param="side")
         battle = await run_in_threadpool(store.get, owner_of(request), battle_id)
@@ -170,14 +117,13 @@ def arena_router(store: ArenaStore, contestants: tuple[Contestant, ...]) -> APIR
         contestant = by_name.get(battle[f"model_{side}"])
         if contestant is None:
             raise BattleNotFound("This battle's contestant is no longer configured; start a new one.", param="id")
-        resp = await generate(request.app.state.server, _sse_request(request, contestant.chat_body(battle["prompt"])),
-                              "chat")
-        return _anonymous(resp, f"arena-{side}")
+        req = validate_body(contestant.chat_body(battle["prompt"]), ChatCompletionRequest)
+        return await answer(gw, request, req, "chat", model_alias=f"arena-{side}")
 
     @router.post("/battles/{battle_id}/vote")
     async def vote(battle_id: str, request: Request) -> dict:
         owner = owner_of(request)
-        winner = (await _json_body(request)).get("winner")
+        winner = (await _json_body(gw, request)).get("winner")
         battle = await run_in_threadpool(store.vote, owner, battle_id, winner)
         return {"id": battle_id, "object": "kvserve.arena.vote", "winner": winner,
                 "model_a": battle["model_a"], "model_b": battle["model_b"]}
@@ -192,10 +138,12 @@ def arena_router(store: ArenaStore, contestants: tuple[Contestant, ...]) -> APIR
     return router
 
 
-def mount_arena(app: FastAPI, db_path: pathlib.Path, contestants_file: str | None = None, store=None):
-    """The arena's routes on `store` (the server's, from stores/factory.py), else the SQLite store at `db_path`."""
+def mount_arena(app: FastAPI, gw: ServerState, contestants_file: str | None = None,
+                store: ArenaStore | None = None) -> ArenaStore:
+    """The arena's routes on `store` (the server's, from stores/factory.py), else the SQLite store in the
+    server's database file."""
     if store is None:
-        store = ArenaStore(db_path)
+        store = ArenaStore(gw.settings.db_path)
     app.state.arena_store = store
-    app.include_router(arena_router(store, load_contestants(contestants_file)))
+    app.include_router(arena_router(gw, store, load_contestants(contestants_file)))
     return store

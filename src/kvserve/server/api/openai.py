@@ -1,0 +1,102 @@
+"""OpenAI's generation routes, /v1/chat/completions and /v1/completions, read top to bottom.
+
+    (the key's request bucket was taken by the middleware: 429)
+    parse + validate (400) → build_plan: the gates (generation/plan.py) → Lease.acquire: token
+    reservation (429), admission slot (waits; 503 when the queue is full) → run_generation
+    (generation/run.py) → OpenAIRenderer (openai_wire.py): SSE events or one JSON body
+
+`answer` is the whole of it after parsing; the arena (api/arena.py) renders the same stream with
+the model's name hidden. An error after the stream started goes out as an SSE error event before
+`[DONE]`; the lease gives everything back once however the response ends (generation/lease.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from kvserve.errors import KVServeError
+from kvserve.server.api.openai_wire import INTERNAL_ERROR, OpenAIRenderer
+from kvserve.server.generation import (
+    ClientGone,
+    Generation,
+    Kind,
+    Lease,
+    TokenTexts,
+    build_plan,
+    run_generation,
+    run_to_end,
+)
+from kvserve.server.limits import read_body
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+
+if TYPE_CHECKING:
+    from kvserve.server.app import ServerState
+
+logger = logging.getLogger("kvserve.server")
+
+
+def mount_openai(app: FastAPI, gw: ServerState) -> None:
+    """Add the generation routes to `app`."""
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await answer(gw, request, await _parse(gw, request, ChatCompletionRequest), "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await answer(gw, request, await _parse(gw, request, CompletionRequest), "completion")
+
+
+async def _parse(gw: ServerState, request: Request, model: type) -> ChatCompletionRequest | CompletionRequest:
+    s = gw.settings
+    return parse_body(await read_body(request, s.max_body_bytes, s.body_timeout_s), model, s.max_json_depth)
+
+
+async def answer(gw: ServerState, request: Request, req: ChatCompletionRequest | CompletionRequest, kind: Kind,
+                 *, model_alias: str | None = None) -> Response:
+    """One validated request, planned, leased, run and rendered (SSE when it streams)."""
+    record = request.state.record
+    gen = Generation.start(await build_plan(gw, record, req, kind))
+    lease = await Lease.acquire(gw, gen, record, request.receive)
+    render = OpenAIRenderer(gen, TokenTexts(gen.plan.model.tokenizer), model=model_alias)
+    if gen.plan.stream:
+        return StreamingResponse(sse_events(gw, gen, lease, render), media_type="text/event-stream",
+                                 headers=gen.plan.headers, background=BackgroundTask(lease.release, 499))
+    try:
+        await run_to_end(gw, gen, lease, request.receive)
+    except ClientGone:
+        return Response(status_code=499)
+    t0 = time.perf_counter_ns()
+    response = JSONResponse(render.body(), headers=gen.plan.headers)
+    gw.http_ns += time.perf_counter_ns() - t0
+    return response
+
+
+async def sse_events(gw: ServerState, gen: Generation, lease: Lease, render: OpenAIRenderer) -> AsyncIterator[str]:
+    """The SSE body; an error after the stream started is sent as `data: {"error": ...}` before [DONE]."""
+    async with lease:
+        try:
+            for event in render.opening():
+                yield event
+            async for pi, ci, d in run_generation(gw, gen, lease):
+                t0 = time.perf_counter_ns()
+                if (event := render.event(pi, ci, d)) is not None:
+                    yield event      # returns once the response has written it
+                gw.http_ns += time.perf_counter_ns() - t0
+            if render.include_usage:
+                yield render.usage()
+        except KVServeError as e:
+            lease.fail(e.status, e.message)
+            yield render.error(e.to_dict())
+        except Exception as e:
+            logger.exception("error while streaming %s", gen.id)
+            lease.fail(500, repr(e))
+            yield render.error(INTERNAL_ERROR)
+    yield render.done()

@@ -1,0 +1,182 @@
+"""The generation plan: what one request will run, built once from any API's body, gates included.
+
+    parse (the API's module) → `build_plan`: caps (400) → input moderation (400) → route: the
+    model ("auto": the router), the pool (404; 503 while loading) → the ladder's max_tokens cap
+    → the semantic cache (a hit is a plan with a cached answer and nothing to run) → the prompt:
+    template + tokenize in a thread (context.py; 400 when it does not fit) → grammar compiled off
+    the event loop → SamplingParams (400) → the KV budget (400)
+
+Every gate is a call that returns or raises. The plan says what to run; what the request holds
+while it runs (admission slot, token reservation, engine streams) is the `Lease` (lease.py), and
+what came back is the `Generation` (state.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from kvserve.errors import InvalidRequest
+from kvserve.safety.moderator import ModerationConfig
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.server.admission import engine_priority
+from kvserve.server.context import Prompt, build_prompts, reasoning_budget, token_texts
+from kvserve.server.generation.engine import ModelHandle
+from kvserve.server.moderation import prompt_tokenizer
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, check_caps, to_sampling_params
+from kvserve.server.semantic_cache import CachePlan, Hit
+from kvserve.server.stages import Stage, build_stages
+from kvserve.server.structured import for_request
+from kvserve.server.tools import ToolPlan, make_plan
+
+if TYPE_CHECKING:
+    from kvserve.server.app import ServerState
+    from kvserve.server.records import RequestRecord
+
+Kind = Literal["chat", "completion"]
+CAP_HEADER = "x-kvserve-max-tokens-capped"
+TRUNCATED_HEADER = "x-kvserve-truncated-messages"
+CACHE_HEADER = "x-kvserve-cache"
+
+
+@dataclass
+class Timings:
+    """The gateway's own marks (time.monotonic() seconds) for the trace and the access log."""
+
+    t0: float                   # request arrived
+    parsed: float = 0.0         # body validated
+    tokenized: float = 0.0      # template + tokenize done
+    gateway_wait_s: float = 0.0  # time spent in the admission queue
+
+
+@dataclass(frozen=True)
+class CacheScopeKey:
+    """The prefix-cache scope of the request's engine requests (cache_scope.py)."""
+
+    salt: str | None = None          # the key's salt (None: shared)
+    client_salt: str | None = None   # the request's own `cache_salt`
+
+
+@dataclass
+class GenerationPlan:
+    """What one generation request runs: set once by `build_plan`, read by the run and the renderers."""
+
+    kind: Kind
+    model: ModelHandle
+    prompts: list[Prompt]
+    params: SamplingParams | None        # None: a cached answer, nothing to run
+    stages: Callable[[], list[Stage]]    # makes one choice's stage list
+    timings: Timings
+    stream: bool = False
+    include_usage: bool = False          # stream_options.include_usage
+    cache_scope: CacheScopeKey = CacheScopeKey()
+    structured: tuple[StructuredOutputsParams, str] | None = None
+    tools: ToolPlan | None = None
+    moderation: ModerationConfig | None = None
+    input_checks: list[dict[str, Any]] = field(default_factory=list)   # input moderation, for the trace
+    priority: int = 0
+    trace: bool = False                  # kvserve_trace requested
+    prompt_token_texts: list[str] = field(default_factory=list)   # for the trace
+    top_logprobs: int | None = None      # what the client asked for (None: no logprobs in the answer)
+    echo: bool = False                   # completions: the prompt goes before the answer
+    route: dict | None = None            # the router's decision, when it chose the model
+    cache_key: CachePlan | None = None   # the semantic cache's key: the answer is stored under it
+    cached: Hit | None = None            # a semantic-cache hit: the answer, with no engine request
+    headers: dict[str, str] = field(default_factory=dict)   # x-kvserve-* response headers
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+    @property
+    def n(self) -> int:
+        return self.params.n if self.params is not None else 1
+
+    @property
+    def reserve_tokens(self) -> int:
+        """The token reservation: each prompt plus max_tokens for every sequence."""
+        if self.params is None:
+            return 0
+        return sum(len(p.token_ids) + self.params.max_tokens * self.params.num_sequences for p in self.prompts)
+
+
+async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest,
+                     kind: Kind) -> GenerationPlan:
+    """The plan for one validated request, every gate passed in order (see the module's docstring)."""
+    chat = kind == "chat"
+    check_caps(req, gw.settings)
+    moderation = gw.moderation.config_for(record)    # input moderation, before any queue (400)
+    checks = await gw.moderation.check_input_async(req, record, moderation,
+                                                   prompt_tokenizer(gw, req) if not chat else None)
+    timings = Timings(t0=record.t0, parsed=time.monotonic())
+    requested, route, query = await gw.features.route(req, kind, record.key_tier)
+    model = ModelHandle.resolve(gw, requested)
+    headers: dict[str, str] = {}
+    max_tokens = _capped_max_tokens(gw, record, req, headers)
+    common: dict[str, Any] = {"kind": kind, "model": model, "timings": timings, "stream": bool(req.stream),
+                              "include_usage": bool(req.stream and req.stream_options
+                                                    and req.stream_options.include_usage),
+                              "trace": bool(req.kvserve_trace), "route": route}
+    hit, cache_key = await gw.features.from_cache(req, kind, model.name, record.key_name, CAP_HEADER in headers,
+                                                  query)
+    if hit is not None:     # served with no tokens computed
+        return GenerationPlan(prompts=[Prompt(token_ids=[])], params=None, stages=list, cached=hit,
+                              headers={CACHE_HEADER: "semantic"}, **common)
+    tools = make_plan(req.tools, req.tool_choice, req.parallel_tool_calls) if chat else None
+    tok = model.tokenizer
+    prompts = await asyncio.to_thread(build_prompts, tok, req, max_model_len=model.max_model_len,
+                                      max_tokens=max_tokens, tools=tools)
+    if prompts[0].dropped_messages:
+        headers[TRUNCATED_HEADER] = str(prompts[0].dropped_messages)
+    texts = await asyncio.to_thread(token_texts, tok, prompts[0].token_ids) if req.kvserve_trace else []
+    timings.tokenized = time.monotonic()
+    if max_tokens is None:
+        longest = max(len(p.token_ids) for p in prompts)
+        max_tokens = min(gw.settings.default_max_tokens, model.max_model_len - longest)
+    structured = for_request(req, tools)
+    if structured is not None:    # compiled off the event loop, with a time limit (cached per grammar)
+        await model.prepare_grammar(*structured)
+    top = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
+    echo = not chat and bool(req.echo)
+    params = to_sampling_params(req, max_tokens, logprobs=max(top or 0, 5) if req.kvserve_trace else top,
+                                prompt_logprobs=req.logprobs if echo else None,
+                                extra_stop=tools.stop if tools is not None else None,
+                                structured=structured[0] if structured else None,
+                                reasoning_budget=reasoning_budget(req))
+    check_kv_budget(model, prompts, max_tokens, params.num_sequences)
+    if req.stream and params.best_of is not None and params.best_of > params.n:
+        raise InvalidRequest("best_of > n cannot be streamed; drop best_of or stream=false.", param="best_of")
+    return GenerationPlan(
+        prompts=prompts, params=params, headers=headers, structured=structured, tools=tools,
+        stages=lambda: build_stages(tools, reasoning=chat, moderation=lambda: gw.moderation.output_stage(moderation)),
+        cache_scope=CacheScopeKey(gw.cache_scope.salt(record.key, req.cache_salt), req.cache_salt),
+        moderation=moderation, input_checks=checks, priority=engine_priority(record.key_tier, req.priority),
+        prompt_token_texts=texts, top_logprobs=top, echo=echo, cache_key=cache_key, **common)
+
+
+def _capped_max_tokens(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest,
+                       headers: dict[str, str]) -> int | None:
+    """The request's max_tokens under the degradation ladder's cap (and the header saying so)."""
+    max_tokens = req.requested_max_tokens()
+    cap = gw.admission.check(record.key_tier).max_tokens_cap
+    if cap is not None and (max_tokens is None or max_tokens > cap):
+        headers[CAP_HEADER] = str(cap)
+        return cap
+    return max_tokens
+
+
+def check_kv_budget(model: ModelHandle, prompts: list[Prompt], max_tokens: int, num_sequences: int) -> None:
+    """400 when a request's sequences together could never be resident in the KV cache at once
+    (each prompt once, shared by its sequences, plus max_tokens for every sequence)."""
+    capacity = model.kv_capacity_tokens()
+    if not capacity:
+        return
+    need = sum(len(p.token_ids) + num_sequences * max_tokens for p in prompts)
+    if need > capacity:
+        raise InvalidRequest(f"This request needs room for {need} tokens (prompts + n x max_tokens) but the "
+                             f"KV cache holds {capacity}; lower n, best_of or max_tokens.", param="max_tokens")
