@@ -26,6 +26,15 @@ class KVServeError(Exception):
                           "code": self.code}}
 
 
+class RetryLater(KVServeError):
+    """Base class: the same request can succeed later; `retry_after` seconds become the
+    Retry-After header."""
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, **kw):
+        super().__init__(message, **kw)
+        self.retry_after = retry_after
+
+
 class InvalidRequest(KVServeError):
     """A request or parameter is malformed or out of range (HTTP 400)."""
 
@@ -54,31 +63,27 @@ class ModelLoadError(KVServeError):
 
 
 class AuthenticationError(KVServeError):
+    """A missing, unknown or revoked API key, or a non-admin key on an admin route (HTTP 401)."""
+
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
 
 
-class RateLimitError(KVServeError):
+class RateLimitError(RetryLater):
+    """A key's requests or tokens per minute are spent for now (HTTP 429)."""
+
     status = 429
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, *, retry_after: float = 1.0, **kw):
-        super().__init__(message, **kw)
-        self.retry_after = retry_after
 
-
-class Overloaded(KVServeError):
+class Overloaded(RetryLater):
     """The server's waiting queue is full (HTTP 503)."""
 
     status = 503
     type = "server_error"
     code = "overloaded"
-
-    def __init__(self, message: str, *, retry_after: float = 1.0, **kw):
-        super().__init__(message, **kw)
-        self.retry_after = retry_after
 
 
 class ContentPolicyViolation(InvalidRequest):
