@@ -86,6 +86,15 @@ def _is_num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _from_dict(cls: type, fields: dict, usage: str, param: str):
+    """`cls(**fields)` for a field given as a JSON object; unknown keys (the TypeError) are the
+    user's mistake, answered with `usage`."""
+    try:
+        return cls(**fields)
+    except TypeError:
+        raise InvalidRequest(usage, param=param) from None
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -231,11 +240,8 @@ class SamplingParams:
             if isinstance(g, (tuple, list)) and len(g) == 2:
                 self.repetition_guard = RepetitionGuard(*g)
             elif isinstance(g, dict):
-                try:
-                    self.repetition_guard = RepetitionGuard(**g)
-                except TypeError:
-                    raise InvalidRequest("repetition_guard takes {'window': K, 'repeats': N}.",
-                                         param="repetition_guard") from None
+                self.repetition_guard = _from_dict(RepetitionGuard, g, "repetition_guard takes {'window': K, "
+                                                   "'repeats': N}.", "repetition_guard")
             elif not isinstance(g, RepetitionGuard):
                 raise InvalidRequest("repetition_guard must be {'window': K, 'repeats': N} or null.",
                                      param="repetition_guard")
@@ -247,11 +253,8 @@ class SamplingParams:
                                  param="use_beam_search")
         so = self.structured_outputs
         if isinstance(so, dict):
-            try:
-                self.structured_outputs = StructuredOutputsParams(**so)
-            except TypeError:
-                raise InvalidRequest("structured_outputs takes json, regex, choice, grammar or json_object.",
-                                     param="structured_outputs") from None
+            self.structured_outputs = _from_dict(StructuredOutputsParams, so, "structured_outputs takes json, "
+                                                 "regex, choice, grammar or json_object.", "structured_outputs")
         elif so is not None and not isinstance(so, StructuredOutputsParams):
             raise InvalidRequest("structured_outputs must be a StructuredOutputsParams or a dict.",
                                  param="structured_outputs")
