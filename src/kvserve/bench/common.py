@@ -1,5 +1,5 @@
 """What every `kvserve bench` command shares: the stderr console, progress bars driven by a
-benchmark's events, and the table/JSON writer. The command modules import it; it imports none
+benchmark's events, the table/JSON writer and the row of bar charts. The command modules import it; it imports none
 of them (so the import graph inside bench/ stays acyclic)."""
 
 from __future__ import annotations
@@ -43,6 +43,30 @@ def write_outputs(out_dir: Path, stem: str, table: str, data: list[dict]) -> Non
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.md").write_text(table + "\n")
     (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+
+
+def save_bar_charts(path: str | Path, names: list[str], colors: list[str],
+                    panels: list[tuple[str, list[float], str]], *, width: float, ylabel: str | None = None,
+                    title: str = "") -> None:
+    """A PNG of bar charts side by side, one per (panel title, values, bar-label format), each
+    with a bar per name in `colors`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 3.6), squeeze=False)
+    for ax, (label, vals, fmt) in zip(axes[0], panels):
+        bars = ax.bar(names, vals, color=colors)
+        ax.bar_label(bars, fmt=fmt)
+        ax.set_title(label)
+        if ylabel:
+            ax.set_ylabel(ylabel)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def wait_healthy(base_url: str, timeout_s: float = 300.0) -> bool:

@@ -17,8 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
 import torch
 
+from kvserve.bench.common import save_bar_charts
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.kv_quant import cache_shape
 
@@ -63,7 +65,33 @@ def prompt_ids(vocab_size: int, n: int, seed: int) -> list[int]:
     return torch.randint(100, min(vocab_size, 30000), (n,), generator=g).tolist()
 
 
-class KvserveRunner:
+class _Runner:
+    """Times one greedy generation the same way for every engine: `prefill(ids)` returns the
+    first token, then `decode(token)` is called `decode_tokens` times, each returning the next.
+    A runner keeps its own position or cache between the calls."""
+
+    name: str
+
+    def prefill(self, ids: list[int]) -> int:
+        raise NotImplementedError
+
+    def decode(self, tok: int) -> int:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def run(self, ids: list[int], decode_tokens: int, progress: Progress | None = None) -> tuple[float, float]:
+        """(prefill seconds, decode seconds)."""
+        t0 = time.perf_counter()
+        tok = self.prefill(ids)
+        t1 = time.perf_counter()
+        for _ in range(decode_tokens):
+            tok = self.decode(tok)
+            if progress:
+                progress(1)
+        return t1 - t0, time.perf_counter() - t1
+
+
+class KvserveRunner(_Runner):
     """kvserve's model on its paged KV cache: one sequence, block size 16."""
 
     name = "kvserve"
@@ -107,21 +135,17 @@ class KvserveRunner:
         logits = self.model.compute_logits(hidden[-1:])
         return int(logits[0].argmax())
 
-    @torch.inference_mode()
-    def run(self, ids: list[int], decode_tokens: int, progress: Progress | None = None) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        tok = self._step(ids, 0)
-        t1 = time.perf_counter()
-        pos = len(ids)
-        for _ in range(decode_tokens):
-            tok = self._step([tok], pos)
-            pos += 1
-            if progress:
-                progress(1)
-        return t1 - t0, time.perf_counter() - t1
+    def prefill(self, ids: list[int]) -> int:
+        self._pos = len(ids)
+        return self._step(ids, 0)
+
+    def decode(self, tok: int) -> int:
+        tok = self._step([tok], self._pos)
+        self._pos += 1
+        return tok
 
 
-class LlamaCppRunner:
+class LlamaCppRunner(_Runner):
     """llama-cpp-python on the same GGUF file (pip install 'kvserve[llama-cpp]')."""
 
     name = "llama.cpp"
@@ -145,23 +169,23 @@ class LlamaCppRunner:
         self.detail = f"llama-cpp-python {llama_cpp.__version__}, {path.name}, {cfg.threads} threads"
 
     def run(self, ids: list[int], decode_tokens: int, progress: Progress | None = None) -> tuple[float, float]:
-        import numpy as np
-
         self.llm.reset()
         self.llm._ctx.kv_cache_clear()
-        t0 = time.perf_counter()
+        return super().run(ids, decode_tokens, progress)
+
+    def prefill(self, ids: list[int]) -> int:
+        return self._eval_next(ids)
+
+    def decode(self, tok: int) -> int:
+        return self._eval_next([tok])
+
+    def _eval_next(self, ids: list[int]) -> int:
+        """Evaluate `ids` after what the context holds; the greedy next token."""
         self.llm.eval(ids)
-        tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
-        t1 = time.perf_counter()
-        for _ in range(decode_tokens):
-            self.llm.eval([tok])
-            tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
-            if progress:
-                progress(1)
-        return t1 - t0, time.perf_counter() - t1
+        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
 
 
-class TransformersRunner:
+class TransformersRunner(_Runner):
     """Hugging Face transformers on fp32 weights dequantized from the same GGUF."""
 
     name = "transformers"
@@ -178,19 +202,15 @@ class TransformersRunner:
         self.vocab_size = self.model.config.vocab_size
         self.detail = f"transformers {transformers.__version__}, fp32 from {path.name}, {cfg.threads} threads"
 
-    @torch.inference_mode()
-    def run(self, ids: list[int], decode_tokens: int, progress: Progress | None = None) -> tuple[float, float]:
-        t0 = time.perf_counter()
+    def prefill(self, ids: list[int]) -> int:
         out = self.model(torch.tensor([ids]), use_cache=True)
-        tok = int(out.logits[0, -1].argmax())
-        t1 = time.perf_counter()
-        past = out.past_key_values
-        for _ in range(decode_tokens):
-            out = self.model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
-            past, tok = out.past_key_values, int(out.logits[0, -1].argmax())
-            if progress:
-                progress(1)
-        return t1 - t0, time.perf_counter() - t1
+        self._past = out.past_key_values
+        return int(out.logits[0, -1].argmax())
+
+    def decode(self, tok: int) -> int:
+        out = self.model(torch.tensor([[tok]]), past_key_values=self._past, use_cache=True)
+        self._past = out.past_key_values
+        return int(out.logits[0, -1].argmax())
 
 
 RUNNERS = {"kvserve": KvserveRunner, "llama-cpp": LlamaCppRunner, "transformers": TransformersRunner}
@@ -291,27 +311,14 @@ def markdown_table(results: list[LatencyResult]) -> str:
 
 
 def save_chart(results: list[LatencyResult], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     several = len({r.prompt_tokens for r in results}) > 1
     names = [f"{r.engine}\n{r.prompt_tokens}" if several else r.engine for r in results]
     prompt = "N" if several else str(results[0].prompt_tokens)
-    for ax, title, vals in (
-        (axes[0], f"prefill, {prompt}-token prompt", [r.prefill_tps for r in results]),
-        (axes[1], f"decode, {results[0].decode_tokens} tokens, batch 1", [r.decode_tps for r in results]),
-    ):
-        colors = {"kvserve": "#3b7dd8", "llama.cpp": "#d8793b", "transformers": "#5fa55a"}
-        bars = ax.bar(names, vals, color=[colors.get(r.engine, "#999999") for r in results])
-        ax.bar_label(bars, fmt="%.0f")
-        ax.set_title(title)
-        ax.set_ylabel("tokens/s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    colors = {"kvserve": "#3b7dd8", "llama.cpp": "#d8793b", "transformers": "#5fa55a"}
+    save_bar_charts(path, names, [colors.get(r.engine, "#999999") for r in results], [
+        (f"prefill, {prompt}-token prompt", [r.prefill_tps for r in results], "%.0f"),
+        (f"decode, {results[0].decode_tokens} tokens, batch 1", [r.decode_tps for r in results], "%.0f"),
+    ], width=9, ylabel="tokens/s")
 
 
 # ---- kernels alone --------------------------------------------------------------------------
@@ -341,7 +348,6 @@ def kernel_latency(tokens: list[int], shapes=None, threads: int = 2,
     """Microseconds per call of each Linear variant on random weights of the model's shapes."""
     from dataclasses import replace
 
-    import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 

@@ -29,7 +29,7 @@ from typing import Annotated
 import torch
 import typer
 
-from kvserve.bench.common import console, progress, progress_events, write_outputs
+from kvserve.bench.common import console, progress, progress_events, save_bar_charts, write_outputs
 from kvserve.errors import InvalidRequest, KVServeError
 
 Emit = Callable[..., None]
@@ -215,27 +215,11 @@ def markdown_table(results: list[ThroughputResult]) -> str:
 
 
 def save_chart(results: list[ThroughputResult], path: str | Path, title: str = "") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
-    names = [r.engine for r in results]
-    colors = ["#3b7dd8", "#5fa55a", "#d8793b", "#999999"][: len(results)]
-    for ax, label, vals, fmt in (
-        (axes[0], "requests/s", [r.requests_per_s for r in results], "%.2f"),
-        (axes[1], "total tokens/s", [r.total_tps for r in results], "%.0f"),
-        (axes[2], "output tokens/s", [r.output_tps for r in results], "%.0f"),
-    ):
-        bars = ax.bar(names, vals, color=colors)
-        ax.bar_label(bars, fmt=fmt)
-        ax.set_title(label)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_bar_charts(path, [r.engine for r in results], ["#3b7dd8", "#5fa55a", "#d8793b", "#999999"][: len(results)], [
+        ("requests/s", [r.requests_per_s for r in results], "%.2f"),
+        ("total tokens/s", [r.total_tps for r in results], "%.0f"),
+        ("output tokens/s", [r.output_tps for r in results], "%.0f"),
+    ], width=11, title=title)
 
 
 def throughput(
