@@ -22,32 +22,19 @@ import torch.nn.functional as F
 from kvserve.tokenizer import Tokenizer
 from kvserve.train.common import epoch_batch, frozen, init_distributed, pad_rows, token_logprobs, trainable
 from kvserve.train.export import export_hf
-from kvserve.train.loop import LoopConfig, run_loop
+from kvserve.train.loop import FinetuneConfig, LoopConfig, run_loop
 from kvserve.train.sft import read_jsonl
 
 
 @dataclass
-class DPOConfig:
-    model: str                     # HF-format directory (usually the SFT output); also the reference
-    data: str                      # JSONL: {"prompt": str | messages, "chosen": str, "rejected": str}
-    out: str
-    beta: float = 0.1
-    epochs: int = 3
-    max_steps: int | None = None
-    batch_size: int = 8            # preference pairs per step
+class DPOConfig(FinetuneConfig):
+    """`model`: usually the SFT output, also the frozen reference; `data`: one
+    {"prompt": str | messages, "chosen": str, "rejected": str} per line; `batch_size` counts
+    preference pairs."""
+
     lr: float = 5e-4
     warmup_steps: int = 5
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    max_len: int = 512
-    seed: int = 0
-    lora_rank: int = 0             # > 0: train a LoRA adapter of this rank on a frozen base (train/lora.py)
-    lora_targets: str | None = None   # q,k,v,o,gate,up,down (default: all seven)
-    lora_alpha: float | None = None   # default 2 * rank
-    qlora: bool = False            # the frozen base in 4 bits (GGUF q4_0 on kvserve's kernels)
-    checkpoint_every: int = 100
-    resume: bool = False
-    stop_after_steps: int | None = None
+    beta: float = 0.1
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
@@ -121,11 +108,7 @@ def dpo(cfg: DPOConfig) -> dict:
                 "chosen_reward": float(rc.detach().mean()), "rejected_reward": float(rr.detach().mean()),
                 "tokens": sum(len(b[0]) + len(b[1]) for b in batch)}
 
-    loop = LoopConfig(out=cfg.out, max_steps=total, lr=cfg.lr, warmup_steps=min(cfg.warmup_steps, total // 2),
-                      weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                      checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
-                      stop_after_steps=cfg.stop_after_steps, title="dpo")
-    log = run_loop(model, loop, step_fn, lambda: dict(pos), pos.update, info, cfg)
+    log = run_loop(model, LoopConfig.for_stage(cfg, total, "dpo"), step_fn, lambda: dict(pos), pos.update, info, cfg)
     # final reward accuracy over every pair with the trained policy
     with torch.no_grad():
         lp = reply_logprobs(model, [p[0] for p in pairs] + [p[1] for p in pairs], [p[2] for p in pairs] * 2, pad_id)

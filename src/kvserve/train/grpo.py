@@ -184,11 +184,7 @@ def grpo(cfg: GRPOConfig) -> dict:
                 "task_reward": float(task_rewards.mean()), "accuracy": accuracy(task_rewards.reshape(-1).tolist()),
                 "tokens": int(mask.sum()), **metrics}
 
-    loop = LoopConfig(out=cfg.out, max_steps=cfg.max_steps, lr=cfg.lr,
-                      warmup_steps=min(cfg.warmup_steps, cfg.max_steps // 2), min_lr_ratio=1.0,
-                      weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                      checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
-                      stop_after_steps=cfg.stop_after_steps, title="grpo")
+    loop = LoopConfig.for_stage(cfg, cfg.max_steps, "grpo", min_lr_ratio=1.0)   # a constant LR after warmup
     log = run_loop(model, loop, step_fn, dict, lambda state: None, info, cfg)
     after = evaluate(llm, tok, scorer, eval_set, eval_params, cfg.max_tokens)
     if info.is_main:

@@ -41,6 +41,41 @@ class LoopConfig:
     stop_after_steps: int | None = None
     title: str = "train"
 
+    @classmethod
+    def for_stage(cls, stage, total: int, title: str, **kw) -> LoopConfig:
+        """The loop a stage's config asks for through its fields of the same names, `total` steps
+        long, the warmup at most half of them."""
+        return cls(out=stage.out, max_steps=total, lr=stage.lr, warmup_steps=min(stage.warmup_steps, total // 2),
+                   weight_decay=stage.weight_decay, grad_clip=stage.grad_clip,
+                   checkpoint_every=stage.checkpoint_every, resume=stage.resume,
+                   stop_after_steps=stage.stop_after_steps, title=title, **kw)
+
+
+@dataclass
+class FinetuneConfig:
+    """What SFT and DPO both take: a model and a JSONL data file (each stage says its fields),
+    batching, the optimiser, a LoRA/QLoRA adapter instead of full training, checkpoints."""
+
+    model: str                     # HF-format directory
+    data: str                      # JSONL, one example per line
+    out: str
+    epochs: int = 3
+    max_steps: int | None = None   # None: epochs * batches per epoch
+    batch_size: int = 8
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    max_len: int = 512
+    seed: int = 0
+    lora_rank: int = 0             # > 0: train a LoRA adapter of this rank on a frozen base (train/lora.py)
+    lora_targets: str | None = None   # q,k,v,o,gate,up,down (default: all seven)
+    lora_alpha: float | None = None   # default 2 * rank
+    qlora: bool = False            # the frozen base in 4 bits (GGUF q4_0 on kvserve's kernels)
+    checkpoint_every: int = 100
+    resume: bool = False
+    stop_after_steps: int | None = None
+
 
 def run_loop(model: torch.nn.Module, cfg: LoopConfig, step_fn: Callable[[int], dict],
              data_state: Callable[[], dict], restore_data: Callable[[dict], None],

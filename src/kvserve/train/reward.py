@@ -173,10 +173,7 @@ def reward(cfg: RewardConfig) -> dict:
             out["heldout_acc"] = accuracy(held)
         return out
 
-    loop = LoopConfig(out=cfg.out, max_steps=total, lr=cfg.lr, warmup_steps=min(cfg.warmup_steps, total // 2),
-                      weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, checkpoint_every=cfg.checkpoint_every,
-                      resume=cfg.resume, stop_after_steps=cfg.stop_after_steps, title="reward")
-    log = run_loop(rm, loop, step_fn, lambda: dict(pos), pos.update, info, cfg)
+    log = run_loop(rm, LoopConfig.for_stage(cfg, total, "reward"), step_fn, lambda: dict(pos), pos.update, info, cfg)
     final = {"heldout_accuracy": accuracy(held), "train_accuracy": accuracy(train[:len(held) * 4]),
              "heldout_pairs": len(held), "train_pairs": len(train)}
     if info.is_main:

@@ -25,31 +25,15 @@ from kvserve.errors import InvalidRequest
 from kvserve.tokenizer import Tokenizer
 from kvserve.train.common import init_distributed, pad_rows, token_logprobs, trainable
 from kvserve.train.export import export_hf
-from kvserve.train.loop import LoopConfig, run_loop
+from kvserve.train.loop import FinetuneConfig, LoopConfig, run_loop
 
 
 @dataclass
-class SFTConfig:
-    model: str                     # HF-format directory (e.g. the output of `kvserve train pretrain`)
-    data: str                      # JSONL, one {"messages": [{"role": ..., "content": ...}, ...]} per line
-    out: str
-    epochs: int = 3
-    max_steps: int | None = None   # None: epochs * batches per epoch
-    batch_size: int = 8
-    lr: float = 1e-3
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    max_len: int = 512
-    seed: int = 0
-    lora_rank: int = 0             # > 0: train a LoRA adapter of this rank on a frozen base (train/lora.py)
-    lora_targets: str | None = None   # q,k,v,o,gate,up,down (default: all seven)
-    lora_alpha: float | None = None   # default 2 * rank
-    qlora: bool = False            # the frozen base in 4 bits (GGUF q4_0 on kvserve's kernels)
-    checkpoint_every: int = 100
-    resume: bool = False
+class SFTConfig(FinetuneConfig):
+    """`model`: e.g. the output of `kvserve train pretrain`; `data`: one
+    {"messages": [{"role": ..., "content": ...}, ...]} per line."""
+
     debug: bool = False            # print the first example with its trained tokens marked
-    stop_after_steps: int | None = None
 
 
 def read_jsonl(path: str | Path, required: tuple[str, ...]) -> list[dict]:
@@ -166,11 +150,7 @@ def sft(cfg: SFTConfig) -> dict:
         loss.backward()
         return {"loss": loss.item(), "tokens": sum(len(r[0]) for r in rows), "trained_tokens": n}
 
-    loop = LoopConfig(out=cfg.out, max_steps=total, lr=cfg.lr, warmup_steps=min(cfg.warmup_steps, total // 2),
-                      weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                      checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
-                      stop_after_steps=cfg.stop_after_steps, title="sft")
-    log = run_loop(model, loop, step_fn, lambda: dict(pos), pos.update, info, cfg)
+    log = run_loop(model, LoopConfig.for_stage(cfg, total, "sft"), step_fn, lambda: dict(pos), pos.update, info, cfg)
     if info.is_main and getattr(model, "lora_train", None):
         from kvserve.train.lora import save_adapter
         save_adapter(model, cfg.out, str(cfg.model))
