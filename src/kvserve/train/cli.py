@@ -7,6 +7,7 @@ Each subcommand is a thin layer over its stage's config dataclass; the same comm
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -44,6 +45,17 @@ def _threads(n: int | None) -> None:
         import torch
 
         torch.set_num_threads(n)
+
+
+def _run_stage(threads: int | None, stage: Callable[[], dict], keys: tuple[str, ...]) -> None:
+    """Run a training stage on `threads` torch threads; a user error prints `error: ...` and
+    exits 1, a result prints its `keys` as JSON."""
+    _threads(threads)
+    try:
+        result = stage()
+    except KVServeError as e:
+        _fail(e)
+    _summary(result, keys)
 
 
 @train_app.command("draft")
@@ -214,14 +226,10 @@ def sft_cmd(
     """Supervised fine-tuning on chats; loss on assistant tokens only."""
     from kvserve.train.sft import SFTConfig, sft
 
-    _threads(threads)
-    try:
-        r = sft(SFTConfig(model=model, data=data, out=out, epochs=epochs, max_steps=max_steps,
-                          batch_size=batch_size, lr=lr, max_len=max_len, seed=seed, debug=debug, resume=resume,
-                          lora_rank=lora_rank, lora_targets=lora_targets, lora_alpha=lora_alpha, qlora=qlora))
-    except KVServeError as e:
-        _fail(e)
-    _summary(r, ("out", "steps"))
+    _run_stage(threads, lambda: sft(SFTConfig(
+        model=model, data=data, out=out, epochs=epochs, max_steps=max_steps, batch_size=batch_size, lr=lr,
+        max_len=max_len, seed=seed, debug=debug, resume=resume, lora_rank=lora_rank, lora_targets=lora_targets,
+        lora_alpha=lora_alpha, qlora=qlora)), ("out", "steps"))
 
 
 @train_app.command("dpo")
@@ -242,14 +250,10 @@ def dpo_cmd(
     """Direct Preference Optimization against a frozen reference copy of --model."""
     from kvserve.train.dpo import DPOConfig, dpo
 
-    _threads(threads)
-    try:
-        r = dpo(DPOConfig(model=model, data=data, out=out, beta=beta, epochs=epochs, max_steps=max_steps,
-                          batch_size=batch_size, lr=lr, seed=seed, resume=resume, lora_rank=lora_rank,
-                          lora_targets=lora_targets, lora_alpha=lora_alpha, qlora=qlora))
-    except KVServeError as e:
-        _fail(e)
-    _summary(r, ("out", "steps", "reward_accuracy", "reward_margin"))
+    _run_stage(threads, lambda: dpo(DPOConfig(
+        model=model, data=data, out=out, beta=beta, epochs=epochs, max_steps=max_steps, batch_size=batch_size,
+        lr=lr, seed=seed, resume=resume, lora_rank=lora_rank, lora_targets=lora_targets, lora_alpha=lora_alpha,
+        qlora=qlora)), ("out", "steps", "reward_accuracy", "reward_margin"))
 
 
 @train_app.command("merge")
@@ -288,20 +292,19 @@ def reward_cmd(
     from kvserve.errors import InvalidRequest
     from kvserve.train.reward import RewardConfig, reward, synthetic_preferences
 
-    _threads(threads)
-    try:
+    def stage() -> dict:
         if (data is None) == (synthetic is None):
             raise InvalidRequest("give --data FILE or --synthetic repeat|arithmetic", param="data")
+        path = data
         if synthetic:
             Path(out).mkdir(parents=True, exist_ok=True)
-            data = str(synthetic_preferences(Path(out) / f"synthetic-{synthetic}.jsonl", task=synthetic, seed=seed,
+            path = str(synthetic_preferences(Path(out) / f"synthetic-{synthetic}.jsonl", task=synthetic, seed=seed,
                                              wrong_per_problem=12 if synthetic == "repeat" else 4))
-        r = reward(RewardConfig(model=model, data=data, out=out, epochs=epochs, max_steps=max_steps,
-                                batch_size=batch_size, lr=lr, heldout_every=heldout_every, eval_every=eval_every,
-                                seed=seed, resume=resume))
-    except KVServeError as e:
-        _fail(e)
-    _summary(r, ("out", "steps", "heldout_accuracy", "train_accuracy", "heldout_pairs"))
+        return reward(RewardConfig(model=model, data=path, out=out, epochs=epochs, max_steps=max_steps,
+                                   batch_size=batch_size, lr=lr, heldout_every=heldout_every, eval_every=eval_every,
+                                   seed=seed, resume=resume))
+
+    _run_stage(threads, stage, ("out", "steps", "heldout_accuracy", "train_accuracy", "heldout_pairs"))
 
 
 @train_app.command("grpo")
@@ -332,18 +335,13 @@ def grpo_cmd(
     """Group Relative Policy Optimization with a verifiable reward, sampling through kvserve's engine."""
     from kvserve.train.grpo import GRPOConfig, grpo
 
-    _threads(threads)
-    try:
-        r = grpo(GRPOConfig(model=model, out=out, task=task, max_operand=max_operand, group_size=group_size,
-                            prompts_per_step=prompts_per_step, max_steps=max_steps, max_tokens=max_tokens,
-                            temperature=temperature, kl_coef=kl_coef, scale_rewards=not no_std, lr=lr,
-                            seed=seed, resume=resume, reward_model=reward_model, heldout=heldout, terms=terms,
-                            eval_prompts=eval_prompts, eval_samples=eval_samples))
-    except KVServeError as e:
-        _fail(e)
-    _summary(r, ("out", "eval_reward_before", "eval_reward_after", "eval_accuracy_before", "eval_accuracy_after",
-                 "eval_greedy_accuracy_before", "eval_greedy_accuracy_after", "eval_thinking_before",
-                 "eval_thinking_after"))
+    shown = ("out", "eval_reward_before", "eval_reward_after", "eval_accuracy_before", "eval_accuracy_after",
+             "eval_greedy_accuracy_before", "eval_greedy_accuracy_after", "eval_thinking_before", "eval_thinking_after")
+    _run_stage(threads, lambda: grpo(GRPOConfig(
+        model=model, out=out, task=task, max_operand=max_operand, group_size=group_size,
+        prompts_per_step=prompts_per_step, max_steps=max_steps, max_tokens=max_tokens, temperature=temperature,
+        kl_coef=kl_coef, scale_rewards=not no_std, lr=lr, seed=seed, resume=resume, reward_model=reward_model,
+        heldout=heldout, terms=terms, eval_prompts=eval_prompts, eval_samples=eval_samples)), shown)
 
 
 @eval_app.command("perplexity")
