@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,18 @@ import torch
 from kvserve.errors import InvalidRequest
 
 CHECKPOINT_NAME = "checkpoint.pt"
+
+
+@contextmanager
+def saved_on_interrupt(save: Callable[[], None], close: Callable[[], None]) -> Iterator[None]:
+    """Ctrl-C inside the block saves a checkpoint and closes the run's log before it goes on up,
+    so `--resume` continues from the step reached."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        save()
+        close()
+        raise
 
 
 def save_checkpoint(out_dir: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

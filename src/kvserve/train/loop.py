@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from kvserve.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, saved_on_interrupt
 from kvserve.train.common import (
     DistInfo,
     RunLog,
@@ -97,7 +97,7 @@ def run_loop(model: torch.nn.Module, cfg: LoopConfig, step_fn: Callable[[int], d
         if info.is_main:
             save_checkpoint(out, model=model, optimizer=opt, scheduler=sched, step=step, data_state=data_state())
 
-    try:
+    with saved_on_interrupt(save, lambda: log.close(run_config)):
         while step < cfg.max_steps:
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
@@ -116,10 +116,6 @@ def run_loop(model: torch.nn.Module, cfg: LoopConfig, step_fn: Callable[[int], d
                 save()
             if cfg.stop_after_steps is not None and step - start >= cfg.stop_after_steps:
                 break
-    except KeyboardInterrupt:
-        save()
-        log.close(run_config)
-        raise
     save()
     log.close(run_config)
     return log

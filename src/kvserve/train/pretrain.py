@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from kvserve.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, saved_on_interrupt
 from kvserve.train.common import (
     RunLog,
     all_reduce_mean,
@@ -121,7 +121,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
         log.log("eval", step, **m)
         return m
 
-    try:
+    with saved_on_interrupt(save, lambda: log.close(cfg)):
         while step < total:
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
@@ -156,10 +156,6 @@ def pretrain(cfg: PretrainConfig) -> dict:
                 break
             if cfg.stop_after_steps is not None and step - start >= cfg.stop_after_steps:
                 break
-    except KeyboardInterrupt:
-        save()
-        log.close(cfg)
-        raise
     save()
     result: dict = {"out": str(out), "steps": step, "params": n_params, "unigram_bpb": unigram,
                     "history": log.history}
