@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvserve.errors import InvalidRequest
-from kvserve.server.stores.sql import Conflict, SQLStore
+from kvserve.server.stores.sql import Conflict
+from kvserve.server.stores.store import SQLStore
 
 STEPS = [(
     """CREATE TABLE IF NOT EXISTS test_notes (

@@ -15,7 +15,8 @@ import time
 
 from kvserve.errors import InvalidRequest, KVServeError
 from kvserve.server.arena_ratings import SCORES
-from kvserve.server.stores.sql import SQLStore, Steps
+from kvserve.server.stores.sql import Steps
+from kvserve.server.stores.store import SQLStore
 
 STEPS: Steps = [
     (  # 1 ($seq: PostgreSQL's stand-in for SQLite's rowid in the votes' order)

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvserve.errors import InvalidRequest
-from kvserve.server.stores.sql import Conflict, SQLStore, Steps
+from kvserve.server.stores.sql import Conflict, Steps
+from kvserve.server.stores.store import SQLStore
 
 STEPS: Steps = [
     (  # 1

@@ -24,7 +24,8 @@ import time
 from typing import Any
 
 from kvserve.errors import InvalidRequest
-from kvserve.server.stores.sql import SQLStore, Steps
+from kvserve.server.stores.sql import Steps
+from kvserve.server.stores.store import SQLStore
 
 STEPS: Steps = [
     (  # 1

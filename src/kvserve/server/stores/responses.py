@@ -18,7 +18,8 @@ import time
 from typing import Any
 
 from kvserve.errors import KVServeError
-from kvserve.server.stores.sql import SQLStore, Steps
+from kvserve.server.stores.sql import Steps
+from kvserve.server.stores.store import SQLStore
 
 
 class ResponseNotFound(KVServeError):

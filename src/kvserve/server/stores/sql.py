@@ -35,7 +35,6 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from kvserve.server import storage
-from kvserve.server.stores.common import DATABASE_SCHEMES, check_url
 
 Steps = list[tuple[str, ...]]
 
@@ -152,40 +151,3 @@ class SQLiteDatabase(Database):
     def close(self) -> None:
         with self._lock:
             self._conn.close()
-
-
-def open_database(target: Database | pathlib.Path | str) -> tuple[Database, bool]:
-    """`target` as a Database, and whether the caller owns (closes) it: a Database is shared; a
-    postgresql:// URL opens a pool (stores/postgres.py); anything else is a SQLite file's path."""
-    if isinstance(target, Database):
-        return target, False
-    if isinstance(target, str) and "://" in target:
-        from kvserve.server.stores.postgres import PostgresDatabase
-
-        return PostgresDatabase(check_url(target, "--database-url", DATABASE_SCHEMES)), True
-    return SQLiteDatabase(target), True
-
-
-class SQLStore:
-    """What every store shares: its database (opened from a path or URL, or a shared one it does
-    not close) and its tables, created or migrated at open from its `component`'s `steps`."""
-
-    component: ClassVar[str] = ""
-    steps: ClassVar[Steps] = []
-
-    def __init__(self, db: Database | pathlib.Path | str):
-        self.db, self._owns_db = open_database(db)
-        try:
-            self.db.schema(self.component, self.steps)
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def remote(self) -> bool:
-        return self.db.remote
-
-    def close(self) -> None:
-        if self._owns_db:
-            self.db.close()
-
