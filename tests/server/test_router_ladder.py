@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvserve.server.admission import Admission
+from kvserve.server.gates.admission import Admission
 from kvserve.server.models import ModelPool, ModelSpec
 from kvserve.server.router import Router
 from kvserve.server.settings import ServerSettings

@@ -20,18 +20,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
 from kvserve.errors import InvalidRequest, KVServeError
-from kvserve.server.admission import Admission
 from kvserve.server.api.openai import mount_openai
 from kvserve.server.api.responses import mount_responses
 from kvserve.server.cache_scope import CacheScope
 from kvserve.server.conformance import mount_conformance
 from kvserve.server.features import ServerFeatures
-from kvserve.server.limits import read_body
+from kvserve.server.gates.admission import Admission
+from kvserve.server.gates.auth import GatewayMiddleware
+from kvserve.server.gates.limits import read_body
+from kvserve.server.gates.moderation import ModerationService, mount_moderation
 from kvserve.server.lora_admin import mount_lora
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.middleware import GatewayMiddleware
 from kvserve.server.models import ModelPool
-from kvserve.server.moderation import ModerationService, mount_moderation
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stores.counters import CountersCollector

@@ -33,7 +33,7 @@ from prometheus_client import Histogram
 from pydantic import Field
 
 from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound, Overloaded
-from kvserve.server.limits import read_body
+from kvserve.server.gates.limits import read_body
 from kvserve.server.protocol import _Strict, parse_body
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvserve.errors import InvalidRequest
 from kvserve.sampling_params import RepetitionGuard, SamplingParams, StructuredOutputsParams
-from kvserve.server.limits import load_json
+from kvserve.server.gates.limits import load_json
 from kvserve.server.settings import ServerSettings
 from kvserve.server.tools import MAX_TOOLS
 from kvserve.server.tools import NAME_RE as TOOL_NAME_RE

@@ -31,7 +31,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest, KVServeError
-from kvserve.server.limits import load_json, read_body
+from kvserve.server.gates.limits import load_json, read_body
 from kvserve.server.stores.conversations import ConversationStore, StoreLimits
 
 STATIC_DIR = pathlib.Path(__file__).parent / "static"

@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from kvserve.errors import InvalidRequest
 from kvserve.server.api.openai import answer
 from kvserve.server.arena_ratings import leaderboard
-from kvserve.server.limits import load_json, read_body
+from kvserve.server.gates.limits import load_json, read_body
 from kvserve.server.protocol import ChatCompletionRequest, validate_body
 from kvserve.server.stores.arena import ArenaStore, BattleNotFound
 from kvserve.server.webui import owner_of

@@ -23,7 +23,7 @@ import anyio
 
 from kvserve.errors import KVServeError
 from kvserve.outputs import RequestOutput
-from kvserve.server.admission import Ticket
+from kvserve.server.gates.admission import Ticket
 from kvserve.server.generation.state import Generation
 
 if TYPE_CHECKING:

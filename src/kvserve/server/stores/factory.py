@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvserve.server.ratelimit import RateLimiter
+from kvserve.server.gates.ratelimit import RateLimiter
 from kvserve.server.stores.arena import ArenaStore
 from kvserve.server.stores.common import DATABASE_SCHEMES, REDIS_SCHEMES, check_url
 from kvserve.server.stores.conversations import ConversationStore

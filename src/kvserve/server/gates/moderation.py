@@ -30,7 +30,7 @@ from prometheus_client import Counter, Histogram
 from kvserve.errors import ContentPolicyViolation, InvalidRequest, KVServeError
 from kvserve.safety import pii
 from kvserve.safety.moderator import ModerationConfig, Moderator, Verdict
-from kvserve.server.limits import load_json, read_body
+from kvserve.server.gates.limits import load_json, read_body
 from kvserve.server.stages import ChoiceDelta
 from kvserve.server.stores.moderation_policies import PolicyStore
 
