@@ -12,7 +12,7 @@ from kvserve.server.context import Prompt
 from kvserve.server.generation import Generation, GenerationPlan, ModelHandle, Timings
 from kvserve.server.records import GenerationLog, RequestRecord
 from kvserve.server.stages import ChoiceDelta, build_stages, run_stages
-from kvserve.server.tools import make_plan, parse_output
+from kvserve.server.stages.tools import make_plan, parse_output
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 PLAN = make_plan([WEATHER], "auto", None)

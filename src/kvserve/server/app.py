@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
 from kvserve.errors import InvalidRequest, KVServeError
+from kvserve.server.api.moderations import mount_moderations
 from kvserve.server.api.openai import mount_openai
 from kvserve.server.api.responses import mount_responses
 from kvserve.server.cache_scope import CacheScope
@@ -28,7 +29,7 @@ from kvserve.server.features import ServerFeatures
 from kvserve.server.gates.admission import Admission
 from kvserve.server.gates.auth import GatewayMiddleware
 from kvserve.server.gates.limits import read_body
-from kvserve.server.gates.moderation import ModerationService, mount_moderation
+from kvserve.server.gates.moderation import ModerationService
 from kvserve.server.lora_admin import mount_lora
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.models import ModelPool
@@ -167,7 +168,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
                                        "param": None, "code": "internal_error"}}, status_code=500)
 
     mount_openai(app, state)       # /v1/chat/completions, /v1/completions
-    mount_moderation(app, state)   # /v1/moderations
+    mount_moderations(app, state)  # /v1/moderations
     mount_responses(app, state)    # /v1/responses
     mount_lora(app, state)         # /v1/load_lora_adapter, /v1/unload_lora_adapter
 
@@ -212,7 +213,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
             raise InvalidRequest("Send exactly one of prompt or messages.", param="prompt")
         if req.messages is not None:
             from kvserve.server.context import template_messages
-            from kvserve.server.tools import make_plan
+            from kvserve.server.stages.tools import make_plan
 
             msgs, tools = template_messages(tok, req.messages, make_plan(req.tools, "auto", None))
             text = await asyncio.to_thread(tok.apply_chat_template, msgs, tools=tools,

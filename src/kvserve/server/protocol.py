@@ -5,7 +5,7 @@ Unknown fields are rejected everywhere (400, `param` names the field), so a typo
 cannot change the output here (`store`, `metadata`, `service_tier`, `user`; on messages `name`,
 `refusal`, `annotations`) is accepted and ignored. Tool calling (`tools`, `tool_choice`,
 `parallel_tool_calls`, assistant `tool_calls`, `tool` messages) is checked here and carried out
-by kvserve.server.tools.
+by kvserve.server.stages.tools.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from kvserve.errors import InvalidRequest
 from kvserve.sampling_params import RepetitionGuard, SamplingParams, StructuredOutputsParams
 from kvserve.server.gates.limits import load_json
 from kvserve.server.settings import ServerSettings
-from kvserve.server.tools import MAX_TOOLS
-from kvserve.server.tools import NAME_RE as TOOL_NAME_RE
+from kvserve.server.stages.tools import MAX_TOOLS
+from kvserve.server.stages.tools import NAME_RE as TOOL_NAME_RE
 
 MAX_TEMPERATURE = 2.0   # OpenAI's range; SamplingParams itself (offline use) allows more
 
@@ -134,7 +134,7 @@ class _Common(_Strict):
     # vLLM's beam-search fields: accepted so that clients get a clear answer, not "unrecognized"
     use_beam_search: bool = False
     length_penalty: float | None = None
-    # structured output (OpenAI's response_format, vLLM's extras): kvserve.server.structured
+    # structured output (OpenAI's response_format, vLLM's extras): kvserve.server.stages.structured
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None

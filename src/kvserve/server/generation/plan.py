@@ -30,8 +30,8 @@ from kvserve.server.generation.engine import ModelHandle
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, check_caps, to_sampling_params
 from kvserve.server.semantic_cache import CachePlan, Hit
 from kvserve.server.stages import Stage, build_stages
-from kvserve.server.structured import for_request
-from kvserve.server.tools import ToolPlan, make_plan
+from kvserve.server.stages.structured import for_request
+from kvserve.server.stages.tools import ToolPlan, make_plan
 
 if TYPE_CHECKING:
     from kvserve.server.app import ServerState

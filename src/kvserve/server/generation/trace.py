@@ -10,8 +10,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvserve.outputs import PositionLogprobs, RequestMetrics
-from kvserve.server.gates.moderation import trace_entries
 from kvserve.server.generation.plan import Timings
+from kvserve.server.stages.output_moderation import trace_entries
 
 if TYPE_CHECKING:
     from collections.abc import Callable

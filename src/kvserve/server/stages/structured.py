@@ -2,7 +2,7 @@
 
 OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema"}), vLLM's request
 extras (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, `structured_outputs`)
-and a forced or automatic tool call (kvserve.server.tools.ToolPlan.structured) all become the
+and a forced or automatic tool call (kvserve.server.stages.tools.ToolPlan.structured) all become the
 same thing: one grammar for the engine (kvserve.structured). At most one of them may be given;
 `param` names the field errors point at, so a bad schema's 400 names `response_format...`.
 """
@@ -103,7 +103,7 @@ def for_request(req: Any, plan) -> tuple[StructuredOutputsParams, str] | None:
         import llguidance  # noqa: F401
     except ImportError:
         return None         # tools still work, unconstrained
-    from kvserve.server.tools import CLOSE, OPEN
+    from kvserve.server.stages.tools import CLOSE, OPEN
     from kvserve.structured.tool_grammar import tool_call_grammar
     grammar = tool_call_grammar(plan.tools, plan.choice, plan.forced_name, plan.parallel, OPEN, CLOSE)
     return (StructuredOutputsParams(grammar=grammar), "tools") if grammar else None
