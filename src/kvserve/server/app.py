@@ -20,20 +20,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
 from kvserve.errors import InvalidRequest, KVServeError
+from kvserve.server.api.embeddings import mount_embeddings
 from kvserve.server.api.moderations import mount_moderations
 from kvserve.server.api.openai import mount_openai
 from kvserve.server.api.responses import mount_responses
-from kvserve.server.cache_scope import CacheScope
 from kvserve.server.conformance import mount_conformance
-from kvserve.server.features import ServerFeatures
 from kvserve.server.gates.admission import Admission
 from kvserve.server.gates.auth import GatewayMiddleware
 from kvserve.server.gates.limits import read_body
 from kvserve.server.gates.moderation import ModerationService
 from kvserve.server.lora_admin import mount_lora
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.models import ModelPool
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
+from kvserve.server.routing.cache_scope import CacheScope
+from kvserve.server.routing.pool import ModelPool
+from kvserve.server.routing.step import RoutingStep
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stores.counters import CountersCollector
 from kvserve.server.stores.factory import open_backends
@@ -58,7 +59,7 @@ class ServerState:
         self.metrics.registry.register(CountersCollector(self.backends.counters))
         self.moderation = ModerationService(settings.moderation_config(), settings.db_path, self.metrics.registry,
                                             policies=self.backends.policies)
-        self.features = ServerFeatures.create(self)   # embeddings, semantic cache, router
+        self.routing = RoutingStep.create(self)    # encoder, semantic cache, model router (routing/)
 
     # The default (first) model, as the single-model server had it.
     @property
@@ -142,7 +143,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         if watchdog is not None:
             watchdog.cancel()
         await state.pool.shutdown()
-        state.features.close()
+        state.routing.close()
         state.backends.close()
         state.moderation.close()
 
@@ -175,7 +176,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         now = int(time.time())
-        return {"object": "list", "data": state.pool.cards(now) + state.features.model_cards(now)}
+        return {"object": "list", "data": state.pool.cards(now) + state.routing.model_cards(now)}
 
     @app.get("/health")
     async def health() -> Response:
@@ -245,7 +246,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
 
         mount_arena(app, state, settings.arena_contestants, store=state.backends.arena)
     mount_conformance(app, state)   # /v1/models/{id}, /tokenizer_info, /openapi.json
-    state.features.mount(app)       # /v1/embeddings
+    mount_embeddings(app, state, state.routing.embedder)   # /v1/embeddings
 
     app.add_middleware(GatewayMiddleware, keystore=state.keystore, api_key=settings.api_key,
                        limiter=state.limiter, counters=state.backends.counters)

@@ -129,7 +129,7 @@ def serve(
     """Serve the OpenAI-compatible API (and the web chat page) with one model."""
     from kvserve.server import serving
     from kvserve.server.app import create_app
-    from kvserve.server.cache_scope import SCOPES
+    from kvserve.server.routing.cache_scope import SCOPES
 
     _setup_logging()
     if prefix_cache_scope not in SCOPES:
@@ -231,7 +231,7 @@ def serve(
 
 def _model_specs(values: list[str], config: pathlib.Path | None) -> tuple[list, dict | None, dict]:
     """The ModelSpecs of `--model` (repeatable) and `--models-config`, the router and cache config."""
-    from kvserve.server.models import ModelSpec, read_config
+    from kvserve.server.routing.pool import ModelSpec, read_config
 
     specs = [ModelSpec.parse(v) for v in values]
     router, cache = None, {}

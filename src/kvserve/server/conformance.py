@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 import kvserve
-from kvserve.server.embeddings import EmbeddingRequest
+from kvserve.server.api.embeddings import EmbeddingRequest
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -162,7 +162,7 @@ def mount_conformance(app: FastAPI, state) -> None:
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str) -> dict:
         now = int(time.time())
-        for card in state.features.model_cards(now) + state.pool.cards(now):   # models, adapters, router
+        for card in state.routing.model_cards(now) + state.pool.cards(now):   # models, adapters, router
             if card["id"] == model_id:
                 return card
         engine, name = state.require_engine(model_id or None)   # the pool's resolve: 404 / 503

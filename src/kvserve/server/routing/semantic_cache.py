@@ -26,7 +26,7 @@ Storage is a `CacheBackend`: the default keeps entries in SQLite on disk (semant
 the data directory, 0600) with an in-memory mirror of each partition's vectors; because the exact
 part partitions the space, a lookup scans only the handful of vectors that share its partition.
 With --redis-url, stores/redis_cache.RedisCacheBackend implements the same four methods in Redis, so
-every replica shares the answers (features.py picks the backend).
+every replica shares the answers (step.py picks the backend).
 """
 
 from __future__ import annotations
