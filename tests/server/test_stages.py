@@ -8,8 +8,8 @@ import json
 from kvserve.outputs import Logprob
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.api.openai_wire import OpenAIRenderer
-from kvserve.server.context import Prompt
 from kvserve.server.generation import Generation, GenerationPlan, ModelHandle, Timings
+from kvserve.server.generation.context import Prompt
 from kvserve.server.records import GenerationLog, RequestRecord
 from kvserve.server.stages import ChoiceDelta, build_stages, run_stages
 from kvserve.server.stages.tools import make_plan, parse_output

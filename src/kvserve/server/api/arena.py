@@ -31,11 +31,11 @@ from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest
 from kvserve.server.api.openai import answer
-from kvserve.server.arena_ratings import leaderboard
+from kvserve.server.api.webui import owner_of
 from kvserve.server.gates.limits import load_json, read_body
 from kvserve.server.protocol import ChatCompletionRequest, validate_body
 from kvserve.server.stores.arena import ArenaStore, BattleNotFound
-from kvserve.server.webui import owner_of
+from kvserve.server.stores.arena_ratings import leaderboard
 
 if TYPE_CHECKING:
     from kvserve.server.app import ServerState

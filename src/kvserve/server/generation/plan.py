@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from kvserve.errors import InvalidRequest
 from kvserve.safety.moderator import ModerationConfig
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
-from kvserve.server.context import Prompt, build_prompts, reasoning_budget, token_texts
 from kvserve.server.gates.admission import engine_priority
 from kvserve.server.gates.moderation import prompt_tokenizer
+from kvserve.server.generation.context import Prompt, build_prompts, reasoning_budget, token_texts
 from kvserve.server.generation.engine import ModelHandle
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, check_caps, to_sampling_params
 from kvserve.server.routing.semantic_cache import CachePlan, Hit

@@ -14,7 +14,7 @@ import secrets
 import time
 
 from kvserve.errors import InvalidRequest, KVServeError
-from kvserve.server.arena_ratings import SCORES
+from kvserve.server.stores.arena_ratings import SCORES
 from kvserve.server.stores.sql import SQLStore, Steps
 
 STEPS: Steps = [

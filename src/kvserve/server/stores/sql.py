@@ -21,7 +21,7 @@ the database only for what the two engines do differently:
                                         store off the event loop)
 
 SQLite: one connection per store, WAL mode, guarded by a lock (FastAPI runs sync routes in a
-thread pool, and SQLite serialises writes anyway); the file is made private first (storage.py).
+thread pool, and SQLite serialises writes anyway); the file is made private first (sqlite_file.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from kvserve.server import storage
+from kvserve.server.stores import sqlite_file
 from kvserve.server.stores.common import DATABASE_SCHEMES, check_url
 
 Steps = list[tuple[str, ...]]
@@ -114,7 +114,7 @@ class SQLiteDatabase(Database):
     def __init__(self, path: pathlib.Path | str):
         self.path = pathlib.Path(path)
         self._lock = threading.Lock()
-        self._conn = storage.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
+        self._conn = sqlite_file.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
         self._conn.row_factory = _dict_row
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")   # durable across a process kill in WAL mode

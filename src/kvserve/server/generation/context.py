@@ -21,6 +21,7 @@ from typing import Any
 
 from kvserve.errors import ContextLengthExceeded, InvalidRequest
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from kvserve.server.stages.reasoning import EFFORT_BUDGETS
 from kvserve.server.stages.tools import ToolPlan, add_tools_to_system, fold_history, native_history
 from kvserve.tokenizer.chat_template import fit_chat
 
@@ -196,7 +197,6 @@ def build_prompts(tokenizer, req: ChatCompletionRequest | CompletionRequest, *, 
 
 def reasoning_budget(req: ChatCompletionRequest | CompletionRequest) -> int | None:
     """The reasoning tokens a chat request asked for (reasoning_budget, else reasoning_effort), or None."""
-    from kvserve.server.stages.reasoning import EFFORT_BUDGETS
     budget = getattr(req, "reasoning_budget", None)
     effort = getattr(req, "reasoning_effort", None)
     return budget if budget is not None else EFFORT_BUDGETS.get(effort) if effort else None
