@@ -117,7 +117,7 @@ def serve(
     speculative: str = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
     num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", help=NUM_SPEC_HELP),
     moderation: str = typer.Option("input,output", "--moderation",
-                                   help="Moderate input,output | input | output | off (server/moderation.py)."),
+                                   help="Moderate input,output | input | output | off (server/gates/moderation.py)."),
     moderation_config: str = typer.Option(None, "--moderation-config",
                                           help="JSON file of moderation settings: thresholds, blocklist, regexes, "
                                                "pii_input (off|flag|redact), pii_output (off|redact), check_every."),

@@ -154,7 +154,7 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = None
     truncate: Literal["oldest"] | None = None
     add_generation_prompt: bool = True
-    reasoning_effort: Literal["low", "medium", "high"] | None = None   # think first (server/reasoning.py)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None   # think first (server/stages/reasoning.py)
     reasoning_budget: int | None = Field(default=None, ge=1)           # ... for at most this many tokens
     cache: bool | None = None   # false: never answered from (nor stored in) the semantic cache
 

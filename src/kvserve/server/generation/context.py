@@ -129,7 +129,7 @@ def build_chat_prompt(tokenizer, messages: list[ChatMessage], *, max_model_len: 
     tool_choice appends the opening of a call after the generation prompt."""
     msgs, tool_defs = template_messages(tokenizer, messages, tools)
     suffix = tools.forcing_prefix if tools is not None and add_generation_prompt else ""
-    if think and add_generation_prompt:    # the answer starts inside a <think> block (server/reasoning.py)
+    if think and add_generation_prompt:    # the answer starts inside a <think> block (server/stages/reasoning.py)
         suffix = "<think>\n" + suffix
     return fit_messages(tokenizer, msgs, max_model_len=max_model_len, max_tokens=max_tokens, truncate=truncate,
                         add_generation_prompt=add_generation_prompt, tools=tool_defs, suffix=suffix)

@@ -55,7 +55,7 @@ class Timings:
 
 @dataclass(frozen=True)
 class CacheScopeKey:
-    """The prefix-cache scope of the request's engine requests (cache_scope.py)."""
+    """The prefix-cache scope of the request's engine requests (routing/cache_scope.py)."""
 
     salt: str | None = None          # the key's salt (None: shared)
     client_salt: str | None = None   # the request's own `cache_salt`
