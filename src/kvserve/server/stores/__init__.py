@@ -2,7 +2,7 @@
 
 One module of rules per store, each a `sql.SQLStore` that runs unchanged on SQLite (the default:
 the data dir's kvserve.db) or PostgreSQL (--database-url), the two differing only in connection
-handling (sql.py, postgres.py): keys.py (API keys and the usage ledger), conversations.py (the
+handling (the `Database` seam of database.py, on SQLite in sql.py or postgres.py): keys.py (API keys and the usage ledger), conversations.py (the
 web page's saved chats), responses.py (stored Responses), arena.py (battles and votes),
 moderation_policies.py (policies per key or tier). Beside them, what several servers share
 through Redis (--redis-url) and can rebuild: redis_state.py (rate-limit buckets, the key-lookup
