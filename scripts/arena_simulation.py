@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 
-from kvserve.server.arena_ratings import leaderboard
+from kvserve.server.stores.arena_ratings import leaderboard
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "server"))
 from test_arena import PLANTED, simulate

@@ -22,7 +22,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "
 
 from state_servers import RedisServer
 
-from kvserve.server.semantic_cache import Entry, SQLiteBackend
+from kvserve.server.routing.semantic_cache import Entry, SQLiteBackend
 from kvserve.server.stores.redis_cache import RedisCacheBackend
 
 

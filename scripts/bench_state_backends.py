@@ -30,7 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "
 from conftest import InProcessServer
 from state_servers import PostgresServer, RedisServer
 
-from kvserve.server.ratelimit import RateLimiter
+from kvserve.server.gates.ratelimit import RateLimiter
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stores.factory import open_key_backend
 from kvserve.server.stores.redis_state import RedisRateLimiter, connect_redis

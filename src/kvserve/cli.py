@@ -163,7 +163,7 @@ def chat(
 def _fit(tok, system: str | None, history: list[dict], max_model_len: int, max_tokens: int) -> list[int]:
     """The conversation as the server builds one (server/context.py: system prompt + history, the
     oldest turns dropped to fit, from `history` too)."""
-    from kvserve.server.context import conversation, fit_messages
+    from kvserve.server.generation.context import conversation, fit_messages
 
     messages, _ = conversation(system, history, [])
     prompt = fit_messages(tok, messages, max_model_len=max_model_len, max_tokens=max_tokens, truncate="oldest")

@@ -111,7 +111,7 @@ def test_salt_applies_from_the_end_of_a_shared_prefix():
 
 
 def test_cache_scope_salts(tmp_path):
-    from kvserve.server.cache_scope import CacheScope
+    from kvserve.server.routing.cache_scope import CacheScope
     from kvserve.server.stores.keys import ApiKey
 
     a, b = ApiKey("a", tier="paid"), ApiKey("b", tier="paid")

@@ -268,7 +268,7 @@ def key_stores(request, tmp_path):
 def make_limiter(request):
     """Factory of rate limiters for each backend; with Redis every one made shares the buckets
     (as replicas do), each through its own client."""
-    from kvserve.server.ratelimit import RateLimiter
+    from kvserve.server.gates.ratelimit import RateLimiter
 
     if request.param == "memory":
         shared = RateLimiter()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvserve.server.api.arena import DEFAULT_CONTESTANTS
-from kvserve.server.arena_ratings import leaderboard
+from kvserve.server.stores.arena_ratings import leaderboard
 
 ALICE = {"X-KVServe-Client": "arena-alice-0001"}
 BOB = {"X-KVServe-Client": "arena-bob-000002"}

@@ -9,8 +9,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
+from kvserve.server.api.webui import CLIENT_HEADER, mount_webui
 from kvserve.server.stores.conversations import ConversationStore, StoreLimits
-from kvserve.server.webui import CLIENT_HEADER, mount_webui
 
 ALICE = {CLIENT_HEADER: "browser-alice-0001"}
 BOB = {CLIENT_HEADER: "browser-bob-000002"}

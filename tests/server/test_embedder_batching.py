@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kvserve.server.embeddings import Embedder
+from kvserve.server.routing.embedder import Embedder
 
 TEXTS = [["What is the capital of France?"], ["How do I read a file in Rust?", "2+2"], ["hello"],
          ["Which colors does the flag of Peru have?"], ["When was Ada Lovelace born?"], ["x y z"]]

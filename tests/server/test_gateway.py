@@ -15,8 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvserve.errors import InvalidRequest, Overloaded, RateLimitError
-from kvserve.server.admission import Admission, ladder_decision
 from kvserve.server.cli import keys_app
+from kvserve.server.gates.admission import Admission, ladder_decision
 from kvserve.server.settings import ServerSettings
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

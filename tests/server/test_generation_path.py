@@ -18,7 +18,7 @@ from conftest import InProcessServer
 
 from kvserve.server.generation import Lease, run_generation
 from kvserve.server.generation import run as run_module
-from kvserve.server.semantic_cache import Entry, Hit
+from kvserve.server.routing.semantic_cache import Entry, Hit
 from kvserve.server.settings import ServerSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
@@ -153,7 +153,7 @@ def cached(srv, monkeypatch):
     async def from_cache(req, kind, model_name, key_name, capped, query=None):
         return Hit(entry, 0.97), None
 
-    monkeypatch.setattr(srv.state.features, "from_cache", from_cache)
+    monkeypatch.setattr(srv.state.routing, "from_cache", from_cache)
     return entry
 
 

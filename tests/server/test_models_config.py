@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.errors import InvalidRequest, ModelNotFound, Overloaded
-from kvserve.server.models import ModelPool, ModelSpec, read_config
+from kvserve.server.routing.pool import ModelPool, ModelSpec, read_config
 from kvserve.server.settings import ServerSettings
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from kvserve.errors import InvalidRequest
 from kvserve.safety import ModerationConfig
-from kvserve.server.context import conversation
-from kvserve.server.moderation import ModerationService
+from kvserve.server.gates.moderation import ModerationService
+from kvserve.server.generation.context import conversation
 from kvserve.server.stages import ChoiceDelta
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvserve.server.reasoning import ReasoningParser
+from kvserve.server.stages.reasoning import ReasoningParser
 
 CASES = [
     ("<think>\n2 + 2 is 4.\n</think>\n\nThe answer is 4.", "2 + 2 is 4.", "The answer is 4."),

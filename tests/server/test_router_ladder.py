@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from kvserve.server.admission import Admission
-from kvserve.server.models import ModelPool, ModelSpec
-from kvserve.server.router import Router
+from kvserve.server.gates.admission import Admission
+from kvserve.server.routing.model_router import ModelRouter
+from kvserve.server.routing.pool import ModelPool, ModelSpec
 from kvserve.server.settings import ServerSettings
 
 
@@ -35,7 +35,7 @@ def test_router_under_load_picks_the_cheapest_without_the_classifier(tmp_path):
     pool = ModelPool(s, [ModelSpec("big", "b", cost_per_1k_tokens=3.0), ModelSpec("small", "s", cost_per_1k_tokens=0.1)])
     for e in pool.entries:      # the router reads names and prices of loaded entries only
         e.engine = e.name
-    r = Router("auto", pool, embedder=None, classifier=None, levels=None)
+    r = ModelRouter("auto", pool, embedder=None, classifier=None, levels=None)
     decision = asyncio.run(r.choose(None, "chat", overloaded=True))
     assert decision == {"model": "small", "reason": "overload", "router_ms": 0.0}
     assert r.card(0)["routes_to"] == ["small", "big"]

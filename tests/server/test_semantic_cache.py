@@ -13,7 +13,7 @@ import pytest
 from kvserve.bench.semantic_pairs import evaluate, pairs
 from kvserve.semantic_text import facts, is_creative, normalize
 from kvserve.server.protocol import ChatCompletionRequest
-from kvserve.server.semantic_cache import (
+from kvserve.server.routing.semantic_cache import (
     HEAD_PATH,
     CacheHead,
     CacheOptions,
@@ -126,8 +126,8 @@ def test_template_set_hit_rate_and_false_hits():
 
 
 def test_lookup_with_no_entries_is_a_miss(tmp_path):
-    from kvserve.server.embeddings import Embedder
-    from kvserve.server.semantic_cache import SemanticCache
+    from kvserve.server.routing.embedder import Embedder
+    from kvserve.server.routing.semantic_cache import SemanticCache
 
     cache = SemanticCache(SQLiteBackend(tmp_path / "c.db"), Embedder(), CacheOptions())
     plan = make_plan(chat("What is the capital of France?"), "m", None, cache.options)
@@ -142,8 +142,8 @@ def test_lookup_with_no_entries_is_a_miss(tmp_path):
 
 def test_embedding_head_space_and_errors(tmp_path):
     from kvserve.errors import InvalidRequest
-    from kvserve.server.embeddings import Embedder
-    from kvserve.server.semantic_cache import SemanticCache
+    from kvserve.server.routing.embedder import Embedder
+    from kvserve.server.routing.semantic_cache import SemanticCache
 
     rng = np.random.default_rng(0)
     v = rng.standard_normal((3, 384)).astype(np.float32)

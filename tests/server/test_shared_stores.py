@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from kvserve.errors import InvalidRequest
 from kvserve.server.cli import keys_app
 from kvserve.server.protocol import ChatCompletionRequest
-from kvserve.server.semantic_cache import CacheOptions, Entry, SemanticCache, SQLiteBackend, make_plan
+from kvserve.server.routing.semantic_cache import CacheOptions, Entry, SemanticCache, SQLiteBackend, make_plan
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stores.moderation_policies import PolicyStore
 from kvserve.server.stores.redis_cache import RedisCacheBackend
@@ -163,18 +163,18 @@ def test_redis_cache_expires_old_entries(redis_server):
     b.close()
 
 
-def _features(settings: ServerSettings):
-    from kvserve.server.features import ServerFeatures
+def _routing(settings: ServerSettings):
+    from kvserve.server.routing.step import RoutingStep
 
     state = types.SimpleNamespace(settings=settings, metrics=types.SimpleNamespace(registry=CollectorRegistry()))
-    return ServerFeatures.create(state)
+    return RoutingStep.create(state)
 
 
 def test_two_servers_share_the_semantic_cache_in_redis(redis_server, tmp_path):
     url = redis_server.fresh_url()
-    a = _features(ServerSettings(data_dir=tmp_path / "a", redis_url=url))
-    b = _features(ServerSettings(data_dir=tmp_path / "b", redis_url=url))
-    local = _features(ServerSettings(data_dir=tmp_path / "c"))
+    a = _routing(ServerSettings(data_dir=tmp_path / "a", redis_url=url))
+    b = _routing(ServerSettings(data_dir=tmp_path / "b", redis_url=url))
+    local = _routing(ServerSettings(data_dir=tmp_path / "c"))
     try:
         assert isinstance(a.cache.backend, RedisCacheBackend) and isinstance(local.cache.backend, SQLiteBackend)
 

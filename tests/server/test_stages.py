@@ -8,11 +8,11 @@ import json
 from kvserve.outputs import Logprob
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.api.openai_wire import OpenAIRenderer
-from kvserve.server.context import Prompt
 from kvserve.server.generation import Generation, GenerationPlan, ModelHandle, Timings
+from kvserve.server.generation.context import Prompt
 from kvserve.server.records import GenerationLog, RequestRecord
 from kvserve.server.stages import ChoiceDelta, build_stages, run_stages
-from kvserve.server.tools import make_plan, parse_output
+from kvserve.server.stages.tools import make_plan, parse_output
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 PLAN = make_plan([WEATHER], "auto", None)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.errors import InvalidRequest
-from kvserve.server.stores.sql import Conflict
-from kvserve.server.stores.store import SQLStore
+from kvserve.server.stores.sql import Conflict, SQLStore
 
 STEPS = [(
     """CREATE TABLE IF NOT EXISTS test_notes (

@@ -16,10 +16,10 @@ from openai.types.chat import ChatCompletion
 
 from kvserve.errors import InvalidRequest
 from kvserve.model.registry import resolve
-from kvserve.server.context import build_chat_prompt
+from kvserve.server.generation.context import build_chat_prompt
 from kvserve.server.protocol import ChatCompletionRequest, check_caps, parse_body
 from kvserve.server.settings import ServerSettings
-from kvserve.server.tools import ToolCallParser, make_plan, parse_output, stream_delta
+from kvserve.server.stages.tools import ToolCallParser, make_plan, parse_output, stream_delta
 from kvserve.tokenizer import Tokenizer
 
 HTTP = httpx.Client(timeout=300)

@@ -21,7 +21,7 @@ def test_training_data_is_disjoint_from_the_benchmark():
 def test_short_training_pulls_paraphrases_together(tmp_path):
     from kvserve.model.bert import default_encoder
     from kvserve.semantic_text import normalize
-    from kvserve.server.semantic_cache import load_head
+    from kvserve.server.routing.semantic_cache import load_head
 
     arrays = train_cache_head(hidden=64, steps=60, batch=256, seed=0, members=1)
     path = tmp_path / "h.npz"

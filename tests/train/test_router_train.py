@@ -25,8 +25,8 @@ def test_trained_classifier_generalizes(clf):
 
 
 def test_classifier_layers_checked(tmp_path):
-    from kvserve.server.embeddings import Embedder
-    from kvserve.server.router import Router
+    from kvserve.server.routing.embedder import Embedder
+    from kvserve.server.routing.model_router import ModelRouter
 
     with pytest.raises(InvalidRequest, match="layers"):
         train_router(labelled_prompts()[:40], layers=7)
@@ -37,19 +37,19 @@ def test_classifier_layers_checked(tmp_path):
         def names(self):
             return ["a"]
     with pytest.raises(InvalidRequest, match="layers"):
-        Router.from_config({"classifier": str(path)}, Pool(), None)
+        ModelRouter.from_config({"classifier": str(path)}, Pool(), None)
     path.write_text(json.dumps({"classes": [0, 1], "coef": [[0.0] * 384], "intercept": [0.0], "layers": 9}))
     with pytest.raises(InvalidRequest, match="encoder has 6"):   # at load, not at the first request
-        Router.from_config({"classifier": str(path)}, Pool(), Embedder())
+        ModelRouter.from_config({"classifier": str(path)}, Pool(), Embedder())
     path.write_text(json.dumps({"classes": [0, 1], "coef": [[0.0] * 384], "intercept": [0.0]}))
-    assert Router.from_config({"classifier": str(path)}, Pool(), None).depth is None   # older files: full embedding
+    assert ModelRouter.from_config({"classifier": str(path)}, Pool(), None).depth is None   # older files: full embedding
 
 
 def test_router_predicts_levels_of_unseen_prompts(clf):
     from kvserve.model.bert import default_encoder
-    from kvserve.server.router import Router
+    from kvserve.server.routing.model_router import ModelRouter
 
-    r = Router("auto", pool=None, embedder=None, classifier=clf, levels=None)
+    r = ModelRouter("auto", pool=None, embedder=None, classifier=clf, levels=None)
     enc = default_encoder()
     easy = ["Hello there!", "What is the capital of Peru?", "What is 3 + 4?"]
     hard = ["Write a B-tree in Rust with unit tests and explain the design.",

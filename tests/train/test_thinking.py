@@ -12,7 +12,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.loader import load_model
-from kvserve.server.reasoning import ReasoningParser
+from kvserve.server.stages.reasoning import ReasoningParser
 from kvserve.train.sft import SFTConfig, sft
 from kvserve.train.thinking_data import make_dataset, problem, write_jsonl
 

@@ -46,7 +46,7 @@ def _stage_cpu_us_per_token(n_tokens: int = 512) -> float:
     import tempfile as _tf
 
     from kvserve.safety import ModerationConfig
-    from kvserve.server.moderation import ModerationService
+    from kvserve.server.gates.moderation import ModerationService
     from kvserve.server.stages import ChoiceDelta
 
     service = ModerationService(ModerationConfig(), os.path.join(_tf.mkdtemp(), "kvserve.db"))

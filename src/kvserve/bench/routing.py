@@ -139,7 +139,7 @@ def coalesced(n: int = 256, concurrency: int = 32) -> dict:
     import asyncio
 
     from kvserve.bench.semantic_pairs import pairs
-    from kvserve.server.embeddings import Embedder
+    from kvserve.server.routing.embedder import Embedder
 
     emb = Embedder()
     texts = [p.query for p in pairs()[1]][:n]

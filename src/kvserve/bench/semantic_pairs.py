@@ -115,9 +115,9 @@ def evaluate(threshold: float | list[float] | None = None, seed: int = 0, timed_
     from pathlib import Path
 
     from kvserve.semantic_text import normalize
-    from kvserve.server.embeddings import Embedder
     from kvserve.server.protocol import ChatCompletionRequest
-    from kvserve.server.semantic_cache import CacheOptions, SemanticCache, SQLiteBackend, make_plan
+    from kvserve.server.routing.embedder import Embedder
+    from kvserve.server.routing.semantic_cache import CacheOptions, SemanticCache, SQLiteBackend, make_plan
 
     stored, asked = pairs(seed)
     thresholds = threshold if isinstance(threshold, list) else [threshold]

@@ -9,30 +9,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import logging
 import threading
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
-from kvserve.errors import InvalidRequest, KVServeError
-from kvserve.server.admission import Admission
+from kvserve.errors import KVServeError
+from kvserve.server.api.arena import mount_arena
+from kvserve.server.api.embeddings import mount_embeddings
+from kvserve.server.api.lora_admin import mount_lora
+from kvserve.server.api.models import mount_models
+from kvserve.server.api.moderations import mount_moderations
 from kvserve.server.api.openai import mount_openai
+from kvserve.server.api.openapi import mount_openapi
 from kvserve.server.api.responses import mount_responses
-from kvserve.server.cache_scope import CacheScope
-from kvserve.server.conformance import mount_conformance
-from kvserve.server.features import ServerFeatures
-from kvserve.server.limits import read_body
-from kvserve.server.lora_admin import mount_lora
+from kvserve.server.api.tokenizer import mount_tokenizer
+from kvserve.server.api.webui import mount_webui
+from kvserve.server.gates.admission import Admission
+from kvserve.server.gates.auth import GatewayMiddleware
+from kvserve.server.gates.moderation import ModerationService
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.middleware import GatewayMiddleware
-from kvserve.server.models import ModelPool
-from kvserve.server.moderation import ModerationService, mount_moderation
-from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
+from kvserve.server.routing.cache_scope import CacheScope
+from kvserve.server.routing.pool import ModelPool
+from kvserve.server.routing.step import RoutingStep
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stores.counters import CountersCollector
 from kvserve.server.stores.factory import open_backends
@@ -41,7 +43,8 @@ logger = logging.getLogger("kvserve.server")
 
 
 class ServerState:
-    """What the routes share: settings, the model pool (models.py), keys, limits, admission, metrics."""
+    """What the routes share: settings, the model pool and routing step (routing/), the stores
+    (stores/), the gates' state (admission, moderation), metrics."""
 
     def __init__(self, engine, settings: ServerSettings):
         self.settings = settings
@@ -57,7 +60,7 @@ class ServerState:
         self.metrics.registry.register(CountersCollector(self.backends.counters))
         self.moderation = ModerationService(settings.moderation_config(), settings.db_path, self.metrics.registry,
                                             policies=self.backends.policies)
-        self.features = ServerFeatures.create(self)   # embeddings, semantic cache, router
+        self.routing = RoutingStep.create(self)    # encoder, semantic cache, model router (routing/)
 
     # The default (first) model, as the single-model server had it.
     @property
@@ -141,7 +144,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         if watchdog is not None:
             watchdog.cancel()
         await state.pool.shutdown()
-        state.features.close()
+        state.routing.close()
         state.backends.close()
         state.moderation.close()
 
@@ -167,14 +170,9 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
                                        "param": None, "code": "internal_error"}}, status_code=500)
 
     mount_openai(app, state)       # /v1/chat/completions, /v1/completions
-    mount_moderation(app, state)   # /v1/moderations
+    mount_moderations(app, state)  # /v1/moderations
     mount_responses(app, state)    # /v1/responses
     mount_lora(app, state)         # /v1/load_lora_adapter, /v1/unload_lora_adapter
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        now = int(time.time())
-        return {"object": "list", "data": state.pool.cards(now) + state.features.model_cards(now)}
 
     @app.get("/health")
     async def health() -> Response:
@@ -202,49 +200,12 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         body = await asyncio.to_thread(state.metrics.render)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict:
-        req = parse_body(await read_body(request, settings.max_body_bytes, settings.body_timeout_s),
-                         TokenizeRequest, settings.max_json_depth)
-        engine, name = state.require_engine(req.model)
-        tok = engine.tokenizer
-        if (req.prompt is None) == (req.messages is None):
-            raise InvalidRequest("Send exactly one of prompt or messages.", param="prompt")
-        if req.messages is not None:
-            from kvserve.server.context import template_messages
-            from kvserve.server.tools import make_plan
-
-            msgs, tools = template_messages(tok, req.messages, make_plan(req.tools, "auto", None))
-            text = await asyncio.to_thread(tok.apply_chat_template, msgs, tools=tools,
-                                           add_generation_prompt=req.add_generation_prompt)
-            ids = await asyncio.to_thread(tok.encode, text, add_special_tokens=False)
-        else:
-            ids = await asyncio.to_thread(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens)
-        out = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len, "model": name}
-        if req.return_token_strs:
-            out["token_strs"] = tok.convert_ids_to_tokens(ids)
-        return out
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict:
-        req = parse_body(await read_body(request, settings.max_body_bytes, settings.body_timeout_s),
-                         DetokenizeRequest, settings.max_json_depth)
-        engine, _ = state.require_engine(req.model)
-        vocab = getattr(engine.tokenizer, "vocab_size", None)
-        if any(t < 0 or (vocab is not None and t >= vocab) for t in req.tokens):
-            raise InvalidRequest("tokens holds an id outside the vocabulary.", param="tokens")
-        text = await asyncio.to_thread(engine.tokenizer.decode, req.tokens, skip_special_tokens=False)
-        return {"prompt": text}
-
-    if importlib.util.find_spec("kvserve.server.webui") is not None:
-        from kvserve.server.webui import mount_webui
-
-        mount_webui(app, settings.db_path, settings.store_limits(), store=state.backends.conversations)
-        from kvserve.server.api.arena import mount_arena
-
-        mount_arena(app, state, settings.arena_contestants, store=state.backends.arena)
-    mount_conformance(app, state)   # /v1/models/{id}, /tokenizer_info, /openapi.json
-    state.features.mount(app)       # /v1/embeddings
+    mount_tokenizer(app, state)    # /tokenize, /detokenize, /tokenizer_info
+    mount_models(app, state)       # /v1/models, /v1/models/{id}
+    mount_embeddings(app, state, state.routing.embedder)   # /v1/embeddings
+    mount_webui(app, settings.db_path, settings.store_limits(), store=state.backends.conversations)   # /, /static
+    mount_arena(app, state, settings.arena_contestants, store=state.backends.arena)   # /v1/kvserve/arena
+    mount_openapi(app)             # /openapi.json
 
     app.add_middleware(GatewayMiddleware, keystore=state.keystore, api_key=settings.api_key,
                        limiter=state.limiter, counters=state.backends.counters)

@@ -117,7 +117,7 @@ def serve(
     speculative: str = typer.Option(None, "--speculative", help=SPECULATIVE_HELP),
     num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", help=NUM_SPEC_HELP),
     moderation: str = typer.Option("input,output", "--moderation",
-                                   help="Moderate input,output | input | output | off (server/moderation.py)."),
+                                   help="Moderate input,output | input | output | off (server/gates/moderation.py)."),
     moderation_config: str = typer.Option(None, "--moderation-config",
                                           help="JSON file of moderation settings: thresholds, blocklist, regexes, "
                                                "pii_input (off|flag|redact), pii_output (off|redact), check_every."),
@@ -129,7 +129,7 @@ def serve(
     """Serve the OpenAI-compatible API (and the web chat page) with one model."""
     from kvserve.server import serving
     from kvserve.server.app import create_app
-    from kvserve.server.cache_scope import SCOPES
+    from kvserve.server.routing.cache_scope import SCOPES
 
     _setup_logging()
     if prefix_cache_scope not in SCOPES:
@@ -231,7 +231,7 @@ def serve(
 
 def _model_specs(values: list[str], config: pathlib.Path | None) -> tuple[list, dict | None, dict]:
     """The ModelSpecs of `--model` (repeatable) and `--models-config`, the router and cache config."""
-    from kvserve.server.models import ModelSpec, read_config
+    from kvserve.server.routing.pool import ModelSpec, read_config
 
     specs = [ModelSpec.parse(v) for v in values]
     router, cache = None, {}

@@ -5,7 +5,7 @@ Unknown fields are rejected everywhere (400, `param` names the field), so a typo
 cannot change the output here (`store`, `metadata`, `service_tier`, `user`; on messages `name`,
 `refusal`, `annotations`) is accepted and ignored. Tool calling (`tools`, `tool_choice`,
 `parallel_tool_calls`, assistant `tool_calls`, `tool` messages) is checked here and carried out
-by kvserve.server.tools.
+by kvserve.server.stages.tools.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvserve.errors import InvalidRequest
 from kvserve.sampling_params import RepetitionGuard, SamplingParams, StructuredOutputsParams
-from kvserve.server.limits import load_json
+from kvserve.server.gates.limits import load_json
 from kvserve.server.settings import ServerSettings
-from kvserve.server.tools import MAX_TOOLS
-from kvserve.server.tools import NAME_RE as TOOL_NAME_RE
+from kvserve.server.stages.tools import MAX_TOOLS
+from kvserve.server.stages.tools import NAME_RE as TOOL_NAME_RE
 
 MAX_TEMPERATURE = 2.0   # OpenAI's range; SamplingParams itself (offline use) allows more
 
@@ -134,7 +134,7 @@ class _Common(_Strict):
     # vLLM's beam-search fields: accepted so that clients get a clear answer, not "unrecognized"
     use_beam_search: bool = False
     length_penalty: float | None = None
-    # structured output (OpenAI's response_format, vLLM's extras): kvserve.server.structured
+    # structured output (OpenAI's response_format, vLLM's extras): kvserve.server.stages.structured
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -154,7 +154,7 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = None
     truncate: Literal["oldest"] | None = None
     add_generation_prompt: bool = True
-    reasoning_effort: Literal["low", "medium", "high"] | None = None   # think first (server/reasoning.py)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None   # think first (server/stages/reasoning.py)
     reasoning_budget: int | None = Field(default=None, ge=1)           # ... for at most this many tokens
     cache: bool | None = None   # false: never answered from (nor stored in) the semantic cache
 

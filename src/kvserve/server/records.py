@@ -1,7 +1,7 @@
 """Typed per-request records: what the gateway knows about one HTTP request, passed explicitly.
 
-* `RequestRecord`: made by the middleware for every HTTP request (id, arrival time, caller) and
-  written to the access log when the response is done. A generation handler attaches a
+* `RequestRecord`: made by the middleware (gates/auth.py) for every HTTP request (id, arrival
+  time, caller) and written to the access log when the response is done. A generation handler attaches a
   `GenerationLog` to it: that is the only way a handler adds fields to the access log.
 
 A generation's own state is in server/generation/: its plan (`GenerationPlan`), what it holds
@@ -56,7 +56,7 @@ class RequestRecord:
     key_tier: str = "paid"
     status: int = 500               # the HTTP status sent
     generation: GenerationLog | None = None
-    moderation: dict[str, Any] | None = None   # the input check's verdict (server/moderation.py)
+    moderation: dict[str, Any] | None = None   # the input check's verdict (server/gates/moderation.py)
 
     def access_log_line(self) -> str:
         line: dict[str, Any] = {"ts": round(time.time(), 3), "request_id": self.request_id,

@@ -4,7 +4,7 @@
   is a `PortInUse` whose message names the port (`kvserve serve` prints that one line, exit 2).
 * `GuardedH11Protocol` closes a connection whose request line and headers have not all arrived
   within `header_timeout_s` (a slow-headers client would otherwise hold a socket forever; uvicorn
-  only times out idle keep-alive connections). The body's timeout is per chunk, in limits.py.
+  only times out idle keep-alive connections). The body's timeout is per chunk, in gates/limits.py.
 * `run(app, sock, settings)` serves until SIGTERM/SIGINT: uvicorn stops accepting, lets in-flight
   requests finish for `grace_s`, then cancels them (each releases its engine requests and writes
   the usage ledger as it ends), then the lifespan shuts the engine down. When the model cannot

@@ -21,15 +21,17 @@ class ServerSettings:
     engine_process: bool = False   # run the engine in its own process (msgpack over local ZMQ sockets)
     weight_format: str = "auto"
     engine_kwargs: dict = field(default_factory=dict)
-    # Several models (server/models.py): ModelSpecs from `--model NAME=PATH` or a config file; when
-    # empty, the one model above. `router`: the "auto" model's config (server/router.py), or None.
+    # Several models (server/routing/pool.py): ModelSpecs from `--model NAME=PATH` or a config
+    # file; when empty, the one model above. `router`: the "auto" model's config
+    # (server/routing/model_router.py), or None.
     models: list = field(default_factory=list)
     router: dict | None = None
-    # The semantic cache (server/semantic_cache.py): on by default; its options (threshold, ttl_s, ...).
+    # The semantic cache (server/routing/semantic_cache.py): on by default; its options
+    # (threshold, ttl_s, ...).
     semantic_cache: bool = True
     semantic_cache_options: dict = field(default_factory=dict)
 
-    # Prefix-cache isolation (cache_scope.py): "key" | "tier" | "global", and operator-declared
+    # Prefix-cache isolation (routing/cache_scope.py): "key" | "tier" | "global", and operator-declared
     # prompts (e.g. a public system prompt) whose blocks every caller may hit.
     prefix_cache_scope: str = "key"
     shared_prompts: list[str] = field(default_factory=list)
@@ -68,13 +70,14 @@ class ServerSettings:
     max_running: int = 32
     max_waiting: int = 128
     # Degradation ladder, by current queue length: cap max_tokens, then reject free tier, then all.
-    ladder_route_cheaper_at: int | None = 32   # "auto" requests go to the cheapest model (router.py)
+    ladder_route_cheaper_at: int | None = 32   # "auto" requests go to the cheapest model (model_router.py)
     ladder_cap_at: int | None = 64
     ladder_cap_max_tokens: int = 128
     ladder_reject_free_at: int | None = 96
     retry_after_s: float = 2.0
 
-    # Moderation (server/moderation.py): "input,output" | "input" | "output" | "off", and the rest of
+    # Moderation (server/gates/moderation.py, stages/output_moderation.py): "input,output" |
+    # "input" | "output" | "off", and the rest of
     # safety.ModerationConfig's fields (thresholds, blocklist, regexes, pii_input, pii_output, ...).
     moderation: str = "input,output"
     moderation_options: dict = field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""Grammars for tool calls in the Hermes/Qwen format that kvserve.server.tools prompts for and
+"""Grammars for tool calls in the Hermes/Qwen format that kvserve.server.stages.tools prompts for and
 parses:  <tool_call>\\n{"name": "<one of the tools>", "arguments": <that tool's parameters>}\\n</tool_call>
 
 - "named": the prompt already ends with `<tool_call>\\n{"name": "f", "arguments":` (the forcing

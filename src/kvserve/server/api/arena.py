@@ -5,7 +5,7 @@
     POST /v1/kvserve/arena/battles/{id}/answers/{a|b} the side's answer, streamed as chat-completion SSE
     POST /v1/kvserve/arena/battles/{id}/vote          {winner: a | b | tie | both_bad} → the names
     GET  /v1/kvserve/arena/leaderboard                Bradley-Terry ratings, bootstrap 95% intervals,
-                                                      online Elo (arena_ratings.py), over every vote
+                                                      online Elo (stores/arena_ratings.py), over every vote
 
 A contestant is a model plus how it is asked: system prompt and sampling settings. The server
 serves one model today, so the default contestants are the served model under three system
@@ -31,11 +31,11 @@ from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest
 from kvserve.server.api.openai import answer
-from kvserve.server.arena_ratings import leaderboard
-from kvserve.server.limits import load_json, read_body
+from kvserve.server.api.webui import owner_of
+from kvserve.server.gates.limits import load_json, read_body
 from kvserve.server.protocol import ChatCompletionRequest, validate_body
 from kvserve.server.stores.arena import ArenaStore, BattleNotFound
-from kvserve.server.webui import owner_of
+from kvserve.server.stores.arena_ratings import leaderboard
 
 if TYPE_CHECKING:
     from kvserve.server.app import ServerState

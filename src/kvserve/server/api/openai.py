@@ -23,6 +23,7 @@ from starlette.background import BackgroundTask
 
 from kvserve.errors import KVServeError
 from kvserve.server.api.openai_wire import INTERNAL_ERROR, OpenAIRenderer
+from kvserve.server.gates.limits import read_body
 from kvserve.server.generation import (
     ClientGone,
     Generation,
@@ -33,7 +34,6 @@ from kvserve.server.generation import (
     run_generation,
     run_to_end,
 )
-from kvserve.server.limits import read_body
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 
 if TYPE_CHECKING:

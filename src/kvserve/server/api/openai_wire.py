@@ -13,7 +13,7 @@ from typing import Any
 from kvserve.outputs import PositionLogprobs
 from kvserve.server.generation.state import Generation, PromptState, Usage
 from kvserve.server.generation.trace import finite_logprob, ranked, request_trace
-from kvserve.server.stages import ChoiceDelta
+from kvserve.server.stages.delta import ChoiceDelta
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "repetition": "stop", "abort": "stop"}
 INTERNAL_ERROR = {"error": {"message": "Internal error while generating; the response is incomplete.",

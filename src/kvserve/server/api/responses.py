@@ -24,9 +24,9 @@ from starlette.concurrency import run_in_threadpool
 from kvserve.errors import InvalidRequest, KVServeError
 from kvserve.server.api.openai_wire import INTERNAL_ERROR
 from kvserve.server.api.responses_wire import ResponseRenderer
-from kvserve.server.context import conversation
+from kvserve.server.gates.limits import load_json, read_body
 from kvserve.server.generation import ClientGone, Generation, Lease, build_plan, run_generation, run_to_end
-from kvserve.server.limits import load_json, read_body
+from kvserve.server.generation.context import conversation
 from kvserve.server.protocol import ChatCompletionRequest, validate_body
 
 if TYPE_CHECKING:

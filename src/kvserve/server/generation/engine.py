@@ -26,7 +26,7 @@ class ModelHandle:
     @classmethod
     def resolve(cls, gw: ServerState, requested: str | None) -> ModelHandle:
         """The model a request names (the pool's `resolve`: 404 unknown, 503 still loading)."""
-        client, name = gw.require_engine(requested)
+        client, name = gw.pool.resolve(requested)
         return cls(client, name, gw.pool.entry(name).cost_per_token)
 
     @property

@@ -23,7 +23,7 @@ import anyio
 
 from kvserve.errors import KVServeError
 from kvserve.outputs import RequestOutput
-from kvserve.server.admission import Ticket
+from kvserve.server.gates.admission import Ticket
 from kvserve.server.generation.state import Generation
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class Lease:
         if gen.plan.cached is not None:
             return
         try:
-            await asyncio.to_thread(gw.features.store, gen, gen.plan.cache_key, status)
+            await asyncio.to_thread(gw.routing.store, gen, gen.plan.cache_key, status)
         except Exception:
             logger.exception("semantic cache write failed")
 

@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any, Literal
 from kvserve.errors import InvalidRequest
 from kvserve.safety.moderator import ModerationConfig
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
-from kvserve.server.admission import engine_priority
-from kvserve.server.context import Prompt, build_prompts, reasoning_budget, token_texts
+from kvserve.server.gates.admission import engine_priority
+from kvserve.server.gates.moderation import prompt_tokenizer
+from kvserve.server.generation.context import Prompt, build_prompts, reasoning_budget, token_texts
 from kvserve.server.generation.engine import ModelHandle
-from kvserve.server.moderation import prompt_tokenizer
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, check_caps, to_sampling_params
-from kvserve.server.semantic_cache import CachePlan, Hit
+from kvserve.server.routing.semantic_cache import CachePlan, Hit
 from kvserve.server.stages import Stage, build_stages
-from kvserve.server.structured import for_request
-from kvserve.server.tools import ToolPlan, make_plan
+from kvserve.server.stages.structured import for_request
+from kvserve.server.stages.tools import ToolPlan, make_plan
 
 if TYPE_CHECKING:
     from kvserve.server.app import ServerState
@@ -55,7 +55,7 @@ class Timings:
 
 @dataclass(frozen=True)
 class CacheScopeKey:
-    """The prefix-cache scope of the request's engine requests (cache_scope.py)."""
+    """The prefix-cache scope of the request's engine requests (routing/cache_scope.py)."""
 
     salt: str | None = None          # the key's salt (None: shared)
     client_salt: str | None = None   # the request's own `cache_salt`
@@ -114,7 +114,7 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
     checks = await gw.moderation.check_input_async(req, record, moderation,
                                                    prompt_tokenizer(gw, req) if not chat else None)
     timings = Timings(t0=record.t0, parsed=time.monotonic())
-    requested, route, query = await gw.features.route(req, kind, record.key_tier)
+    requested, route, query = await gw.routing.route(req, kind, record.key_tier)
     model = ModelHandle.resolve(gw, requested)
     headers: dict[str, str] = {}
     max_tokens = _capped_max_tokens(gw, record, req, headers)
@@ -122,7 +122,7 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
                               "include_usage": bool(req.stream and req.stream_options
                                                     and req.stream_options.include_usage),
                               "trace": bool(req.kvserve_trace), "route": route}
-    hit, cache_key = await gw.features.from_cache(req, kind, model.name, record.key_name, CAP_HEADER in headers,
+    hit, cache_key = await gw.routing.from_cache(req, kind, model.name, record.key_name, CAP_HEADER in headers,
                                                   query)
     if hit is not None:     # served with no tokens computed
         return GenerationPlan(prompts=[Prompt(token_ids=[])], params=None, stages=list, cached=hit,

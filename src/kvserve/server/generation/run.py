@@ -3,7 +3,7 @@ list, as a stream of `ChoiceEvent`s that every API renders in its own wire forma
 
     run_generation: [forced tool-call opening] → engine.generate() per prompt (several prompts
     merged into one stream) → per output: metrics once a request finishes → each choice's delta
-    through its stage list (stages.py), accumulated on the Generation → ChoiceEvent
+    through its stage list (stages/), accumulated on the Generation → ChoiceEvent
 
 A cached answer (a semantic-cache hit) is a source of its own: its text in a few pieces and a
 last delta with the stored finish reason, no engine request, no stages. The run's time per
@@ -100,7 +100,7 @@ async def _abort_if_cut(gen: Generation, ps: PromptState, delta: ChoiceDelta) ->
 
 async def _engine_outputs(gen: Generation, lease: Lease) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from the engine, every prompt of the request merged into one stream.
-    The key's salt scopes the prefix cache (cache_scope.py); declared shared prompts stay unsalted."""
+    The key's salt scopes the prefix cache (routing/cache_scope.py); declared shared prompts stay unsalted."""
     plan, scope = gen.plan, lease.gw.cache_scope
     model, salt = plan.model, plan.cache_scope
     assert plan.params is not None

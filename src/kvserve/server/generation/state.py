@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.outputs import PositionLogprobs, RequestMetrics, RequestOutput
-from kvserve.server.context import Prompt
+from kvserve.server.generation.context import Prompt
 from kvserve.server.generation.plan import GenerationPlan
 from kvserve.server.records import GenerationLog
 from kvserve.server.stages import ChoiceDelta, Stage
-from kvserve.server.tools import ParsedCall
+from kvserve.server.stages.tools import ParsedCall
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvserve.outputs import PositionLogprobs, RequestMetrics
 from kvserve.server.generation.plan import Timings
-from kvserve.server.moderation import trace_entries
+from kvserve.server.stages.output_moderation import trace_entries
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -14,9 +14,8 @@ import secrets
 import time
 
 from kvserve.errors import InvalidRequest, KVServeError
-from kvserve.server.arena_ratings import SCORES
-from kvserve.server.stores.sql import Steps
-from kvserve.server.stores.store import SQLStore
+from kvserve.server.stores.arena_ratings import SCORES
+from kvserve.server.stores.sql import SQLStore, Steps
 
 STEPS: Steps = [
     (  # 1 ($seq: PostgreSQL's stand-in for SQLite's rowid in the votes' order)

@@ -28,8 +28,7 @@ import time
 from dataclasses import dataclass
 
 from kvserve.errors import InvalidRequest, KVServeError
-from kvserve.server.stores.sql import Connection, Steps
-from kvserve.server.stores.store import SQLStore
+from kvserve.server.stores.sql import Connection, SQLStore, Steps
 
 ROLES = ("system", "user", "assistant", "tool")   # "tool": a tool call's result (meta.tool_call_id)
 

@@ -7,6 +7,10 @@ import threading
 from collections import Counter
 from typing import Protocol
 
+from prometheus_client.core import CounterMetricFamily
+
+from kvserve.errors import KVServeError
+
 
 class CounterBackend(Protocol):
     def incr(self, name: str, amount: int = 1) -> None: ...
@@ -39,10 +43,6 @@ class CountersCollector:
         self.counters = counters
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily
-
-        from kvserve.errors import KVServeError
-
         try:
             counts = self.counters.snapshot()
         except KVServeError:

@@ -14,7 +14,7 @@
 
 --database-url puts every SQL store on one shared PostgreSQL pool (postgres.py); --redis-url puts
 the key cache, buckets and counters in Redis (the semantic cache's backend is picked the same way
-by features.py, which owns the cache). With neither URL the server keeps everything in its SQLite
+by routing/step.py, which owns the cache). With neither URL the server keeps everything in its SQLite
 file and memory. Redis holds only what can be rebuilt (a cache, buckets that refill, counters);
 everything that must survive a crash is in the database. Redis and psycopg are imported only
 when their URL is given.
@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvserve.server.ratelimit import RateLimiter
+from kvserve.server.gates.ratelimit import RateLimiter
 from kvserve.server.stores.arena import ArenaStore
 from kvserve.server.stores.common import DATABASE_SCHEMES, REDIS_SCHEMES, check_url
 from kvserve.server.stores.conversations import ConversationStore

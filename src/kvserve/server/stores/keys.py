@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvserve.errors import InvalidRequest
-from kvserve.server.stores.sql import Conflict, Steps
-from kvserve.server.stores.store import SQLStore
+from kvserve.server.stores.sql import Conflict, SQLStore, Steps
 
 STEPS: Steps = [
     (  # 1

@@ -24,8 +24,8 @@ import time
 from typing import Any
 
 from kvserve.errors import InvalidRequest
-from kvserve.server.stores.sql import Steps
-from kvserve.server.stores.store import SQLStore
+from kvserve.safety.moderator import MODES
+from kvserve.server.stores.sql import SQLStore, Steps
 
 STEPS: Steps = [
     (  # 1
@@ -43,8 +43,6 @@ FIELDS = {"mode", "thresholds", "blocklist", "regexes", "pii_input", "pii_output
 
 def validate(policy: dict[str, Any]) -> dict[str, Any]:
     """Raise InvalidRequest for an unknown field or value; returns the policy."""
-    from kvserve.safety.moderator import MODES
-
     unknown = set(policy) - FIELDS
     if unknown:
         raise InvalidRequest(f"Unknown moderation policy field(s): {', '.join(sorted(unknown))}.", param="policy")
@@ -168,16 +166,12 @@ def policy_from_options(mode: str | None, threshold: list[str] | None, block: li
 
 def load_options(mode: str, config_file: str | None) -> dict[str, Any]:
     """`kvserve serve --moderation MODE --moderation-config FILE` as ModerationConfig overrides."""
-    import json as _json
-
-    from kvserve.safety.moderator import MODES
-
     if mode not in MODES:
         raise InvalidRequest("--moderation must be input,output | input | output | off.", param="moderation")
     if not config_file:
         return {}
     try:
-        options = _json.loads(pathlib.Path(config_file).read_text())
+        options = json.loads(pathlib.Path(config_file).read_text())
     except (OSError, ValueError) as e:
         raise InvalidRequest(f"--moderation-config {config_file}: {e}", param="moderation_config") from None
     if not isinstance(options, dict):

@@ -1,5 +1,5 @@
 """PostgreSQL for the stores (`--database-url`): a small connection pool, schema migrations, and
-the `Database` interface of stores/sql.py on top of them.
+the `Database` interface of stores/database.py on top of them.
 
 `PostgresDatabase(url)` holds up to `size` (8) psycopg 3 connections in autocommit mode; `with
 db.connection() as conn:` borrows one (a broken one is dropped, so a restarted PostgreSQL is
@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from kvserve.errors import InvalidRequest, KVServeError
 from kvserve.server.stores.common import StateStoreUnavailable, redact
-from kvserve.server.stores.sql import Connection, Database, Steps
+from kvserve.server.stores.database import Connection, Database, Steps
 
 VERSION_TABLE = "kvserve_schema_version"
 _MIGRATION_LOCK = 0x6B7673  # pg_advisory_xact_lock key shared by every kvserve ("kvs")

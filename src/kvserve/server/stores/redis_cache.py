@@ -15,7 +15,7 @@ partitions), deletes the entries older than `ttl_s` and then the least recently 
 before they are swept.
 
 The cache is an optimization: a failed write or touch is logged and dropped; a failed lookup
-raises (features.py counts it as an `error` and serves the request without the cache).
+raises (routing/step.py counts it as an `error` and serves the request without the cache).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kvserve.server.semantic_cache import Entry
+from kvserve.server.routing.semantic_cache import Entry
 from kvserve.server.stores.common import REDIS_SCHEMES, check_url
 from kvserve.server.stores.redis_state import PREFIX, connect_redis, redis_errors
 

@@ -26,7 +26,7 @@ import json
 import math
 from typing import Any
 
-from kvserve.server.ratelimit import RateLimiter
+from kvserve.server.gates.ratelimit import RateLimiter
 from kvserve.server.stores.common import StateStoreUnavailable, redact
 from kvserve.server.stores.keys import ApiKey, hash_key
 

@@ -5,7 +5,7 @@ with `previous_response_id`, read or deleted through another).
 Four calls: `put(owner, response, messages)`, `get(owner, id)`, `messages(owner, id)` and
 `delete(owner, id)`. `messages` is the conversation up to and including that response's answer,
 as chat messages without the instructions (OpenAI does not carry `instructions` over a
-`previous_response_id`); the next request's context is built from it (server/context.py).
+`previous_response_id`); the next request's context is built from it (server/generation/context.py).
 An owner sees only its own responses: another owner's id is a 404, as is an unknown one. The
 response and its conversation are JSON text (json.dumps escapes a NUL character, which
 PostgreSQL's TEXT cannot hold); storing an id again replaces it.
@@ -18,8 +18,7 @@ import time
 from typing import Any
 
 from kvserve.errors import KVServeError
-from kvserve.server.stores.sql import Steps
-from kvserve.server.stores.store import SQLStore
+from kvserve.server.stores.sql import SQLStore, Steps
 
 
 class ResponseNotFound(KVServeError):

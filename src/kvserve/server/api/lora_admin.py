@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
 from kvserve.errors import AuthenticationError, KVServeError
-from kvserve.server.limits import read_body
+from kvserve.server.gates.limits import read_body
 from kvserve.server.protocol import parse_body
 
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})

@@ -13,6 +13,7 @@ until it is known, so streamed and non-streamed answers agree.
 from __future__ import annotations
 
 from kvserve.engine.reasoning import THINK_CLOSE, THINK_OPEN
+from kvserve.server.stages.delta import ChoiceDelta
 
 # reasoning_effort -> reasoning tokens before </think> is forced
 EFFORT_BUDGETS = {"low": 128, "medium": 512, "high": 2048}
@@ -86,7 +87,7 @@ class ReasoningStage:
     def __init__(self):
         self.parser = ReasoningParser()
 
-    def feed(self, delta):
+    def feed(self, delta: ChoiceDelta) -> ChoiceDelta:
         if self.parser.reasoning or self.parser.state == "start":
             self.parser.num_tokens += len(delta.token_ids)
         reasoning, content = self.parser.feed(delta.text)

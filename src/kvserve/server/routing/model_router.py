@@ -30,6 +30,9 @@ import numpy as np
 
 from kvserve.errors import InvalidRequest
 from kvserve.semantic_text import normalize
+from kvserve.server.routing.embedder import Embedder, QueryEmbedding
+from kvserve.server.routing.pool import ModelPool
+from kvserve.train.router import labelled_prompts, train_router
 
 
 def _last_user_text(req, kind: str) -> str:
@@ -42,8 +45,11 @@ def _last_user_text(req, kind: str) -> str:
     return p if isinstance(p, str) else (p[0] if p and isinstance(p[0], str) else "")
 
 
-class Router:
-    def __init__(self, name: str, pool, embedder, classifier: dict | None, levels: dict[str, int] | None,
+class ModelRouter:
+    """The "auto" model: a classifier over the query's embedding picks the cheapest model able to answer."""
+
+    def __init__(self, name: str, pool: ModelPool, embedder: Embedder | None, classifier: dict | None,
+                 levels: dict[str, int] | None,
                  threshold: float = 0.5, classifier_path: str | None = None):
         self.name = name
         self.pool = pool
@@ -55,7 +61,7 @@ class Router:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, cfg: dict, pool, embedder) -> Router:
+    def from_config(cls, cfg: dict, pool: ModelPool, embedder: Embedder | None) -> ModelRouter:
         if not isinstance(cfg, dict):
             raise InvalidRequest("router: expected an object {name, classifier, levels, threshold}", param="router")
         unknown = set(cfg) - {"name", "classifier", "levels", "threshold"}
@@ -85,8 +91,6 @@ class Router:
         """Train on the built-in labelled prompts when no classifier file was given (a few seconds)."""
         with self._lock:
             if self.classifier is None:
-                from kvserve.train.router import labelled_prompts, train_router
-
                 self.classifier = train_router(labelled_prompts(), self.embedder.get())
 
     def card(self, created: int) -> dict:
@@ -127,7 +131,8 @@ class Router:
             text = normalize(text)
         return text or " "
 
-    async def choose(self, req, kind: str, overloaded: bool = False, query=None) -> dict:
+    async def choose(self, req, kind: str, overloaded: bool = False,
+                     query: QueryEmbedding | None = None) -> dict:
         t0 = time.perf_counter()
         ranked = self._by_cost()
         if not ranked:
@@ -137,8 +142,6 @@ class Router:
         if self.classifier is None:
             await asyncio.to_thread(self.load)
         if query is None:
-            from kvserve.server.embeddings import QueryEmbedding
-
             query = QueryEmbedding(self.query_text(req, kind))
         vector = await query.get(self.embedder, "router", self.depth)
         t1 = time.perf_counter()
@@ -146,7 +149,7 @@ class Router:
         chosen = next((e for i, e in enumerate(ranked) if self._level(e, i) >= level), ranked[-1])
         t2 = time.perf_counter()
         # router_ms: all of it; embed_ms of it is the encoder's forward (the whole depth when the
-        # semantic cache reuses it, embeddings.QueryEmbedding); classify_ms is the router's own work.
+        # semantic cache reuses it, embedder.QueryEmbedding); classify_ms is the router's own work.
         return {"model": chosen.name, "reason": "classifier", "level": level, "layers": self.depth,
                 "probabilities": [round(p, 4) for p in probs], "router_ms": round((t2 - t0) * 1000, 2),
                 "embed_ms": round((t1 - t0) * 1000, 2), "classify_ms": round((t2 - t1) * 1000, 3)}

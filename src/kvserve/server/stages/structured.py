@@ -2,7 +2,7 @@
 
 OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema"}), vLLM's request
 extras (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, `structured_outputs`)
-and a forced or automatic tool call (kvserve.server.tools.ToolPlan.structured) all become the
+and a forced or automatic tool call (kvserve.server.stages.tools.ToolPlan.structured) all become the
 same thing: one grammar for the engine (kvserve.structured). At most one of them may be given;
 `param` names the field errors point at, so a bad schema's 400 names `response_format...`.
 """
@@ -13,6 +13,8 @@ from typing import Any
 
 from kvserve.errors import InvalidRequest
 from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.server.stages.tools import CLOSE, OPEN, ToolPlan
+from kvserve.structured.tool_grammar import tool_call_grammar
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -87,7 +89,7 @@ def _only(rf: dict, keys: set[str]) -> None:
                              param=f"response_format.{name}")
 
 
-def for_request(req: Any, plan) -> tuple[StructuredOutputsParams, str] | None:
+def for_request(req: Any, plan: ToolPlan | None) -> tuple[StructuredOutputsParams, str] | None:
     """The request's one constraint: its structured-output field, else its tool plan's grammar
     (a forced call, or the lazy grammar of "auto"; only when llguidance is installed)."""
     found = from_request(req)
@@ -103,7 +105,5 @@ def for_request(req: Any, plan) -> tuple[StructuredOutputsParams, str] | None:
         import llguidance  # noqa: F401
     except ImportError:
         return None         # tools still work, unconstrained
-    from kvserve.server.tools import CLOSE, OPEN
-    from kvserve.structured.tool_grammar import tool_call_grammar
     grammar = tool_call_grammar(plan.tools, plan.choice, plan.forced_name, plan.parallel, OPEN, CLOSE)
     return (StructuredOutputsParams(grammar=grammar), "tools") if grammar else None

@@ -21,7 +21,8 @@ from typing import Any
 
 from kvserve.errors import ContextLengthExceeded, InvalidRequest
 from kvserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from kvserve.server.tools import ToolPlan, add_tools_to_system, fold_history, native_history
+from kvserve.server.stages.reasoning import EFFORT_BUDGETS
+from kvserve.server.stages.tools import ToolPlan, add_tools_to_system, fold_history, native_history
 from kvserve.tokenizer.chat_template import fit_chat
 
 
@@ -128,7 +129,7 @@ def build_chat_prompt(tokenizer, messages: list[ChatMessage], *, max_model_len: 
     tool_choice appends the opening of a call after the generation prompt."""
     msgs, tool_defs = template_messages(tokenizer, messages, tools)
     suffix = tools.forcing_prefix if tools is not None and add_generation_prompt else ""
-    if think and add_generation_prompt:    # the answer starts inside a <think> block (server/reasoning.py)
+    if think and add_generation_prompt:    # the answer starts inside a <think> block (server/stages/reasoning.py)
         suffix = "<think>\n" + suffix
     return fit_messages(tokenizer, msgs, max_model_len=max_model_len, max_tokens=max_tokens, truncate=truncate,
                         add_generation_prompt=add_generation_prompt, tools=tool_defs, suffix=suffix)
@@ -196,7 +197,6 @@ def build_prompts(tokenizer, req: ChatCompletionRequest | CompletionRequest, *, 
 
 def reasoning_budget(req: ChatCompletionRequest | CompletionRequest) -> int | None:
     """The reasoning tokens a chat request asked for (reasoning_budget, else reasoning_effort), or None."""
-    from kvserve.server.reasoning import EFFORT_BUDGETS
     budget = getattr(req, "reasoning_budget", None)
     effort = getattr(req, "reasoning_effort", None)
     return budget if budget is not None else EFFORT_BUDGETS.get(effort) if effort else None

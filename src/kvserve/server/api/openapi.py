@@ -1,21 +1,14 @@
-"""The endpoints clients look for beyond generation, and the API's OpenAPI document.
+"""`GET /openapi.json`: the OpenAPI 3.1 document with the real request bodies (the pydantic models
+of protocol.py, not `dict`) and the OpenAI error body as every operation's error response, so
+schema-driven clients and fuzzers (schemathesis, in tests/server/test_fuzz_api.py) can use the API.
 
-    GET /v1/models/{id}     one model, as OpenAI answers it (404 `model_not_found` otherwise)
-    GET /tokenizer_info     the tokenizer's configuration as vLLM serves it, so a client (lm-eval's
-                            `local-completions` with `tokenizer_backend=remote`) needs only the URL;
-                            with /tokenize and /detokenize it never loads a local tokenizer
-    GET /openapi.json       the OpenAPI 3.1 document with the real request bodies (the pydantic
-                            models of protocol.py, not `dict`) and the OpenAI error body as every
-                            operation's error response, so schema-driven clients and fuzzers
-                            (schemathesis, in tests/server/test_fuzz_api.py) can use the API
-
-The routes read raw bodies (limits.py), so FastAPI cannot see their models: `openapi()` adds each
-route's body from `BODIES` and its answers from `RESPONSES`.
+The routes read raw bodies (gates/limits.py), so FastAPI cannot see their models: `openapi()` adds
+each route's body from `BODIES` and its answers from `RESPONSES`. A new route with a body adds a
+line to each.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 from fastapi import FastAPI
@@ -24,7 +17,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 import kvserve
-from kvserve.server.embeddings import EmbeddingRequest
+from kvserve.server.api.embeddings import EmbeddingRequest
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -156,34 +149,8 @@ def openapi(app: FastAPI) -> dict:
     return doc
 
 
-def mount_conformance(app: FastAPI, state) -> None:
-    """Add /v1/models/{id}, /tokenizer_info and /openapi.json to the server's app."""
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model_card(model_id: str) -> dict:
-        now = int(time.time())
-        for card in state.features.model_cards(now) + state.pool.cards(now):   # models, adapters, router
-            if card["id"] == model_id:
-                return card
-        engine, name = state.require_engine(model_id or None)   # the pool's resolve: 404 / 503
-        return {"id": name, "object": "model", "created": now, "owned_by": "kvserve",
-                "max_model_len": engine.max_model_len}
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info() -> dict:
-        engine, name = state.require_engine(None)
-        tok = engine.tokenizer
-
-        def text(token_id: int | None) -> str | None:
-            return tok.convert_ids_to_tokens([token_id])[0] if token_id is not None else None
-
-        return {"tokenizer_class": "PreTrainedTokenizerFast", "model": name,
-                "model_max_length": engine.max_model_len, "vocab_size": getattr(tok, "vocab_size", None),
-                "bos_token": text(tok.bos_token_id), "eos_token": text(tok.eos_token_id),
-                "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
-                "pad_token": text(tok.eos_token_id), "add_bos_token": bool(getattr(tok, "add_bos", False)),
-                "chat_template": tok.chat_template}
-
+def mount_openapi(app: FastAPI) -> None:
+    """Serve the document at /openapi.json (FastAPI's own is off: it cannot see the bodies)."""
     app.openapi = lambda: openapi(app)   # type: ignore[method-assign]
 
     @app.get("/openapi.json", include_in_schema=False)

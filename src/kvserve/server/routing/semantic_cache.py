@@ -26,7 +26,7 @@ Storage is a `CacheBackend`: the default keeps entries in SQLite on disk (semant
 the data directory, 0600) with an in-memory mirror of each partition's vectors; because the exact
 part partitions the space, a lookup scans only the handful of vectors that share its partition.
 With --redis-url, stores/redis_cache.RedisCacheBackend implements the same four methods in Redis, so
-every replica shares the answers (features.py picks the backend).
+every replica shares the answers (step.py picks the backend).
 """
 
 from __future__ import annotations
@@ -45,15 +45,16 @@ from typing import Protocol
 
 import numpy as np
 
+from kvserve.errors import InvalidRequest
 from kvserve.semantic_text import facts, is_creative, normalize
-from kvserve.server import storage
+from kvserve.server.stores import sqlite_file
 
 # Request fields that never change the answer's text (everything else is in the exact part).
 NEUTRAL_FIELDS = {"messages", "prompt", "model", "stream", "stream_options", "user", "store", "metadata", "service_tier",
                   "kvserve_trace", "priority", "cache", "cache_salt"}
 
 
-HEAD_PATH = pathlib.Path(__file__).parent / "data" / "cache_head.npz"
+HEAD_PATH = pathlib.Path(__file__).parents[1] / "data" / "cache_head.npz"   # server/data/ (package data)
 
 
 class CacheHead:
@@ -82,8 +83,6 @@ class CacheHead:
 @functools.lru_cache(maxsize=8)
 def load_head(spec: str) -> CacheHead | None:
     """The head named by the `head` option: "default" (the shipped one), "none", or an npz path."""
-    from kvserve.errors import InvalidRequest
-
     if not isinstance(spec, str) or not spec:
         raise InvalidRequest(f"semantic_cache: \"head\" must be \"default\", \"none\" or a file path, not {spec!r}",
                              param="semantic_cache")
@@ -114,8 +113,6 @@ class CacheOptions:
 
     @classmethod
     def from_dict(cls, d: dict) -> CacheOptions:
-        from kvserve.errors import InvalidRequest
-
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise InvalidRequest(f"semantic_cache: unknown option(s) {sorted(unknown)}", param="semantic_cache")
@@ -152,7 +149,7 @@ class SQLiteBackend:
     """Entries in SQLite; each partition's vectors mirrored in memory on first use."""
 
     def __init__(self, path: pathlib.Path):
-        self.db = storage.connect(path, check_same_thread=False)
+        self.db = sqlite_file.connect(path, check_same_thread=False)
         self.db.execute("CREATE TABLE IF NOT EXISTS semantic_cache (id TEXT PRIMARY KEY, partition TEXT, query TEXT, "
                         "vector BLOB, answer TEXT, finish_reason TEXT, prompt_tokens INT, completion_tokens INT, "
                         "created REAL, last_used REAL)")

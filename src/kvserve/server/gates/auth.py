@@ -32,8 +32,8 @@ import time
 import uuid
 
 from kvserve.errors import AuthenticationError, KVServeError, RateLimitError
-from kvserve.server.lora_admin import ADMIN_PATHS
-from kvserve.server.ratelimit import RateLimiter
+from kvserve.server.api.lora_admin import ADMIN_PATHS
+from kvserve.server.gates.ratelimit import RateLimiter
 from kvserve.server.records import RequestRecord
 from kvserve.server.stores.counters import CounterBackend
 from kvserve.server.stores.keys import ApiKey, KeyBackend

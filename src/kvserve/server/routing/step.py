@@ -1,5 +1,9 @@
-"""The routing step's optional parts, held together for the app: the sentence encoder behind
-/v1/embeddings, the semantic cache (semantic_cache.py) and the model router (router.py).
+"""The routing step: which model a request runs on and whether its answer is already cached.
+
+`RoutingStep` holds the step's optional parts for the app: the sentence encoder (embedder.py,
+also behind /v1/embeddings), the semantic cache (semantic_cache.py) and the model router
+(model_router.py). The model pool (pool.py) resolves the chosen name to an engine client, and
+cache_scope.py salts the prefix cache per key.
 
 The plan builder (generation/plan.py) calls, in order: `route(req)` (which model a request with
 model "auto" goes to), the pool's `resolve`, then `from_cache(...)` (a Hit, whose answer the run
@@ -13,15 +17,18 @@ message, normalized (semantic_text.normalize). `route` returns it as a `QueryEmb
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
-from fastapi import FastAPI
 from prometheus_client import Counter
 
 from kvserve.errors import Overloaded
-from kvserve.server.embeddings import Embedder, QueryEmbedding, mount_embeddings
-from kvserve.server.semantic_cache import (
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.routing.embedder import Embedder, QueryEmbedding
+from kvserve.server.routing.model_router import ModelRouter
+from kvserve.server.routing.semantic_cache import (
     CacheBackend,
     CacheOptions,
     CachePlan,
@@ -31,10 +38,19 @@ from kvserve.server.semantic_cache import (
     bypass_reason,
     make_plan,
 )
+from kvserve.server.stores.redis_cache import RedisCacheBackend
+
+if TYPE_CHECKING:
+    from kvserve.server.app import ServerState
+    from kvserve.server.generation.state import Generation
+
+GenerationRequest = ChatCompletionRequest | CompletionRequest
+logger = logging.getLogger("kvserve.server")
 
 
-class ServerFeatures:
-    def __init__(self, state, embedder: Embedder, cache: SemanticCache | None, router=None):
+class RoutingStep:
+    def __init__(self, state: ServerState, embedder: Embedder, cache: SemanticCache | None,
+                 router: ModelRouter | None = None):
         self.state = state
         self.embedder = embedder
         self.cache = cache
@@ -49,28 +65,22 @@ class ServerFeatures:
                                         ["router", "model_name", "reason"], registry=r)
 
     @classmethod
-    def create(cls, state) -> ServerFeatures:
+    def create(cls, state: ServerState) -> RoutingStep:
         s = state.settings
         embedder = Embedder(state.metrics.registry)
         cache = None
         if s.semantic_cache and s.load_model:
             options = CacheOptions.from_dict(s.semantic_cache_options or {})
             if s.redis_url:   # shared by every replica on this Redis (stores/redis_cache.py)
-                from kvserve.server.stores.redis_cache import RedisCacheBackend
-
                 backend: CacheBackend = RedisCacheBackend(s.redis_url, options.ttl_s)
             else:
                 backend = SQLiteBackend(s.data_dir / "semantic_cache.db")
             cache = SemanticCache(backend, embedder, options)
-        router = None
-        if s.router:
-            from kvserve.server.router import Router
-
-            router = Router.from_config(s.router, state.pool, embedder)
-        feats = cls(state, embedder, cache, router)
+        router = ModelRouter.from_config(s.router, state.pool, embedder) if s.router else None
+        step = cls(state, embedder, cache, router)
         if (cache is not None or router is not None) and s.load_model:   # load the encoder in the background
-            threading.Thread(target=feats._warm, name="kvserve-encoder-load", daemon=True).start()
-        return feats
+            threading.Thread(target=step._warm, name="kvserve-encoder-load", daemon=True).start()
+        return step
 
     def _warm(self) -> None:
         try:
@@ -78,12 +88,7 @@ class ServerFeatures:
             if self.router is not None:
                 self.router.load()
         except Exception:   # reported on first use instead
-            import logging
-
-            logging.getLogger("kvserve.server").exception("sentence encoder / router failed to load")
-
-    def mount(self, app: FastAPI) -> None:
-        mount_embeddings(app, self.state, self.embedder)
+            logger.exception("sentence encoder / router failed to load")
 
     def model_cards(self, created: int) -> list[dict]:
         cards = [self.embedder.card(created)]
@@ -96,7 +101,8 @@ class ServerFeatures:
             self.cache.close()
 
     # ---- the router -----------------------------------------------------------------------
-    async def route(self, req, kind: str, tier: str) -> tuple[str | None, dict | None, QueryEmbedding | None]:
+    async def route(self, req: GenerationRequest, kind: str,
+                    tier: str) -> tuple[str | None, dict | None, QueryEmbedding | None]:
         """The model a request goes to, the router's decision for the trace (None: not routed), and
         the query's embedding when the router computed it (for `from_cache`)."""
         if self.router is None or req.model != self.router.name:
@@ -114,7 +120,7 @@ class ServerFeatures:
         return decision["model"], decision, query
 
     # ---- the semantic cache ---------------------------------------------------------------
-    async def from_cache(self, req, kind: str, model_name: str, key_name: str | None, capped: bool,
+    async def from_cache(self, req: GenerationRequest, kind: str, model_name: str, key_name: str | None, capped: bool,
                          query: QueryEmbedding | None = None) -> tuple[Hit | None, CachePlan | None]:
         """(the hit, None) or (None, the key a complete answer is stored under; None: bypassed)."""
         if self.cache is None:
@@ -141,7 +147,7 @@ class ServerFeatures:
         self.cache_hits.labels(model_name).inc()
         return hit, None
 
-    def store(self, gen, plan: CachePlan | None, status: int) -> None:
+    def store(self, gen: Generation, plan: CachePlan | None, status: int) -> None:
         """After a complete answer: store it under the request's plan (one choice, no tool calls)."""
         if self.cache is None or plan is None or status != 200 or len(gen.prompts) != 1:
             return

@@ -1,49 +1,49 @@
-"""Moderation in the gateway: `/v1/moderations`, the input gate, and the output stage.
+"""Moderation in the gateway: the service the server holds and the input gate.
 
 * Input (before the queue): the request's user, system and tool text is checked (each message on
   its own, long ones in windows) and, with `pii_input`, searched for personal data. A flagged
   request is a 400 `content_policy_violation`: no token reservation, no admission slot, no engine
   request. It is counted in `kvserve:moderation_flagged_total{stage="input"}` and its verdict is
   written on the access-log line.
-* Output (`OutputModerationStage`, the last stage of every choice): personal data is redacted as
-  the text streams (safety.pii.StreamRedactor), and every `check_every` tokens the last
-  `window_chars` characters are checked while the engine keeps decoding. On a flag the choice
-  ends with `finish_reason: "content_filter"`, the rest of its text is dropped, and the run
-  (generation/run.py) aborts the engine request, which frees its KV blocks. So a violating text is cut within
-  one window of `check_every` tokens after it appears.
+* Output: `output_stage` makes the last stage of every choice (stages/output_moderation.py).
 * Per request the config is the server's (`--moderation`, `--moderation-config`) with the tier's
-  and the key's stored policies on top (stores/moderation_policies.py); a Moderator per distinct config is
-  cached. Each check's time and verdict goes in `kvserve_trace.moderation`.
+  and the key's stored policies on top (stores/moderation_policies.py); a Moderator per distinct
+  config is cached. Each check's time and verdict goes in `kvserve_trace.moderation`.
+  `/v1/moderations` (api/moderations.py) runs the same moderators.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
 import time
-import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvserve.errors import ContentPolicyViolation, InvalidRequest, KVServeError
+from kvserve.errors import ContentPolicyViolation, KVServeError
 from kvserve.safety import pii
 from kvserve.safety.moderator import ModerationConfig, Moderator, Verdict
-from kvserve.server.limits import load_json, read_body
-from kvserve.server.stages import ChoiceDelta
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.records import RequestRecord
+from kvserve.server.stages.output_moderation import OutputModerationStage
 from kvserve.server.stores.moderation_policies import PolicyStore
 
-MODEL = "kvserve-moderation-1"
+if TYPE_CHECKING:
+    from kvserve.server.app import ServerState
+    from kvserve.tokenizer.tokenizer import Tokenizer
+
+GenerationRequest = ChatCompletionRequest | CompletionRequest
 CHUNK = 2000          # input text is checked in windows of this many characters
-MAX_INPUTS = 64       # entries of one /v1/moderations request
 INLINE_CHARS = 4000   # input checked on the event loop up to this size, in a worker thread beyond
 
 
 class ModerationService:
     """What the server holds for moderation: the base config, the policy store, moderators, metrics."""
 
-    def __init__(self, config: ModerationConfig, db_path, registry=None, policies=None):
+    def __init__(self, config: ModerationConfig, db_path: pathlib.Path, registry: CollectorRegistry | None = None,
+                 policies: PolicyStore | None = None):
         self.config = config
         self._owns_policies = policies is None   # the server passes its backends' store (and closes it)
         self.policies = policies if policies is not None else PolicyStore(db_path)
@@ -59,7 +59,7 @@ class ModerationService:
         if self._owns_policies:
             self.policies.close()
 
-    def config_for(self, record) -> ModerationConfig:
+    def config_for(self, record: RequestRecord) -> ModerationConfig:
         config = self.config
         for policy in self.policies.for_caller(record.key_name, record.key_tier if record.key else None):
             config = config.merged(policy)
@@ -82,7 +82,8 @@ class ModerationService:
 
     # ---- input ----------------------------------------------------------------------------
 
-    async def check_input_async(self, req, record, config: ModerationConfig, tokenizer=None) -> list[dict[str, Any]]:
+    async def check_input_async(self, req: GenerationRequest, record: RequestRecord, config: ModerationConfig,
+                                tokenizer: Tokenizer | None = None) -> list[dict[str, Any]]:
         """`check_input` inline for a short request (well under a millisecond), in a worker thread
         for a long one (or one with token-id prompts to decode), so a large body never stalls the
         event loop. `tokenizer` decodes token-id prompts (completions)."""
@@ -90,7 +91,8 @@ class ModerationService:
             return self.check_input(req, record, config)
         return await asyncio.to_thread(self.check_input, req, record, config, tokenizer)
 
-    def check_input(self, req, record, config: ModerationConfig, tokenizer=None) -> list[dict[str, Any]]:
+    def check_input(self, req: GenerationRequest, record: RequestRecord, config: ModerationConfig,
+                    tokenizer: Tokenizer | None = None) -> list[dict[str, Any]]:
         """Check a chat or completions request before it is queued; raise ContentPolicyViolation
         when flagged; redact personal data in place when configured. Returns the trace entries."""
         entries: list[dict[str, Any]] = []
@@ -143,17 +145,15 @@ class ModerationService:
         return OutputModerationStage(self.moderator(config) if config.output else None, config, self)
 
 
-def has_token_prompts(req) -> bool:
+def has_token_prompts(req: GenerationRequest) -> bool:
     """A completions request whose prompt is token ids (a list of ints, or of lists of ints)."""
     prompt = getattr(req, "prompt", None)
     return isinstance(prompt, list) and any(isinstance(p, (int, list)) for p in prompt)
 
 
-def input_texts(req, tokenizer=None) -> list[tuple[str, str, bool]]:
+def input_texts(req: GenerationRequest, tokenizer: Tokenizer | None = None) -> list[tuple[str, str, bool]]:
     """(param, text, written by the caller) for each piece of a request's input to check. Token-id
     prompts are checked as `tokenizer` decodes them (the text the model reads), when it is given."""
-    from kvserve.server.protocol import ChatCompletionRequest
-
     if isinstance(req, ChatCompletionRequest):
         return [(f"messages[{i}]", m.text(), m.role in ("user", "system", "developer"))
                 for i, m in enumerate(req.messages) if m.role != "assistant" and m.content]
@@ -173,7 +173,7 @@ def input_texts(req, tokenizer=None) -> list[tuple[str, str, bool]]:
     return out
 
 
-def prompt_tokenizer(server, req):
+def prompt_tokenizer(server: ServerState, req: GenerationRequest) -> Tokenizer | None:
     """The tokenizer that decodes a request's token-id prompts: its model's (the default model's
     for "auto"); None when there are none or the model cannot serve (the request fails later)."""
     if not has_token_prompts(req):
@@ -184,9 +184,7 @@ def prompt_tokenizer(server, req):
         return None
 
 
-def redact_input(req) -> None:
-    from kvserve.server.protocol import ChatCompletionRequest
-
+def redact_input(req: GenerationRequest) -> None:
     if isinstance(req, ChatCompletionRequest):
         for m in req.messages:
             if isinstance(m.content, str):
@@ -198,89 +196,3 @@ def redact_input(req) -> None:
         req.prompt = pii.redact(req.prompt)
     else:
         req.prompt = [pii.redact(p) if isinstance(p, str) else p for p in req.prompt]
-
-
-class OutputModerationStage:
-    """The last stage of a choice: redact personal data, check a window every N tokens, cut on a flag."""
-
-    def __init__(self, moderator: Moderator | None, config: ModerationConfig, service: ModerationService):
-        self.moderator = moderator
-        self.config = config
-        self.service = service
-        self.redactor = pii.StreamRedactor() if config.pii_output == "redact" else None
-        self.window = ""
-        self.unchecked = 0          # tokens since the last check
-        self.checks: list[dict[str, Any]] = []
-        self.cut = False
-
-    def feed(self, delta: ChoiceDelta) -> ChoiceDelta:
-        if self.cut:                # the choice already ended: nothing more goes out
-            delta.text, delta.reasoning, delta.tool_calls = "", "", []
-            delta.filtered = True
-            return delta
-        # the window holds the model's own text, before redaction, and the tool calls' names and arguments
-        raw = delta.reasoning + delta.text + "".join(
-            f" {tc['function'].get('name') or ''} {tc['function'].get('arguments') or ''}"
-            for tc in delta.tool_calls if tc.get("function"))
-        if self.redactor is not None:   # held-back text leaves an empty delta, sent as such (keeps the stream alive)
-            delta.text = self.redactor.feed(delta.text) + (self.redactor.finish() if delta.done else "")
-        if self.moderator is None:
-            return delta
-        self.window = (self.window + raw)[-self.config.window_chars:]
-        self.unchecked += max(1, len(delta.token_ids))
-        if self.unchecked < self.config.check_every and not delta.done and not delta.tool_calls:
-            return delta        # a tool call is checked before it goes out: a client may act on it at once
-        self.unchecked = 0
-        v = self.moderator.check(self.window, input=False)
-        self.service.observe("output", v)
-        self.checks.append({"check": "output", **v.summary()})
-        if v.flagged:
-            self.cut = True
-            delta.text, delta.reasoning, delta.tool_calls, delta.calls = "", "", [], []
-            delta.finish_reason, delta.stop_reason = "content_filter", None
-            delta.filtered = True
-        return delta
-
-
-def trace_entries(input_checks: list[dict[str, Any]], stages: list) -> list[dict[str, Any]]:
-    """The moderation checks of a request: the input's, then those of a choice's output stage."""
-    out = list(input_checks)
-    for stage in stages:
-        out += getattr(stage, "checks", [])
-    return out
-
-
-def mount_moderation(app: FastAPI, server) -> None:
-    @app.post("/v1/moderations")
-    async def moderations(request: Request) -> dict:
-        s = server.settings
-        body = load_json(await read_body(request, s.max_body_bytes, s.body_timeout_s), s.max_json_depth)
-        if not isinstance(body, dict) or "input" not in body:
-            raise InvalidRequest("Missing required parameter: input.", param="input")
-        extra = set(body) - {"input", "model"}
-        if extra:
-            raise InvalidRequest(f"Unrecognized request argument supplied: {min(extra)}.", param=min(extra))
-        inp = body["input"]
-        if isinstance(inp, str):
-            texts = [inp]
-        elif isinstance(inp, list) and all(isinstance(x, str) for x in inp) and 0 < len(inp) <= MAX_INPUTS:
-            texts = inp
-        elif isinstance(inp, list) and all(isinstance(x, dict) and x.get("type") == "text"
-                                           and isinstance(x.get("text"), str) for x in inp) and 0 < len(inp) <= MAX_INPUTS:
-            texts = [x["text"] for x in inp]
-        else:
-            raise InvalidRequest(f"input must be a string or a list of 1-{MAX_INPUTS} strings (or text parts).",
-                                 param="input")
-        record = request.state.record
-        mod = server.moderation.moderator(server.moderation.config_for(record))
-
-        def run() -> list[dict]:
-            out = []
-            for t in texts:
-                v = mod.check(t)
-                server.moderation.observe("endpoint", v)
-                out.append(v.to_openai())
-            return out
-
-        results = await asyncio.to_thread(run)
-        return {"id": f"modr-{uuid.uuid4().hex}", "model": body.get("model") or MODEL, "results": results}

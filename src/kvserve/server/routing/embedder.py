@@ -1,6 +1,6 @@
-"""`POST /v1/embeddings` (OpenAI's shape) and the server's one sentence encoder.
+"""The server's one sentence encoder (`Embedder`) and a request's query embedding.
 
-The encoder (model/bert.py, all-MiniLM-L6-v2) is shared by this endpoint, the semantic cache and
+The encoder (model/bert.py, all-MiniLM-L6-v2) is shared by /v1/embeddings, the semantic cache and
 the router. It loads on first use in a worker thread (a second or two), or at startup when a
 feature that needs it is on; every encode runs off the event loop and is timed into
 `kvserve:embedding_latency_seconds`.
@@ -11,48 +11,23 @@ sorted by length), so N requests that each embed one query cost about one batche
 (the >= 500 sentences/s the encoder reaches only in batches). A lone call starts at once: nothing
 waits for a batch to fill.
 
-    {"input": "text" | ["text", ...], "model": "all-minilm-l6-v2", "encoding_format": "float" | "base64",
-     "dimensions": 384}
-    -> {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [...] | "base64"}],
-        "model": ..., "usage": {"prompt_tokens": n, "total_tokens": n}}
-
-base64 is the little-endian float32 bytes of each vector (what the openai SDK decodes). Token-id
-inputs (OpenAI's tiktoken ids) mean nothing to this encoder and are refused with a 400.
+The `/v1/embeddings` route over this encoder is api/embeddings.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import threading
 import time
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request
-from prometheus_client import Histogram
-from pydantic import Field
-
-from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound, Overloaded
-from kvserve.server.limits import read_body
-from kvserve.server.protocol import _Strict, parse_body
+from prometheus_client import CollectorRegistry, Histogram
 
 if TYPE_CHECKING:
     import numpy as np
 
 EMBEDDING_MODEL = "all-minilm-l6-v2"
-MAX_INPUTS = 2048
-MAX_INPUT_CHARS = 100_000
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-class EmbeddingRequest(_Strict):
-    input: str | list[str] | list[int] | list[list[int]]
-    model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
-    user: str | None = None
-
-
 COALESCE_MAX_TEXTS = 256    # a call with more texts runs alone (it is a batch already)
 
 
@@ -86,7 +61,7 @@ class Embedder:
     """The shared encoder behind a lock-free lazy load; `encode` is async (runs in a thread,
     concurrent calls coalesced into one forward)."""
 
-    def __init__(self, registry=None, name: str = EMBEDDING_MODEL):
+    def __init__(self, registry: CollectorRegistry | None = None, name: str = EMBEDDING_MODEL):
         self.name = name
         self._encoder = None
         self._lock = threading.Lock()
@@ -179,48 +154,3 @@ class Embedder:
     def card(self, created: int) -> dict:
         return {"id": self.name, "object": "model", "created": created, "owned_by": "kvserve",
                 "kvserve_kind": "embedding", "dimensions": 384}
-
-
-def _texts(req: EmbeddingRequest) -> list[str]:
-    inp = req.input
-    texts = [inp] if isinstance(inp, str) else inp
-    if not texts:
-        raise InvalidRequest("input is empty; send a string or a list of strings.", param="input")
-    if not all(isinstance(t, str) for t in texts):
-        raise InvalidRequest("input holds token ids; this server embeds text: send strings.", param="input")
-    if len(texts) > MAX_INPUTS:
-        raise InvalidRequest(f"input holds {len(texts)} items; at most {MAX_INPUTS} per request.", param="input")
-    for i, t in enumerate(texts):
-        if not t:
-            raise InvalidRequest(f"input[{i}] is an empty string.", param="input")
-        if len(t) > MAX_INPUT_CHARS:
-            raise InvalidRequest(f"input[{i}] is longer than {MAX_INPUT_CHARS} characters.", param="input")
-    return texts
-
-
-def mount_embeddings(app: FastAPI, server, embedder: Embedder) -> None:
-    settings = server.settings
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> dict:
-        req = parse_body(await read_body(request, settings.max_body_bytes, settings.body_timeout_s),
-                         EmbeddingRequest, settings.max_json_depth)
-        if req.model not in (None, "", embedder.name):
-            raise ModelNotFound(f"The model {req.model!r} is not an embedding model of this server; use "
-                                f"{embedder.name!r}.", param="model")
-        texts = _texts(req)
-        if req.dimensions is not None and req.dimensions != 384:
-            raise InvalidRequest(f"{embedder.name} makes 384-dimensional vectors; dimensions={req.dimensions} "
-                                 "is not supported.", param="dimensions")
-        try:
-            vecs, tokens = await embedder.encode(texts)
-        except (KVServeError, OSError) as e:   # the weights package missing or broken: the server stays up
-            raise Overloaded(f"The embedding model could not be loaded: {getattr(e, 'message', e)}", retry_after=30.0,
-                             code="model_not_ready") from None
-        data = []
-        for i, v in enumerate(vecs):
-            emb = (base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() if req.encoding_format == "base64"
-                   else v.tolist())
-            data.append({"object": "embedding", "index": i, "embedding": emb})
-        return {"object": "list", "data": data, "model": embedder.name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

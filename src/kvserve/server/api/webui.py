@@ -31,10 +31,10 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest, KVServeError
-from kvserve.server.limits import load_json, read_body
+from kvserve.server.gates.limits import load_json, read_body
 from kvserve.server.stores.conversations import ConversationStore, StoreLimits
 
-STATIC_DIR = pathlib.Path(__file__).parent / "static"
+STATIC_DIR = pathlib.Path(__file__).parents[1] / "static"   # server/static/ (package data)
 CLIENT_HEADER = "X-KVServe-Client"
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
 

@@ -1,0 +1,69 @@
+"""Output moderation, the last stage of every choice (its input twin is gates/moderation.py).
+
+Personal data is redacted as the text streams (safety.pii.StreamRedactor), and every
+`check_every` tokens the last `window_chars` characters are checked while the engine keeps
+decoding. On a flag the choice ends with `finish_reason: "content_filter"`, the rest of its text
+is dropped, and the run (generation/run.py) aborts the engine request, which frees its KV blocks.
+So a violating text is cut within one window of `check_every` tokens after it appears.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvserve.safety import pii
+from kvserve.safety.moderator import ModerationConfig, Moderator
+from kvserve.server.stages.delta import ChoiceDelta, Stage
+
+if TYPE_CHECKING:
+    from kvserve.server.gates.moderation import ModerationService
+
+
+class OutputModerationStage:
+    """The last stage of a choice: redact personal data, check a window every N tokens, cut on a flag."""
+
+    def __init__(self, moderator: Moderator | None, config: ModerationConfig, service: ModerationService):
+        self.moderator = moderator
+        self.config = config
+        self.service = service
+        self.redactor = pii.StreamRedactor() if config.pii_output == "redact" else None
+        self.window = ""
+        self.unchecked = 0          # tokens since the last check
+        self.checks: list[dict[str, Any]] = []
+        self.cut = False
+
+    def feed(self, delta: ChoiceDelta) -> ChoiceDelta:
+        if self.cut:                # the choice already ended: nothing more goes out
+            delta.text, delta.reasoning, delta.tool_calls = "", "", []
+            delta.filtered = True
+            return delta
+        # the window holds the model's own text, before redaction, and the tool calls' names and arguments
+        raw = delta.reasoning + delta.text + "".join(
+            f" {tc['function'].get('name') or ''} {tc['function'].get('arguments') or ''}"
+            for tc in delta.tool_calls if tc.get("function"))
+        if self.redactor is not None:   # held-back text leaves an empty delta, sent as such (keeps the stream alive)
+            delta.text = self.redactor.feed(delta.text) + (self.redactor.finish() if delta.done else "")
+        if self.moderator is None:
+            return delta
+        self.window = (self.window + raw)[-self.config.window_chars:]
+        self.unchecked += max(1, len(delta.token_ids))
+        if self.unchecked < self.config.check_every and not delta.done and not delta.tool_calls:
+            return delta        # a tool call is checked before it goes out: a client may act on it at once
+        self.unchecked = 0
+        v = self.moderator.check(self.window, input=False)
+        self.service.observe("output", v)
+        self.checks.append({"check": "output", **v.summary()})
+        if v.flagged:
+            self.cut = True
+            delta.text, delta.reasoning, delta.tool_calls, delta.calls = "", "", [], []
+            delta.finish_reason, delta.stop_reason = "content_filter", None
+            delta.filtered = True
+        return delta
+
+
+def trace_entries(input_checks: list[dict[str, Any]], stages: list[Stage]) -> list[dict[str, Any]]:
+    """The moderation checks of a request: the input's, then those of a choice's output stage."""
+    out = list(input_checks)
+    for stage in stages:
+        out += getattr(stage, "checks", [])
+    return out
