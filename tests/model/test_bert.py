@@ -83,3 +83,32 @@ def test_shallow_depths_are_taps_of_the_full_forward():
     assert float((shallow[2] * full).sum(1).max()) < 0.99    # a different feature, not the embedding
     with pytest.raises(InvalidRequest):
         enc.encode_depths(SENTENCES[:1], (enc.layers + 1,))
+
+
+def test_small_encodes_leave_other_threads_thread_count_alone():
+    """A cache lookup's encode runs on its own thread only; the engine's threads keep torch's count
+    (issue 53: it used to lower the process-wide count while it ran)."""
+    import threading
+
+    import torch
+
+    from kvserve.model.bert import default_encoder
+
+    enc = default_encoder()
+    expected = torch.get_num_threads()
+    seen: set[int] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.add(torch.get_num_threads())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for _ in range(100):
+            enc.encode(["a short query"])
+    finally:
+        stop.set()
+        watcher.join()
+    assert seen == {expected}

@@ -21,7 +21,9 @@ what a one-query forward (a cache lookup, a routing decision) spends most of its
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
 import functools
 import importlib.util
 import json
@@ -29,6 +31,7 @@ import math
 import pathlib
 import threading
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -213,17 +216,11 @@ class SentenceEncoder:
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16)
         # A few short texts (a cache lookup, a router decision) run on this thread alone: splitting
         # a [12, 384] matmul across cores costs more in wake-ups than it saves, and far more when
-        # the cores are busy. torch's thread count is per calling thread (OpenMP), so the engine's
-        # threads are unaffected.
-        threads = torch.get_num_threads()
+        # the cores are busy. Only this thread's OpenMP count changes (`_this_thread_only`);
+        # torch.set_num_threads would change the process's for everyone while it lasts.
         small = sum(len(r) for r in rows) <= self.small_tokens
-        if small:
-            torch.set_num_threads(1)
-        try:
+        with _this_thread_only() if small else contextlib.nullcontext():
             return self._forward(rows, autocast, depths), [len(r) for r in rows]
-        finally:
-            if small:
-                torch.set_num_threads(threads)
 
     def _forward(self, rows: list[list[int]], autocast, depths: tuple[int, ...]) -> dict[int, torch.Tensor]:
         out = {d: torch.empty(len(rows), self.dim) for d in depths}
@@ -250,6 +247,41 @@ class SentenceEncoder:
                     out[d][torch.tensor(idx)] = F.normalize(pooled, p=2, dim=1)
                 start = end
         return out
+
+
+@functools.cache
+def _openmp() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch already runs on (found among the loaded libraries), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+            lib.omp_get_max_threads.restype = ctypes.c_int
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+@contextlib.contextmanager
+def _this_thread_only() -> Iterator[None]:
+    """torch ops of the calling thread on one thread; other threads' counts are untouched (an
+    OpenMP thread count is per thread, and torch reads the caller's)."""
+    omp = _openmp()
+    if omp is None:
+        yield
+        return
+    torch.get_num_threads()          # torch sets up this thread's OpenMP state first
+    before = omp.omp_get_max_threads()
+    omp.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        omp.omp_set_num_threads(before)
 
 
 def minilm_zip() -> pathlib.Path:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -88,16 +89,23 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to the context length (HF's rotate-half layout)."""
+    """cos/sin tables for every position up to the context length (HF's rotate-half layout).
+
+    The angles are HF's float32 products; their cos and sin are computed in float64 by numpy and
+    rounded once, so each entry is the float32 nearest the true value, whatever the process is
+    doing. torch's CPU cos/sin go through MKL's VML, and a VML call that races another thread's
+    first use of MKL (the sentence encoder loading beside the model) can run at VML's EP accuracy,
+    11 bits: one load in a few gave a table off by up to 1.5e-4 for its whole life, so every greedy
+    answer of that process differed (issue 53, BENCHMARKS.md)."""
 
     def __init__(self, cfg: ModelConfig, theta: float | None = None):
         super().__init__()
         inv_freq = rope_inv_freq(cfg if theta is None else replace(cfg, rope_theta=theta, rope_scaling=None))
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        angles = torch.cat([freqs, freqs], dim=-1).numpy().astype(np.float64)
+        self.register_buffer("cos", torch.from_numpy(np.cos(angles).astype(np.float32)), persistent=False)
+        self.register_buffer("sin", torch.from_numpy(np.sin(angles).astype(np.float32)), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions], self.sin[positions]
