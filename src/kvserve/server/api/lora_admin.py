@@ -25,10 +25,8 @@ from kvserve.server.protocol import parse_body
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
-class AdminDisabled(KVServeError):
-    status = 403
-    type = "permission_error"
-    code = "admin_disabled"
+class AdminDisabled(KVServeError, status=403, type="permission_error", code="admin_disabled"):
+    """Run-time LoRA loading is off: the server has no admin key (HTTP 403)."""
 
 
 class LoadLoRARequest(BaseModel):

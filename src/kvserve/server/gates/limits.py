@@ -22,14 +22,12 @@ from fastapi import Request
 from kvserve.errors import InvalidRequest
 
 
-class BodyTooLarge(InvalidRequest):
-    status = 413
-    code = "request_too_large"
+class BodyTooLarge(InvalidRequest, status=413, code="request_too_large"):
+    """The body is larger than the route allows (HTTP 413)."""
 
 
-class BodyTimeout(InvalidRequest):
-    status = 408
-    code = "request_timeout"
+class BodyTimeout(InvalidRequest, status=408, code="request_timeout"):
+    """A chunk of the body did not arrive in time (HTTP 408)."""
 
 
 async def read_body(request: Request, limit: int, timeout: float | None = 30.0) -> bytes:
