@@ -23,7 +23,6 @@ from starlette.background import BackgroundTask
 
 from kvserve.errors import KVServeError
 from kvserve.server.api.openai_wire import INTERNAL_ERROR, OpenAIRenderer
-from kvserve.server.gates.limits import read_body
 from kvserve.server.generation import (
     ClientGone,
     Generation,
@@ -34,7 +33,7 @@ from kvserve.server.generation import (
     run_generation,
     run_to_end,
 )
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, read_request
 
 if TYPE_CHECKING:
     from kvserve.server.app import ServerState
@@ -47,16 +46,11 @@ def mount_openai(app: FastAPI, gw: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await answer(gw, request, await _parse(gw, request, ChatCompletionRequest), "chat")
+        return await answer(gw, request, await read_request(request, ChatCompletionRequest, gw.settings), "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await answer(gw, request, await _parse(gw, request, CompletionRequest), "completion")
-
-
-async def _parse(gw: ServerState, request: Request, model: type) -> ChatCompletionRequest | CompletionRequest:
-    s = gw.settings
-    return parse_body(await read_body(request, s.max_body_bytes, s.body_timeout_s), model, s.max_json_depth)
+        return await answer(gw, request, await read_request(request, CompletionRequest, gw.settings), "completion")
 
 
 async def answer(gw: ServerState, request: Request, req: ChatCompletionRequest | CompletionRequest, kind: Kind,

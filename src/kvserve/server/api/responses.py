@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from kvserve.errors import InvalidRequest, KVServeError
 from kvserve.server.api.openai_wire import INTERNAL_ERROR
 from kvserve.server.api.responses_wire import ResponseRenderer
-from kvserve.server.gates.limits import load_json, read_body
+from kvserve.server.gates.limits import read_json
 from kvserve.server.generation import ClientGone, Generation, Lease, build_plan, run_generation, run_to_end
 from kvserve.server.generation.context import conversation
 from kvserve.server.protocol import ChatCompletionRequest, validate_body
@@ -115,9 +115,7 @@ def mount_responses(app: FastAPI, gw: ServerState) -> None:
 
     @app.post("/v1/responses")
     async def create(request: Request) -> Response:
-        s = gw.settings
-        body = await run_in_threadpool(load_json, await read_body(request, s.max_body_bytes, s.body_timeout_s),
-                                       s.max_json_depth)
+        body = await read_json(request, gw.settings, off_loop=True)
         if not isinstance(body, dict):
             raise InvalidRequest("The body must be a JSON object.", param=None)
         owner = _owner(request)
