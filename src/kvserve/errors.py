@@ -14,6 +14,15 @@ class KVServeError(Exception):
     type: str = "invalid_request_error"
     code: str | None = None
 
+    def __init_subclass__(cls, *, status: int | None = None, type: str | None = None, code: str | None = None,
+                          **kw) -> None:
+        """`class NotFound(KVServeError, status=404, code="not_found")`: a subclass names what it
+        changes of the HTTP status, the error type and the code in its class line."""
+        super().__init_subclass__(**kw)
+        for name, value in (("status", status), ("type", type), ("code", code)):
+            if value is not None:
+                setattr(cls, name, value)
+
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message = message
@@ -35,58 +44,33 @@ class RetryLater(KVServeError):
         self.retry_after = retry_after
 
 
-class InvalidRequest(KVServeError):
+class InvalidRequest(KVServeError, code="invalid_value"):
     """A request or parameter is malformed or out of range (HTTP 400)."""
 
-    code = "invalid_value"
 
-
-class ContextLengthExceeded(InvalidRequest):
+class ContextLengthExceeded(InvalidRequest, code="context_length_exceeded"):
     """Prompt (plus max tokens) does not fit in the model's context window (HTTP 400)."""
 
-    code = "context_length_exceeded"
 
-
-class ModelNotFound(KVServeError):
+class ModelNotFound(KVServeError, status=404, code="model_not_found"):
     """An unknown model name or a path that does not exist (HTTP 404)."""
 
-    status = 404
-    code = "model_not_found"
 
-
-class ModelLoadError(KVServeError):
+class ModelLoadError(KVServeError, status=500, type="server_error", code="model_load_error"):
     """A model file exists but cannot be loaded: bad magic, truncated, unsupported (HTTP 500)."""
 
-    status = 500
-    type = "server_error"
-    code = "model_load_error"
 
-
-class AuthenticationError(KVServeError):
+class AuthenticationError(KVServeError, status=401, type="authentication_error", code="invalid_api_key"):
     """A missing, unknown or revoked API key, or a non-admin key on an admin route (HTTP 401)."""
 
-    status = 401
-    type = "authentication_error"
-    code = "invalid_api_key"
 
-
-class RateLimitError(RetryLater):
+class RateLimitError(RetryLater, status=429, type="rate_limit_error", code="rate_limit_exceeded"):
     """A key's requests or tokens per minute are spent for now (HTTP 429)."""
 
-    status = 429
-    type = "rate_limit_error"
-    code = "rate_limit_exceeded"
 
-
-class Overloaded(RetryLater):
+class Overloaded(RetryLater, status=503, type="server_error", code="overloaded"):
     """The server's waiting queue is full (HTTP 503)."""
 
-    status = 503
-    type = "server_error"
-    code = "overloaded"
 
-
-class ContentPolicyViolation(InvalidRequest):
+class ContentPolicyViolation(InvalidRequest, code="content_policy_violation"):
     """Input moderation flagged the request (HTTP 400); it never reached the model."""
-
-    code = "content_policy_violation"

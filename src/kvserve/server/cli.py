@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import pathlib
 import sys
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
 from typing import Annotated
 
 import typer
@@ -26,6 +28,17 @@ RedisUrl = Annotated[str | None, typer.Option(
     "--redis-url", envvar="KVSERVE_REDIS_URL",
     help="Redis for rate limits, the key-lookup cache and live counters, shared by several servers "
          "(redis://host:6379/0; default: this process's memory).")]
+
+
+@contextmanager
+def _user_errors(exit_code: int = 1) -> Iterator[None]:
+    """A KVServeError in the block printed as `error: <message>` on stderr, then exit `exit_code`
+    (2: an option is wrong, before anything started; 1: the command failed)."""
+    try:
+        yield
+    except KVServeError as e:
+        typer.echo(f"error: {e.message}", err=True)
+        raise typer.Exit(exit_code) from None
 
 
 def _setup_logging() -> None:
@@ -146,11 +159,8 @@ def serve(
         shared.append(text)
     from kvserve.server.stores.moderation_policies import load_options
 
-    try:
+    with _user_errors(2):
         moderation_options = load_options(moderation, moderation_config)
-    except KVServeError as e:
-        typer.echo(f"error: {e.message}", err=True)
-        raise typer.Exit(2) from None
     engine_kwargs: dict = {k: v for k, v in [("max_model_len", max_model_len),
                                              ("long_prefill_token_threshold", long_prefill_token_threshold),
                                              ("max_num_partial_prefills", max_num_partial_prefills),
@@ -165,33 +175,24 @@ def serve(
         del engine_kwargs["tensor_parallel_size"]
     if speculative or num_speculative_tokens is not None:
         from kvserve.engine.spec_decode.config import SpeculativeConfig
-        try:
+        with _user_errors(2):
             SpeculativeConfig.parse(speculative, num_speculative_tokens)     # fail now, not after loading
-        except KVServeError as e:
-            typer.echo(f"error: {e.message}", err=True)
-            raise typer.Exit(2) from None
         engine_kwargs.update(speculative=speculative, num_speculative_tokens=num_speculative_tokens)
     if lora:
         from kvserve.engine.lora import parse_lora_modules
-        try:
+        with _user_errors(2):
             engine_kwargs["lora_modules"] = parse_lora_modules(lora)
             from kvserve.model.lora import read_config
             for path in engine_kwargs["lora_modules"].values():   # files exist and are LoRA: fail before the load
                 read_config(path)
-        except KVServeError as e:
-            typer.echo(f"error: {e.message}", err=True)
-            raise typer.Exit(2) from None
     engine_kwargs["max_loras"] = max_loras
     if kv_cache_memory:
         engine_kwargs["kv_cache_memory"] = (int(kv_cache_memory) if kv_cache_memory.isdigit() else
                                             float(kv_cache_memory) if kv_cache_memory.replace(".", "", 1).isdigit()
                                             else kv_cache_memory)
-    try:
+    with _user_errors(2):
         models, router, cache_options = _model_specs(model or [], models_config)
         router_name = router_opt
-    except KVServeError as e:
-        typer.echo(f"error: {e.message}", err=True)
-        raise typer.Exit(2) from None
     if semantic_cache not in ("on", "off"):
         typer.echo("error: --semantic-cache must be on or off", err=True)
         raise typer.Exit(2)
@@ -210,11 +211,8 @@ def serve(
         conversation_quota_bytes=conversation_quota_bytes, header_timeout_s=header_timeout,
         body_timeout_s=body_timeout, arena_contestants=arena_contestants, database_url=database_url,
         redis_url=redis_url, moderation=moderation, moderation_options=moderation_options)
-    try:
+    with _user_errors(2):
         sock = serving.bind(host, port)
-    except KVServeError as e:
-        typer.echo(f"error: {e.message}", err=True)
-        raise typer.Exit(2) from None
     try:
         app = create_app(None, settings)
     except KVServeError as e:
@@ -249,23 +247,15 @@ keys_app = typer.Typer(help="Create, list and revoke API keys; show usage.", no_
 def _store(data_dir: pathlib.Path | None, database_url: str | None = None, redis_url: str | None = None):
     """The key store the server uses: the SQLite file in the data dir, or --database-url (with
     --redis-url, the servers' key cache sees the change at once)."""
-    try:
+    with _user_errors():
         return open_key_backend(ServerSettings(load_model=False, data_dir=data_dir or default_data_dir()).db_path,
                                 database_url, redis_url)
-    except KVServeError as e:
-        typer.echo(f"error: {e.message}", err=True)
-        raise typer.Exit(1) from None
 
 
-def _run(store, method: str, *args):
+def _run(store, method: str, *args, **kwargs):
     """One store call, the store closed after, a store error printed on one line (exit 1)."""
-    try:
-        return getattr(store, method)(*args)
-    except KVServeError as e:
-        typer.echo(f"error: {e.message}", err=True)
-        raise typer.Exit(1) from None
-    finally:
-        store.close()
+    with _user_errors(), closing(store):
+        return getattr(store, method)(*args, **kwargs)
 
 
 @keys_app.command("create")
@@ -279,14 +269,7 @@ def keys_create(
     redis_url: RedisUrl = None,
 ) -> None:
     """Create a key and print it. It is shown only this once: only its hash is stored."""
-    store = _store(data_dir, database_url, redis_url)
-    try:
-        key = store.create(name, tier=tier, rpm=rpm, tpm=tpm)
-    except KVServeError as e:
-        typer.echo(f"error: {e.message}", err=True)
-        raise typer.Exit(1) from None
-    finally:
-        store.close()
+    key = _run(_store(data_dir, database_url, redis_url), "create", name, tier=tier, rpm=rpm, tpm=tpm)
     typer.echo(key)
     typer.echo(f"created key {name!r} (tier {tier}); store it now, it cannot be shown again", err=True)
 
@@ -334,14 +317,11 @@ def keys_moderation(
 
     from kvserve.server.stores.moderation_policies import PolicyStore, policy_from_options
 
-    try:   # with --database-url, the servers started with the same URL apply it within a second
+    with _user_errors():   # with --database-url, the servers started with the same URL apply it within a second
         where = check_url(database_url, "--database-url", DATABASE_SCHEMES) if database_url else \
             ServerSettings(load_model=False, data_dir=data_dir or default_data_dir()).db_path
         store = PolicyStore(where)
-    except KVServeError as e:
-        typer.echo(f"error: {e.message}", err=True)
-        raise typer.Exit(1) from None
-    try:
+    with _user_errors(), closing(store):
         if subject is None:
             for name, policy in sorted(store.all().items()):
                 typer.echo(f"{name:<20} {json.dumps(policy)}")
@@ -352,11 +332,6 @@ def keys_moderation(
         policy = policy_from_options(mode, threshold, block, regex, pii_input, pii_output, check_every)
         store.set(subject, {**store.all().get(subject, {}), **policy})
         typer.echo(f"{subject}: {json.dumps(store.all()[subject])}")
-    except KVServeError as e:
-        typer.echo(f"error: {e.message}", err=True)
-        raise typer.Exit(1) from None
-    finally:
-        store.close()
 
 
 @keys_app.command("usage")

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvserve.errors import InvalidRequest
 from kvserve.sampling_params import RepetitionGuard, SamplingParams, StructuredOutputsParams
-from kvserve.server.gates.limits import load_json
+from kvserve.server.gates.limits import BodyLimits, load_json, read_json
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stages.tools import MAX_TOOLS
 from kvserve.server.stages.tools import NAME_RE as TOOL_NAME_RE
@@ -204,6 +205,11 @@ def _param(loc: tuple) -> str:
 def parse_body(raw: bytes, model: type[BaseModel], max_depth: int = 64) -> Any:
     """Parse and validate a JSON body; every failure is an InvalidRequest naming the field."""
     return validate_body(load_json(raw, max_depth), model)
+
+
+async def read_request(request: Request, model: type[BaseModel], limits: BodyLimits) -> Any:
+    """A route's body read under `limits` (gates/limits.py) and validated as `model`."""
+    return validate_body(await read_json(request, limits), model)
 
 
 def validate_body(data: Any, model: type[BaseModel]) -> Any:

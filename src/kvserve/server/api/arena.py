@@ -32,7 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from kvserve.errors import InvalidRequest
 from kvserve.server.api.openai import answer
 from kvserve.server.api.webui import owner_of
-from kvserve.server.gates.limits import load_json, read_body
+from kvserve.server.gates.limits import read_json
 from kvserve.server.protocol import ChatCompletionRequest, validate_body
 from kvserve.server.stores.arena import ArenaStore, BattleNotFound
 from kvserve.server.stores.arena_ratings import leaderboard
@@ -83,13 +83,6 @@ def load_contestants(path: str | pathlib.Path | None) -> tuple[Contestant, ...]:
     return out
 
 
-async def _json_body(gw: ServerState, request: Request) -> dict:
-    """The body under the server's own gates (size, read timeout, JSON depth)."""
-    s = gw.settings
-    raw = await read_body(request, s.max_body_bytes, s.body_timeout_s)
-    return await run_in_threadpool(load_json, raw, s.max_json_depth)
-
-
 def arena_router(gw: ServerState, store: ArenaStore, contestants: tuple[Contestant, ...]) -> APIRouter:
     router = APIRouter(prefix="/v1/kvserve/arena")
     by_name = {c.name: c for c in contestants}
@@ -98,7 +91,7 @@ def arena_router(gw: ServerState, store: ArenaStore, contestants: tuple[Contesta
     @router.post("/battles")
     async def create_battle(request: Request) -> dict:
         owner = owner_of(request)
-        prompt = (await _json_body(gw, request)).get("prompt")
+        prompt = (await read_json(request, gw.settings, off_loop=True)).get("prompt")
         if not isinstance(prompt, str) or not prompt.strip():
             raise InvalidRequest("Send {\"prompt\": \"...\"}: the question both contestants answer.", param="prompt")
         if len(prompt) > MAX_PROMPT_CHARS:
@@ -123,7 +116,7 @@ def arena_router(gw: ServerState, store: ArenaStore, contestants: tuple[Contesta
     @router.post("/battles/{battle_id}/vote")
     async def vote(battle_id: str, request: Request) -> dict:
         owner = owner_of(request)
-        winner = (await _json_body(gw, request)).get("winner")
+        winner = (await read_json(request, gw.settings, off_loop=True)).get("winner")
         battle = await run_in_threadpool(store.vote, owner, battle_id, winner)
         return {"id": battle_id, "object": "kvserve.arena.vote", "winner": winner,
                 "model_a": battle["model_a"], "model_b": battle["model_b"]}

@@ -19,8 +19,7 @@ from fastapi import FastAPI, Request
 from pydantic import Field
 
 from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound, Overloaded
-from kvserve.server.gates.limits import read_body
-from kvserve.server.protocol import _Strict, parse_body
+from kvserve.server.protocol import _Strict, read_request
 from kvserve.server.routing.embedder import Embedder
 
 if TYPE_CHECKING:
@@ -60,8 +59,7 @@ def mount_embeddings(app: FastAPI, server: ServerState, embedder: Embedder) -> N
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict:
-        req = parse_body(await read_body(request, settings.max_body_bytes, settings.body_timeout_s),
-                         EmbeddingRequest, settings.max_json_depth)
+        req = await read_request(request, EmbeddingRequest, settings)
         if req.model not in (None, "", embedder.name):
             raise ModelNotFound(f"The model {req.model!r} is not an embedding model of this server; use "
                                 f"{embedder.name!r}.", param="model")

@@ -19,16 +19,13 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
 from kvserve.errors import AuthenticationError, KVServeError
-from kvserve.server.gates.limits import read_body
-from kvserve.server.protocol import parse_body
+from kvserve.server.protocol import read_request
 
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
-class AdminDisabled(KVServeError):
-    status = 403
-    type = "permission_error"
-    code = "admin_disabled"
+class AdminDisabled(KVServeError, status=403, type="permission_error", code="admin_disabled"):
+    """Run-time LoRA loading is off: the server has no admin key (HTTP 403)."""
 
 
 class LoadLoRARequest(BaseModel):
@@ -55,22 +52,22 @@ def _check_admin(state, request: Request) -> None:
 
 
 def mount_lora(app: FastAPI, state) -> None:
-    settings = state.settings
+
+    async def admin_call(request: Request, model: type[BaseModel]) -> tuple:
+        """(the validated body, the engine) of an admin call: the key checked first (403, 401)."""
+        _check_admin(state, request)
+        req = await read_request(request, model, state.settings)
+        engine, _ = state.require_engine(None)
+        return req, engine
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> dict:
-        _check_admin(state, request)
-        req = parse_body(await read_body(request, settings.max_body_bytes, settings.body_timeout_s),
-                         LoadLoRARequest, settings.max_json_depth)
-        engine, _ = state.require_engine(None)
+        req, engine = await admin_call(request, LoadLoRARequest)
         await asyncio.to_thread(engine.add_lora, req.lora_name, req.lora_path)
         return {"object": "lora_adapter", "id": req.lora_name, "status": "loaded"}
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> dict:
-        _check_admin(state, request)
-        req = parse_body(await read_body(request, settings.max_body_bytes, settings.body_timeout_s),
-                         UnloadLoRARequest, settings.max_json_depth)
-        engine, _ = state.require_engine(None)
+        req, engine = await admin_call(request, UnloadLoRARequest)
         engine.remove_lora(req.lora_name)
         return {"object": "lora_adapter", "id": req.lora_name, "status": "unloaded"}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 
 from kvserve.errors import InvalidRequest
-from kvserve.server.gates.limits import load_json, read_body
+from kvserve.server.gates.limits import read_json
 
 if TYPE_CHECKING:
     from kvserve.server.app import ServerState
@@ -26,8 +26,7 @@ MAX_INPUTS = 64       # entries of one /v1/moderations request
 def mount_moderations(app: FastAPI, server: ServerState) -> None:
     @app.post("/v1/moderations")
     async def moderations(request: Request) -> dict:
-        s = server.settings
-        body = load_json(await read_body(request, s.max_body_bytes, s.body_timeout_s), s.max_json_depth)
+        body = await read_json(request, server.settings)
         if not isinstance(body, dict) or "input" not in body:
             raise InvalidRequest("Missing required parameter: input.", param="input")
         extra = set(body) - {"input", "model"}

@@ -6,7 +6,9 @@
     (generation/run.py) → OpenAIRenderer (openai_wire.py): SSE events or one JSON body
 
 `answer` is the whole of it after parsing; the arena (api/arena.py) renders the same stream with
-the model's name hidden. An error after the stream started goes out as an SSE error event before
+the model's name hidden. `start` (plan + lease) and `deliver` (SSE, or run to the end and one
+body) are the steps every generation route shares; the Responses API (api/responses.py) uses them
+with its own renderer. An error after the stream started goes out as an SSE error event before
 `[DONE]`; the lease gives everything back once however the response ends (generation/lease.py).
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -23,7 +25,6 @@ from starlette.background import BackgroundTask
 
 from kvserve.errors import KVServeError
 from kvserve.server.api.openai_wire import INTERNAL_ERROR, OpenAIRenderer
-from kvserve.server.gates.limits import read_body
 from kvserve.server.generation import (
     ClientGone,
     Generation,
@@ -34,7 +35,7 @@ from kvserve.server.generation import (
     run_generation,
     run_to_end,
 )
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, read_request
 
 if TYPE_CHECKING:
     from kvserve.server.app import ServerState
@@ -47,36 +48,50 @@ def mount_openai(app: FastAPI, gw: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await answer(gw, request, await _parse(gw, request, ChatCompletionRequest), "chat")
+        return await answer(gw, request, await read_request(request, ChatCompletionRequest, gw.settings), "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await answer(gw, request, await _parse(gw, request, CompletionRequest), "completion")
-
-
-async def _parse(gw: ServerState, request: Request, model: type) -> ChatCompletionRequest | CompletionRequest:
-    s = gw.settings
-    return parse_body(await read_body(request, s.max_body_bytes, s.body_timeout_s), model, s.max_json_depth)
+        return await answer(gw, request, await read_request(request, CompletionRequest, gw.settings), "completion")
 
 
 async def answer(gw: ServerState, request: Request, req: ChatCompletionRequest | CompletionRequest, kind: Kind,
                  *, model_alias: str | None = None) -> Response:
     """One validated request, planned, leased, run and rendered (SSE when it streams)."""
+    gen, lease = await start(gw, request, req, kind)
+    render = OpenAIRenderer(gen, TokenTexts(gen.plan.model.tokenizer), model=model_alias)
+
+    async def whole() -> Response:
+        t0 = time.perf_counter_ns()
+        response = JSONResponse(render.body(), headers=gen.plan.headers)
+        gw.http_ns += time.perf_counter_ns() - t0
+        return response
+
+    return await deliver(gw, request, gen, lease, lambda: sse_events(gw, gen, lease, render), whole)
+
+
+async def start(gw: ServerState, request: Request, req: ChatCompletionRequest | CompletionRequest,
+                kind: Kind) -> tuple[Generation, Lease]:
+    """The plan (the gates, generation/plan.py) and its lease: token reservation (429), then an
+    admission slot (waits; 503 when the queue is full)."""
     record = request.state.record
     gen = Generation.start(await build_plan(gw, record, req, kind))
-    lease = await Lease.acquire(gw, gen, record, request.receive)
-    render = OpenAIRenderer(gen, TokenTexts(gen.plan.model.tokenizer), model=model_alias)
+    return gen, await Lease.acquire(gw, gen, record, request.receive)
+
+
+async def deliver(gw: ServerState, request: Request, gen: Generation, lease: Lease,
+                  events: Callable[[], AsyncIterator[str]], whole: Callable[[], Awaitable[Response]]) -> Response:
+    """`events()` as an SSE response when the plan streams (the lease is released with 499 if the
+    body never starts); else the run to its end under the lease, then `whole()`, or 499 when the
+    client hangs up first."""
     if gen.plan.stream:
-        return StreamingResponse(sse_events(gw, gen, lease, render), media_type="text/event-stream",
-                                 headers=gen.plan.headers, background=BackgroundTask(lease.release, 499))
+        return StreamingResponse(events(), media_type="text/event-stream", headers=gen.plan.headers,
+                                 background=BackgroundTask(lease.release, 499))
     try:
         await run_to_end(gw, gen, lease, request.receive)
     except ClientGone:
         return Response(status_code=499)
-    t0 = time.perf_counter_ns()
-    response = JSONResponse(render.body(), headers=gen.plan.headers)
-    gw.http_ns += time.perf_counter_ns() - t0
-    return response
+    return await whole()
 
 
 async def sse_events(gw: ServerState, gen: Generation, lease: Lease, render: OpenAIRenderer) -> AsyncIterator[str]:

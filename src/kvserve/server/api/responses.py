@@ -9,6 +9,9 @@ moderation) as a chat completion; `ResponseRenderer` (responses_wire.py) writes 
            response_format, truncation "auto" -> truncate "oldest") -> build_plan -> Lease
         -> run_generation -> a `response` object (or Responses stream events)
         -> stored per key (stores/responses.py) when `store` is true (the default)
+
+Plan + lease and the choice between a stream and one body are api/openai.py's `start` and
+`deliver`, shared with chat and completions.
 """
 
 from __future__ import annotations
@@ -17,15 +20,15 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest, KVServeError
+from kvserve.server.api.openai import deliver, start
 from kvserve.server.api.openai_wire import INTERNAL_ERROR
 from kvserve.server.api.responses_wire import ResponseRenderer
-from kvserve.server.gates.limits import load_json, read_body
-from kvserve.server.generation import ClientGone, Generation, Lease, build_plan, run_generation, run_to_end
+from kvserve.server.gates.limits import read_json
+from kvserve.server.generation import Generation, Lease, run_generation
 from kvserve.server.generation.context import conversation
 from kvserve.server.protocol import ChatCompletionRequest, validate_body
 
@@ -115,9 +118,7 @@ def mount_responses(app: FastAPI, gw: ServerState) -> None:
 
     @app.post("/v1/responses")
     async def create(request: Request) -> Response:
-        s = gw.settings
-        body = await run_in_threadpool(load_json, await read_body(request, s.max_body_bytes, s.body_timeout_s),
-                                       s.max_json_depth)
+        body = await read_json(request, gw.settings, off_loop=True)
         if not isinstance(body, dict):
             raise InvalidRequest("The body must be a JSON object.", param=None)
         owner = _owner(request)
@@ -126,25 +127,19 @@ def mount_responses(app: FastAPI, gw: ServerState) -> None:
             raise InvalidRequest("previous_response_id must be a string.", param="previous_response_id")
         history = await run_in_threadpool(store.messages, owner, prev) if prev else []
         chat, new = chat_body(body, history)
-        record = request.state.record
-        gen = Generation.start(await build_plan(gw, record, validate_body(chat, ChatCompletionRequest), "chat"))
-        lease = await Lease.acquire(gw, gen, record, request.receive)
+        gen, lease = await start(gw, request, validate_body(chat, ChatCompletionRequest), "chat")
         render = ResponseRenderer(body, gen)
 
         async def save(final: dict) -> None:
             if body.get("store", True) is not False:
                 await run_in_threadpool(store.put, owner, final, history + new + [render.answer_turn()])
 
-        if gen.plan.stream:
-            return StreamingResponse(_stream(gw, gen, lease, render, save), media_type="text/event-stream",
-                                     headers=gen.plan.headers, background=BackgroundTask(lease.release, 499))
-        try:
-            await run_to_end(gw, gen, lease, request.receive)
-        except ClientGone:
-            return Response(status_code=499)
-        final = render.whole()
-        await save(final)
-        return JSONResponse(final, headers=gen.plan.headers)
+        async def whole() -> Response:
+            final = render.whole()
+            await save(final)
+            return JSONResponse(final, headers=gen.plan.headers)
+
+        return await deliver(gw, request, gen, lease, lambda: _stream(gw, gen, lease, render, save), whole)
 
     @app.get("/v1/responses/{response_id}")
     async def get(response_id: str, request: Request) -> dict:

@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 
 from kvserve.errors import InvalidRequest
-from kvserve.server.gates.limits import read_body
 from kvserve.server.generation.context import template_messages
-from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, parse_body
+from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, read_request
 from kvserve.server.stages.tools import make_plan
 
 if TYPE_CHECKING:
@@ -31,8 +30,7 @@ def mount_tokenizer(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        req = parse_body(await read_body(request, settings.max_body_bytes, settings.body_timeout_s),
-                         TokenizeRequest, settings.max_json_depth)
+        req = await read_request(request, TokenizeRequest, settings)
         engine, name = state.require_engine(req.model)
         tok = engine.tokenizer
         if (req.prompt is None) == (req.messages is None):
@@ -51,8 +49,7 @@ def mount_tokenizer(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        req = parse_body(await read_body(request, settings.max_body_bytes, settings.body_timeout_s),
-                         DetokenizeRequest, settings.max_json_depth)
+        req = await read_request(request, DetokenizeRequest, settings)
         engine, _ = state.require_engine(req.model)
         vocab = getattr(engine.tokenizer, "vocab_size", None)
         if any(t < 0 or (vocab is not None and t >= vocab) for t in req.tokens):

@@ -31,7 +31,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest, KVServeError
-from kvserve.server.gates.limits import load_json, read_body
+from kvserve.server.gates.limits import read_json
 from kvserve.server.stores.conversations import ConversationStore, StoreLimits
 
 STATIC_DIR = pathlib.Path(__file__).parents[1] / "static"   # server/static/ (package data)
@@ -64,8 +64,7 @@ def conversations_router(store: ConversationStore) -> APIRouter:
     lim = store.limits
 
     async def _json_body(request: Request) -> dict:
-        raw = await read_body(request, lim.max_body_bytes, lim.body_timeout_s)
-        return await run_in_threadpool(load_json, raw, lim.max_json_depth)
+        return await read_json(request, lim, off_loop=True)
 
     @router.get("")
     async def list_conversations(request: Request) -> dict:

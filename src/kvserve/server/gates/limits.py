@@ -6,30 +6,48 @@
     load_json(raw, max_depth)            a JSON object, nested at most `max_depth` deep, every
                                          string valid Unicode (a lone surrogate such as "\\ud800"
                                          is legal JSON but cannot be tokenized or stored): 400
+    read_json(request, limits)           both, under one set of `BodyLimits` (the server's
+                                         settings, or the conversation store's limits)
 
 Generation, /tokenize, /detokenize and the conversation API all read their bodies through these
-two calls; the table of limits and the flag that changes each is in docs/api.md.
+calls; the table of limits and the flag that changes each is in docs/api.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest
 
 
-class BodyTooLarge(InvalidRequest):
-    status = 413
-    code = "request_too_large"
+class BodyTooLarge(InvalidRequest, status=413, code="request_too_large"):
+    """The body is larger than the route allows (HTTP 413)."""
 
 
-class BodyTimeout(InvalidRequest):
-    status = 408
-    code = "request_timeout"
+class BodyTimeout(InvalidRequest, status=408, code="request_timeout"):
+    """A chunk of the body did not arrive in time (HTTP 408)."""
+
+
+class BodyLimits(Protocol):
+    """The limits one body is read under (ServerSettings and StoreLimits both carry them)."""
+
+    max_body_bytes: int
+    body_timeout_s: float
+    max_json_depth: int
+
+
+async def read_json(request: Request, limits: BodyLimits, *, off_loop: bool = False) -> Any:
+    """read_body, then load_json, under `limits`; `off_loop` parses in a worker thread (a route
+    whose bodies are often large: stored traces, whole conversations)."""
+    raw = await read_body(request, limits.max_body_bytes, limits.body_timeout_s)
+    if off_loop:
+        return await run_in_threadpool(load_json, raw, limits.max_json_depth)
+    return load_json(raw, limits.max_json_depth)
 
 
 async def read_body(request: Request, limit: int, timeout: float | None = 30.0) -> bytes:

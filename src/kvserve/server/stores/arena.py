@@ -34,9 +34,8 @@ STEPS: Steps = [
 ]
 
 
-class BattleNotFound(KVServeError):
-    status = 404
-    code = "battle_not_found"
+class BattleNotFound(KVServeError, status=404, code="battle_not_found"):
+    """No arena battle with this id (HTTP 404)."""
 
 
 class ArenaStore(SQLStore):

@@ -7,10 +7,8 @@ import urllib.parse
 from kvserve.errors import InvalidRequest, Overloaded
 
 
-class StateStoreUnavailable(Overloaded):
+class StateStoreUnavailable(Overloaded, code="state_store_unavailable"):
     """Redis or PostgreSQL cannot be reached (HTTP 503 with Retry-After)."""
-
-    code = "state_store_unavailable"
 
 
 def redact(url: str) -> str:

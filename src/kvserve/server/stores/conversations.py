@@ -63,18 +63,12 @@ STEPS: Steps = [
 ]
 
 
-class QuotaExceeded(KVServeError):
+class QuotaExceeded(KVServeError, status=413, code="storage_quota_exceeded"):
     """An owner's conversations would exceed their storage quota (HTTP 413)."""
 
-    status = 413
-    code = "storage_quota_exceeded"
 
-
-class ConversationNotFound(KVServeError):
+class ConversationNotFound(KVServeError, status=404, code="conversation_not_found"):
     """No conversation with this id for this caller (HTTP 404)."""
-
-    status = 404
-    code = "conversation_not_found"
 
 
 @dataclass

@@ -21,9 +21,8 @@ from kvserve.errors import KVServeError
 from kvserve.server.stores.sql import SQLStore, Steps
 
 
-class ResponseNotFound(KVServeError):
-    status = 404
-    code = "not_found"
+class ResponseNotFound(KVServeError, status=404, code="not_found"):
+    """No stored response with this id for this caller (HTTP 404)."""
 
 
 STEPS: Steps = [
