@@ -18,19 +18,19 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.lora import LoRARequest
 from kvserve.errors import InvalidRequest
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.decoder import DecoderLM
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer
 
 
 class LLM:
-    def __init__(self, model: str | LlamaForCausalLM | None = None, *, tokenizer: Tokenizer | None = None,
+    def __init__(self, model: str | DecoderLM | None = None, *, tokenizer: Tokenizer | None = None,
                  weight_format: str = "auto", **engine_kwargs):
         """`model`: a built-in name, a .gguf file, a Hugging Face directory, or an in-memory
-        LlamaForCausalLM (then pass its `tokenizer`). Engine options: see EngineConfig."""
+        DecoderLM (then pass its `tokenizer`). Engine options: see EngineConfig."""
         cfg = EngineConfig(weight_format=weight_format, **engine_kwargs)
-        if isinstance(model, LlamaForCausalLM):
+        if isinstance(model, DecoderLM):
             if tokenizer is None:
                 raise InvalidRequest("an in-memory model needs its tokenizer: LLM(model, tokenizer=...)",
                                      param="tokenizer")

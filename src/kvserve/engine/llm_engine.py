@@ -11,14 +11,14 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.processing import EngineInfo, InputProcessor, OutputProcessor
 from kvserve.errors import InvalidRequest
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.decoder import DecoderLM
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer
 
 
 class LLMEngine:
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None,
+    def __init__(self, model: DecoderLM, tokenizer: Tokenizer, config: EngineConfig | None = None,
                  model_name: str = ""):
         self.config = config = config or EngineConfig()
         self.core = EngineCore(model, config, tokenizer.eos_token_ids, tokenizer)

@@ -36,6 +36,7 @@ import torch
 
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import greedy_ids
+from kvserve.engine.spec_decode.proposer import HiddenSink
 from kvserve.errors import InvalidRequest
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -211,6 +212,8 @@ class DraftModel:
 
 class DraftProposer:
     """The Proposer over a DraftModel: one dense cache per speculating request."""
+
+    hidden_sink: HiddenSink | None = None
 
     def __init__(self, draft: DraftModel):
         self.draft = draft

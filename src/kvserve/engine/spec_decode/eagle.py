@@ -14,13 +14,13 @@ chained as they run here: train/draft_eagle.py's EagleHead.chain):
 
 With `eagle_config.json` listing `feature_layers` (EAGLE-3's idea), f_j is instead the final
 hidden state followed by the residual stream after those target layers, each RMS-normalised
-(`draft_features`; the target's forward copies them out normalised, `model.capture_layers`), and
+(`draft_features`; the target's forward copies them out normalised, `forward_features`), and
 fc reads (2 + n) H values; later draft steps pair the head's own output with the inner layers of the
 newest position the target computed. Same data, same steps: 0.33 -> 0.41 agreement on the open
 prompts of `bench latency` with layers 2, 14 and 26 (BENCHMARKS.md, issue 16).
 
-Features come from the engine: the model runner hands every step's hidden rows to
-`observe_hidden`, which keeps them per request by position. A position's latest row is always
+Features come from the engine: the proposer's `hidden_sink` asks the model runner for every
+step's hidden rows (and those layers'), handed to `observe_hidden`, which keeps them per request by position. A position's latest row is always
 the verified one: a rejected draft's row sits at the position of the token that replaced it, and
 that token is run (and its row written again) before its feature is needed. Positions the target
 never computed for this request (a prefix-cache hit) have no feature: the draft's own cache then
@@ -42,6 +42,7 @@ import torch
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import greedy_ids
 from kvserve.engine.spec_decode.draft import DraftModel, DraftProposer, _common_prefix
+from kvserve.engine.spec_decode.proposer import HiddenSink
 from kvserve.errors import InvalidRequest
 
 EAGLE_FILE = "eagle_fc.safetensors"
@@ -52,7 +53,7 @@ EAGLE_CONFIG = "eagle_config.json"
 
 def draft_features(hidden: torch.Tensor, captured: torch.Tensor | None) -> torch.Tensor:
     """A step's feature rows as the head reads them: the final hidden state [T, H], then each
-    captured inner layer [T, n, H] (the forward has RMS-normalised them, model.llama.FeatureNorm)."""
+    captured inner layer [T, n, H] (the forward has RMS-normalised them, model.decoder.FeatureNorm)."""
     if captured is None or captured.shape[1] == 0:
         return hidden
     return torch.cat([hidden, captured.reshape(hidden.shape[0], -1)], -1)
@@ -278,11 +279,13 @@ class EagleModel(DraftModel):
 
 
 class EagleProposer(DraftProposer):
-    """The Proposer over an EagleModel; `observe_hidden` is the model runner's hidden sink."""
+    """The Proposer over an EagleModel; `observe_hidden` is the model runner's hidden sink, over
+    the target's `layers` (its inner feature layers)."""
 
-    def __init__(self, draft: EagleModel):
+    def __init__(self, draft: EagleModel, layers: tuple[int, ...] = ()):
         super().__init__(draft)
         self.features: dict[str, _Features] = {}
+        self.hidden_sink = HiddenSink(self.observe_hidden, tuple(layers))
 
     def observe_hidden(self, scheduled, hidden: torch.Tensor, captured: torch.Tensor | None = None) -> None:
         inner = captured if self.draft.num_inner else None
@@ -320,10 +323,8 @@ class EagleProposer(DraftProposer):
         except (SafetensorError, OSError, KeyError) as e:
             raise InvalidRequest(f"cannot read {Path(path) / EAGLE_FILE}: {e}", param="speculative") from None
         layers = feature_layers(path, target_model.config.num_hidden_layers)
-        proposer = cls(EagleModel(draft_model, fc, target_model.embed, vocab, num_inner=len(layers),
-                                  embed_rows=target_model.packed_embedding(), weight_format=weight_format))
-        target_model.capture_layers = layers      # the target's forward keeps those layers' rows
-        return proposer
+        return cls(EagleModel(draft_model, fc, target_model.embed, vocab, num_inner=len(layers),
+                              embed_rows=target_model.packed_embedding(), weight_format=weight_format), layers)
 
 
 def feature_layers(path: str, num_layers: int) -> tuple[int, ...]:
