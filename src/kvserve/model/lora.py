@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from kvserve.errors import InvalidRequest, ModelNotFound
 from kvserve.model.config import ModelConfig
@@ -102,8 +103,6 @@ def read_config(path: str | os.PathLike) -> dict:
 def load_adapter(path: str | os.PathLike, cfg: ModelConfig, name: str | None = None) -> LoRAAdapter:
     """Read a PEFT LoRA adapter and check it against the base's shapes; a mismatch (another base,
     another vocabulary, a module kvserve does not adapt) is one clear InvalidRequest."""
-    from safetensors.torch import load_file
-
     conf = read_config(path)
     name = name or Path(path).name
     where = f"LoRA adapter {name!r} ({path})"

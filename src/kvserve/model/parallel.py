@@ -39,6 +39,7 @@ from kvserve.model.attention import AttentionMetadata
 from kvserve.model.decoder import DecoderLM
 from kvserve.model.kernels.backend import KernelBackend
 from kvserve.model.linear import DenseLinear
+from kvserve.model.loader import load_model
 
 
 def split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -206,7 +207,6 @@ def _device(rank: int) -> str:
 
 
 def _load_full(model: str | None, device: str = "cpu"):
-    from kvserve.model.loader import load_model
     return load_model(model, weight_format="fp32", backend=KernelBackend.pytorch(device))
 
 

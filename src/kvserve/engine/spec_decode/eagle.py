@@ -34,16 +34,21 @@ not kept, so the next step recomputes them from the target's features.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import greedy_ids
 from kvserve.engine.spec_decode.draft import DraftModel, DraftProposer, _common_prefix
 from kvserve.engine.spec_decode.proposer import HiddenSink
 from kvserve.errors import InvalidRequest
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.linear import WeightSource, make_linear
 
 EAGLE_FILE = "eagle_fc.safetensors"
 # Optional: {"feature_layers": [i, ...]}: the head also reads the residual stream after these target
@@ -170,7 +175,6 @@ class EagleModel(DraftModel):
         self.num_inner = num_inner
         # fc packed like the head: an fp32 fc (2.7 MB) read from memory every draft step cost more
         # than the draft's decoder layer (0.25 against 0.05 ms in the engine, Zen 5)
-        from kvserve.model.linear import WeightSource, make_linear
         self.fc = make_linear(WeightSource(tuple(fc.shape), tensor=fc.float().contiguous()), None, weight_format,
                               backend=model.backend)
         self.embed_rows = embed_rows
@@ -184,8 +188,6 @@ class EagleModel(DraftModel):
     def _step(self, items: list[tuple[_Cache, int, torch.Tensor, list[int]]]) -> tuple[list[int], torch.Tensor]:
         """items: (cache, first position, features [n, (1 + num_inner) H], next tokens [n]) per request; runs the
         positions and returns each item's draft token after its last position and that row's output."""
-        from kvserve.model.attention import AttentionMetadata
-
         feats = items[0][2] if len(items) == 1 else torch.cat([f for _, _, f, _ in items])
         q_lens = [len(t) for *_, t in items]
         # positions count from each cache's origin (slots and RoPE alike: attention scores depend only
@@ -208,8 +210,6 @@ class EagleModel(DraftModel):
                     pos: list[int]) -> tuple[list[int], torch.Tensor] | None:
         """_step as one C call (fc, the layer, the head and argmax: CpuOps.draft_step), its step
         layout as lists (no tensor per index); None where the C kernels do not take it."""
-        from kvserve.model.attention import AttentionMetadata
-
         step = getattr(self.model.layer_ops(), "draft_step", None)
         if step is None:
             return None
@@ -315,9 +315,6 @@ class EagleProposer(DraftProposer):
     @classmethod
     def build(cls, path: str, draft_model, vocab: list[int] | None, target_model,
               weight_format: str = "q8_0") -> EagleProposer:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         try:
             fc = load_file(str(Path(path) / EAGLE_FILE))["fc.weight"]
         except (SafetensorError, OSError, KeyError) as e:
@@ -329,8 +326,6 @@ class EagleProposer(DraftProposer):
 
 def feature_layers(path: str, num_layers: int) -> tuple[int, ...]:
     """The inner layers a head in `path` reads (EAGLE_CONFIG; none without the file), checked."""
-    import json
-
     f = Path(path) / EAGLE_CONFIG
     if not f.is_file():
         return ()
