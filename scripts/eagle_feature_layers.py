@@ -19,6 +19,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.bench.spec_latency import OPEN_PROMPTS
+from kvserve.engine.spec_decode.proposer import HiddenSink
 from kvserve.model.loader import load_model
 from kvserve.train.draft import EagleHead, _draft_model
 from kvserve.train.draft_prompts import chat_prompts
@@ -50,7 +51,7 @@ def gen(prompts, greedy_share, max_tokens, seed=0):
             a = s.num_computed_tokens; b = min(a + n, f.shape[0])
             f[a:b] = allf[r:r + b - a]
             r += n
-    llm.engine.core.runner.hidden_sink = sink
+    llm.engine.core.runner.hidden_sink = HiddenSink(lambda s, h, c: sink(s, h))
     reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True)} for p in prompts]
     ng = round(greedy_share * len(reqs))
     params = [SamplingParams(temperature=0.0 if i < ng else 0.7, max_tokens=max_tokens, seed=seed + i) for i in range(len(reqs))]

@@ -19,6 +19,7 @@ from test_spec_decode import chat_ids, sig
 from test_spec_decode_draft import PROMPTS, check_identical, make
 
 from kvserve import SamplingParams
+from kvserve.engine.spec_decode.proposer import HiddenSink
 from kvserve.errors import InvalidRequest
 from kvserve.train.draft import DraftConfig, train_draft
 
@@ -62,7 +63,8 @@ def test_trained_eagle_draft_is_exact(loaded, eagle_dir):
                 num_speculative_tokens=3)
     proposer = spec.engine.core.scheduler.spec.proposer
     assert isinstance(proposer, EagleProposer)
-    assert spec.engine.core.runner.hidden_sink == proposer.observe_hidden
+    assert spec.engine.core.runner.hidden_sink is proposer.hidden_sink
+    assert proposer.hidden_sink.observe == proposer.observe_hidden and proposer.hidden_sink.layers == ()
     check_identical(base, spec)
     st = spec.stats()
     assert st["spec_decode_num_draft_tokens"] > 0          # the features reached the draft
@@ -193,22 +195,20 @@ def test_eagle_with_inner_layers_is_exact(loaded, eagle3_dir):
     from kvserve.engine.spec_decode.eagle import EAGLE_CONFIG
 
     assert json.loads((eagle3_dir / EAGLE_CONFIG).read_text()) == {"feature_layers": [2, 14]}
-    try:
-        base = make(loaded)
-        spec = make(loaded, speculative={"method": "draft", "draft_path": str(eagle3_dir), "max_batch_rows": 0},
-                    num_speculative_tokens=3)
-        proposer = spec.engine.core.scheduler.spec.proposer
-        assert proposer.draft.num_inner == 2 and loaded.model.capture_layers == (2, 14)
-        seen = []
-        observe = proposer.observe_hidden
-        spec.engine.core.runner.hidden_sink = lambda s, h, c: (seen.append(h.shape[-1] + c.shape[1] * c.shape[2]),
-                                                                observe(s, h, c))
-        check_identical(base, spec)
-        H = loaded.model.config.hidden_size
-        assert set(seen) == {3 * H}                            # the final row and two inner layers' each step
-        assert spec.stats()["spec_decode_num_draft_tokens"] > 0
-    finally:
-        loaded.model.capture_layers = ()
+    base = make(loaded)
+    spec = make(loaded, speculative={"method": "draft", "draft_path": str(eagle3_dir), "max_batch_rows": 0},
+                num_speculative_tokens=3)
+    proposer = spec.engine.core.scheduler.spec.proposer
+    assert proposer.draft.num_inner == 2 and proposer.hidden_sink.layers == (2, 14)
+    assert spec.engine.core.runner.hidden_sink is proposer.hidden_sink
+    seen = []
+    observe = proposer.observe_hidden
+    spec.engine.core.runner.hidden_sink = HiddenSink(
+        lambda s, h, c: (seen.append(h.shape[-1] + c.shape[1] * c.shape[2]), observe(s, h, c)), (2, 14))
+    check_identical(base, spec)
+    H = loaded.model.config.hidden_size
+    assert set(seen) == {3 * H}                            # the final row and two inner layers' each step
+    assert spec.stats()["spec_decode_num_draft_tokens"] > 0
 
 
 def test_eagle_with_q4_1_weights_is_exact(loaded, eagle3_dir):
@@ -216,18 +216,15 @@ def test_eagle_with_q4_1_weights_is_exact(loaded, eagle3_dir):
     (fewer bytes to read a draft step); verification keeps the output the target's."""
     import gguf
 
-    try:
-        base = make(loaded)
-        spec = make(loaded, speculative={"method": "draft", "draft_path": str(eagle3_dir), "max_batch_rows": 0,
-                                         "draft_weight_format": "q4_1"}, num_speculative_tokens=3)
-        draft = spec.engine.core.scheduler.spec.proposer.draft
-        layer = draft.model.layers[0]
-        for lin in (draft.fc, draft.head, layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            assert lin.qtype == gguf.GGMLQuantizationType.Q4_1
-        check_identical(base, spec)
-        assert spec.stats()["spec_decode_num_draft_tokens"] > 0
-    finally:
-        loaded.model.capture_layers = ()
+    base = make(loaded)
+    spec = make(loaded, speculative={"method": "draft", "draft_path": str(eagle3_dir), "max_batch_rows": 0,
+                                     "draft_weight_format": "q4_1"}, num_speculative_tokens=3)
+    draft = spec.engine.core.scheduler.spec.proposer.draft
+    layer = draft.model.layers[0]
+    for lin in (draft.fc, draft.head, layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+        assert lin.qtype == gguf.GGMLQuantizationType.Q4_1
+    check_identical(base, spec)
+    assert spec.stats()["spec_decode_num_draft_tokens"] > 0
 
 
 @pytest.mark.parametrize("layers", [[2, 2], [99], "2"])
@@ -237,11 +234,8 @@ def test_bad_inner_layers_fail_at_startup(loaded, eagle3_dir, tmp_path, layers):
     bad = tmp_path / "bad"
     shutil.copytree(eagle3_dir, bad)
     (bad / EAGLE_CONFIG).write_text(json.dumps({"feature_layers": layers}))
-    try:
-        with pytest.raises(InvalidRequest, match="feature_layers"):
-            make(loaded, speculative=f"draft:{bad}")
-    finally:
-        loaded.model.capture_layers = ()
+    with pytest.raises(InvalidRequest, match="feature_layers"):
+        make(loaded, speculative=f"draft:{bad}")
 
 
 def _record(draft) -> tuple[list, list]:
@@ -269,26 +263,23 @@ def test_eagle_step_in_one_call_matches_the_model_path(loaded, eagle3_dir):
     and head, over the same steps (catch-up rows, later draft positions, several requests)."""
     import torch
 
-    try:
-        runs = []
-        for fused in (True, False):
-            spec = make(loaded, speculative={"method": "draft", "draft_path": str(eagle3_dir), "max_batch_rows": 0},
-                        num_speculative_tokens=3)
-            draft = spec.engine.core.scheduler.spec.proposer.draft
-            if fused and getattr(draft.model.layer_ops(), "draft_step", None) is None:
-                pytest.skip("no C kernels on this machine: the draft runs on PyTorch")
-            draft.fused = fused
-            seen, calls = _record(draft)
-            prompts = [chat_ids(spec, t) for t in PROMPTS]
-            spec.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
-            runs.append(seen)
-            assert calls == ([True] * len(seen) if fused else [])      # every step took the one call
-        fused, ref = runs
-        assert len(fused) == len(ref) > 3
-        for (ta, ha), (tb, hb) in zip(fused, ref):
-            assert ta == tb and torch.equal(ha, hb)
-    finally:
-        loaded.model.capture_layers = ()
+    runs = []
+    for fused in (True, False):
+        spec = make(loaded, speculative={"method": "draft", "draft_path": str(eagle3_dir), "max_batch_rows": 0},
+                    num_speculative_tokens=3)
+        draft = spec.engine.core.scheduler.spec.proposer.draft
+        if fused and getattr(draft.model.layer_ops(), "draft_step", None) is None:
+            pytest.skip("no C kernels on this machine: the draft runs on PyTorch")
+        draft.fused = fused
+        seen, calls = _record(draft)
+        prompts = [chat_ids(spec, t) for t in PROMPTS]
+        spec.generate(prompts, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+        runs.append(seen)
+        assert calls == ([True] * len(seen) if fused else [])      # every step took the one call
+    fused, ref = runs
+    assert len(fused) == len(ref) > 3
+    for (ta, ha), (tb, hb) in zip(fused, ref):
+        assert ta == tb and torch.equal(ha, hb)
 
 
 def test_common_prefix_of_a_draft_cache_and_its_sequence():

@@ -25,9 +25,9 @@ from ggufmaker import CHAT_TEMPLATE
 from kvserve import LLM, SamplingParams
 from kvserve.errors import ModelLoadError
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.decoder import DecoderLM
 from kvserve.model.gguf_loader import config_from_gguf, open_gguf, weights_from_gguf
 from kvserve.model.hf_loader import config_from_dir, weights_from_dir
-from kvserve.model.llama import LlamaForCausalLM
 from kvserve.tokenizer import Tokenizer
 
 TOL = 1e-4
@@ -49,7 +49,7 @@ class Checkpoint:
         (self.dir / "tokenizer_config.json").write_text(json.dumps(
             {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}))
 
-    def ours(self, source: str) -> LlamaForCausalLM:
+    def ours(self, source: str) -> DecoderLM:
         if source == "safetensors":
             cfg = config_from_dir(self.dir)
             w = weights_from_dir(self.dir, cfg)
@@ -57,7 +57,7 @@ class Checkpoint:
             reader = open_gguf(self.gguf)
             cfg = config_from_gguf(reader)
             w = weights_from_gguf(reader, cfg)
-        return LlamaForCausalLM.from_weights(cfg, w, "fp32").eval()
+        return DecoderLM.from_weights(cfg, w, "fp32").eval()
 
     def greedy(self, prompts: list[list[int]], suppress: list[int], n: int = NEW_TOKENS) -> list[list[int]]:
         """transformers' greedy tokens; `suppress`: the end tokens our sampler masks for ignore_eos."""
@@ -89,7 +89,7 @@ def prompts(n: int, seed: int = 1) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (PROMPT_LEN,), generator=g).tolist() for _ in range(n)]
 
 
-def paged_logits(model: LlamaForCausalLM, ids: list[int], chunk: int, block_size: int = 4) -> torch.Tensor:
+def paged_logits(model: DecoderLM, ids: list[int], chunk: int, block_size: int = 4) -> torch.Tensor:
     """Prefill in chunks of `chunk` tokens, then one token per step, blocks out of order."""
     cfg = model.config
     n_blocks = (len(ids) + block_size - 1) // block_size

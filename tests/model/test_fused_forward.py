@@ -227,7 +227,7 @@ def test_avx512_attention_gives_the_avx2_bits(tmp_path, int8_only, head_dim, kv_
 
 
 def test_captured_inner_layers_match_the_layer_path():
-    """model.capture_layers: the one-call C forward copies out the same residual rows as the layer path,
+    """forward_features(capture_layers=...): the one-call C forward copies out the same residual rows as the layer path,
     RMS-normalised (an EAGLE-3-style draft reads them, spec_decode/eagle.py)."""
     m = load_model(None).model
     cfg = m.config
@@ -240,14 +240,12 @@ def test_captured_inner_layers_match_the_layer_path():
 
     ids, pos = torch.arange(100, 140), torch.arange(40)
     meta = AttentionMetadata.build([40], [40], [list(range(8))], 16)
-    m.capture_layers = (14, 2, 26)
     with torch.no_grad():
-        h_c = m(ids, pos, meta, caches())
-        aux_c = m.captured.clone()
+        h_c, aux_c = m.forward_features(ids, pos, meta, caches(), capture_layers=(14, 2, 26))
         ops = m.layer_ops()
         ops.forward_stack = lambda *a, **k: None
-        h_l = m(ids, pos, meta, caches())
+        h_l, aux_l = m.forward_features(ids, pos, meta, caches(), capture_layers=(14, 2, 26))
     assert aux_c.shape == (40, 3, cfg.hidden_size)
-    assert torch.equal(h_c, h_l) and torch.equal(aux_c, m.captured)
+    assert torch.equal(h_c, h_l) and torch.equal(aux_c, aux_l)
     assert not torch.equal(aux_c[:, 0], aux_c[:, 1])
     assert torch.allclose(aux_c.pow(2).mean(-1), torch.ones(40, 3), atol=1e-4)

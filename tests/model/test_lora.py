@@ -9,9 +9,9 @@ import torch
 
 from kvserve.errors import InvalidRequest, ModelNotFound
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.decoder import DecoderLM
 from kvserve.model.hf_loader import config_from_dir, weights_from_dir
-from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.lora import LoRABatch, attach, load_adapter
+from kvserve.model.lora import LoRABatch, load_adapter
 
 TOL = 1e-4
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -50,11 +50,10 @@ def setup(tmp_path_factory):
     hf = _hf()
     hf.save_pretrained(d / "base")
     cfg = config_from_dir(d / "base")
-    ours = LlamaForCausalLM.from_weights(cfg, weights_from_dir(d / "base", cfg), "fp32").eval()
+    ours = DecoderLM.from_weights(cfg, weights_from_dir(d / "base", cfg), "fp32").eval()
     peft_models = {"all": _adapter(hf, d / "all", ALL, 4, 1), "qv": _adapter(hf, d / "qv", ["q_proj", "v_proj"], 8, 2),
                    "mlp": _adapter(hf, d / "mlp", ["gate_proj", "down_proj"], 2, 3)}
     adapters = {k: load_adapter(d / k, cfg, k) for k in peft_models}
-    attach(ours)
     return d, hf, ours, peft_models, adapters
 
 
@@ -67,11 +66,7 @@ def test_dense_logits_equal_peft(setup):
         for k, pm in peft_models.items():
             ref = pm(ids).logits
             assert (ref - base).abs().max() > 1e-2          # the adapter changes the output
-            ours.lora.batch = LoRABatch([(adapters[k], None)])
-            try:
-                got = ours.compute_logits(ours(ids))
-            finally:
-                ours.lora.batch = None
+            got = ours.compute_logits(ours(ids, lora=LoRABatch([(adapters[k], None)])))
             assert (got - ref).abs().max() < TOL, k
 
 
@@ -97,13 +92,9 @@ def test_paged_mixed_batch_equals_peft_and_alone(setup):
             qlens.append(len(s))
         meta = AttentionMetadata.build(qlens, qlens, tables, bs)
         from kvserve.engine.lora import LoRAManager
-        ours.lora.batch = LoRAManager.batch(rows, len(ids))
-        try:
-            with torch.inference_mode():
-                h = ours(torch.tensor(ids), torch.tensor(pos), meta, kv)
-                logits = ours.compute_logits(h)
-        finally:
-            ours.lora.batch = None
+        with torch.inference_mode():
+            h = ours(torch.tensor(ids), torch.tensor(pos), meta, kv, lora=LoRAManager.batch(rows, len(ids)))
+            logits = ours.compute_logits(h)
         return [logits[r0:r0 + n] for _, r0, n in rows]
 
     mixed = run(seqs)
@@ -146,7 +137,7 @@ def test_bad_adapters_fail_at_load(setup, tmp_path):
 
 def test_c_whole_stack_forward_adds_lora_like_the_layers(tmp_path):
     """The default model's C whole-stack forward with LoRA rows (kvs_forward_lora) changes the logits
-    as the per-layer path with its hooks does, in a step mixing two adapters and the base."""
+    as the per-layer path (LoRABatch.add) does, in a step mixing two adapters and the base."""
     from kvserve.engine.lora import LoRAManager
     from kvserve.model.loader import load_model
     from kvserve.train.lora import random_adapter
@@ -156,7 +147,6 @@ def test_c_whole_stack_forward_adds_lora_like_the_layers(tmp_path):
     ops = model.layer_ops()
     if not getattr(ops, "max_tokens", 0):
         pytest.skip("no C whole-stack forward on this machine")
-    attach(model)
     adapters = [load_adapter(random_adapter(tmp_path / f"a{i}", cfg, i, rank=4 + 4 * i, std=0.08,
                                             targets=None if i == 0 else ["q_proj", "o_proj", "down_proj"]),
                              cfg, f"a{i}") for i in range(2)]
@@ -169,12 +159,13 @@ def test_c_whole_stack_forward_adds_lora_like_the_layers(tmp_path):
         meta = AttentionMetadata.build([n] * 3, [n] * 3, [[0], [1], [2]], bs)
         saved = ops.max_tokens
         ops.max_tokens = saved if fused else 0
-        model.lora.batch = LoRAManager.batch([(a, i * n, n) for i, a in enumerate(slots)], 3 * n)
+        lora = LoRAManager.batch([(a, i * n, n) for i, a in enumerate(slots)], 3 * n)
         try:
             with torch.inference_mode():
-                return model.compute_logits(model(torch.tensor(ids * 3), torch.arange(n).repeat(3), meta, kv))
+                return model.compute_logits(model(torch.tensor(ids * 3), torch.arange(n).repeat(3), meta, kv,
+                                                  lora=lora))
         finally:
-            ops.max_tokens, model.lora.batch = saved, None
+            ops.max_tokens = saved
 
     slots = [adapters[0], None, adapters[1]]
     c, py = run(True, slots), run(False, slots)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvserve.model.config import ModelConfig
-from kvserve.model.llama import RotaryEmbedding
+from kvserve.model.decoder import RotaryEmbedding
 
 
 @pytest.mark.parametrize("theta,positions,head_dim", [(100000.0, 8192, 64), (10000.0, 4096, 128),

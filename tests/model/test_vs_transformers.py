@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.decoder import DecoderLM
 from kvserve.model.hf_loader import config_from_dir, weights_from_dir
-from kvserve.model.llama import LlamaForCausalLM
 
 TOL = 1e-4
 
@@ -45,13 +45,13 @@ CASES = [
 ]
 
 
-def _load_ours(tmp_path, hf) -> LlamaForCausalLM:
+def _load_ours(tmp_path, hf) -> DecoderLM:
     hf.save_pretrained(tmp_path)
     cfg = config_from_dir(tmp_path)
-    return LlamaForCausalLM.from_weights(cfg, weights_from_dir(tmp_path, cfg), "fp32").eval()
+    return DecoderLM.from_weights(cfg, weights_from_dir(tmp_path, cfg), "fp32").eval()
 
 
-def _paged_logits(model: LlamaForCausalLM, ids: list[int], prefill: int, block_size: int = 4) -> torch.Tensor:
+def _paged_logits(model: DecoderLM, ids: list[int], prefill: int, block_size: int = 4) -> torch.Tensor:
     """Prefill `prefill` tokens in one step, then one token per step; logits of every position."""
     cfg = model.config
     n_blocks = (len(ids) + block_size - 1) // block_size

@@ -87,14 +87,14 @@ def test_llama_cpp_gives_kvserves_greedy_tokens(q8):
 
 def test_checkpoint_quantizes_to_the_same_model(tmp_path, fp32_dir):
     from kvserve.model.config import ModelConfig
-    from kvserve.model.llama import LlamaForCausalLM
+    from kvserve.model.decoder import DecoderLM
     from kvserve.model.loader import load_model
     from kvserve.train.checkpoint import save_checkpoint
 
     cfg = ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                       tie_word_embeddings=True, rms_norm_eps=1e-5, name="tiny")
-    net = LlamaForCausalLM.random(cfg, seed=3, std=0.2)
+    net = DecoderLM.random(cfg, seed=3, std=0.2)
     run = tmp_path / "run"
     save_checkpoint(run, model=net, optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0),
                     scheduler=None, step=1, data_state={})

@@ -10,10 +10,11 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from kvserve.engine.messages import AbortRequests, CoreInput, EngineCoreOutputs
-from kvserve.engine.processing import EngineInfo, InputProcessor, OutputProcessor
+from kvserve.engine.processing import EngineInfo, EngineInfoView, InputProcessor, OutputProcessor
 from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured.grammar import available
 
 
 class EngineDeadError(KVServeError):
@@ -25,7 +26,7 @@ class EngineDeadError(KVServeError):
     retry_after = 5.0
 
 
-class EngineClient:
+class EngineClient(EngineInfoView):
     """Shared by both transports; a subclass provides `_send(messages)` and the delivery of
     EngineCoreOutputs to `_on_outputs` on the event loop."""
 
@@ -43,21 +44,8 @@ class EngineClient:
         self._lora_names: list[str] = []
 
     # ---- the interface ----------------------------------------------------------------------
-    @property
-    def model_name(self) -> str:
-        return self.info.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
-
-    @property
-    def block_size(self) -> int:
-        return self.info.block_size
-
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        from kvserve.structured.grammar import available
         if available():    # the first structured request should not pay for imports and setup
             threading.Thread(target=self.inputs.grammar_compiler().warm_up, daemon=True,
                              name="kvserve-grammar-warmup").start()

@@ -30,6 +30,7 @@ import torch
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.kv_hybrid import HybridKVCacheManager, local_pool_blocks
+from kvserve.engine.lora import LoRAManager, parse_lora_modules
 from kvserve.engine.messages import (
     AbortRequests,
     CoreInput,
@@ -39,16 +40,20 @@ from kvserve.engine.messages import (
     Shutdown,
 )
 from kvserve.engine.model_runner import ModelRunner, PhaseClock
+from kvserve.engine.reasoning import ReasoningState
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.spec_decode.decoder import make_spec_decoder
 from kvserve.errors import InvalidRequest
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.decoder import DecoderLM
+from kvserve.structured.backend import GrammarBackend
+from kvserve.structured.grammar import compiler_for
 
 logger = logging.getLogger("kvserve.engine")
 
 
 class EngineCore:
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, eos_token_ids: list[int], tokenizer=None):
+    def __init__(self, model: DecoderLM, config: EngineConfig, eos_token_ids: list[int], tokenizer=None):
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -72,26 +77,23 @@ class EngineCore:
                                            cfg.local_window)
         else:
             self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, cfg.kv_window)
+        spec = make_spec_decoder(config.spec_config, model, tokenizer) if config.spec_config is not None else None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, eos_token_ids, config.long_prefill_token_threshold,
                                    config.max_num_partial_prefills, config.max_step_ms,
-                                   config.max_decode_slowdown)
-        if tokenizer is not None:   # thinking requests: the scheduler reads the end of <think> as text
-            self.scheduler.decode = tokenizer.decode
-        if config.spec_config is not None:
-            from kvserve.engine.spec_decode.decoder import make_spec_decoder
-            self.scheduler.spec = make_spec_decoder(config.spec_config, model, tokenizer)
+                                   config.max_decode_slowdown,
+                                   decode=tokenizer.decode if tokenizer is not None else None, spec=spec)
+        # structured output (kvserve.structured): cheap to build, its threads start at the first grammar
+        self.grammar = (GrammarBackend(compiler_for(tokenizer, cfg.vocab_size)) if tokenizer is not None
+                        else None)
         self.clock = PhaseClock()
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.torch_kv_dtype, eos_token_ids,
-                                  device=config.device, clock=self.clock, num_local_blocks=num_local)
-        spec = self.scheduler.spec
-        if spec is not None and hasattr(spec.proposer, "observe_hidden"):   # a proposer that reads features
-            self.runner.hidden_sink = spec.proposer.observe_hidden
+                                  device=config.device, clock=self.clock, num_local_blocks=num_local,
+                                  grammar=self.grammar,
+                                  hidden_sink=spec.proposer.hidden_sink if spec is not None else None)
         self.kv_bytes_per_token = per_block // config.block_size
         logger.info("KV cache: %s, %d bytes per token, %d tokens fit (%d blocks of %d)", self.kv_dtype_name,
                     self.kv_bytes_per_token, num_blocks * config.block_size, num_blocks, config.block_size)
-        self.grammar = None     # structured output (kvserve.structured), built at the first grammar
-        from kvserve.engine.lora import LoRAManager, parse_lora_modules
         self.lora = LoRAManager(model, config.max_loras)
         for name, path in parse_lora_modules(config.lora_modules).items():
             self.lora.add(name, path)
@@ -103,7 +105,7 @@ class EngineCore:
         self._expert_tokens: dict[str, list[int]] = {}   # MoE counts not yet handed to an output
 
     @staticmethod
-    def _split_pools(model: LlamaForCausalLM, config: EngineConfig, num_blocks: int) -> tuple[int, int]:
+    def _split_pools(model: DecoderLM, config: EngineConfig, num_blocks: int) -> tuple[int, int]:
         """(full-layer blocks, sliding-layer blocks) in the same memory as num_blocks of every layer:
         the sliding layers get what their windows need (kv_hybrid.local_pool_blocks), at most as many."""
         cfg = model.config
@@ -124,22 +126,16 @@ class EngineCore:
         if req.lora_name:
             r.lora = self.lora.acquire(req.lora_name)
         if req.sampling_params.reasoning_budget is not None and req.reasoning_end_ids:
-            from kvserve.engine.reasoning import ReasoningState
             r.reasoning = ReasoningState(req.sampling_params.reasoning_budget, list(req.reasoning_end_ids))
         if req.structured_output is not None:
             r.grammar_future = self.grammar_backend().submit(req.structured_output["grammar"])
         self.scheduler.add(r)
 
-    def grammar_backend(self):
-        """The structured-output backend (compile thread, mask thread), made at the first grammar."""
+    def grammar_backend(self) -> GrammarBackend:
+        """The structured-output backend (compile thread, mask thread)."""
         if self.grammar is None:
-            if self.tokenizer is None:
-                raise InvalidRequest("this engine was built without a tokenizer: structured output needs one",
-                                     param="structured_outputs")
-            from kvserve.structured.backend import GrammarBackend
-            from kvserve.structured.grammar import compiler_for
-            self.grammar = GrammarBackend(compiler_for(self.tokenizer, self.model_config.vocab_size))
-            self.runner.grammar = self.grammar
+            raise InvalidRequest("this engine was built without a tokenizer: structured output needs one",
+                                 param="structured_outputs")
         return self.grammar
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import dataclasses
 
 from kvserve.engine.config import EngineConfig
+from kvserve.model.loader import load_model
 
 
 def load_engine_model(model: str | None, weight_format: str, cfg: EngineConfig):
     """A LoadedModel whose `model` the EngineCore runs (blocking)."""
-    from kvserve.model.loader import load_model
-
     if cfg.tensor_parallel_size > 1:
         from kvserve.model.parallel import launch
 

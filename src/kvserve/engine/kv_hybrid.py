@@ -42,6 +42,11 @@ def local_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_b
     return max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size)
 
 
+def _of_full(name: str) -> property:
+    """A read-only attribute of the full pool's manager (what bounds the context)."""
+    return property(lambda self: getattr(self.full, name), doc=f"The full pool's `{name}`.")
+
+
 class HybridKVCacheManager:
     def __init__(self, num_blocks: int, num_local_blocks: int, block_size: int, enable_prefix_caching: bool,
                  window: int):
@@ -53,32 +58,15 @@ class HybridKVCacheManager:
         self.sliding_window = None                          # the full layers' blocks are never released
 
     # ---- accounting (the full pool's) ---------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return self.full.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.full.num_free_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.full.num_used_blocks
+    num_blocks = _of_full("num_blocks")
+    num_free_blocks = _of_full("num_free_blocks")
+    num_used_blocks = _of_full("num_used_blocks")
+    prefix_cache_queries = _of_full("prefix_cache_queries")
+    prefix_cache_hits = _of_full("prefix_cache_hits")
+    req_blocks = _of_full("req_blocks")
 
     def usage(self) -> float:
         return max(self.full.usage(), self.local.usage())
-
-    @property
-    def prefix_cache_queries(self) -> int:
-        return self.full.prefix_cache_queries
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        return self.full.prefix_cache_hits
-
-    @property
-    def req_blocks(self) -> dict[str, list[int]]:
-        return self.full.req_blocks
 
     def record_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.full.record_query(num_prompt_tokens, num_hit_tokens)

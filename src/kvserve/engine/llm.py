@@ -14,29 +14,30 @@ from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
+from kvserve.engine.beam_search import BeamSearchParams, beam_search
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.executor import load_engine_model
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.lora import LoRARequest
 from kvserve.errors import InvalidRequest
-from kvserve.model.llama import LlamaForCausalLM
-from kvserve.outputs import RequestOutput
+from kvserve.model.decoder import DecoderLM
+from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer
 
 
 class LLM:
-    def __init__(self, model: str | LlamaForCausalLM | None = None, *, tokenizer: Tokenizer | None = None,
+    def __init__(self, model: str | DecoderLM | None = None, *, tokenizer: Tokenizer | None = None,
                  weight_format: str = "auto", **engine_kwargs):
         """`model`: a built-in name, a .gguf file, a Hugging Face directory, or an in-memory
-        LlamaForCausalLM (then pass its `tokenizer`). Engine options: see EngineConfig."""
+        DecoderLM (then pass its `tokenizer`). Engine options: see EngineConfig."""
         cfg = EngineConfig(weight_format=weight_format, **engine_kwargs)
-        if isinstance(model, LlamaForCausalLM):
+        if isinstance(model, DecoderLM):
             if tokenizer is None:
                 raise InvalidRequest("an in-memory model needs its tokenizer: LLM(model, tokenizer=...)",
                                      param="tokenizer")
             net, tok, name = model, tokenizer, model.config.name or "model"
         else:
-            from kvserve.engine.executor import load_engine_model
             loaded = load_engine_model(model, weight_format, cfg)
             net, tok, name = loaded.model, loaded.tokenizer, loaded.source.name
         self.engine = LLMEngine(net, tok, cfg, model_name=name)
@@ -159,9 +160,6 @@ class LLM:
 
     def _beam_search(self, prompts: list, params: list[SamplingParams]) -> list[RequestOutput]:
         """SamplingParams(use_beam_search=True): width best_of (or n), n best beams returned."""
-        from kvserve.engine.beam_search import BeamSearchParams, beam_search
-        from kvserve.outputs import CompletionOutput
-
         if any(p != params[0] for p in params):
             raise InvalidRequest("beam search takes one SamplingParams for all prompts", param="use_beam_search")
         p = params[0]

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.core import EngineCore
-from kvserve.engine.processing import EngineInfo, InputProcessor, OutputProcessor
+from kvserve.engine.processing import EngineInfo, EngineInfoView, InputProcessor, OutputProcessor
 from kvserve.errors import InvalidRequest
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.decoder import DecoderLM
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer
 
 
-class LLMEngine:
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None,
+class LLMEngine(EngineInfoView):
+    def __init__(self, model: DecoderLM, tokenizer: Tokenizer, config: EngineConfig | None = None,
                  model_name: str = ""):
         self.config = config = config or EngineConfig()
         self.core = EngineCore(model, config, tokenizer.eos_token_ids, tokenizer)
@@ -27,18 +27,6 @@ class LLMEngine:
                                model.config.vocab_size, self.core.context_limited_by_kv)
         self.inputs = InputProcessor(tokenizer, self.info, config.enable_prefix_caching)
         self.outputs = OutputProcessor(tokenizer)
-
-    @property
-    def model_name(self) -> str:
-        return self.info.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
-
-    @property
-    def block_size(self) -> int:
-        return self.info.block_size
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     *, priority: int = 0, cache_salt: str | None = None, lora_name: str | None = None) -> None:

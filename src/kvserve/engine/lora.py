@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.errors import InvalidRequest, ModelNotFound
-from kvserve.model.lora import LoRAAdapter, LoRABatch, attach, load_adapter
+from kvserve.model.lora import LoRAAdapter, LoRABatch, load_adapter
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -66,7 +66,6 @@ class LoRAManager:
             if name in self.paths:
                 raise InvalidRequest(f"a LoRA adapter named {name!r} is already loaded; unload it first",
                                      param="lora_name")
-            attach(self.model)
             self.paths[name] = str(path)
             self._keep(adapter)
         logger.info("LoRA adapter %s loaded from %s (rank %d, %s; %.1f MB)", name, path, adapter.rank,

@@ -16,6 +16,7 @@ objects a SchedulerOutput points at.
 
 from __future__ import annotations
 
+import queue
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,7 +45,6 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
     seed: int | None = None                # this sequence's own seed (params.seed + child index)
     wait_for: str | None = None            # request id whose prompt must be computed first
     want_prompt_logprobs: bool = False     # only one child of a request reports them
-    model: str | None = None               # which model (several models: the router picks the core)
     structured_output: dict | None = None  # {"grammar": llguidance grammar text} (kvserve.structured)
     reasoning_end_ids: list[int] | None = None  # with params.reasoning_budget: the tokens that close <think>
     lora_name: str | None = None           # the LoRA adapter this sequence runs under (None: the base)
@@ -182,8 +182,6 @@ def decode_output(data: bytes) -> EngineCoreOutputs | EngineReady | EngineFailed
 def poll_queue(inbox, timeout: float) -> list[CoreInput]:
     """The busy loop's `poll` over a thread queue: everything pending, waiting up to `timeout`
     seconds for the first message when none is (0: do not wait)."""
-    import queue
-
     msgs = []
     try:
         msgs.append(inbox.get(timeout=timeout) if timeout > 0 else inbox.get_nowait())

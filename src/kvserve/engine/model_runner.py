@@ -16,6 +16,19 @@ Rows that sample under a grammar (`grammar_bitmask_slot`) get their next-token b
 structured-output backend, computed on its mask thread while the forward runs (the C kernels and
 llguidance both drop the GIL), and applied by the sampler in one op.
 
+A step is three stages, each a method with typed inputs and outputs:
+
+    prepare_inputs(SchedulerOutput) -> StepInputs     the packed batch, the rows that need logits,
+                                                      the LoRA rows, the grammar masks started
+    forward(StepInputs) -> hidden [T, H]              the decoder stack (and the hidden sink)
+    sample(StepInputs, hidden) -> ModelRunnerOutput   lm_head on the logit rows, prompt logprobs,
+                                                      sampling, draft verification, logprob trimming
+
+Collaborators come to the constructor: the structured-output backend (`grammar`, None without a
+tokenizer) and a proposer's `HiddenSink` (spec_decode/proposer.py: an EAGLE head reads the
+step's hidden rows and those of its inner layers, which the forward is asked for by argument).
+The step's LoRA rows reach the model as the forward's `lora=` argument.
+
 The runner reads request state (tokens, sampling params, the seeded generator, the grammar
 matcher) and never writes it: what it produced goes back to the scheduler as a ModelRunnerOutput.
 
@@ -27,15 +40,22 @@ table (the step's `meta.local`).
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
 from kvserve.engine.lora import LoRAManager
 from kvserve.engine.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprob
+from kvserve.engine.request import Request
 from kvserve.engine.sampler import Sampler, SamplingRequest, compute_logprobs
+from kvserve.engine.spec_decode.proposer import HiddenSink
+from kvserve.engine.spec_decode.rejection import SpecRow, verify
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.decoder import DecoderLM
 from kvserve.model.kv_quant import bytes_per_token, cache_shape
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.lora import LoRABatch
+from kvserve.structured.backend import GrammarBackend
 
 
 class PhaseClock:
@@ -71,10 +91,33 @@ def _entries(token_ids: list[int], lps: torch.Tensor, ranks: torch.Tensor, top_i
     return [TokenLogprob(*row) for row in zip(token_ids, lps, ranks, ti, tl)]
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """One step's batch as the model and the sampler read it (`ModelRunner.prepare_inputs`)."""
+
+    sched: SchedulerOutput
+    input_ids: torch.Tensor                    # [T] the new tokens of every scheduled request
+    positions: torch.Tensor                    # [T]
+    meta: AttentionMetadata
+    query_lens: list[int]                      # rows per scheduled request
+    lora: LoRABatch | None = None              # adapters and their rows (None: the base everywhere)
+    logit_rows: list[int] = field(default_factory=list)     # rows that go through the lm_head
+    sampled: list[Request] = field(default_factory=list)    # requests that sample one token
+    sample_rows: list[int] = field(default_factory=list)    # ... their row in logit_rows
+    grammar_rows: list[int] = field(default_factory=list)   # index in `sampled` of each grammar row
+    matchers: list = field(default_factory=list)            # ... and its matcher
+    masks: Future | None = None                             # their bitmasks, started before the forward
+    prompt_lp: list[tuple[Request, int, int, int]] = field(default_factory=list)
+    # ^ (request, offset in logit_rows, first position, count): prompt logprobs asked for
+    spec: list[tuple[Request, list[int], int]] = field(default_factory=list)
+    # ^ (request, drafts, first row in logit_rows): speculating requests' rows to verify
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  eos_token_ids: list[int], device: str | torch.device = "cpu", clock: PhaseClock | None = None,
-                 num_local_blocks: int | None = None):
+                 num_local_blocks: int | None = None, grammar: GrammarBackend | None = None,
+                 hidden_sink: HiddenSink | None = None):
         cfg = model.config
         self.clock = clock or PhaseClock()
         self.model = model
@@ -86,34 +129,41 @@ class ModelRunner:
                                       dtype=kv_dtype, device=self.device)
                           for i in range(cfg.num_hidden_layers)]
         self.sampler = Sampler(eos_token_ids)
-        self.grammar = None     # kvserve.structured.backend.GrammarBackend, set by the core when needed
-        # (scheduled, hidden, captured) -> None: every step's final hidden states [T, H], rows in the
-        # order of `scheduled`, and the model's `captured` inner layers [T, n, H] or None (an EAGLE
-        # draft reads the target's features from them); None: not kept
-        self.hidden_sink = None
+        self.grammar = grammar
+        # every step's final hidden states (and its `layers`' rows) go to hidden_sink.observe; None: not kept
+        self.hidden_sink = hidden_sink
 
     @staticmethod
-    def bytes_per_block(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
+    def bytes_per_block(model: DecoderLM, block_size: int, kv_dtype: torch.dtype) -> int:
         return ModelRunner.bytes_per_layer_block(model, block_size, kv_dtype) * model.config.num_hidden_layers
 
     @staticmethod
-    def bytes_per_layer_block(model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
+    def bytes_per_layer_block(model: DecoderLM, block_size: int, kv_dtype: torch.dtype) -> int:
         cfg = model.config
         return block_size * bytes_per_token(1, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         clock = self.clock
+        inputs = self.prepare_inputs(sched)
+        clock.lap("prepare")
+        hidden = self.forward(inputs)
+        clock.lap("forward")
+        return self.sample(inputs, hidden)      # laps logits and sample
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        """Flatten the scheduled requests' new tokens into one batch (module docstring) and note
+        which rows need logits and why; start the grammar rows' bitmasks."""
         ids: list[int] = []
         pos: list[int] = []
         query_lens, seq_lens, tables, local_tables = [], [], [], []
         logit_rows: list[int] = []
-        sampled = []                          # requests that sample this step
+        sampled: list[Request] = []
         sample_rows: list[int] = []
-        grammar_rows: list[int] = []          # index in `sampled` of each grammar bitmask slot
-        prompt_lp = []                        # (request, row offset in logit_rows, first position, count)
-        spec = []                             # (request, drafts, first row in logit_rows): speculating
-        lora_rows = []                        # (adapter or None, first row, count) per request
+        grammar_rows: list[int] = []
+        prompt_lp = []
+        spec = []
+        lora_rows = []                        # (adapter, first row, count) per request under one
         for s in sched.scheduled:
             req, start, n = s.request, s.num_computed_tokens, s.num_new_tokens
             row0 = len(ids)
@@ -125,7 +175,8 @@ class ModelRunner:
             seq_lens.append(start + n)
             tables.append(s.block_ids)
             local_tables.append(s.local_block_ids)
-            lora_rows.append((req.lora, row0, n))
+            if req.lora is not None:
+                lora_rows.append((req.lora, row0, n))
             p = req.num_prompt_tokens
             if req.want_prompt_logprobs and start < p - 1:
                 cnt = min(start + n, p - 1) - start     # positions whose next token is a prompt token
@@ -143,62 +194,74 @@ class ModelRunner:
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         if local_tables and local_tables[0] is not None:
             meta.local = AttentionMetadata.build(query_lens, seq_lens, local_tables, self.block_size, self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         matchers = [sampled[i].grammar for i in grammar_rows]
-        masks = self.grammar.start_bitmask(matchers) if matchers else None
-        lora = LoRAManager.batch(lora_rows, len(ids), self.device) if getattr(self.model, "lora", None) is not None else None
-        clock.lap("prepare")
-        if lora is not None:
-            self.model.lora.batch = lora
-            try:
-                hidden = self.model(input_ids, positions, meta, self.kv_caches)
-            finally:
-                self.model.lora.batch = None
-        else:
-            hidden = self.model(input_ids, positions, meta, self.kv_caches)
-        if self.hidden_sink is not None:
-            self.hidden_sink(sched.scheduled, hidden, getattr(self.model, "captured", None))
-        clock.lap("forward")
+        return StepInputs(
+            sched, torch.tensor(ids, dtype=torch.long, device=self.device),
+            torch.tensor(pos, dtype=torch.long, device=self.device), meta, query_lens,
+            LoRAManager.batch(lora_rows, len(ids), self.device) if lora_rows else None,
+            logit_rows, sampled, sample_rows, grammar_rows, matchers,
+            self.grammar.start_bitmask(matchers) if matchers else None, prompt_lp, spec)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The decoder stack over the batch: final hidden states [T, H]. The hidden sink, if any,
+        gets them (and its layers' rows) here."""
+        sink = self.hidden_sink
+        if sink is None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, lora=inputs.lora)
+        hidden, captured = self.model.forward_features(inputs.input_ids, inputs.positions, inputs.meta,
+                                                       self.kv_caches, lora=inputs.lora, capture_layers=sink.layers)
+        sink.observe(inputs.sched.scheduled, hidden, captured)
+        return hidden
+
+    def sample(self, inputs: StepInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+        """The step's results: MoE counts, the lm_head on the logit rows, prompt logprobs (clock
+        phase `logits`), then the sampled tokens and the verified drafts (`sample`)."""
         out = ModelRunnerOutput()
         if self.model.config.num_experts:
-            counts = self.model.last_expert_counts(query_lens)
-            out.expert_tokens = {s.request.request_id: c for s, c in zip(sched.scheduled, counts or [])}
-        if not logit_rows:
+            counts = self.model.last_expert_counts(inputs.query_lens)
+            out.expert_tokens = {s.request.request_id: c for s, c in zip(inputs.sched.scheduled, counts or [])}
+        if not inputs.logit_rows:
             return out
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=self.device)])
-        for req, off, first, cnt in prompt_lp:
+        logits = self.model.compute_logits(hidden[torch.tensor(inputs.logit_rows, device=self.device)])
+        for req, off, first, cnt in inputs.prompt_lp:
             targets = req.prompt_token_ids[first + 1:first + 1 + cnt]
             k = req.params.prompt_logprobs or 0
             res = compute_logprobs(logits[off:off + cnt], torch.tensor(targets, device=self.device), k)
             out.prompt_logprobs[req.request_id] = (first, _entries(targets, *res, k))
-        clock.lap("logits")
-        if sampled:
-            rows = logits if len(sample_rows) == len(logit_rows) else logits[torch.tensor(sample_rows,
-                                                                                           device=self.device)]
-            reqs = [SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
-                                    r.reasoning is not None and not r.reasoning.done) for r in sampled]
-            grammar = (grammar_rows, self.grammar.bitmask(masks, matchers)) if masks is not None else None
-            so = self.sampler(rows, reqs, grammar)
-            token_ids = so.token_ids.tolist()
-            out.req_ids = [r.request_id for r in sampled]
-            out.sampled_token_ids = [[t] for t in token_ids]
-            k = max((r.params.logprobs or 0 for r in sampled), default=0)
-            entries = _entries(token_ids, so.logprobs, so.ranks, so.top_token_ids, so.top_logprobs, k)
-            out.logprobs = [[e] for e in entries]
-            if k:   # trim each request's alternatives to the number it asked for
-                for r, (e,) in zip(sampled, out.logprobs):
-                    kr = r.params.logprobs or 0
-                    if kr < k:
-                        e.top_token_ids, e.top_logprobs = e.top_token_ids[:kr], e.top_logprobs[:kr]
-        if spec:
-            self._verify(logits, spec, out)
-        clock.lap("sample")
+        self.clock.lap("logits")
+        if inputs.sampled:
+            self._sample_rows(inputs, logits, out)
+        if inputs.spec:
+            self._verify(logits, inputs.spec, out)
+        self.clock.lap("sample")
         return out
 
-    def _verify(self, logits: torch.Tensor, spec: list, out: ModelRunnerOutput) -> None:
+    def _sample_rows(self, inputs: StepInputs, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """One token for each request that caught up, with its logprobs (each trimmed to the number
+        of alternatives it asked for)."""
+        sampled, sample_rows = inputs.sampled, inputs.sample_rows
+        rows = logits if len(sample_rows) == len(inputs.logit_rows) else logits[torch.tensor(sample_rows,
+                                                                                              device=self.device)]
+        reqs = [SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
+                                r.reasoning is not None and not r.reasoning.done) for r in sampled]
+        grammar = ((inputs.grammar_rows, self.grammar.bitmask(inputs.masks, inputs.matchers))
+                   if inputs.masks is not None else None)
+        so = self.sampler(rows, reqs, grammar)
+        token_ids = so.token_ids.tolist()
+        out.req_ids = [r.request_id for r in sampled]
+        out.sampled_token_ids = [[t] for t in token_ids]
+        k = max((r.params.logprobs or 0 for r in sampled), default=0)
+        entries = _entries(token_ids, so.logprobs, so.ranks, so.top_token_ids, so.top_logprobs, k)
+        out.logprobs = [[e] for e in entries]
+        if k:
+            for r, (e,) in zip(sampled, out.logprobs):
+                kr = r.params.logprobs or 0
+                if kr < k:
+                    e.top_token_ids, e.top_logprobs = e.top_token_ids[:kr], e.top_logprobs[:kr]
+
+    def _verify(self, logits: torch.Tensor, spec: list[tuple[Request, list[int], int]],
+                out: ModelRunnerOutput) -> None:
         """Speculating requests: accepted drafts plus one token each (spec_decode/rejection.py)."""
-        from kvserve.engine.spec_decode.rejection import SpecRow, verify
         rows = [SpecRow(SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator), d, first)
                 for r, d, first in spec]
         grammar = {i: self.grammar.draft_bitmask(r.grammar, d) for i, (r, d, _) in enumerate(spec)

@@ -22,6 +22,7 @@ import sys
 import msgspec
 
 from kvserve.engine.messages import CoreInput, EngineFailed, EngineReady, Shutdown, decode_input, encode
+from kvserve.structured.grammar import available
 
 
 def tokenizer_spec(tok) -> dict:
@@ -59,7 +60,6 @@ def main(argv: list[str]) -> int:
         cfg = EngineConfig(weight_format=spec["weight_format"], **spec["engine_kwargs"])
         loaded = load_engine_model(spec["model"], spec["weight_format"], cfg)
         core = EngineCore(loaded.model, cfg, loaded.tokenizer.eos_token_ids, loaded.tokenizer)
-        from kvserve.structured.grammar import available
         if available():
             core.grammar_backend().warm_up()
     except Exception as e:  # noqa: BLE001 - reported to the client, which raises it

@@ -17,9 +17,11 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, TokenLogprob
+from kvserve.engine.reasoning import END_TEXT
 from kvserve.errors import ContextLengthExceeded, InvalidRequest
 from kvserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured.grammar import compiler_for
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 
@@ -32,6 +34,25 @@ class EngineInfo:
     block_size: int
     vocab_size: int
     kv_cache_limited: bool = False     # max_model_len is the KV pool's size, not the model's window
+
+
+class EngineInfoView:
+    """`model_name`, `max_model_len` and `block_size` of the engine a driver talks to, read from its
+    `info` (the in-process LLMEngine and every EngineClient)."""
+
+    info: EngineInfo
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        return self.info.block_size
 
 
 class InputProcessor:
@@ -82,7 +103,6 @@ class InputProcessor:
             structured = {"grammar": self.grammar_compiler().prepare(params.structured_outputs)}
         end_ids = None
         if params.reasoning_budget is not None:
-            from kvserve.engine.reasoning import END_TEXT
             end_ids = self.tokenizer.encode(END_TEXT, add_special_tokens=False)
         n = params.num_sequences
         out = []
@@ -98,7 +118,6 @@ class InputProcessor:
 
     def grammar_compiler(self):
         """The structured-output compiler for this tokenizer (kvserve.structured.grammar)."""
-        from kvserve.structured.grammar import compiler_for
         return compiler_for(self.tokenizer, self.info.vocab_size)
 
 

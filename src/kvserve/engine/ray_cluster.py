@@ -4,6 +4,7 @@ handling once Ray is in the process."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -61,8 +62,6 @@ def reclaim_signals() -> None:
     """Ray's core worker installs a C-level SIGTERM/SIGINT handler in the driver that aborts the
     process; re-register this process's own Python handlers (the server's graceful shutdown) on
     top of it. Only the main thread may, and the server starts its engine client there."""
-    import signal
-
     if threading.current_thread() is not threading.main_thread():
         return
     for sig in (signal.SIGTERM, signal.SIGINT):

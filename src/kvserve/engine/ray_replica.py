@@ -19,6 +19,7 @@ before the request that uses them is admitted.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 
@@ -75,7 +76,6 @@ class EngineReplica:
         return msgspec.msgpack.encode(self.core.stats())
 
     def pid(self) -> int:
-        import os
         return os.getpid()
 
     def submit(self, msgs: list[bytes]) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured.backend import apply_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -125,7 +126,6 @@ class Sampler:
         copy of `logits` (what greedy rows take the argmax of; temperature and truncation come after)."""
         logits = logits.float().clone()
         if grammar is not None and grammar[0]:
-            from kvserve.structured.backend import apply_bitmask
             apply_bitmask(logits, *grammar)
         self._apply_bias_and_masks(logits, reqs)
         self._apply_penalties(logits, reqs)

@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.messages import (
@@ -55,15 +56,31 @@ from kvserve.engine.messages import (
     TokenLogprob,
 )
 from kvserve.engine.request import Request, Status
+from kvserve.engine.spec_decode.decoder import SpecDecoder
 from kvserve.engine.step_cost import StepCostModel
 from kvserve.engine.stop import check_stop
+from kvserve.structured.backend import GrammarBackend
+
+
+@dataclass(slots=True)
+class StepBudget:
+    """What one `schedule()` call has left and has learned so far (made there, dropped after)."""
+
+    tokens: int                       # of max_num_batched_tokens, not yet handed out
+    preempted: bool = False           # a running request lost its blocks this step
+    pool_short: bool = False          # an admission found the block pool short
+    with_decodes: bool = False        # long chunks are paid by the streams' loan (module docstring)
+    step_limit: float = math.inf      # predicted seconds the step may take (with max_step_ms)
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  eos_token_ids: list[int] | tuple[int, ...] = (), long_prefill_token_threshold: int | None = None,
                  max_num_partial_prefills: int = 2, max_step_ms: float | None = None,
-                 max_decode_slowdown: float = 0.0):
+                 max_decode_slowdown: float = 0.0, *, decode: Callable[[list[int]], str] | None = None,
+                 spec: SpecDecoder | None = None):
+        """decode: token ids -> text (a thinking request's end of <think> is read as text);
+        spec: the speculative decoder (None: no request speculates)."""
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -86,8 +103,8 @@ class Scheduler:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.failed: list[EngineCoreOutput] = []    # requests ended outside a step's results
-        self.decode = None                            # token ids -> text (thinking requests)
-        self.spec = None                              # spec_decode.SpecDecoder when speculating
+        self.decode = decode
+        self.spec = spec
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -99,9 +116,7 @@ class Scheduler:
     # ---- schedule ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._budget = self.max_num_batched_tokens
-        self._preempted = False
-        self._pool_short = False                        # an admission found the block pool short
+        budget = StepBudget(self.max_num_batched_tokens)
         self.running.sort(key=lambda r: r.sort_key)
         self.waiting.sort(key=lambda r: r.sort_key)
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
@@ -109,19 +124,20 @@ class Scheduler:
         drafts = (self.spec.propose(decodes, self.cost) if self.spec is not None and self.spec.step_on(len(decodes))
                   else None)
         for i, req in enumerate(decodes):
-            self._schedule_running(out, req, req.num_tokens - req.num_computed_tokens, drafts[i] if drafts else ())
+            self._schedule_running(out, budget, req, req.num_tokens - req.num_computed_tokens,
+                                   drafts[i] if drafts else ())
         for req in prefilling:                                     # short prompts already running
             if req.status == Status.RUNNING and not self._is_long(req):
-                self._schedule_running(out, req, req.num_tokens - req.num_computed_tokens)
-        if not self._preempted:
-            self._admit_waiting(out, long=False)
+                self._schedule_running(out, budget, req, req.num_tokens - req.num_computed_tokens)
+        if not budget.preempted:
+            self._admit_waiting(out, budget, long=False)
         # Long prompts' chunks: in a step with decodes, the time the streams lend them (below); in
         # any other step, up to the time target, or to twice what the step costs without them where
         # that is more (a machine too slow for the target still gets on).
-        self._with_decodes = bool(decodes) and self.max_decode_slowdown > 0 and self.max_step_s is not None
+        budget.with_decodes = bool(decodes) and self.max_decode_slowdown > 0 and self.max_step_s is not None
         if self.max_step_s is not None:
             base = self.cost.predict([(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
-            if self._with_decodes:
+            if budget.with_decodes:
                 # Each step with decodes lends the long prompts (max_decode_slowdown - 1) x its
                 # predicted time; the step then pays back what it really took beyond that prediction
                 # (observe_step), so a misjudged chunk is paid for by the next ones. A chunk too dear
@@ -134,21 +150,21 @@ class Scheduler:
                 earn = (self.max_decode_slowdown - 1) * self.cost.predict(
                     [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled if id(s.request) in mine])
                 self._credit += earn
-                self._step_limit = base + max(0.0, self._credit)
+                budget.step_limit = base + max(0.0, self._credit)
             else:
                 self._credit = 0.0
-                self._step_limit = max(self.max_step_s, 2 * base)
+                budget.step_limit = max(self.max_step_s, 2 * base)
         first_long, wanted = True, False
         for req in prefilling:                                     # long prompts already running
             if req.status == Status.RUNNING and self._is_long(req):
-                n = self._long_chunk(out, req, first_long)
+                n = self._long_chunk(out, budget, req, first_long, req.num_computed_tokens)
                 first_long, wanted = False, True
                 if n:
-                    self._schedule_running(out, req, n)
-        if not (self._preempted or self._pool_short):
-            wanted |= self._admit_waiting(out, long=True)
+                    self._schedule_running(out, budget, req, n)
+        if not (budget.preempted or budget.pool_short):
+            wanted |= self._admit_waiting(out, budget, long=True)
         self._loan = None
-        if self._with_decodes:
+        if budget.with_decodes:
             # kept only while a long prompt waits for it, and never more than its next token needs
             # (or a few steps' worth): a prompt held back for other reasons gets no burst later
             cap = max(4 * earn, self._one_token + earn)
@@ -162,42 +178,44 @@ class Scheduler:
         until its prompt is done)."""
         return req.num_prompt_tokens - max(req.num_cached_tokens, 0) > self.long_prefill_token_threshold
 
-    def _long_chunk(self, out: SchedulerOutput, req: Request, first: bool) -> int:
-        """Tokens of a long prompt for this step: its share of the budget, cut to the step-time target."""
-        n = min(req.num_prompt_tokens - req.num_computed_tokens, self._budget)
+    def _long_chunk(self, out: SchedulerOutput, budget: StepBudget, req: Request, first: bool, start: int) -> int:
+        """Tokens of a long prompt for this step from position `start` (past its prefix-cache hit
+        when admitted): its share of the budget, cut to the step-time target."""
+        n = min(req.num_prompt_tokens - start, budget.tokens)
         alone = not out.scheduled and len(self.running) + len(self.waiting) == 1
         if not alone:                                  # a share of the step, so others get in beside it
             n = min(n, self.long_prefill_token_threshold)
         if self.max_step_s is not None and n > 0:
             chunks = [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]
-            fit = self.cost.max_new_tokens(chunks, req.num_computed_tokens, self._step_limit, n)
-            if first and self._with_decodes:            # what the next token costs (the loan's cap)
-                self._one_token = self.cost.predict(chunks + [(req.num_computed_tokens, 1)]) - self.cost.predict(chunks)
+            fit = self.cost.max_new_tokens(chunks, start, budget.step_limit, n)
+            if first and budget.with_decodes:           # what the next token costs (the loan's cap)
+                self._one_token = self.cost.predict(chunks + [(start, 1)]) - self.cost.predict(chunks)
             last = self._last_chunk.get(req.request_id)
             if last is not None:                        # grow by at most 2x a step (or one block)
                 fit = min(fit, max(2 * last, self.kv.block_size))
-            floor = 0 if self._with_decodes else self.kv.block_size    # (with decodes: the loan grows)
+            floor = 0 if budget.with_decodes else self.kv.block_size    # (with decodes: the loan grows)
             n = max(fit, min(n, floor) if first else 0)
             if n > 0:
                 self._last_chunk[req.request_id] = n
         return n
 
-    def _schedule_running(self, out: SchedulerOutput, req: Request, n: int, drafts: Sequence[int] = ()) -> None:
+    def _schedule_running(self, out: SchedulerOutput, budget: StepBudget, req: Request, n: int,
+                          drafts: Sequence[int] = ()) -> None:
         """n tokens of req (plus its draft tokens, speculative decoding, as far as the budget goes)."""
-        n = min(n, self._budget)
+        n = min(n, budget.tokens)
         if n <= 0 or req.status != Status.RUNNING:     # (preempted earlier in this step)
             return
-        drafts = list(drafts[:self._budget - n])
+        drafts = list(drafts[:budget.tokens - n])
         while not self.kv.allocate_slots(req, n + len(drafts)):
             if drafts:                                  # drafts never preempt anyone
                 drafts = []
                 continue
             victim = self.running[-1]                   # last in priority/arrival order
-            self._preempt(victim, out)
+            self._preempt(victim, out, budget)
             if victim is req:
                 return
         out.scheduled.append(self._entry(req, n + len(drafts), out, drafts))
-        self._budget -= n + len(drafts)
+        budget.tokens -= n + len(drafts)
 
     def _entry(self, req: Request, n: int, out: SchedulerOutput, drafts: list[int] | None = None) -> ScheduledRequest:
         entry = ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id), drafts or [],
@@ -215,7 +233,6 @@ class Scheduler:
         if not fut.done():
             return False
         try:
-            from kvserve.structured.backend import GrammarBackend
             req.grammar = GrammarBackend.new_matcher(fut)
         except Exception as e:  # noqa: BLE001 - reported to the request's caller
             self.finish(req, "error")
@@ -225,7 +242,7 @@ class Scheduler:
             return False
         return True
 
-    def _admit_waiting(self, out: SchedulerOutput, long: bool) -> bool:
+    def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget, long: bool) -> bool:
         """Admit waiting requests in order: the short prompts (long=False), then the long ones.
         True if a long prompt was offered a chunk (admitted or not)."""
         wanted = False
@@ -235,7 +252,7 @@ class Scheduler:
                              for s in out.scheduled)
         admitted = []
         for req in list(self.waiting):                 # (a grammar that failed to compile leaves it)
-            if self._budget <= 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
+            if budget.tokens <= 0 or len(self.running) + len(admitted) >= self.max_num_seqs:
                 break
             if req.wait_for is not None:
                 parent = self.requests.get(req.wait_for)
@@ -252,16 +269,14 @@ class Scheduler:
             if long:
                 if partial >= self.max_num_partial_prefills:
                     break                               # it waits, and no long one behind it overtakes
-                req.num_computed_tokens += cached       # the chunk's context starts after the hit
-                n = self._long_chunk(out, req, first_long)
+                n = self._long_chunk(out, budget, req, first_long, req.num_computed_tokens + cached)
                 wanted = True
-                req.num_computed_tokens -= cached
                 if n <= 0:
                     break
             else:
-                n = min(left, self._budget)
+                n = min(left, budget.tokens)
             if not self.kv.allocate_slots(req, n, computed):
-                self._pool_short = True
+                budget.pool_short = True
                 break                                   # strict order: no overtaking when full
             req.num_computed_tokens += cached
             if req.num_cached_tokens < 0:               # first admission: count the cache lookup
@@ -272,7 +287,7 @@ class Scheduler:
             req.status = Status.RUNNING
             admitted.append(req)
             out.scheduled.append(self._entry(req, n, out))
-            self._budget -= n
+            budget.tokens -= n
             if long:
                 partial += 1
                 first_long = False
@@ -290,16 +305,15 @@ class Scheduler:
             self._credit = max(-cap, self._credit - (seconds - base))
             self._loan = None
 
-    def _preempt(self, req: Request, out: SchedulerOutput | None = None) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput, budget: StepBudget) -> None:
         self.running.remove(req)
-        if out is not None:
-            self._preempted = True
-            out.num_preempted += 1
-            for i, s in enumerate(out.scheduled):     # already given tokens this step: take them back
-                if s.request is req:
-                    self._budget += s.num_new_tokens
-                    del out.scheduled[i]
-                    break
+        budget.preempted = True
+        out.num_preempted += 1
+        for i, s in enumerate(out.scheduled):         # already given tokens this step: take them back
+            if s.request is req:
+                budget.tokens += s.num_new_tokens
+                del out.scheduled[i]
+                break
         self.kv.free(req.request_id, forget_hashes=False)
         req.num_computed_tokens = 0
         req.status = Status.WAITING

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from kvserve.errors import ModelLoadError
+from kvserve.model.families import hf_family_fields
 
 # Architectures the one model file runs. The Llama shapes (llama, mistral, qwen2) differ only in
 # config values (q/k/v bias, rope scaling, tied embeddings, GQA ratio); the other families switch
@@ -167,7 +168,6 @@ class ModelConfig:
             if rope_scaling is None and rp.get("rope_type", "default") != "default":
                 rope_scaling = rp
         known = {f for f in cls.__dataclass_fields__}
-        from kvserve.model.families import hf_family_fields
 
         kw = {k: v for k, v in d.items() if k in known and k not in ("architecture", "extra")}
         kw["rope_scaling"] = rope_scaling

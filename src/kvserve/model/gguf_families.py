@@ -17,9 +17,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvserve.errors import ModelLoadError
+from kvserve.model.linear import WeightSource
 
 # GGUF general.architecture -> our family (Mixtral arrives as "llama" with experts).
 ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
@@ -93,10 +95,6 @@ def gguf_family_fields(arch: str, field: Callable[[str, Any], Any], names: set[s
 def expert_weights(name: str, shape: tuple[int, ...], data, qtype) -> dict[str, Any]:
     """Split a stacked expert tensor `model.layers.{i}.mlp.experts.{proj}` of shape (E, rows, cols)
     into per-expert WeightSources (block quants stay packed, one expert's rows each)."""
-    import numpy as np
-
-    from kvserve.model.linear import WeightSource
-
     prefix, proj = name.rsplit(".", 1)
     rows_cols = (shape[1], shape[2])
     out = {}
@@ -124,6 +122,4 @@ def fix_weights(cfg, out: dict) -> None:
         if cfg.architecture == "phi3" and k.endswith("mlp.up_proj.weight"):   # ffn_up holds gate and up
             out[k.replace("up_proj", "gate_up_proj")] = out.pop(k)
         if k.endswith("shared_expert_gate.weight") and isinstance(v, torch.Tensor):   # [H] -> [1, H]
-            from kvserve.model.linear import WeightSource
-
             out[k] = WeightSource((1, v.numel()), tensor=v.reshape(1, -1))

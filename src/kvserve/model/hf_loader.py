@@ -6,10 +6,13 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from kvserve.errors import ModelLoadError
 from kvserve.model.config import ModelConfig
 from kvserve.model.families import normalise_hf_names
+from kvserve.model.gguf_loader import _check_shapes  # the same shape rules as a GGUF's tensors
 from kvserve.model.linear import WeightSource
 
 
@@ -29,9 +32,6 @@ def config_from_dir(path: Path) -> ModelConfig:
 
 
 def weights_from_dir(path: Path, cfg: ModelConfig) -> dict[str, WeightSource | torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors weights")
@@ -51,7 +51,6 @@ def weights_from_dir(path: Path, cfg: ModelConfig) -> dict[str, WeightSource | t
         out["model.embed_tokens.weight"] = emb.tensor
     if "lm_head.weight" not in out:
         cfg.tie_word_embeddings = True
-    from kvserve.model.gguf_loader import _check_shapes  # the same shape rules as a GGUF's tensors
 
     _check_shapes(out, cfg)
     return out

@@ -12,15 +12,15 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.model.config import ModelConfig
+from kvserve.model.decoder import DecoderLM
 from kvserve.model.kernels.backend import KernelBackend
-from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.registry import ModelSource, resolve
 from kvserve.tokenizer import Tokenizer
 
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: DecoderLM
     tokenizer: Tokenizer
     config: ModelConfig
     source: ModelSource
@@ -56,7 +56,7 @@ def load_model(model: str | None = None, weight_format: str = "auto", *, device:
         tok = Tokenizer.from_dir(src.path)
         weights = weights_from_dir(src.path, cfg)
     with torch.no_grad():
-        net = LlamaForCausalLM.from_weights(cfg, weights, weight_format, backend=backend).eval()
+        net = DecoderLM.from_weights(cfg, weights, weight_format, backend=backend).eval()
     if torch.device(backend.device).type != "cpu":
         net.to(backend.device)
     return LoadedModel(net, tok, cfg, src, time.perf_counter() - t0, backend)

@@ -10,16 +10,16 @@ projection each, so an adapter's per-module pairs are fused the same way when it
 so every projection of every layer holds at most one (A, B) per adapter, and the extra output is
 `(x A^T) B^T`. The scale is folded into B once.
 
-Many adapters in one batch (Punica / S-LoRA): the runner gives the model a `LoRABatch`, the rows of
-each adapter in the flattened batch, and a forward hook on each projection (every Linear variant,
-the `Linear` protocol of linear.py) adds each adapter's product on its rows; base rows get nothing
-added. Batch invariance: a row's product must not depend on how many other rows share it (a
+Many adapters in one batch (Punica / S-LoRA): the runner passes the model's forward a `LoRABatch`
+(`lora=`), the rows of each adapter in the flattened batch, and each decoder layer adds, after
+each projection (every Linear variant, the `Linear` protocol of linear.py), each adapter's product
+on its rows; base rows get nothing added. Batch invariance: a row's product must not depend on how many other rows share it (a
 plain GEMM's per-row bits change with M on MKL), so each row's two products are a batch of
 per-row GEMVs (`torch.bmm` with M = 1): a row's numbers are the same alone, grouped or batched.
 The C whole-stack forward (kernels/cpu/kvserve_forward.cpp, `kvs_forward_lora`) takes the same
 adapters as a table of (A, B^T, r) per layer, projection and slot and a slot per row, and adds
 each adapted row's B (A x) after the projection, in a fixed order; steps it does not
-run go through the per-layer path and these hooks.
+run go through the per-layer path and `LoRABatch.add`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ import ctypes
 import itertools
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from kvserve.errors import InvalidRequest, ModelNotFound
 from kvserve.model.config import ModelConfig
@@ -101,8 +103,6 @@ def read_config(path: str | os.PathLike) -> dict:
 def load_adapter(path: str | os.PathLike, cfg: ModelConfig, name: str | None = None) -> LoRAAdapter:
     """Read a PEFT LoRA adapter and check it against the base's shapes; a mismatch (another base,
     another vocabulary, a module kvserve does not adapt) is one clear InvalidRequest."""
-    from safetensors.torch import load_file
-
     conf = read_config(path)
     name = name or Path(path).name
     where = f"LoRA adapter {name!r} ({path})"
@@ -188,8 +188,6 @@ def load_adapter(path: str | os.PathLike, cfg: ModelConfig, name: str | None = N
 
 def _pattern(pattern: dict, layer: int, module: str, default):
     """PEFT's rank_pattern / alpha_pattern: keys are module-name suffixes or regexes."""
-    import re
-
     name = f"model.layers.{layer}.{module}"
     for key, val in pattern.items():
         if name.endswith(key) or re.fullmatch(rf".*\.{key}", name) or key == module:
@@ -202,17 +200,25 @@ def _pattern(pattern: dict, layer: int, module: str, default):
 @dataclass
 class LoRABatch:
     """The adapters of one step: each with the rows of the flattened batch it applies to
-    (None: every row). Rows of no group are the base model's."""
+    (None: every row). Rows of no group are the base model's. The runner builds it per step and
+    passes it to the model's forward (`lora=`); each decoder layer then calls `add` after its
+    projections, and the C whole-stack forward reads it as `c_terms`."""
 
     groups: list[tuple[LoRAAdapter, torch.Tensor | None]]
 
-
-class LoRAState:
-    """Held by a model that serves adapters (`model.lora`); `batch` is set by the runner around a
-    forward and is None otherwise (then the hooks add nothing and cost one attribute read)."""
-
-    def __init__(self) -> None:
-        self.batch: LoRABatch | None = None
+    def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> torch.Tensor:
+        """Projection `proj` of layer `layer` mapped x [..., in] to y [..., out]: y plus each
+        adapter's product on its rows (rows of no adapter unchanged)."""
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+        for adapter, rows in self.groups:
+            ab = adapter.layers[layer].get(proj)
+            if ab is None:
+                continue
+            if rows is None:
+                y2 = y2 + lora_product(x2, *ab)
+            else:
+                y2 = y2.index_add(0, rows, lora_product(x2.index_select(0, rows), *ab))
+        return y2.view(y.shape)
 
 
 class KvsLoRATerm(ctypes.Structure):
@@ -249,40 +255,6 @@ def lora_product(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Ten
     n = x.shape[0]
     t = torch.bmm(x.unsqueeze(1), A.t().expand(n, *A.t().shape))
     return torch.bmm(t, B.t().expand(n, *B.t().shape)).squeeze(1)
-
-
-def _hook(state: LoRAState, layer: int, proj: str):
-    def hook(module, args, out):
-        batch = state.batch
-        if batch is None:
-            return None
-        x = args[0]
-        x2, y = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
-        for adapter, rows in batch.groups:
-            ab = adapter.layers[layer].get(proj)
-            if ab is None:
-                continue
-            if rows is None:
-                y = y + lora_product(x2, *ab)
-            else:
-                y = y.index_add(0, rows, lora_product(x2.index_select(0, rows), *ab))
-        return y.view(out.shape)
-    return hook
-
-
-def attach(model: torch.nn.Module) -> LoRAState:
-    """Make `model` serve adapters: a hook on each projection of each layer (once)."""
-    state = getattr(model, "lora", None)
-    if state is not None:
-        return state
-    state = LoRAState()
-    for i, layer in enumerate(model.layers):
-        for proj in PROJECTIONS:
-            mod = getattr(layer, proj, None)
-            if mod is not None:
-                mod.register_forward_hook(_hook(state, i, proj))
-    model.lora = state
-    return state
 
 
 def parse_targets(spec: str | list[str] | None) -> list[str]:

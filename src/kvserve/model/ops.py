@@ -1,6 +1,6 @@
 """The math between a decoder layer's projections, behind one small interface.
 
-A decoder layer (llama.py) is written once, as calls to its projections and to an ops object:
+A decoder layer (decoder.py) is written once, as calls to its projections and to an ops object:
 
     h = ops.rms_norm(x, input_layernorm);  qkv = qkv_proj(h)
     o = ops.attention(qkv, layer, step, kv_cache)       # RoPE, KV-cache write, attention
@@ -26,6 +26,7 @@ from kvserve.model.attention import AttentionMetadata, attend, paged_attention, 
 
 if TYPE_CHECKING:
     from kvserve.model.kernels.backend import KernelBackend
+    from kvserve.model.lora import LoRABatch
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Step:
     cos_local: torch.Tensor | None = None    # the sliding layers' tables when their RoPE base differs
     sin_local: torch.Tensor | None = None
     mask: torch.Tensor | None = None         # dense only: [T, T] bool, True where a query may attend (None: causal)
+    lora: LoRABatch | None = None            # the step's adapters (model/lora.py); None: the base on every row
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -77,8 +79,8 @@ class TorchOps:
     def forward_stack(self, x: torch.Tensor, step: Step, kv_caches: list[torch.Tensor] | None,
                       lora=None, aux: torch.Tensor | None = None) -> torch.Tensor | None:
         """The whole layer stack and final norm in one call, or None: run the layers one by one.
-        lora: the step's model.lora.LoRABatch (None: no adapter rows). aux [T, n, H]: receives the
-        residual stream after each set_capture layer, normalised as by model.llama.FeatureNorm."""
+        lora: the step's LoRABatch (None: no adapter rows). aux [T, n, H]: receives the
+        residual stream after each set_capture layer, normalised as by model.decoder.FeatureNorm."""
         return None
 
     def rms_norm(self, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:

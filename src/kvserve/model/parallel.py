@@ -10,7 +10,7 @@ Megatron's split, in plain PyTorch: a layer's output is the sum of every rank's 
 so the result equals the unsplit layer up to float32 summation order. Heads split by KV-head
 groups, as evenly as they go (SmolLM2's 3 KV heads over 2 ranks: 2 + 1), so GQA stays intact.
 
-Rank 0 is the engine's process: its model (`TPModel`, a LlamaForCausalLM whose layers are
+Rank 0 is the engine's process: its model (`TPModel`, a DecoderLM whose layers are
 `ParallelLayer`s) broadcasts each step's inputs (token ids, positions, attention metadata, the KV
 pool's size) to the other ranks before running its own shard; ranks 1.. (`python -m
 kvserve.model.parallel SPEC`, started by `launch`) loop on those broadcasts with their shard and
@@ -36,9 +36,10 @@ from torch import nn
 
 from kvserve.errors import InvalidRequest
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.decoder import DecoderLM
 from kvserve.model.kernels.backend import KernelBackend
 from kvserve.model.linear import DenseLinear
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.loader import load_model
 
 
 def split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -106,7 +107,7 @@ class ParallelLayer(nn.Module):
         return x + self._reduce(self.down_proj(m)).view(*lead, -1)
 
 
-def shard_model(full: LlamaForCausalLM, rank: int, world: int) -> TPModel:
+def shard_model(full: DecoderLM, rank: int, world: int) -> TPModel:
     """This rank's model: ParallelLayers, the replicated embedding and norm, the lm_head."""
     cfg = full.config
     check_supported(cfg, world)
@@ -122,19 +123,23 @@ def shard_model(full: LlamaForCausalLM, rank: int, world: int) -> TPModel:
     return model
 
 
-class TPModel(LlamaForCausalLM):
-    """A rank's shard of the model. On rank 0 `forward` first broadcasts the step to the others."""
+class TPModel(DecoderLM):
+    """A rank's shard of the model. On rank 0 a forward first broadcasts the step to the others."""
 
     rank = 0
     world = 1
     workers: tuple[subprocess.Popen, ...] = ()
 
-    def forward(self, input_ids, positions=None, attn_metadata=None, kv_caches=None):
+    def forward_features(self, input_ids, positions=None, attn_metadata=None, kv_caches=None, inputs_embeds=None,
+                         attn_mask=None, *, lora=None, capture_layers: tuple[int, ...] = ()):
         if attn_metadata is None and self.world > 1:
             raise InvalidRequest("a tensor-parallel model runs paged engine steps only", param="tensor_parallel_size")
+        if lora is not None:
+            raise InvalidRequest("a tensor-parallel model does not serve LoRA adapters", param="tensor_parallel_size")
         if self.rank == 0 and self.world > 1:
             _broadcast_step(input_ids, positions, attn_metadata, kv_caches[0].shape[1], kv_caches[0].dtype)
-        return super().forward(input_ids, positions, attn_metadata, kv_caches)
+        return super().forward_features(input_ids, positions, attn_metadata, kv_caches, inputs_embeds, attn_mask,
+                                        capture_layers=capture_layers)
 
     def close(self) -> None:
         """Rank 0: stop the other ranks and leave the group."""
@@ -202,7 +207,6 @@ def _device(rank: int) -> str:
 
 
 def _load_full(model: str | None, device: str = "cpu"):
-    from kvserve.model.loader import load_model
     return load_model(model, weight_format="fp32", backend=KernelBackend.pytorch(device))
 
 

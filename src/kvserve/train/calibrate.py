@@ -47,12 +47,12 @@ ROWS_PER_GROUP = 256
 
 def _collect(cfg: ModelConfig, weights: dict, tok: Tokenizer, text: str, n_tokens: int, seq_len: int = 256):
     """Per layer and projection group: (mean |x| per channel, up to ROWS_PER_GROUP sample rows)."""
+    from kvserve.model.decoder import DecoderLM
     from kvserve.model.linear import WeightSource
-    from kvserve.model.llama import LlamaForCausalLM
 
     w = {k: (WeightSource(tuple(t.shape), tensor=t) if t.dim() == 2 and k != "model.embed_tokens.weight" else t)
          for k, t in weights.items()}
-    net = LlamaForCausalLM.from_weights(cfg, w, "fp32").eval()
+    net = DecoderLM.from_weights(cfg, w, "fp32").eval()
     ids = tok.encode(text, add_special_tokens=True)[:n_tokens]
     seq_len = min(seq_len, cfg.max_position_embeddings)
     n_win = max(1, len(ids) // seq_len)

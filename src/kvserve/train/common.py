@@ -1,7 +1,7 @@
 """Pieces every training stage shares: model sizes, AdamW, warmup+cosine, data parallelism,
 token log-probs, and the run log (progress bar, JSON log lines, loss-curve PNG).
 
-Every stage trains the serving model class itself (`LlamaForCausalLM`), so what is trained is
+Every stage trains the serving model class itself (`DecoderLM`), so what is trained is
 exactly what the engine runs. Data parallelism is plain torch.distributed: each rank computes
 gradients on its slice of the global batch, then gradients are averaged with all_reduce before
 the (replicated, identical) optimizer step; rank 0 alone writes files.
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from kvserve.errors import InvalidRequest
 from kvserve.model.config import ModelConfig
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.decoder import DecoderLM
 
 # Small Llama-style shapes (SmolLM2's recipe: tied embeddings, GQA, SwiGLU, RoPE), sized for CPU.
 MODEL_SIZES: dict[str, dict] = {
@@ -57,11 +57,11 @@ def epoch_batch(cursor: int, n: int, batch_size: int, seed: int, rank: int = 0, 
     return chosen[rank * share:(rank + 1) * share]
 
 
-def trainable(model: LlamaForCausalLM) -> LlamaForCausalLM:
+def trainable(model: DecoderLM) -> DecoderLM:
     return model.requires_grad_(True).train()
 
 
-def frozen(model: LlamaForCausalLM) -> LlamaForCausalLM:
+def frozen(model: DecoderLM) -> DecoderLM:
     return model.requires_grad_(False).eval()
 
 
@@ -143,14 +143,14 @@ def broadcast_params(model: torch.nn.Module, info: DistInfo) -> None:
 
 
 # ---- model helpers ------------------------------------------------------------------------
-def token_logprobs(model: LlamaForCausalLM, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def token_logprobs(model: DecoderLM, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log p(targets[b, t] | input_ids[b, :t+1]) for every position: [B, T]."""
     logits = model.compute_logits(model(input_ids)).float()
     return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
 
 
 @torch.no_grad()
-def greedy_generate(model: LlamaForCausalLM, prompt_ids: list[int], max_new_tokens: int,
+def greedy_generate(model: DecoderLM, prompt_ids: list[int], max_new_tokens: int,
                     stop_ids: list[int]) -> list[int]:
     """Plain greedy decoding without a KV cache (for quick checks inside training code)."""
     was_training = model.training

@@ -117,9 +117,9 @@ def _generate(loaded, prompts: list[str], cfg: DraftConfig, features: bool = Fal
     runner's hidden sink: the features an EAGLE draft will read when serving)."""
     from kvserve import LLM, SamplingParams
     from kvserve.engine.spec_decode.eagle import draft_features
+    from kvserve.engine.spec_decode.proposer import HiddenSink
 
     tok = loaded.tokenizer
-    loaded.model.capture_layers = inner if features else ()
     llm = LLM(loaded.model, tokenizer=tok, kv_cache_memory="512MiB", enable_prefix_caching=False)
     kept: dict[str, torch.Tensor] = {}     # request id -> [prompt + gen_tokens, width] fp16, written in place
     if features:
@@ -136,7 +136,7 @@ def _generate(loaded, prompts: list[str], cfg: DraftConfig, features: bool = Fal
                 b = min(a + n, f.shape[0])
                 f[a:b] = hidden[r:r + b - a]
                 r += n
-        llm.engine.core.runner.hidden_sink = sink
+        llm.engine.core.runner.hidden_sink = HiddenSink(sink, inner)
     reqs = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True)}
             for p in prompts]
     n_greedy = round(cfg.greedy_share * len(reqs))
@@ -168,7 +168,7 @@ def _teacher(model, seqs: list[list[int]], vocab: torch.Tensor) -> list[torch.Te
 
 
 def _draft_model(target_fp32, ids: list[int]):
-    from kvserve.model.llama import LlamaForCausalLM
+    from kvserve.model.decoder import DecoderLM
 
     sd = target_fp32.hf_state_dict()
     w = {k: v for k, v in sd.items() if not k.startswith("model.layers.")}
@@ -181,7 +181,7 @@ def _draft_model(target_fp32, ids: list[int]):
     tc = target_fp32.config
     cfg = replace(tc, num_hidden_layers=len(ids), tie_word_embeddings=True, layer_types=[tc.layer_types[i] for i in ids],
                   name=f"{target_fp32.config.name}-draft{len(ids)}")
-    return LlamaForCausalLM.from_weights(cfg, w, "fp32")
+    return DecoderLM.from_weights(cfg, w, "fp32")
 
 
 def _loss(model, seqs, teach, head: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, float]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.decoder import DecoderLM
 from kvserve.tokenizer import Tokenizer
 
 
@@ -45,7 +45,7 @@ class EvalResult:
 
 
 @torch.no_grad()
-def paged_logits(model: LlamaForCausalLM, ids: torch.Tensor, chunk: int, kv_dtype: torch.dtype,
+def paged_logits(model: DecoderLM, ids: torch.Tensor, chunk: int, kv_dtype: torch.dtype,
                  block_size: int = 16) -> torch.Tensor:
     """Logits [len(ids), V] of one sequence computed the way the engine serves it: through the
     paged KV cache (of `kv_dtype`), `chunk` tokens per forward pass (1: every token a decode step)."""
@@ -67,7 +67,7 @@ def paged_logits(model: LlamaForCausalLM, ids: torch.Tensor, chunk: int, kv_dtyp
 
 
 @torch.no_grad()
-def evaluate_stream(model: LlamaForCausalLM, ids: torch.Tensor, token_bytes: torch.Tensor, seq_len: int,
+def evaluate_stream(model: DecoderLM, ids: torch.Tensor, token_bytes: torch.Tensor, seq_len: int,
                     batch_size: int = 8, max_windows: int | None = None, paged_chunk: int | None = None,
                     kv_cache_dtype: torch.dtype = torch.float16) -> EvalResult:
     """Teacher-forced cross-entropy over consecutive non-overlapping windows of `ids`; with

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.decoder import DecoderLM
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
-def export_hf(model: LlamaForCausalLM, tokenizer_dir: str | Path, out_dir: str | Path,
+def export_hf(model: DecoderLM, tokenizer_dir: str | Path, out_dir: str | Path,
               eos_token_ids: list[int] | None = None) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

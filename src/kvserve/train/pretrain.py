@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.decoder import DecoderLM
 from kvserve.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, saved_on_interrupt
 from kvserve.train.common import (
     RunLog,
@@ -87,7 +87,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     token_bytes = token_byte_lengths(tok)
 
     mcfg = model_config(cfg.size, tok.vocab_size, tok.eos_token_ids, max(2048, cfg.seq_len))
-    model = trainable(LlamaForCausalLM.random(mcfg, seed=cfg.seed))
+    model = trainable(DecoderLM.random(mcfg, seed=cfg.seed))
     broadcast_params(model, info)
     opt = make_optimizer(model, cfg.lr, cfg.weight_decay)
     total = cfg.max_steps or 1000

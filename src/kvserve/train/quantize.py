@@ -76,14 +76,14 @@ def load_source(model: str | None) -> Source:
 
 
 def _from_checkpoint(path: Path) -> Source:
-    from kvserve.model.llama import LlamaForCausalLM
+    from kvserve.model.decoder import DecoderLM
 
     state = torch.load(path, map_location="cpu", weights_only=False)
     if not isinstance(state, dict) or not state.get("model_config") or "model" not in state:
         raise InvalidRequest(f"{path} is not a kvserve training checkpoint (no model_config)", param="model")
     cfg = ModelConfig.from_hf_dict(state["model_config"])
     cfg.name = cfg.name or path.parent.name
-    net = LlamaForCausalLM.random(cfg)
+    net = DecoderLM.random(cfg)
     net.load_state_dict(state["model"])
     tok_dir = path.parent
     if not (tok_dir / "tokenizer.json").is_file():
@@ -101,14 +101,14 @@ def heldout_text(path: str | None) -> str:
 
 def eval_weights(cfg: ModelConfig, weights: dict, tok: Tokenizer, text: str, seq_len: int, windows: int):
     """Held-out perplexity of fp32 weights (HF names) on the first `windows` windows of `text`."""
+    from kvserve.model.decoder import DecoderLM
     from kvserve.model.linear import WeightSource
-    from kvserve.model.llama import LlamaForCausalLM
     from kvserve.train.evaluate import evaluate_stream, token_byte_lengths
 
     w = {k: (WeightSource(tuple(t.shape), tensor=t) if t.dim() == 2 and k != "model.embed_tokens.weight" else t)
          for k, t in weights.items()}
     with torch.no_grad():
-        net = LlamaForCausalLM.from_weights(cfg, w, "fp32").eval()
+        net = DecoderLM.from_weights(cfg, w, "fp32").eval()
     ids = torch.tensor(tok.encode(text, add_special_tokens=True), dtype=torch.long)
     seq_len = min(seq_len, cfg.max_position_embeddings - 1)
     return evaluate_stream(net, ids, token_byte_lengths(tok), seq_len, 4, windows)

@@ -1,6 +1,6 @@
 """Reward model: a scalar head on the transformer, trained on human (or synthetic) preferences.
 
-The network is the language model being served (`LlamaForCausalLM`) with its LM head unused and
+The network is the language model being served (`DecoderLM`) with its LM head unused and
 a linear head on the final hidden state of the reply's last token (its end-of-turn token):
 
     r(x, y) = w · h_T(x, y) + b

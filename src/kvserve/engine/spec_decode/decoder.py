@@ -58,9 +58,12 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvserve.engine.request import Request
 from kvserve.engine.spec_decode.config import SpeculativeConfig
+from kvserve.engine.spec_decode.draft import DraftProposer
+from kvserve.engine.spec_decode.eagle import EAGLE_FILE, EagleProposer
 from kvserve.engine.spec_decode.proposer import NgramProposer, Proposer
 
 _EMA = 0.1            # weight of the newest round in a request's running acceptance rate once settled,
@@ -269,10 +272,6 @@ class SpecDecoder:
 def make_spec_decoder(config: SpeculativeConfig, model, tokenizer) -> SpecDecoder:
     """The decoder for an engine's target model (startup: errors here are one line, never mid-request)."""
     if config.method == "draft":   # an EAGLE head when the directory holds its fc (spec_decode/eagle.py)
-        from pathlib import Path
-
-        from kvserve.engine.spec_decode.draft import DraftProposer
-        from kvserve.engine.spec_decode.eagle import EAGLE_FILE, EagleProposer
         cls = EagleProposer if (Path(config.draft_path) / EAGLE_FILE).is_file() else DraftProposer
         return SpecDecoder(config, cls.load(config, model, tokenizer))
     return SpecDecoder(config)

@@ -36,7 +36,12 @@ import torch
 
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import greedy_ids
+from kvserve.engine.spec_decode.proposer import HiddenSink
 from kvserve.errors import InvalidRequest
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.kv_quant import cache_shape
+from kvserve.model.linear import WeightSource, make_linear
+from kvserve.model.loader import load_model
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 _MAX_CACHED_REQUESTS = 64          # a safety bound: finished requests are forgotten by the scheduler
@@ -86,8 +91,6 @@ class DraftPool:
     requests' caches (they catch up again when they next draft)."""
 
     def __init__(self, cfg, num_blocks: int, block_size: int):
-        from kvserve.model.kv_quant import cache_shape
-
         dtype = torch.float16
         self.block_size = block_size
         self.kv_caches = [torch.empty(cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
@@ -152,8 +155,6 @@ class DraftModel:
     @staticmethod
     def head_of(model, ids: torch.Tensor, weight_format: str = "q8_0"):
         """The LM head's rows `ids`, packed like the projections where the C kernels run."""
-        from kvserve.model.linear import WeightSource, make_linear
-
         if model.lm_head is model.packed_embed or model.config.tie_word_embeddings:
             rows = model.embed(ids)
         else:
@@ -169,8 +170,6 @@ class DraftModel:
     def _step(self, items: list[tuple[_Cache, list[int]]]) -> list[int]:
         """Run each cache's new tokens after its cached ones (one batched forward); the draft's
         argmax after each item's last token."""
-        from kvserve.model.attention import AttentionMetadata
-
         q_lens = [len(t) for _, t in items]
         seq_lens = [len(c.tokens) + len(t) for c, t in items]
         ids = torch.tensor([x for _, t in items for x in t], dtype=torch.long)
@@ -212,6 +211,8 @@ class DraftModel:
 class DraftProposer:
     """The Proposer over a DraftModel: one dense cache per speculating request."""
 
+    hidden_sink: HiddenSink | None = None
+
     def __init__(self, draft: DraftModel):
         self.draft = draft
         self.caches: OrderedDict[str, _Cache] = OrderedDict()
@@ -238,7 +239,6 @@ class DraftProposer:
     def load(cls, config, target_model, target_tokenizer) -> DraftProposer:
         """The proposer for `config.draft_path`, checked at startup (the draft loads, has the target's
         tokenizer and vocabulary); the subclass's `build` makes it."""
-        from kvserve.model.loader import load_model
         try:
             draft = load_model(config.draft_path, weight_format=config.draft_weight_format,
                                backend=target_model.backend)

@@ -14,13 +14,13 @@ chained as they run here: train/draft_eagle.py's EagleHead.chain):
 
 With `eagle_config.json` listing `feature_layers` (EAGLE-3's idea), f_j is instead the final
 hidden state followed by the residual stream after those target layers, each RMS-normalised
-(`draft_features`; the target's forward copies them out normalised, `model.capture_layers`), and
+(`draft_features`; the target's forward copies them out normalised, `forward_features`), and
 fc reads (2 + n) H values; later draft steps pair the head's own output with the inner layers of the
 newest position the target computed. Same data, same steps: 0.33 -> 0.41 agreement on the open
 prompts of `bench latency` with layers 2, 14 and 26 (BENCHMARKS.md, issue 16).
 
-Features come from the engine: the model runner hands every step's hidden rows to
-`observe_hidden`, which keeps them per request by position. A position's latest row is always
+Features come from the engine: the proposer's `hidden_sink` asks the model runner for every
+step's hidden rows (and those layers'), handed to `observe_hidden`, which keeps them per request by position. A position's latest row is always
 the verified one: a rejected draft's row sits at the position of the token that replaced it, and
 that token is run (and its row written again) before its feature is needed. Positions the target
 never computed for this request (a prefix-cache hit) have no feature: the draft's own cache then
@@ -34,15 +34,21 @@ not kept, so the next step recomputes them from the target's features.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import greedy_ids
 from kvserve.engine.spec_decode.draft import DraftModel, DraftProposer, _common_prefix
+from kvserve.engine.spec_decode.proposer import HiddenSink
 from kvserve.errors import InvalidRequest
+from kvserve.model.attention import AttentionMetadata
+from kvserve.model.linear import WeightSource, make_linear
 
 EAGLE_FILE = "eagle_fc.safetensors"
 # Optional: {"feature_layers": [i, ...]}: the head also reads the residual stream after these target
@@ -52,7 +58,7 @@ EAGLE_CONFIG = "eagle_config.json"
 
 def draft_features(hidden: torch.Tensor, captured: torch.Tensor | None) -> torch.Tensor:
     """A step's feature rows as the head reads them: the final hidden state [T, H], then each
-    captured inner layer [T, n, H] (the forward has RMS-normalised them, model.llama.FeatureNorm)."""
+    captured inner layer [T, n, H] (the forward has RMS-normalised them, model.decoder.FeatureNorm)."""
     if captured is None or captured.shape[1] == 0:
         return hidden
     return torch.cat([hidden, captured.reshape(hidden.shape[0], -1)], -1)
@@ -169,7 +175,6 @@ class EagleModel(DraftModel):
         self.num_inner = num_inner
         # fc packed like the head: an fp32 fc (2.7 MB) read from memory every draft step cost more
         # than the draft's decoder layer (0.25 against 0.05 ms in the engine, Zen 5)
-        from kvserve.model.linear import WeightSource, make_linear
         self.fc = make_linear(WeightSource(tuple(fc.shape), tensor=fc.float().contiguous()), None, weight_format,
                               backend=model.backend)
         self.embed_rows = embed_rows
@@ -183,8 +188,6 @@ class EagleModel(DraftModel):
     def _step(self, items: list[tuple[_Cache, int, torch.Tensor, list[int]]]) -> tuple[list[int], torch.Tensor]:
         """items: (cache, first position, features [n, (1 + num_inner) H], next tokens [n]) per request; runs the
         positions and returns each item's draft token after its last position and that row's output."""
-        from kvserve.model.attention import AttentionMetadata
-
         feats = items[0][2] if len(items) == 1 else torch.cat([f for _, _, f, _ in items])
         q_lens = [len(t) for *_, t in items]
         # positions count from each cache's origin (slots and RoPE alike: attention scores depend only
@@ -207,8 +210,6 @@ class EagleModel(DraftModel):
                     pos: list[int]) -> tuple[list[int], torch.Tensor] | None:
         """_step as one C call (fc, the layer, the head and argmax: CpuOps.draft_step), its step
         layout as lists (no tensor per index); None where the C kernels do not take it."""
-        from kvserve.model.attention import AttentionMetadata
-
         step = getattr(self.model.layer_ops(), "draft_step", None)
         if step is None:
             return None
@@ -278,11 +279,13 @@ class EagleModel(DraftModel):
 
 
 class EagleProposer(DraftProposer):
-    """The Proposer over an EagleModel; `observe_hidden` is the model runner's hidden sink."""
+    """The Proposer over an EagleModel; `observe_hidden` is the model runner's hidden sink, over
+    the target's `layers` (its inner feature layers)."""
 
-    def __init__(self, draft: EagleModel):
+    def __init__(self, draft: EagleModel, layers: tuple[int, ...] = ()):
         super().__init__(draft)
         self.features: dict[str, _Features] = {}
+        self.hidden_sink = HiddenSink(self.observe_hidden, tuple(layers))
 
     def observe_hidden(self, scheduled, hidden: torch.Tensor, captured: torch.Tensor | None = None) -> None:
         inner = captured if self.draft.num_inner else None
@@ -312,24 +315,17 @@ class EagleProposer(DraftProposer):
     @classmethod
     def build(cls, path: str, draft_model, vocab: list[int] | None, target_model,
               weight_format: str = "q8_0") -> EagleProposer:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         try:
             fc = load_file(str(Path(path) / EAGLE_FILE))["fc.weight"]
         except (SafetensorError, OSError, KeyError) as e:
             raise InvalidRequest(f"cannot read {Path(path) / EAGLE_FILE}: {e}", param="speculative") from None
         layers = feature_layers(path, target_model.config.num_hidden_layers)
-        proposer = cls(EagleModel(draft_model, fc, target_model.embed, vocab, num_inner=len(layers),
-                                  embed_rows=target_model.packed_embedding(), weight_format=weight_format))
-        target_model.capture_layers = layers      # the target's forward keeps those layers' rows
-        return proposer
+        return cls(EagleModel(draft_model, fc, target_model.embed, vocab, num_inner=len(layers),
+                              embed_rows=target_model.packed_embedding(), weight_format=weight_format), layers)
 
 
 def feature_layers(path: str, num_layers: int) -> tuple[int, ...]:
     """The inner layers a head in `path` reads (EAGLE_CONFIG; none without the file), checked."""
-    import json
-
     f = Path(path) / EAGLE_CONFIG
     if not f.is_file():
         return ()

@@ -12,19 +12,35 @@ extracting or editing a passage given in the prompt), where the answer copies ru
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from kvserve.engine.request import Request
 
 
+@dataclass(frozen=True)
+class HiddenSink:
+    """What a proposer reads from the target's own forward (an EAGLE head's features): the model
+    runner, given one at construction, calls `observe(scheduled, hidden, captured)` after every
+    step's forward with the final hidden states [T, H] (rows in the order of `scheduled`) and the
+    residual stream after `layers`, RMS-normalised, [T, len(layers), H] (None without layers)."""
+
+    observe: Callable[[Sequence[Any], Any, Any], None]
+    layers: tuple[int, ...] = ()
+
+
 class Proposer(Protocol):
+    hidden_sink: HiddenSink | None     # None: the proposer reads tokens only
+
     def propose(self, batch: Sequence[tuple[Request, int]]) -> list[list[int]]:
         """For each (request, k): at most k draft tokens to follow the request's tokens (may be empty)."""
         ...
 
 
 class NgramProposer:
+    hidden_sink = None
+
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1):
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
 

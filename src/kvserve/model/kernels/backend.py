@@ -38,14 +38,11 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.model.kernels import build
-
-if TYPE_CHECKING:
-    from kvserve.model.ops import TorchOps
+from kvserve.model.ops import TorchOps
 
 logger = logging.getLogger(__name__)
 
@@ -271,8 +268,6 @@ class KernelBackend:
     def layer_ops(self, model: torch.nn.Module) -> TorchOps:
         """The ops between a model's projections: the C glue when this backend has it and the
         model's shapes suit it, else PyTorch."""
-        from kvserve.model.ops import TorchOps
-
         if self.fused_forward and self.lib is not None and len(model.layers):
             from kvserve.model.kernels.cpu_ops import CpuOps
 

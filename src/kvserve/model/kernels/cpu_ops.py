@@ -29,6 +29,7 @@ import torch
 from kvserve.model.attention import AttentionMetadata, attend, gather_kv
 from kvserve.model.kernels.build import KvsWeight
 from kvserve.model.kernels.gguf_linear import GGUFQuantLinear
+from kvserve.model.lora import LoRABatch, c_terms
 from kvserve.model.ops import Step, TorchOps
 
 # the kernels' kv_dtype argument; int8: rows of head_dim values + an fp16 scale (model/kv_quant.py)
@@ -202,9 +203,9 @@ class CpuOps(TorchOps):
         self._capture = layers
 
     def forward_stack(self, x: torch.Tensor, step: CpuStep, kv_caches: list[torch.Tensor] | None,
-                      lora=None, aux: torch.Tensor | None = None) -> torch.Tensor | None:
+                      lora: LoRABatch | None = None, aux: torch.Tensor | None = None) -> torch.Tensor | None:
         """aux: [T, n, H] to receive the residual stream after the set_capture layers, each row
-        RMS-normalised without a weight (model.llama.FeatureNorm), or None."""
+        RMS-normalised without a weight (model.decoder.FeatureNorm), or None."""
         T = x.shape[0]
         if T > self.max_tokens:
             return None
@@ -218,7 +219,6 @@ class CpuOps(TorchOps):
         else:
             lora_args = (None, 0, None)
             if lora is not None:   # LoRA rows (model/lora.py): the same stack, each adapted row adding its B (A x)
-                from kvserve.model.lora import c_terms
                 terms, row_slot = c_terms(lora, T, len(self.layers))
                 lora_args = (ctypes.byref(terms), len(lora.groups), row_slot.data_ptr())
             aux_args = (None, 0) if aux is None else (aux.data_ptr(), aux.shape[1])

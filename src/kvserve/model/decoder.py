@@ -1,4 +1,5 @@
-"""The Llama-family transformer (Llama 1-3, SmolLM2, Mistral, Qwen2), read top to bottom.
+"""DecoderLM: the one decoder-only transformer every served family runs on, read top to bottom.
+Llama 1-3, SmolLM2, Mistral and Qwen2 are its plain shape:
 
     tokens -> embedding -> N x [RMSNorm -> attention (RoPE, GQA, paged KV) -> +residual
                                 RMSNorm -> SwiGLU MLP -> +residual] -> RMSNorm -> lm_head
@@ -15,6 +16,9 @@ forward). Two ways in:
     for training and for checking against a reference implementation;
   * `forward(input_ids [T], positions [T], attn_metadata, kv_caches)`: a flattened batch of
     many sequences' new tokens, reading and writing the paged KV cache (see attention.py).
+Everything a step adds is an argument, never state on the model: `lora=` the step's LoRABatch
+(model/lora.py: each adapter's rows), and `forward_features(..., capture_layers)` also returns the
+RMS-normalised residual rows of those inner layers (what an EAGLE-3 draft reads).
 The model holds the KernelBackend it was built with; the layer math between projections comes
 from `backend.layer_ops(model)` (C on CPUs with the kernels) or PyTorch (autograd, dense calls,
 steps the C code does not handle).
@@ -35,6 +39,7 @@ from kvserve.model.attention import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.kernels.backend import KernelBackend
 from kvserve.model.linear import PACKED_FORMATS, DenseLinear, Linear, WeightSource, make_linear
+from kvserve.model.lora import LoRABatch
 from kvserve.model.moe import build_moe
 from kvserve.model.ops import Step, TorchOps
 
@@ -129,6 +134,7 @@ class DecoderLayer(nn.Module):
         self.softcap = cfg.attn_logit_softcapping
         self.qk_norm = cfg.qk_norm
         self.act = cfg.hidden_act
+        self.index = index
         self.input_layernorm = w["input_layernorm"]
         self.qkv_proj = w["qkv_proj"]
         self.o_proj = w["o_proj"]
@@ -144,10 +150,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, step: Step, kv_cache: torch.Tensor | None, ops: TorchOps) -> torch.Tensor:
         """x [T, H] (paged) or [B, T, H] (dense) -> the same shape."""
         lead, hidden = x.shape[:-1], x.shape[-1]               # [T] or [B, T]
+        lora = step.lora
         h = ops.rms_norm(x, self.input_layernorm).reshape(-1, hidden)
-        qkv = self.qkv_proj(h).view(*lead, -1)
+        qkv = self._project("qkv_proj", h, lora).view(*lead, -1)
         o = ops.attention(qkv, self, step, kv_cache)
-        a = self.o_proj(o.reshape(-1, self.q_size)).view(*lead, -1)
+        a = self._project("o_proj", o.reshape(-1, self.q_size), lora).view(*lead, -1)
         if self.pre_feedforward_layernorm is not None:           # Gemma: norms on both sides
             x = x + ops.rms_norm(a, self.post_attention_layernorm)
             h = ops.rms_norm(x, self.pre_feedforward_layernorm).reshape(-1, hidden)
@@ -156,17 +163,24 @@ class DecoderLayer(nn.Module):
             h = ops.rms_norm(x, self.post_attention_layernorm).reshape(-1, hidden)
         if self.mlp is not None:
             m = self.mlp(h, ops)
-        elif self.act == "silu":
-            m = self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
         else:
-            m = self.down_proj(ops.gelu_mul(self.gate_up_proj(h)))
+            gu = self._project("gate_up_proj", h, lora)
+            m = self._project("down_proj", ops.silu_mul(gu) if self.act == "silu" else ops.gelu_mul(gu), lora)
         m = m.view(*lead, -1)
         if self.post_feedforward_layernorm is not None:
             m = ops.rms_norm(m, self.post_feedforward_layernorm)
         return x + m
 
+    def _project(self, name: str, x: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        """Projection `name` of x, plus the step's adapters' low-rank products on their rows."""
+        y = getattr(self, name)(x)
+        return y if lora is None else lora.add(y, x, self.index, name)
 
-class LlamaForCausalLM(nn.Module):
+
+class DecoderLM(nn.Module):
+    """The causal decoder of every generative family (config fields switch the parts, see the
+    module docstring); the engine, the trainers and the draft heads all run this class."""
+
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor | nn.Module, layers: list[DecoderLayer],
                  norm: RMSNorm, lm_head: nn.Module, backend: KernelBackend | None = None):
         """embed: the fp32 table, or a packed Linear whose rows() are the embeddings (the lm_head
@@ -187,23 +201,31 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = lm_head
         self.rotary = RotaryEmbedding(cfg)
         self.rotary_local = RotaryEmbedding(cfg, cfg.rope_local_theta) if cfg.rope_local_theta else None
-        self.lora = None   # model/lora.py's LoRAState once adapters are served (hooks on the projections)
-        # Layers whose residual stream a paged inference forward also keeps, RMS-normalised
-        # (FeatureNorm), in `captured` [T, n, H] (an EAGLE-3-style draft reads them beside the final
-        # hidden state, spec_decode/eagle.py).
-        self.capture_layers: tuple[int, ...] = ()
-        self.captured: torch.Tensor | None = None
-        self.capture_norm = FeatureNorm(cfg.hidden_size)
+        self.capture_norm = FeatureNorm(cfg.hidden_size)   # forward_features' inner rows
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attn_metadata: AttentionMetadata | None = None,
                 kv_caches: list[torch.Tensor] | None = None,
-                inputs_embeds: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                *, lora: LoRABatch | None = None) -> torch.Tensor:
         """Hidden states after the final norm: [B, T, H] (dense) or [T, H] (paged).
         inputs_embeds: the first layer's input instead of the token embeddings (an EAGLE draft
         feeds its fused features, spec_decode/eagle.py); input_ids then only give the shape.
         attn_mask: dense only, [T, T] bool, which positions each may attend to (default causal;
-        training an EAGLE head on its own chained steps, train/draft.py)."""
+        training an EAGLE head on its own chained steps, train/draft.py).
+        lora: the step's adapters and their rows (None: the base model on every row)."""
+        return self.forward_features(input_ids, positions, attn_metadata, kv_caches, inputs_embeds, attn_mask,
+                                     lora=lora)[0]
+
+    def forward_features(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                         attn_metadata: AttentionMetadata | None = None,
+                         kv_caches: list[torch.Tensor] | None = None,
+                         inputs_embeds: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                         *, lora: LoRABatch | None = None,
+                         capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, and the residual stream after each of `capture_layers`, RMS-normalised
+        (FeatureNorm), [T, n, H] in that order: a paged inference step only (None otherwise or
+        without layers). An EAGLE-3-style draft reads them beside the final hidden state."""
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
@@ -211,23 +233,22 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         reference = TorchOps(self.rotary, self.backend, self.rotary_local)
         ops, step = reference, None
-        cap = self.capture_layers if attn_metadata is not None and kv_caches is not None else ()
+        cap = capture_layers if attn_metadata is not None and kv_caches is not None else ()
         aux = torch.empty(x.shape[0], len(cap), x.shape[-1]) if cap else None
-        self.captured = aux
         if attn_metadata is not None and kv_caches is not None and not torch.is_grad_enabled():
             ops = self.layer_ops()
             step = ops.prepare(x, positions, attn_metadata, kv_caches)
             if step is None:
                 ops = reference
             else:
-                lora = None if self.lora is None else self.lora.batch   # LoRA rows: the C forward adds them
                 if aux is not None:
                     ops.set_capture(cap)
-                out = ops.forward_stack(x, step, kv_caches, lora=lora, aux=aux)
+                out = ops.forward_stack(x, step, kv_caches, lora=lora, aux=aux)   # LoRA rows: the C forward adds them
                 if out is not None:
-                    return out
+                    return out, aux
         if step is None:
             step = ops.prepare(x, positions, attn_metadata, kv_caches)
+        step.lora = lora
         if attn_mask is not None:
             if (attn_metadata is not None or self.config.attn_logit_softcapping
                     or any(self.config.window_of(i) for i in range(len(self.layers)))):
@@ -237,7 +258,7 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, step, None if kv_caches is None else kv_caches[i], ops)
             if i in cap:
                 aux[:, cap.index(i)] = ops.rms_norm(x, self.capture_norm)
-        return ops.rms_norm(x, self.norm)
+        return ops.rms_norm(x, self.norm), aux
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings, float32 [*input_ids.shape, hidden]."""
@@ -290,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_weights(cls, cfg: ModelConfig, w: dict[str, WeightSource | torch.Tensor],
-                     weight_format: str = "auto", backend: KernelBackend | None = None) -> LlamaForCausalLM:
+                     weight_format: str = "auto", backend: KernelBackend | None = None) -> DecoderLM:
         """Build from HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...); 1-D
         tensors (norms, biases) are plain tensors, projections are WeightSources. `backend`
         (default: PyTorch only) decides the kernels; load_model passes the detected one."""
@@ -361,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
         return model
 
     @classmethod
-    def random(cls, cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> LlamaForCausalLM:
+    def random(cls, cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> DecoderLM:
         """A freshly initialised fp32 model (for training): normal(0, std) weights, unit norms."""
         g = torch.Generator().manual_seed(seed)
         return cls.from_weights(cfg, random_hf_weights(cfg, g, std), "fp32")
