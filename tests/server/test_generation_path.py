@@ -211,3 +211,14 @@ def test_lease_released_once_on_an_engine_error(srv, leases, monkeypatch):
     assert whole.status_code == 500
     settle(srv)
     assert leases == [[500], [500]]
+
+
+def test_a_tool_call_cut_off_by_max_tokens_finishes_with_length():
+    """OpenAI reports a call that max_tokens cut off as "length" (its arguments are not complete
+    JSON); a complete one as "tool_calls"."""
+    from kvserve.server.api.openai_wire import finish_reason
+
+    call = [object()]
+    assert finish_reason("length", call) == "length"
+    assert finish_reason("stop", call) == "tool_calls"
+    assert finish_reason("stop") == "stop" and finish_reason(None) is None

@@ -29,7 +29,8 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                     "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]}}}
+                                     "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
+    "additionalProperties": False}}}
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
     "additionalProperties": False}}}

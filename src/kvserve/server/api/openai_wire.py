@@ -21,7 +21,12 @@ INTERNAL_ERROR = {"error": {"message": "Internal error while generating; the res
 Decode = Callable[[int], str]
 
 
-def finish_reason(reason: str | None) -> str | None:
+def finish_reason(reason: str | None, calls: list | tuple = ()) -> str | None:
+    """OpenAI's finish_reason for the engine's `reason`: "tool_calls" when the choice called tools,
+    unless max_tokens cut it off ("length", as OpenAI reports a cut-off call: its arguments are
+    not complete JSON)."""
+    if calls and reason != "length":
+        return "tool_calls"
     return None if reason is None else FINISH_REASONS.get(reason, reason)
 
 
@@ -138,7 +143,7 @@ class OpenAIRenderer:
             lp = (chat_logprobs if self.chat else completion_logprobs)(d.token_ids, d.logprobs, top, self.decode)
         if d.filtered and not d.text and not d.reasoning and not d.tool_calls and lp is None and not d.done:
             return None
-        fr = "tool_calls" if d.calls else finish_reason(d.finish_reason)
+        fr = finish_reason(d.finish_reason, d.calls)
         if self.chat:
             delta: dict[str, Any] = {}
             if d.reasoning:
@@ -191,7 +196,7 @@ class OpenAIRenderer:
             if ch.reasoning:
                 message["reasoning_content"] = ch.reasoning
             choices.append({"index": i, "message": message, "logprobs": lp,
-                            "finish_reason": "tool_calls" if ch.calls else finish_reason(ch.finish_reason),
+                            "finish_reason": finish_reason(ch.finish_reason, ch.calls),
                             "stop_reason": ch.stop_reason})
         return choices
 

@@ -89,7 +89,7 @@ class ResponseRenderer:
         ch = self.gen.prompts[0].choices[0]
         self.text = ch.content
         self.calls = [c.to_dict() for c in ch.calls]
-        self.finish = "tool_calls" if ch.calls else finish_reason(ch.finish_reason)
+        self.finish = finish_reason(ch.finish_reason, ch.calls)
         self._finish()
         return self.response()
 
@@ -134,7 +134,7 @@ class ResponseRenderer:
             for tc in d.tool_calls:
                 self._add_call(tc)
             if d.done:
-                self.finish = "tool_calls" if d.calls else finish_reason(d.finish_reason)
+                self.finish = finish_reason(d.finish_reason, d.calls)
         self._finish()
         final = self.response()
         for e in self._close_items(final["output"], opened):

@@ -126,7 +126,7 @@ class Generation:
         first = ps.choices[0]
         entry = GenerationLog(model=self.plan.model.name, completion_id=self.id, prompt_tokens=prompt,
                               completion_tokens=completion, cached_tokens=cached,
-                              finish_reason="tool_calls" if first.calls else first.finish_reason,
+                              finish_reason="tool_calls" if first.calls and first.finish_reason != "length" else first.finish_reason,
                               request_status=status, tool_calls=len(first.calls) or None, error=error)
         m = ps.metrics
         if m is not None and m.first_token_time is not None:
