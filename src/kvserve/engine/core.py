@@ -40,7 +40,7 @@ from kvserve.engine.messages import (
     Shutdown,
 )
 from kvserve.engine.model_runner import ModelRunner, PhaseClock
-from kvserve.engine.reasoning import ReasoningState
+from kvserve.engine.reasoning_budget import ReasoningState
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.spec_decode.decoder import make_spec_decoder
