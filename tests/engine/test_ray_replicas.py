@@ -14,7 +14,7 @@ import signal
 import pytest
 
 from kvserve.engine.client import EngineDeadError, make_engine_client
-from kvserve.engine.router import PrefixAffinityRouter
+from kvserve.engine.replica_router import PrefixAffinityRouter
 from kvserve.errors import InvalidRequest
 from kvserve.sampling_params import SamplingParams
 

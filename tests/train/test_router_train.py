@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvserve.errors import InvalidRequest
-from kvserve.train.router import labelled_prompts, read_labelled, train_router
+from kvserve.train.router_training import labelled_prompts, read_labelled, train_router
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def clf():
 
 def test_trained_classifier_generalizes(clf):
     assert clf["examples"] >= 200 and clf["heldout_accuracy"] >= 0.9
-    # hand-written prompts in none of the templates' shapes (train/router.py HELD_OUT)
+    # hand-written prompts in none of the templates' shapes (train/router_training.py HELD_OUT)
     assert clf["layers"] == 2 and clf["handwritten_accuracy"] >= 0.9
     json.dumps(clf)   # plain JSON, no pickle
 

@@ -40,7 +40,7 @@ from kvserve.engine.messages import (
     Shutdown,
 )
 from kvserve.engine.model_runner import ModelRunner, PhaseClock
-from kvserve.engine.reasoning import ReasoningState
+from kvserve.engine.reasoning_budget import ReasoningState
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.spec_decode.decoder import make_spec_decoder
@@ -55,8 +55,11 @@ logger = logging.getLogger("kvserve.engine")
 class EngineCore:
     def __init__(self, model: DecoderLM, config: EngineConfig, eos_token_ids: list[int], tokenizer=None):
         self.config = config
-        if config.num_threads:
+        if config.num_threads:   # torch's ops and the C kernels alike (the kernels read torch's count once, at load)
             torch.set_num_threads(config.num_threads)
+            lib = getattr(getattr(model, "backend", None), "lib", None)
+            if lib is not None:
+                lib.kvs_set_num_threads(config.num_threads)
         cfg = model.config
         self.model_config = cfg
         self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, TokenLogprob
-from kvserve.engine.reasoning import END_TEXT
+from kvserve.engine.reasoning_budget import END_TEXT
 from kvserve.errors import ContextLengthExceeded, InvalidRequest
 from kvserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams

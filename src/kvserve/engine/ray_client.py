@@ -8,7 +8,7 @@ Each replica is an EngineReplica actor (engine/ray_replica.py) with its own Engi
 thread by default. The client does the text work on the event loop as every EngineClient does;
 what crosses Ray is msgpack bytes only. Per request:
 
-* routing: PrefixAffinityRouter (engine/router.py) picks the replica holding the longest prefix of
+* routing: PrefixAffinityRouter (engine/replica_router.py) picks the replica holding the longest prefix of
   the prompt, balanced against load (requests in flight, waiting, KV usage the replica reports);
   the children of an n > 1 request go together (they share the prompt's blocks);
 * outputs: one reader thread per replica long-polls `outputs()` and hands each EngineCoreOutputs
@@ -48,7 +48,7 @@ from kvserve.engine.messages import (
 )
 from kvserve.engine.processing import EngineInfo
 from kvserve.engine.ray_cluster import HEAD_THREAD_DONE, reclaim_signals, start_local_cluster
-from kvserve.engine.router import PrefixAffinityRouter
+from kvserve.engine.replica_router import PrefixAffinityRouter
 from kvserve.errors import ModelLoadError
 from kvserve.sampling_params import SamplingParams
 

@@ -109,7 +109,7 @@ def router_cmd(
                                                    "embedding). Fewer is a faster router."),
 ) -> None:
     """Train the model router's classifier (logistic regression over sentence-encoder features)."""
-    from kvserve.train.router import labelled_prompts, read_labelled, train_router
+    from kvserve.train.router_training import labelled_prompts, read_labelled, train_router
 
     try:
         rows = read_labelled(data) if data else labelled_prompts()

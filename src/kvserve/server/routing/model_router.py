@@ -1,7 +1,7 @@
 """The model router: requests for the model "auto" (or the configured name) go to the cheapest
 model predicted good enough for them.
 
-A light classifier (train/router.py: logistic regression over a sentence feature of the last user
+A light classifier (train/router_training.py: logistic regression over a sentence feature of the last user
 message, trained by `kvserve train router`, or at startup on the built-in labelled prompts when no
 file is given) predicts the prompt's difficulty level. The feature is all-MiniLM-L6-v2's hidden
 states after its first `layers` layers (the classifier file's "layers", default 2 of 6; absent:
@@ -32,7 +32,7 @@ from kvserve.errors import InvalidRequest
 from kvserve.semantic_text import normalize
 from kvserve.server.routing.embedder import Embedder, QueryEmbedding
 from kvserve.server.routing.pool import ModelPool
-from kvserve.train.router import labelled_prompts, train_router
+from kvserve.train.router_training import labelled_prompts, train_router
 
 
 def _last_user_text(req, kind: str) -> str:

@@ -6,13 +6,13 @@ A chat answer that begins with `<think>` (leading whitespace aside) is reasoning
 begin with it is all content. A request that asks for reasoning (`reasoning_effort` or
 `reasoning_budget`) has `<think>\\n` appended to its generation prompt, which goes through this
 stage first, so the engine's output continues inside the block (and the engine closes it when
-the budget is spent: kvserve.engine.reasoning). Text that may be the start of a tag is held back
+the budget is spent: kvserve.engine.reasoning_budget). Text that may be the start of a tag is held back
 until it is known, so streamed and non-streamed answers agree.
 """
 
 from __future__ import annotations
 
-from kvserve.engine.reasoning import THINK_CLOSE, THINK_OPEN
+from kvserve.engine.reasoning_budget import THINK_CLOSE, THINK_OPEN
 from kvserve.server.stages.delta import ChoiceDelta
 
 # reasoning_effort -> reasoning tokens before </think> is forced
