@@ -368,7 +368,7 @@ def test_required_tool_choice(srv):
     body = ChatCompletion.model_validate(r.json()).model_dump()
     choice = body["choices"][0]
     if choice["message"]["tool_calls"]:
-        assert choice["finish_reason"] == "tool_calls"
+        assert choice["finish_reason"] in ("tool_calls", "length")    # "length": max_tokens cut the call off
         assert all(c["function"]["name"] in NAMES for c in choice["message"]["tool_calls"])
         assert all(isinstance(c["function"]["arguments"], str) for c in choice["message"]["tool_calls"])
     else:

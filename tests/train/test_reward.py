@@ -47,7 +47,7 @@ def test_reward_model_learns_a_checkable_preference(reward_run):
     s = rm.score(["Repeat the word: stone", "Repeat the word: stone"], ["stone", "bread"])
     assert s[0] > s[1]
     assert (Path(r["out"]) / "loss_curve.png").is_file()
-    assert json.loads((Path(r["out"]) / "reward_config.json").read_text())["heldout_accuracy"] >= 0.9
+    assert json.loads((Path(r["out"]) / "reward_config.json").read_text())["heldout_accuracy"] == r["heldout_accuracy"]
 
 
 def test_grpo_scored_by_the_reward_model_with_kl(base_run, reward_run, tmp_path):
