@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvserve.outputs import PositionLogprobs
-from kvserve.server.generation.state import Generation, PromptState, Usage
+from kvserve.server.generation.state import Generation, PromptState, Usage, ended_with_calls
 from kvserve.server.generation.trace import finite_logprob, ranked, request_trace
 from kvserve.server.stages.delta import ChoiceDelta
 
@@ -22,10 +22,9 @@ Decode = Callable[[int], str]
 
 
 def finish_reason(reason: str | None, calls: list | tuple = ()) -> str | None:
-    """OpenAI's finish_reason for the engine's `reason`: "tool_calls" when the choice called tools,
-    unless max_tokens cut it off ("length", as OpenAI reports a cut-off call: its arguments are
-    not complete JSON)."""
-    if calls and reason != "length":
+    """OpenAI's finish_reason for the engine's `reason`, "tool_calls" for an answer of tool calls
+    (`ended_with_calls`)."""
+    if ended_with_calls(calls, reason):
         return "tool_calls"
     return None if reason is None else FINISH_REASONS.get(reason, reason)
 

@@ -14,6 +14,12 @@ from kvserve.server.stages import ChoiceDelta, Stage
 from kvserve.server.stages.tools import ParsedCall
 
 
+def ended_with_calls(calls: list, reason: str | None) -> bool:
+    """A choice's answer is its tool calls: it called tools and max_tokens did not cut it off (a
+    cut-off call's arguments are not complete JSON, so it ends with "length", as in OpenAI's API)."""
+    return bool(calls) and reason != "length"
+
+
 @dataclass
 class ChoiceState:
     """One choice as sent so far: the stage list's output accumulated, plus the raw tokens."""
@@ -126,7 +132,7 @@ class Generation:
         first = ps.choices[0]
         entry = GenerationLog(model=self.plan.model.name, completion_id=self.id, prompt_tokens=prompt,
                               completion_tokens=completion, cached_tokens=cached,
-                              finish_reason="tool_calls" if first.calls and first.finish_reason != "length" else first.finish_reason,
+                              finish_reason="tool_calls" if ended_with_calls(first.calls, first.finish_reason) else first.finish_reason,
                               request_status=status, tool_calls=len(first.calls) or None, error=error)
         m = ps.metrics
         if m is not None and m.first_token_time is not None:
