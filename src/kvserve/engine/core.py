@@ -57,9 +57,8 @@ class EngineCore:
         self.config = config
         if config.num_threads:   # torch's ops and the C kernels alike (the kernels read torch's count once, at load)
             torch.set_num_threads(config.num_threads)
-            lib = getattr(getattr(model, "backend", None), "lib", None)
-            if lib is not None:
-                lib.kvs_set_num_threads(config.num_threads)
+            if model.backend.lib is not None:
+                model.backend.lib.kvs_set_num_threads(config.num_threads)
         cfg = model.config
         self.model_config = cfg
         self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
