@@ -12,10 +12,12 @@ import dataclasses
 
 from kvserve.engine.config import EngineConfig
 from kvserve.model.loader import load_model
+from kvserve.model.numerics import init_math_libraries
 
 
 def load_engine_model(model: str | None, weight_format: str, cfg: EngineConfig):
     """A LoadedModel whose `model` the EngineCore runs (blocking)."""
+    init_math_libraries()
     if cfg.tensor_parallel_size > 1:
         from kvserve.model.parallel import launch
 

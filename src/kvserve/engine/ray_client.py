@@ -371,7 +371,8 @@ class RayClient(EngineClient):
         out["replicas"] = [{"index": r.index, "role": r.role, "alive": r.alive, "pid": r.pid,
                             "in_flight": self.router.replicas[r.index].in_flight,
                             **{k: r.stats.get(k, 0) for k in ("num_requests_running", "num_requests_waiting",
-                                                              "prefix_cache_queries", "prefix_cache_hits")}}
+                                                              "prefix_cache_queries", "prefix_cache_hits",
+                                                              "prompt_tokens", "generation_tokens")}}
                            for r in self.replicas]
         out["replicas_alive"] = sum(r.alive for r in self.replicas)
         out["requests_retried"] = self.num_retried

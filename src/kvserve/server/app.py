@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
 from kvserve.errors import KVServeError
+from kvserve.model.numerics import init_math_libraries
 from kvserve.server.api.arena import mount_arena
 from kvserve.server.api.embeddings import mount_embeddings
 from kvserve.server.api.lora_admin import mount_lora
@@ -60,6 +61,8 @@ class ServerState:
         self.metrics.registry.register(CountersCollector(self.backends.counters))
         self.moderation = ModerationService(settings.moderation_config(), settings.db_path, self.metrics.registry,
                                             policies=self.backends.policies)
+        if settings.load_model:    # before the model and the encoder load in threads of their own
+            init_math_libraries()
         self.routing = RoutingStep.create(self)    # encoder, semantic cache, model router (routing/)
 
     # The default (first) model, as the single-model server had it.

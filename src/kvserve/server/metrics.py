@@ -7,7 +7,8 @@ among them the step profile, `kvserve:phase_seconds_total{phase=...}` (see PHASE
 `kvserve:engine_steps_total` and the batched tokens and requests to divide it by; for a MoE model,
 `kvserve:moe_expert_tokens_total{layer=..., expert=...}`, the tokens each expert was routed; with
 disaggregated pools, `kvserve:pool_*_total{pool=prefill|decode}` (time to first token and
-inter-token latency per pool).
+inter-token latency per pool); with Ray replicas, `kvserve:replica_*{replica=...}` (each replica's
+liveness, requests and tokens).
 Each app has its own registry, so several apps can live in one process (tests).
 """
 
@@ -85,6 +86,7 @@ class _EngineCollector:
                 phases.add_metric([model, phase], seconds)
         yield phases
         yield from _pool_families(models)
+        yield from _replica_families(models)
         yield from _spec_families(models)
         experts = CounterMetricFamily(P + "moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",
                                       labels=["model_name", "layer", "expert"])
@@ -115,6 +117,28 @@ def _pool_families(models: dict[str, dict]) -> Iterator:
         for model, by_pool in pools.items():
             for pool, values in by_pool.items():
                 family.add_metric([model, pool], float(values.get(key, 0)))
+        yield family
+
+
+# Ray replicas (engine/ray_client.py): stats["replicas"][i] key -> (metric name, kind, help)
+REPLICA_STATS = {
+    "alive": ("replica_up", "gauge", "1 while the replica serves, 0 once it is gone."),
+    "num_requests_running": ("replica_requests_running", "gauge", "Requests in the replica's running batch."),
+    "prompt_tokens": ("replica_prompt_tokens", "counter", "Prefill tokens the replica processed."),
+    "generation_tokens": ("replica_generation_tokens", "counter", "Tokens the replica generated."),
+}
+
+
+def _replica_families(models: dict[str, dict]) -> Iterator:
+    replicas = {model: stats["replicas"] for model, stats in models.items() if stats.get("replicas")}
+    if not replicas:
+        return
+    for key, (name, kind, doc) in REPLICA_STATS.items():
+        family_cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+        family = family_cls(P + name, doc, labels=["model_name", "replica", "role"])
+        for model, reps in replicas.items():
+            for r in reps:
+                family.add_metric([model, str(r["index"]), r.get("role") or "serve"], float(r.get(key, 0) or 0))
         yield family
 
 
