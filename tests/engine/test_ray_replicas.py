@@ -102,6 +102,15 @@ def test_bad_replica_counts_are_one_line_errors():
         make_engine_client(None, replicas=0, ray_address="127.0.0.1:1")
 
 
+def test_stats_carry_what_every_replica_shares(replicas):
+    """Counts are summed over the replicas; the settings they share are one replica's (the server's
+    "model loaded" line reads them: a missing kv_cache_dtype once stopped a second model loading)."""
+    s = replicas.stats()
+    assert s["kv_cache_dtype"] == "float16"
+    pool = 2 * 64 * 2**20                                      # two replicas of 64MiB
+    assert 0.9 * pool <= s["kv_cache_capacity_tokens"] * s["kv_cache_bytes_per_token"] <= pool
+
+
 def test_two_replicas_keep_the_prefix_cache_hit_rate(replicas):
     prompts = workload(replicas.tokenizer)
     two = hit_rate(replicas, prompts, "two")

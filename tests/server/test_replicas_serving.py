@@ -6,6 +6,7 @@ chat completions streamed and not, and leaves no Ray process behind when it stop
 from __future__ import annotations
 
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -37,6 +38,28 @@ def test_serve_with_two_replicas(tmp_path, model_server):
     server.stop()
     assert server.proc.returncode == 0
     assert _ray_processes() <= before
+
+
+def test_two_models_on_replicas_both_load(tmp_path, model_server):
+    """Each `--model` gets its own replicas; both load and announce themselves (issue 51: the
+    first model's stats once broke the load thread before the second model)."""
+    server = model_server(tmp_path, "--replicas", "2", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
+                          "--model", "a=smollm2-135m-instruct", "--model", "b=smollm2-135m-instruct")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        ids = {m["id"] for m in httpx.get(server.base_url + "/v1/models").json()["data"]}
+        if {"a", "b"} <= ids:
+            break
+        time.sleep(1)
+    assert {"a", "b"} <= ids
+    for name in ("a", "b"):
+        r = httpx.post(server.base_url + "/v1/chat/completions", timeout=120, json={
+            "model": name, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+    log = server.log_path.read_text()
+    assert "model a loaded" in log and "model b loaded" in log and "KeyError" not in log
+    server.stop()
+    assert server.proc.returncode == 0
 
 
 def test_serve_with_tensor_parallel_size_2(tmp_path, model_server):

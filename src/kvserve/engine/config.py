@@ -35,7 +35,9 @@ class EngineConfig:
     # ~1.9x the tokens per byte): the C attention reads them all
     kv_cache_dtype: str = "fp16"
     weight_format: str = "auto"
-    num_threads: int | None = None         # torch intra-op threads (default: all cores)
+    # torch intra-op threads (default: all cores; with tensor parallelism, the cores divided among
+    # the ranks, each rank being a process of its own: oversubscribed ranks were 100x slower)
+    num_threads: int | None = None
     # Where the KV cache and the step's tensors live: "cpu", "cuda[:N]", or "auto" (cuda when torch
     # sees a GPU). The model must be loaded on the same device.
     device: str = "cpu"
@@ -67,6 +69,8 @@ class EngineConfig:
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not (f == 0 or 1 <= f < 1e3):
             raise InvalidRequest(f"max_decode_slowdown must be 0 (off) or a factor of at least 1, got {f!r}",
                                  param="max_decode_slowdown")
+        if self.num_threads is None and self.tensor_parallel_size > 1:
+            self.num_threads = max(1, len(os.sched_getaffinity(0)) // self.tensor_parallel_size)
         from kvserve.engine.spec_decode.config import SpeculativeConfig
         self.spec_config = SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
         if self.kv_cache_dtype not in _DTYPES:

@@ -54,6 +54,8 @@ from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve.engine")
 
+_local_cluster = False     # this process started the Ray cluster it is connected to
+
 _GAUGES = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_total", "kv_blocks_free")
 
 
@@ -111,15 +113,20 @@ class RayClient(EngineClient):
 
         roles = (["prefill"] * prefill_replicas + ["decode"] * decode_replicas if prefill_replicas or decode_replicas
                  else ["serve"] * replicas)
+        global _local_cluster
         owns = False
         if not ray.is_initialized():
             if ray_address:
                 ray.init(address=ray_address, include_dashboard=False)
             else:
                 start_local_cluster(max(2, len(roles)))
-                owns = True
+                owns = _local_cluster = True
         kwargs = {"num_threads": 1, **engine_kwargs}
-        actor_cls = ray.remote(num_cpus=1, max_restarts=0, concurrency_groups={"poll": 1, "prefill": 32, "kv": 1})(
+        # On a shared cluster each replica claims a CPU, so Ray places replicas where cores are free.
+        # On the local cluster this process started, the cores are known and each replica's thread
+        # count is set: claiming none lets a second model's replicas start beside the first's.
+        cpus = 0 if _local_cluster and not ray_address else 1
+        actor_cls = ray.remote(num_cpus=cpus, max_restarts=0, concurrency_groups={"poll": 1, "prefill": 32, "kv": 1})(
             EngineReplica)
         actors = []
         for i, role in enumerate(roles):
@@ -159,6 +166,8 @@ class RayClient(EngineClient):
         if self._closing:
             return
         self._closing = True
+        if not ray.is_initialized():   # the cluster went down with another model's client: nothing to stop
+            return
         live = [r for r in self.replicas if r.alive]
         with contextlib.suppress(Exception):
             await asyncio.to_thread(ray.get, [r.actor.shutdown.remote() for r in live], timeout=15)
@@ -169,6 +178,8 @@ class RayClient(EngineClient):
             if r.reader is not None:
                 await asyncio.to_thread(r.reader.join, 5)
         if self._owns_cluster:
+            global _local_cluster
+            _local_cluster = False
             await asyncio.to_thread(ray.shutdown)
             HEAD_THREAD_DONE.set()
 
@@ -368,6 +379,10 @@ class RayClient(EngineClient):
         out["block_size"] = self.block_size
         out["phase_seconds"] = dict(phases)
         out["moe_expert_tokens"] = next((r.stats.get("moe_expert_tokens") for r in live), [])
+        # what every replica shares (the same model and engine settings): the first live one's
+        for k in ("kv_cache_dtype", "kv_cache_bytes_per_token"):
+            if any(k in r.stats for r in live):
+                out[k] = next(r.stats[k] for r in live if k in r.stats)
         out["replicas"] = [{"index": r.index, "role": r.role, "alive": r.alive, "pid": r.pid,
                             "in_flight": self.router.replicas[r.index].in_flight,
                             **{k: r.stats.get(k, 0) for k in ("num_requests_running", "num_requests_waiting",
