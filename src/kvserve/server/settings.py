@@ -44,6 +44,7 @@ class ServerSettings:
     redis_url: str | None = None
     api_key: str | None = None  # a key accepted on top of the database's keys (name "api-key")
     admin_key: str | None = None  # the operator's key for the admin endpoints (run-time LoRA loading)
+    metrics_key: str | None = None  # set: /metrics needs this key (None: any valid API key, docs/security.md)
     arena_contestants: str | None = None  # JSON file of arena contestants (server/api/arena.py); None = defaults
 
     # Default per-key limits for keys created without their own (None = unlimited).

@@ -82,6 +82,18 @@ DEFAULT_QUOTAS = {   # per owner; a store a key can write adds its line (and tak
 }
 
 
+def quota_options(specs: list[str]) -> dict[str, str]:
+    """`--quota STORE:items=N,bytes=SIZE,ttl=DURATION` options as `ServerSettings.quotas`, checked."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        store, _, limits = spec.partition(":")
+        if store not in DEFAULT_QUOTAS:
+            raise InvalidRequest(f"--quota {spec}: the store is one of {', '.join(DEFAULT_QUOTAS)}.", param="quota")
+        QuotaLimits.parse(limits)
+        out[store] = limits
+    return out
+
+
 class OwnerQuota:
     """A store's quota rule over its table (see the module's docstring). `text_columns`: the
     columns whose bytes count (as the database stores them); `size_column`: an integer column
