@@ -75,11 +75,11 @@ def test_wrong_admin_keys_are_throttled(gw):
 
 def test_a_500_logs_its_path_escaped(gw, caplog):
     """(Starlette's URL drops \\n, \\r and \\t; the other line breaks and escapes reach the log raw.)"""
-    with caplog.at_level(logging.ERROR, logger="kvserve.server"):
-        with socket.create_connection(("127.0.0.1", gw.port)) as sock:   # the raw path, as an attacker sends it
-            sock.sendall(f'GET /boom/x%0A%0B%1B[2J%E2%80%A8{{"forged":1}} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {gw.user}\r\n'
-                         "Connection: close\r\n\r\n".encode())
-            reply = sock.recv(65536)
+    raw = (f'GET /boom/x%0A%0B%1B[2J%E2%80%A8{{"forged":1}} HTTP/1.1\r\nHost: x\r\n'   # as an attacker sends it
+           f"Authorization: Bearer {gw.user}\r\nConnection: close\r\n\r\n").encode()
+    with caplog.at_level(logging.ERROR, logger="kvserve.server"), socket.create_connection(("127.0.0.1", gw.port)) as sock:
+        sock.sendall(raw)
+        reply = sock.recv(65536)
     assert reply.startswith(b"HTTP/1.1 500")
     lines = [rec.getMessage() for rec in caplog.records if "unhandled error" in rec.getMessage()]
     # line breaks as str.splitlines and log viewers see them, and a terminal escape: all escaped
