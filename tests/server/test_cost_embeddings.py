@@ -4,6 +4,8 @@ not stall a short chat (whose semantic-cache lookup needs the same encoder) or /
 
 No time is asserted as a performance claim: the bystander's loaded latency is compared with its
 unloaded latency measured in the same test, by medians of several probes, within the issue's 2x.
+The unloaded latency is measured before and after the load and the slower of the two is the
+baseline: on a machine shared with other work its speed drifts within minutes, both ways.
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ def test_big_requests_do_not_stall_a_chat_or_health(server):
         for t in threads:
             t.join(timeout=600)
     assert done and set(done) == {200}, done
-    print(f"chat {base_chat:.0f} -> {loaded_chat:.0f} ms, health {base_health:.1f} -> {loaded_health:.1f} ms")
+    after_chat, after_health = bystander_ms(server.base_url, h, PROBE_QUESTIONS[14:21])
+    print(f"chat {base_chat:.0f} -> {loaded_chat:.0f} -> {after_chat:.0f} ms, "
+          f"health {base_health:.1f} -> {loaded_health:.1f} -> {after_health:.1f} ms")
+    base_chat, base_health = max(base_chat, after_chat), max(base_health, after_health)
     assert within(loaded_chat, base_chat), (base_chat, loaded_chat)
     assert within(loaded_health, base_health), (base_health, loaded_health)

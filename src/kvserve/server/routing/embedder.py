@@ -11,7 +11,9 @@ N requests that each embed one query cost about one batched forward, not N (the 
 sentences/s the encoder reaches only in batches). A lone call starts at once: nothing waits for a
 batch to fill.
 
-Fairness: a forward holds at most `SLICE_TEXTS` texts. A big call (an /v1/embeddings request of
+Fairness: a forward holds at most `SLICE_TEXTS` texts and `SLICE_CHARS` characters (a text
+counted as at most `WINDOW_CHARS`, about the encoder's 256-token window: at most about a thousand
+tokens a forward, a few tens of milliseconds on one core). A big call (an /v1/embeddings request of
 hundreds of inputs) is cut into slices that take turns with the other waiting calls, round robin,
 and the short lookups of the semantic cache and the router (`use` other than "api") go first in
 every forward; so a lookup waits at most one slice however much is queued, and two big requests
@@ -39,7 +41,9 @@ if TYPE_CHECKING:
 
 EMBEDDING_MODEL = "all-minilm-l6-v2"
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-SLICE_TEXTS = 16    # texts per forward (<= 16 x 256 tokens): the longest a lookup can wait behind a big call
+SLICE_TEXTS = 16      # texts per forward, and
+SLICE_CHARS = 2048    # their characters: the longest a lookup can wait behind a big call
+WINDOW_CHARS = 1024   # a longer text costs no more than this (the encoder truncates at 256 tokens)
 
 
 class QueryEmbedding:
@@ -90,9 +94,9 @@ class Embedder:
     thread, concurrent calls coalesced and sliced; see the module's docstring)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, name: str = EMBEDDING_MODEL,
-                 slice_texts: int = SLICE_TEXTS):
+                 slice_texts: int = SLICE_TEXTS, slice_chars: int = SLICE_CHARS):
         self.name = name
-        self.slice_texts = slice_texts
+        self.slice_texts, self.slice_chars = slice_texts, slice_chars
         self._encoder = None
         self._lock = threading.Lock()
         self._queue: list[_Call] = []
@@ -162,20 +166,24 @@ class Embedder:
 
     def _next_batch(self) -> list[tuple[_Call, int]]:
         """The next forward's (call, texts taken): lookups first, then the waiting calls in turn, up
-        to `slice_texts` texts, all asking for the depths of the first one served; a call that
-        still has texts left goes to the back of the queue."""
+        to `slice_texts` texts and `slice_chars` characters (at least one text), all asking for
+        the depths of the first one served; a call with texts left goes to the back of the queue."""
         queue = sorted(self._queue, key=lambda c: not c.lookup)   # stable: arrival order within each kind
         depths = queue[0].depths
-        budget, batch = self.slice_texts, []
+        texts, chars, batch = self.slice_texts, self.slice_chars, []
         for call in queue:
             if call.depths != depths:
                 continue
-            n = len(call.texts) - call.done
-            take = n if call.lookup else min(n, budget)
-            if take <= 0 or (not call.lookup and budget <= 0):
+            take = 0
+            for text in call.texts[call.done:]:
+                cost = min(len(text), WINDOW_CHARS)
+                first = not batch and take == 0      # a forward takes at least one text
+                if not call.lookup and not first and (texts <= 0 or cost > chars):
+                    break
+                take, texts, chars = take + 1, texts - 1, chars - cost
+            if take == 0:
                 break
             batch.append((call, take))
-            budget -= take
         for call, take in batch:
             self._queue.remove(call)
             if call.done + take < len(call.texts):
