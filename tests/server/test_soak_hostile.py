@@ -10,6 +10,7 @@ once) of its post-warm-up value, its open file descriptors within 16, and its th
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import pathlib
 import random
@@ -42,10 +43,13 @@ def run_hostile_soak(tmp_path: pathlib.Path, model_server, duration: float, warm
     statuses: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
     def client(seed: int) -> None:
-        rng = random.Random(seed)
+        order = HOSTILE[:]   # every kind in each round, in an order of the client's own
+        random.Random(seed).shuffle(order)
         with httpx.Client() as c:
-            while not stop.is_set():
-                name, send = rng.choice(HOSTILE)
+            for i in itertools.count():
+                if stop.is_set():
+                    break
+                name, send = order[i % len(order)]
                 try:
                     statuses[name][send(c, srv.base_url, headers).status_code] += 1
                 except httpx.TimeoutException:
