@@ -4,6 +4,8 @@ store's quota runs on SQLite and PostgreSQL (the one rule in stores/quota.py).""
 
 from __future__ import annotations
 
+import pathlib
+import sys
 import time
 
 import httpx
@@ -107,3 +109,33 @@ def test_quota_flags_parse():
     assert ServerSettings(quotas={"responses": "items=7"}).quota("responses").max_items == 7
     with pytest.raises(Exception, match="quota"):
         QuotaLimits.parse("items=many")
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "model"))
+    from ggufmaker import make_tiny_llama_gguf
+
+    root = tmp_path_factory.mktemp("cost-tiny")
+    tiny = make_tiny_llama_gguf(root / "tiny.gguf", ctx=1024)
+    settings = ServerSettings(model=str(tiny), served_model_name="tiny", data_dir=root, semantic_cache=False)
+    with InProcessServer(settings) as s:
+        deadline = time.monotonic() + 120
+        while httpx.get(s.base_url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the tiny model did not load"
+            time.sleep(0.1)
+        yield s
+
+
+def test_a_vote_counts_once_both_answers_were_streamed(tiny_server):
+    url = tiny_server.base_url + "/v1/kvserve/arena/battles"
+    battle = httpx.post(url, json={"prompt": "Name a colour."}, headers=ALICE).json()["id"]
+
+    def answer(side: str) -> None:
+        with httpx.stream("POST", f"{url}/{battle}/answers/{side}", headers=ALICE, timeout=120) as r:
+            assert r.status_code == 200 and r.read().endswith(b"data: [DONE]\n\n")
+
+    answer("b")
+    assert httpx.post(f"{url}/{battle}/vote", json={"winner": "b"}, headers=ALICE).status_code == 409
+    answer("a")   # the vote right after the stream's last byte
+    assert httpx.post(f"{url}/{battle}/vote", json={"winner": "b"}, headers=ALICE).status_code == 200

@@ -31,6 +31,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest
 from kvserve.server.api.openai import answer
+from kvserve.server.api.openai_wire import OpenAIRenderer
 from kvserve.server.api.webui import owner_of
 from kvserve.server.gates.limits import read_json
 from kvserve.server.protocol import ChatCompletionRequest, validate_body
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from kvserve.server.app import ServerState
 
 MAX_PROMPT_CHARS = 8000
+DONE = OpenAIRenderer.done()
 
 
 @dataclass(frozen=True)
@@ -139,13 +141,14 @@ def arena_router(gw: ServerState, store: ArenaStore, contestants: tuple[Contesta
 
 
 async def _then(body: AsyncIterator, done: Callable[..., None], *args: object) -> AsyncIterator:
-    """`body`'s chunks, then `done(*args)` in a thread once it ended without an error."""
+    """`body`'s chunks, with `done(*args)` run (in a thread) before its final `[DONE]` when no error
+    came first: a client that votes as soon as it has read the stream finds the side answered."""
     errored = False
     async for chunk in body:
         errored = errored or (isinstance(chunk, str) and chunk.startswith('data: {"error"'))
+        if chunk == DONE and not errored:
+            await run_in_threadpool(done, *args)
         yield chunk
-    if not errored:
-        await run_in_threadpool(done, *args)
 
 
 def mount_arena(app: FastAPI, gw: ServerState, contestants_file: str | None = None,
