@@ -37,8 +37,8 @@ def _serve_command():
 
 
 def _expand(value: str) -> str:
-    """Compose's `${VAR:-default}` with the variables unset."""
-    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+    """Compose's `${VAR:-default}` with the variables unset, and `${VAR:?message}` (required) as "set"."""
+    return re.sub(r"\$\{[A-Z_]+:\?[^}]*\}", "set", re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value))
 
 
 @pytest.fixture(scope="module")
@@ -113,14 +113,19 @@ def test_commands_ports_and_the_balancer_agree(compose):
         port = args[args.index("--port") + 1]
         assert args[args.index("--host") + 1] == "0.0.0.0"
         assert f"{name}:{port}" in upstreams
-        host, container = s["ports"][0].split(":")
-        assert container == port
-        host_ports.append(host)
+        assert "ports" not in s, f"{name}: publish only nginx's port (the servers are behind it)"
+        assert s["expose"] == [port]
     listen = re.search(r"listen\s+(\d+);", nginx).group(1)
     host_ports += [p.split(":")[0] for p in compose["services"]["gateway"]["ports"]]
     assert compose["services"]["gateway"]["ports"][0].split(":")[1] == listen
     assert len(host_ports) == len(set(host_ports)), "two services publish the same host port"
     assert upstreams == {f"{name}:{s['command'][s['command'].index('--port') + 1]}" for name, s in kv.items()}
+
+
+def test_no_fallback_password(compose):
+    text = COMPOSE.read_text()
+    assert "KVSERVE_DB_PASSWORD:-" not in text and "${KVSERVE_DB_PASSWORD:?" in text
+    assert compose["services"]["postgres"].get("ports") is None and compose["services"]["redis"].get("ports") is None
 
 
 def test_deploy_doc_shows_the_files():

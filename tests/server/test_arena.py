@@ -71,6 +71,10 @@ def test_battles_hide_names_until_the_vote_and_belong_to_their_owner(gateway):
     assert httpx.post(f"{url}/battles/{battle['id']}/vote", json={"winner": "a"}, headers=BOB).status_code == 404
     bad = httpx.post(f"{url}/battles/{battle['id']}/vote", json={"winner": "A"}, headers=ALICE)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "winner"
+    early = httpx.post(f"{url}/battles/{battle['id']}/vote", json={"winner": "tie"}, headers=ALICE)
+    assert early.status_code == 409 and early.json()["error"]["code"] == "answers_not_generated"
+    for side in "ab":   # as the answer routes do once a side's stream ended (this gateway has no model)
+        gateway.app.state.arena_store.answered(battle["id"], side)
     r = httpx.post(f"{url}/battles/{battle['id']}/vote", json={"winner": "tie"}, headers=ALICE)
     assert r.status_code == 200
     revealed = r.json()

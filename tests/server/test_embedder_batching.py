@@ -58,3 +58,42 @@ def test_waiting_calls_for_other_depths_get_their_own_forward():
     assert tokens == emb.get().token_counts(TEXTS[0])[0]
     for got, ref in ((a[2], shallow), (b, full), (c[None], full), (c[2], shallow)):
         assert float((got * ref).sum(1).min()) > 1 - 1e-3
+
+
+def _recording(emb: Embedder, forwards: list[list[str]]):
+    import time
+
+    import torch
+
+    def fake(texts, use, depths=(None,)):
+        forwards.append(list(texts))
+        time.sleep(0.01)
+        ids = torch.tensor([float("".join(c for c in t if c.isdigit()) or -1) for t in texts])   # "big7" -> 7
+        return {d: ids[:, None].repeat(1, 4) for d in depths}, [1] * len(texts)
+    emb._encode_counted = fake
+
+
+def test_a_lookup_waits_at_most_one_slice_of_a_big_call():
+    """Issue 49.3: a big call is cut into slices; a lookup arriving meanwhile goes into the next
+    forward, and two big calls take turns."""
+    emb = Embedder(slice_texts=4)
+    forwards: list[list[str]] = []
+    _recording(emb, forwards)
+    big = [f"big{i}" for i in range(40)]
+    other = [f"other{i}" for i in range(8)]
+
+    async def main():
+        first = asyncio.ensure_future(emb.encode(big))
+        await asyncio.sleep(0)            # the first slice starts
+        second = asyncio.ensure_future(emb.encode(other))
+        lookup = asyncio.ensure_future(emb.encode(["the query"], use="semantic_cache"))
+        return await asyncio.gather(first, second, lookup)
+
+    (vecs, tokens), (vecs2, _), _ = asyncio.run(main())
+    assert all(len(f) <= 4 or "the query" in f for f in forwards)
+    assert "the query" in forwards[1]                       # right after the slice that was running
+    with_big = [i for i, f in enumerate(forwards) if any(t.startswith("big") for t in f)]
+    with_other = [i for i, f in enumerate(forwards) if any(t.startswith("other") for t in f)]
+    assert with_other[-1] < with_big[-1]                    # the second call did not wait for the first
+    assert tokens == 40 and [int(x) for x in vecs[:, 0]] == list(range(40))   # every row its own text's
+    assert [int(x) for x in vecs2[:, 0]] == list(range(8))

@@ -93,3 +93,26 @@ def test_bad_adapter_at_startup_is_one_line(tmp_path):
     assert proc.returncode != 0
     err = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert err and "missing" in err[0] and "does not exist" in err[0], proc.stderr[-2000:]
+
+
+def test_an_adapter_loaded_for_one_key_is_that_keys_alone(lora_server):
+    """Issue 49.10: `kvserve_owner` scopes an adapter to one key; --lora adapters stay everyone's."""
+    from kvserve.server.stores.keys import KeyStore
+
+    store = KeyStore(lora_server.dir / "kvserve.db")
+    bob = store.create("bob")
+    store.close()
+    url, admin = lora_server.base_url, {"Authorization": f"Bearer {ADMIN}"}
+    body = {"lora_name": "late", "lora_path": str(lora_server.paths["late"]), "kvserve_owner": "bob"}
+    assert httpx.post(url + "/v1/load_lora_adapter", json=body, headers=admin, timeout=60).status_code == 200
+    try:
+        def listed(key):
+            return {m["id"] for m in httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).json()["data"]}
+        assert "late" in listed(bob) and "late" not in listed(USER)
+        assert "sql" in listed(bob) and "sql" in listed(USER)
+        assert _chat(lora_server, "late", key=bob).status_code == 200
+        other = _chat(lora_server, "late")
+        assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+        assert httpx.get(url + "/v1/models/late", headers={"Authorization": f"Bearer {USER}"}).status_code == 404
+    finally:
+        httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=admin)

@@ -32,17 +32,22 @@ def check_pools(replicas: int, prefill_replicas: int, decode_replicas: int, engi
 HEAD_THREAD_DONE = threading.Event()
 
 
+LOCAL_CLUSTER = {"_node_ip_address": "127.0.0.1", "dashboard_host": "127.0.0.1", "include_dashboard": False}
+
+
 def start_local_cluster(num_cpus: int) -> None:
     """Start a local Ray cluster from a thread that lives until the client shuts down. Ray starts
     its head processes with PR_SET_PDEATHSIG, which fires when the *thread* that started them
-    ends, and the server builds its engine client on a loading thread that ends once loaded."""
+    ends, and the server builds its engine client on a loading thread that ends once loaded.
+    The cluster is this machine's alone: its node address (GCS, raylet, object manager) and any
+    dashboard are pinned to loopback (`LOCAL_CLUSTER`), never the machine's network address."""
     import ray
 
     started: list[BaseException | None] = []
 
     def run() -> None:
         try:
-            ray.init(num_cpus=num_cpus, include_dashboard=False)
+            ray.init(num_cpus=num_cpus, **LOCAL_CLUSTER)
             started.append(None)
         except BaseException as e:   # noqa: BLE001 - handed to the caller
             started.append(e)

@@ -216,10 +216,10 @@ class SentenceEncoder:
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16)
         # A few short texts (a cache lookup, a router decision) run on this thread alone: splitting
         # a [12, 384] matmul across cores costs more in wake-ups than it saves, and far more when
-        # the cores are busy. Only this thread's OpenMP count changes (`_this_thread_only`);
+        # the cores are busy. Only this thread's OpenMP count changes (`one_thread`);
         # torch.set_num_threads would change the process's for everyone while it lasts.
         small = sum(len(r) for r in rows) <= self.small_tokens
-        with _this_thread_only() if small else contextlib.nullcontext():
+        with one_thread() if small else contextlib.nullcontext():
             return self._forward(rows, autocast, depths), [len(r) for r in rows]
 
     def _forward(self, rows: list[list[int]], autocast, depths: tuple[int, ...]) -> dict[int, torch.Tensor]:
@@ -268,7 +268,7 @@ def _openmp() -> ctypes.CDLL | None:
 
 
 @contextlib.contextmanager
-def _this_thread_only() -> Iterator[None]:
+def one_thread() -> Iterator[None]:
     """torch ops of the calling thread on one thread; other threads' counts are untouched (an
     OpenMP thread count is per thread, and torch reads the caller's)."""
     omp = _openmp()

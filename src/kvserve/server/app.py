@@ -111,9 +111,9 @@ class ServerState:
                 stats.get("phase_seconds", {}).pop("http", None)
         return out
 
-    def require_engine(self, requested: str | None):
+    def require_engine(self, requested: str | None, caller: str | None = None):
         """(engine, served name) for a request's `model`: the pool's `resolve` (404 / 503)."""
-        return self.pool.resolve(requested)
+        return self.pool.resolve(requested, caller)
 
     def load(self) -> None:
         """Runs in a background thread: build every model's engine client (blocking), then start it.
@@ -168,7 +168,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
+        logger.exception("unhandled error on %r", request.url.path)   # repr: a newline in a path stays escaped
         return JSONResponse({"error": {"message": "Internal server error.", "type": "server_error",
                                        "param": None, "code": "internal_error"}}, status_code=500)
 
@@ -211,5 +211,5 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     mount_openapi(app)             # /openapi.json
 
     app.add_middleware(GatewayMiddleware, keystore=state.keystore, api_key=settings.api_key,
-                       limiter=state.limiter, counters=state.backends.counters)
+                       limiter=state.limiter, counters=state.backends.counters, metrics_key=settings.metrics_key)
     return app

@@ -41,6 +41,25 @@ def _user_errors(exit_code: int = 1) -> Iterator[None]:
         raise typer.Exit(exit_code) from None
 
 
+def _secret(value: str | None, file: pathlib.Path | None, option: str) -> str | None:
+    """A secret from its option (or environment variable), or from a file (its first line), so it
+    need not appear on the command line where `ps` shows it."""
+    if file is None:
+        return value
+    if value is not None:
+        typer.echo(f"error: give {option} or {option}-file, not both", err=True)
+        raise typer.Exit(2)
+    try:
+        text = file.read_text().strip()
+    except OSError as e:
+        typer.echo(f"error: {option}-file {file}: {e.strerror}", err=True)
+        raise typer.Exit(2) from None
+    if not text:
+        typer.echo(f"error: {option}-file {file} is empty", err=True)
+        raise typer.Exit(2)
+    return text.splitlines()[0].strip()
+
+
 def _setup_logging() -> None:
     access = logging.getLogger("kvserve.access")
     if not access.handlers:
@@ -70,7 +89,10 @@ def serve(
     database_url: DatabaseUrl = None,
     redis_url: RedisUrl = None,
     api_key: str = typer.Option(None, "--api-key", envvar="KVSERVE_API_KEY",
-                                help="Require this key (on top of any created with `kvserve keys`)."),
+                                help="Require this key (on top of any created with `kvserve keys`); better "
+                                     "from $KVSERVE_API_KEY or --api-key-file, which `ps` does not show."),
+    api_key_file: pathlib.Path = typer.Option(None, "--api-key-file",  # noqa: B008 - typer's idiom
+                                              help="Read --api-key from this file."),
     served_model_name: str = typer.Option(None, help="Name clients use in \"model\"."),
     lora: list[str] = typer.Option(None, "--lora",  # noqa: B008 - typer's idiom
                                    help="A LoRA adapter (PEFT directory) served as model NAME: NAME=PATH. "
@@ -79,6 +101,18 @@ def serve(
     admin_key: str = typer.Option(None, "--admin-key", envvar="KVSERVE_ADMIN_KEY",
                                   help="Key of the admin endpoints (/v1/load_lora_adapter, "
                                        "/v1/unload_lora_adapter); without it they are off."),
+    admin_key_file: pathlib.Path = typer.Option(None, "--admin-key-file",  # noqa: B008 - typer's idiom
+                                                help="Read --admin-key from this file."),
+    metrics_key: str = typer.Option(None, "--metrics-key", envvar="KVSERVE_METRICS_KEY",
+                                    help="/metrics needs this key (default: any API key; docs/security.md)."),
+    metrics_key_file: pathlib.Path = typer.Option(None, "--metrics-key-file",  # noqa: B008 - typer's idiom
+                                                  help="Read --metrics-key from this file."),
+    max_embedding_inputs: int = typer.Option(2048, min=1, help="Inputs of one /v1/embeddings request."),
+    max_embedding_tokens: int = typer.Option(65_536, min=1, help="Tokens of one /v1/embeddings request."),
+    quota: list[str] = typer.Option(None, "--quota",  # noqa: B008 - typer's idiom
+                                    help="A store's per-key quota, STORE:items=N,bytes=SIZE,ttl=DURATION (stores: "
+                                         "responses, conversations, arena; e.g. responses:items=1000,ttl=7d). "
+                                         "Repeatable."),
     max_running: int = typer.Option(32, help="Requests handed to the engine at once."),
     max_waiting: int = typer.Option(128, help="Requests that may wait for a slot; beyond it, 503."),
     ladder_route_cheaper_at: int = typer.Option(32, help="Queue length at which the router (model \"auto\") "
@@ -199,11 +233,18 @@ def serve(
     if router_name:
         router = {**(router or {}), "name": router_name}
     single = models[0] if len(models) == 1 and not models_config else None
+    from kvserve.server.stores.quota import quota_options
+
+    with _user_errors(2):
+        quotas = quota_options(quota or [])
     settings = ServerSettings(
         model=single.path if single else None, models=[] if single else models, router=router,
         semantic_cache=semantic_cache == "on", semantic_cache_options=cache_options,
         served_model_name=served_model_name or (single.name if single else None), data_dir=data_dir or default_data_dir(),
-        api_key=api_key, admin_key=admin_key, max_running=max_running, max_waiting=max_waiting, ladder_cap_at=ladder_cap_at,
+        api_key=_secret(api_key, api_key_file, "--api-key"),
+        admin_key=_secret(admin_key, admin_key_file, "--admin-key"),
+        metrics_key=_secret(metrics_key, metrics_key_file, "--metrics-key"), quotas=quotas,
+        max_embedding_inputs=max_embedding_inputs, max_embedding_tokens=max_embedding_tokens, max_running=max_running, max_waiting=max_waiting, ladder_cap_at=ladder_cap_at,
         ladder_route_cheaper_at=ladder_route_cheaper_at,
         ladder_cap_max_tokens=ladder_cap_max_tokens, ladder_reject_free_at=ladder_reject_free_at,
         default_max_tokens=default_max_tokens, engine_process=engine_process, engine_kwargs=engine_kwargs,

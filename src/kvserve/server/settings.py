@@ -44,6 +44,7 @@ class ServerSettings:
     redis_url: str | None = None
     api_key: str | None = None  # a key accepted on top of the database's keys (name "api-key")
     admin_key: str | None = None  # the operator's key for the admin endpoints (run-time LoRA loading)
+    metrics_key: str | None = None  # set: /metrics needs this key (None: any valid API key, docs/security.md)
     arena_contestants: str | None = None  # JSON file of arena contestants (server/api/arena.py); None = defaults
 
     # Default per-key limits for keys created without their own (None = unlimited).
@@ -63,6 +64,8 @@ class ServerSettings:
     max_top_logprobs: int = 20
     max_stop: int = 16
     max_prompts: int = 32  # list prompts in one /v1/completions request
+    max_embedding_inputs: int = 2048      # inputs of one /v1/embeddings request (OpenAI's cap)
+    max_embedding_tokens: int = 65_536    # their tokens, as the encoder counts them (~2 s of one core)
     default_max_tokens: int = 512  # when the client sends none (still capped by the context window)
 
     # Overload: at most `max_running` requests are handed to the engine at once; the others wait in a
@@ -85,11 +88,29 @@ class ServerSettings:
     # The conversation API (web page): body cap and per-owner storage quota.
     conversation_body_bytes: int = 8 << 20
     conversation_quota_bytes: int = 64 << 20
+    # Per-owner quotas of the stores a key can write (stores/quota.py): {store: "items=N,bytes=SIZE,
+    # ttl=DURATION"} over the store's defaults (`--quota STORE:...`).
+    quotas: dict[str, str] = field(default_factory=dict)
+
+    def quota(self, store: str):
+        """The `QuotaLimits` of `store` ("responses", "conversations", "arena", ...)."""
+        from dataclasses import replace
+
+        from kvserve.server.stores.quota import DEFAULT_QUOTAS, QuotaLimits
+
+        base = DEFAULT_QUOTAS[store]
+        if store == "conversations":
+            base = replace(base, max_bytes=self.conversation_quota_bytes)
+        return QuotaLimits.parse(self.quotas.get(store, ""), base)
 
     def store_limits(self):
         from kvserve.server.stores.conversations import StoreLimits
 
-        return StoreLimits(max_body_bytes=self.conversation_body_bytes, max_owner_bytes=self.conversation_quota_bytes,
+        quota = self.quota("conversations")
+        unlimited = 1 << 62
+        return StoreLimits(max_body_bytes=self.conversation_body_bytes,
+                           max_owner_bytes=unlimited if quota.max_bytes is None else quota.max_bytes,
+                           max_conversations_per_owner=unlimited if quota.max_items is None else quota.max_items,
                            body_timeout_s=self.body_timeout_s, max_json_depth=self.max_json_depth)
 
     def moderation_config(self):

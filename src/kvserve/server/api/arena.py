@@ -26,11 +26,12 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest
 from kvserve.server.api.openai import answer
+from kvserve.server.api.openai_wire import OpenAIRenderer
 from kvserve.server.api.webui import owner_of
 from kvserve.server.gates.limits import read_json
 from kvserve.server.protocol import ChatCompletionRequest, validate_body
@@ -38,9 +39,12 @@ from kvserve.server.stores.arena import ArenaStore, BattleNotFound
 from kvserve.server.stores.arena_ratings import leaderboard
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
+
     from kvserve.server.app import ServerState
 
 MAX_PROMPT_CHARS = 8000
+DONE = OpenAIRenderer.done()
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,12 @@ def arena_router(gw: ServerState, store: ArenaStore, contestants: tuple[Contesta
         if contestant is None:
             raise BattleNotFound("This battle's contestant is no longer configured; start a new one.", param="id")
         req = validate_body(contestant.chat_body(battle["prompt"]), ChatCompletionRequest)
-        return await answer(gw, request, req, "chat", model_alias=f"arena-{side}")
+        response = await answer(gw, request, req, "chat", model_alias=f"arena-{side}")
+        if isinstance(response, StreamingResponse):   # the side counts as answered once its stream ended
+            response.body_iterator = _then(response.body_iterator, store.answered, battle_id, side)
+        elif response.status_code == 200:
+            await run_in_threadpool(store.answered, battle_id, side)
+        return response
 
     @router.post("/battles/{battle_id}/vote")
     async def vote(battle_id: str, request: Request) -> dict:
@@ -131,12 +140,23 @@ def arena_router(gw: ServerState, store: ArenaStore, contestants: tuple[Contesta
     return router
 
 
+async def _then(body: AsyncIterator, done: Callable[..., None], *args: object) -> AsyncIterator:
+    """`body`'s chunks, with `done(*args)` run (in a thread) before its final `[DONE]` when no error
+    came first: a client that votes as soon as it has read the stream finds the side answered."""
+    errored = False
+    async for chunk in body:
+        errored = errored or (isinstance(chunk, str) and chunk.startswith('data: {"error"'))
+        if chunk == DONE and not errored:
+            await run_in_threadpool(done, *args)
+        yield chunk
+
+
 def mount_arena(app: FastAPI, gw: ServerState, contestants_file: str | None = None,
                 store: ArenaStore | None = None) -> ArenaStore:
     """The arena's routes on `store` (the server's, from stores/factory.py), else the SQLite store in the
     server's database file."""
     if store is None:
-        store = ArenaStore(gw.settings.db_path)
+        store = ArenaStore(gw.settings.db_path, gw.settings.quota("arena"))
     app.state.arena_store = store
     app.include_router(arena_router(gw, store, load_contestants(contestants_file)))
     return store

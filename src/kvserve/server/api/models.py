@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 if TYPE_CHECKING:
     from kvserve.server.app import ServerState
@@ -17,16 +17,18 @@ if TYPE_CHECKING:
 
 def mount_models(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
         now = int(time.time())
-        return {"object": "list", "data": state.pool.cards(now) + state.routing.model_cards(now)}
+        caller = request.state.record.key_name   # another key's LoRA adapter is not listed
+        return {"object": "list", "data": state.pool.cards(now, caller) + state.routing.model_cards(now)}
 
     @app.get("/v1/models/{model_id:path}")
-    async def model_card(model_id: str) -> dict:
+    async def model_card(model_id: str, request: Request) -> dict:
         now = int(time.time())
-        for card in state.routing.model_cards(now) + state.pool.cards(now):   # models, adapters, router
+        caller = request.state.record.key_name
+        for card in state.routing.model_cards(now) + state.pool.cards(now, caller):   # models, adapters, router
             if card["id"] == model_id:
                 return card
-        engine, name = state.require_engine(model_id or None)   # the pool's resolve: 404 / 503
+        engine, name = state.require_engine(model_id or None, caller)   # the pool's resolve: 404 / 503
         return {"id": name, "object": "model", "created": now, "owned_by": "kvserve",
                 "max_model_len": engine.max_model_len}

@@ -43,6 +43,29 @@ FIELDS = {"model", "input", "instructions", "previous_response_id", "store", "st
           "truncation", "include", "reasoning", "seed", "kvserve_trace", "stream_options", "service_tier"}
 
 
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512   # OpenAI's caps
+
+
+def check_metadata(metadata: Any) -> None:
+    """OpenAI's rules for `metadata`: an object of at most 16 string pairs, keys up to 64
+    characters, values up to 512 (400 naming the field)."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise InvalidRequest("metadata must be an object of string keys and string values.", param="metadata")
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidRequest(f"metadata holds {len(metadata)} pairs; at most {MAX_METADATA_PAIRS}.", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise InvalidRequest(f"metadata key {key[:MAX_METADATA_KEY]!r}... is longer than {MAX_METADATA_KEY} "
+                                 "characters.", param="metadata")
+        if not isinstance(value, str):
+            raise InvalidRequest(f"metadata.{key} must be a string.", param=f"metadata.{key}")
+        if len(value) > MAX_METADATA_VALUE:
+            raise InvalidRequest(f"metadata.{key} is {len(value)} characters long; at most {MAX_METADATA_VALUE}.",
+                                 param=f"metadata.{key}")
+
+
 def _owner(request: Request) -> str:
     name = request.state.record.key_name
     return f"key:{name}" if name else "anonymous"
@@ -91,6 +114,7 @@ def chat_body(body: dict, history: list[dict]) -> tuple[dict, list[dict]]:
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidRequest("instructions must be a string.", param="instructions")
+    check_metadata(body.get("metadata"))
     if body.get("truncation", "disabled") not in ("auto", "disabled"):
         raise InvalidRequest("truncation must be auto or disabled.", param="truncation")
     messages, new = conversation(instructions, history, body["input"])

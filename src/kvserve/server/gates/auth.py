@@ -24,6 +24,7 @@ response is done. Routes that only need the caller's name (the web page's conver
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -36,14 +37,15 @@ from kvserve.server.api.lora_admin import ADMIN_PATHS
 from kvserve.server.gates.ratelimit import RateLimiter
 from kvserve.server.records import RequestRecord
 from kvserve.server.stores.counters import CounterBackend
-from kvserve.server.stores.keys import ApiKey, KeyBackend
+from kvserve.server.stores.keys import CLI_KEY_NAME, ApiKey, KeyBackend
 
 access_log = logging.getLogger("kvserve.access")
 
 PUBLIC_PATHS = frozenset({"/health", "/", "/index.html", "/favicon.ico", "/openapi.json"})
 PUBLIC_PREFIXES = ("/static/",)
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-CLI_KEY_NAME = "api-key"
+LEGACY_DB_CLI_NAME = "db:api-key"   # a database key named api-key from before the name was reserved
+METRICS_PATH = "/metrics"
 
 
 def is_public(path: str) -> bool:
@@ -67,8 +69,9 @@ async def send_error(send, err: KVServeError, headers: list[tuple[bytes, bytes]]
 
 class GatewayMiddleware:
     def __init__(self, app, keystore: KeyBackend, api_key: str | None = None, limiter: RateLimiter | None = None,
-                 counters: CounterBackend | None = None):
+                 counters: CounterBackend | None = None, metrics_key: str | None = None):
         self.app = app
+        self.metrics_key = metrics_key   # set: /metrics needs this key and no other
         self.keystore = keystore
         self.api_key = api_key
         self.limiter = limiter
@@ -86,6 +89,8 @@ class GatewayMiddleware:
                                       "create one with `kvserve keys create --name NAME`.")
         presented = auth[7:].strip()
         key = self.keystore.lookup(presented)
+        if key is not None and key.name == CLI_KEY_NAME:   # never the --api-key's buckets, ledger or stores
+            key = dataclasses.replace(key, name=LEGACY_DB_CLI_NAME)
         if self.api_key is not None and hmac.compare_digest(
                 presented.encode("utf-8", "surrogateescape"), self.api_key.encode()):
             key = ApiKey(name=CLI_KEY_NAME, tier="paid")
@@ -142,7 +147,16 @@ class GatewayMiddleware:
             await send(message)
 
         try:
-            if not is_public(record.path) and record.path not in ADMIN_PATHS:   # admin key: the route checks
+            if record.path == METRICS_PATH and self.metrics_key is not None:
+                auth = _header(scope, b"authorization") or ""
+                if not hmac.compare_digest(auth[7:].strip().encode("utf-8", "surrogateescape"),
+                                           self.metrics_key.encode()) or auth[:7].lower() != "bearer ":
+                    self._count("refused_401")
+                    await send_error(send_wrapped, AuthenticationError(
+                        "/metrics needs the metrics key (`kvserve serve --metrics-key`): "
+                        "`Authorization: Bearer <metrics key>`."))
+                    return
+            elif not is_public(record.path) and record.path not in ADMIN_PATHS:   # admin key: the route checks
                 try:
                     if self.offload:
                         await asyncio.to_thread(self._gate, scope, state, record)

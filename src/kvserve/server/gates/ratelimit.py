@@ -106,16 +106,32 @@ class RateLimiter:
                 f"Retry after {math.ceil(wait)} s, or ask for a higher --rpm.",
                 retry_after=wait)
 
-    def reserve_tokens(self, key_name: str, tpm: int | None, amount: int) -> int:
-        """Reserve `amount` tokens; returns what was reserved (0 when the key has no tpm limit)."""
+    def refuse_if_empty(self, name: str, per_minute: int, what: str) -> None:
+        """429 when bucket `name` has no token left, taking none (a throttle checked before the
+        attempt it throttles, so a refused attempt learns nothing)."""
+        tokens = self._peek(name, "rpm", per_minute)
+        if tokens < 1:
+            wait = (1 - tokens) / (per_minute / 60.0)
+            raise RateLimitError(f"{what}: at most {per_minute} a minute. Retry after {math.ceil(wait)} s.",
+                                 retry_after=wait)
+
+    def take_one(self, name: str, per_minute: int) -> None:
+        """Take a token from bucket `name` if there is one (a failed attempt, counted)."""
+        self._take(name, "rpm", per_minute, 1)
+
+    def reserve_tokens(self, key_name: str, tpm: int | None, amount: int, param: str = "max_tokens") -> int:
+        """Reserve `amount` tokens; returns what was reserved (0 when the key has no tpm limit).
+        `param`: the field that sets the amount (an embeddings request's is its `input`)."""
         if tpm is None:
             return 0
         wait = self._take(key_name, "tpm", tpm, amount)
         if math.isinf(wait):
+            what, fix = (("prompt + max_tokens", "Lower max_tokens or shorten the prompt") if param == "max_tokens"
+                         else (param, f"Send a smaller {param}"))
             err = RateLimitError(
-                f"This request needs {amount} tokens (prompt + max_tokens) but key {key_name!r} "
-                f"is limited to {tpm} tokens per minute. Lower max_tokens or shorten the prompt.",
-                param="max_tokens", retry_after=60.0)
+                f"This request needs {amount} tokens ({what}) but key {key_name!r} "
+                f"is limited to {tpm} tokens per minute. {fix}.",
+                param=param, retry_after=60.0)
             err.should_retry = False
             raise err
         if wait > 0:

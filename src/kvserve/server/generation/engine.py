@@ -24,9 +24,10 @@ class ModelHandle:
     cost_per_token: float | None = None
 
     @classmethod
-    def resolve(cls, gw: ServerState, requested: str | None) -> ModelHandle:
-        """The model a request names (the pool's `resolve`: 404 unknown, 503 still loading)."""
-        client, name = gw.pool.resolve(requested)
+    def resolve(cls, gw: ServerState, requested: str | None, caller: str | None = None) -> ModelHandle:
+        """The model a request names (the pool's `resolve`: 404 unknown or another key's adapter,
+        503 still loading)."""
+        client, name = gw.pool.resolve(requested, caller)
         return cls(client, name, gw.pool.entry(name).cost_per_token)
 
     @property

@@ -35,6 +35,41 @@ T = TypeVar("T")
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 
+@dataclass
+class Reservation:
+    """A key's token reservation (gates/ratelimit.py's tpm bucket) and its settlement: what a
+    request did not use goes back to the bucket and what it used goes to the usage ledger. Every
+    path that costs tokens holds one: a generation inside its `Lease`, an embeddings request alone
+    (api/embeddings.py)."""
+
+    gw: ServerState
+    record: RequestRecord
+    reserved: int = 0
+
+    @classmethod
+    def take(cls, gw: ServerState, record: RequestRecord, tokens: int, param: str = "max_tokens") -> Reservation:
+        """Reserve `tokens` from the caller's bucket (429 naming `param` when it cannot hold them)."""
+        key = record.key
+        return cls(gw, record, gw.limiter.reserve_tokens(record.key_name, key.tpm if key else None, tokens, param))
+
+    def refund(self, used: int) -> None:
+        """Give back what was reserved and not used (once)."""
+        key = self.record.key
+        if self.reserved:
+            self.gw.limiter.refund_tokens(self.record.key_name, key.tpm if key else None, self.reserved - used)
+            self.reserved = 0
+
+    async def settle(self, prompt: int, completion: int = 0, cached: int = 0, *, ledger: bool = True) -> None:
+        """Refund the unused part; write what was used to the usage ledger (never raises)."""
+        self.refund(prompt + completion)
+        if not ledger:
+            return
+        try:
+            await asyncio.to_thread(self.gw.keystore.record_usage, self.record.key_name, prompt, completion, cached)
+        except Exception:
+            logger.exception("usage ledger write failed")
+
+
 class ClientGone(Exception):
     """The client closed the connection before the response was complete."""
 
@@ -58,7 +93,7 @@ class Lease:
     gen: Generation
     record: RequestRecord
     ticket: Ticket | None = None
-    reserved_tokens: int = 0
+    reservation: Reservation | None = None
     streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)   # engine.generate() per prompt
     tasks: list[asyncio.Task] = field(default_factory=list)   # pumps merging several prompts' streams
     started: bool = False           # engine requests were sent
@@ -74,9 +109,7 @@ class Lease:
         plan = gen.plan
         if plan.cached is not None:
             return lease
-        key = record.key
-        lease.reserved_tokens = gw.limiter.reserve_tokens(record.key_name, key.tpm if key else None,
-                                                          plan.reserve_tokens)
+        lease.reservation = Reservation.take(gw, record, plan.reserve_tokens)
         try:
             lease.ticket = await until_disconnected(receive, gw.admission.acquire(plan.priority))
         except BaseException as e:
@@ -125,18 +158,11 @@ class Lease:
 
     async def _account(self, status: int) -> None:
         """Refund the unused reservation; write the usage ledger and the semantic cache."""
-        gw, record, gen = self.gw, self.record, self.gen
-        prompt, completion, cached = gen.usage_counts()
-        key = record.key
-        if self.reserved_tokens:
-            gw.limiter.refund_tokens(record.key_name, key.tpm if key else None,
-                                     self.reserved_tokens - prompt - completion)
+        gw, gen = self.gw, self.gen
+        reservation = self.reservation or Reservation(gw, self.record)   # a cached answer reserved nothing
+        await reservation.settle(*gen.usage_counts(), ledger=self.started or gen.plan.cached is not None)
         if not self.started and gen.plan.cached is None:
             return
-        try:
-            await asyncio.to_thread(gw.keystore.record_usage, record.key_name, prompt, completion, cached)
-        except Exception:
-            logger.exception("usage ledger write failed")
         if gen.plan.cached is not None:
             return
         try:

@@ -115,7 +115,7 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
                                                    prompt_tokenizer(gw, req) if not chat else None)
     timings = Timings(t0=record.t0, parsed=time.monotonic())
     requested, route, query = await gw.routing.route(req, kind, record.key_tier)
-    model = ModelHandle.resolve(gw, requested)
+    model = ModelHandle.resolve(gw, requested, record.key_name)
     headers: dict[str, str] = {}
     max_tokens = _capped_max_tokens(gw, record, req, headers)
     common: dict[str, Any] = {"kind": kind, "model": model, "timings": timings, "stream": bool(req.stream),

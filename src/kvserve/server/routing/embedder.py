@@ -5,11 +5,22 @@ the router. It loads on first use in a worker thread (a second or two), or at st
 feature that needs it is on; every encode runs off the event loop and is timed into
 `kvserve:embedding_latency_seconds`.
 
-Concurrent calls are coalesced: while one forward runs in the worker thread, the texts of every
-call that arrives meanwhile wait in a queue and go together into the next forward (one batch,
-sorted by length), so N requests that each embed one query cost about one batched forward, not N
-(the >= 500 sentences/s the encoder reaches only in batches). A lone call starts at once: nothing
-waits for a batch to fill.
+Concurrent calls are coalesced: while one forward runs, the texts of every call that arrives
+meanwhile wait in a queue and go together into the next forward (one batch, sorted by length), so
+N requests that each embed one query cost about one batched forward, not N (the >= 500
+sentences/s the encoder reaches only in batches). A lone call starts at once: nothing waits for a
+batch to fill.
+
+Fairness: a forward holds at most `SLICE_TEXTS` texts and `SLICE_CHARS` characters (a text
+counted as at most `WINDOW_CHARS`, about the encoder's 256-token window: at most about a thousand
+tokens a forward, a few tens of milliseconds on one core). A big call (an /v1/embeddings request of
+hundreds of inputs) is cut into slices that take turns with the other waiting calls, round robin,
+and the short lookups of the semantic cache and the router (`use` other than "api") go first in
+every forward; so a lookup waits at most one slice however much is queued, and two big requests
+share the encoder instead of one waiting for the other. Every forward runs on the encoder's own
+thread (one worker, torch on one core there), never in asyncio's default pool: template
+rendering, store reads and usage writes in that pool never queue behind embeddings, and the other
+core stays with the engine.
 
 The `/v1/embeddings` route over this encoder is api/embeddings.py.
 """
@@ -19,7 +30,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import TYPE_CHECKING
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -28,7 +41,9 @@ if TYPE_CHECKING:
 
 EMBEDDING_MODEL = "all-minilm-l6-v2"
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-COALESCE_MAX_TEXTS = 256    # a call with more texts runs alone (it is a batch already)
+SLICE_TEXTS = 16      # texts per forward, and
+SLICE_CHARS = 2048    # their characters: the longest a lookup can wait behind a big call
+WINDOW_CHARS = 1024   # a longer text costs no more than this (the encoder truncates at 256 tokens)
 
 
 class QueryEmbedding:
@@ -57,16 +72,36 @@ class QueryEmbedding:
         return self.vectors[depth]
 
 
-class Embedder:
-    """The shared encoder behind a lock-free lazy load; `encode` is async (runs in a thread,
-    concurrent calls coalesced into one forward)."""
+@dataclass(eq=False)
+class _Call:
+    """One `encode_depths` call waiting for (the rest of) its vectors."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, name: str = EMBEDDING_MODEL):
+    texts: list[str]
+    depths: tuple
+    use: str
+    fut: asyncio.Future
+    done: int = 0                                       # texts already encoded
+    parts: list[dict] = field(default_factory=list)     # per forward: {depth: rows}
+    counts: list[int] = field(default_factory=list)
+
+    @property
+    def lookup(self) -> bool:
+        return self.use != "api"
+
+
+class Embedder:
+    """The shared encoder behind a lock-free lazy load; `encode` is async (runs on the encoder's
+    thread, concurrent calls coalesced and sliced; see the module's docstring)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, name: str = EMBEDDING_MODEL,
+                 slice_texts: int = SLICE_TEXTS, slice_chars: int = SLICE_CHARS):
         self.name = name
+        self.slice_texts, self.slice_chars = slice_texts, slice_chars
         self._encoder = None
         self._lock = threading.Lock()
-        self._queue: list[tuple[list[str], asyncio.Future, str, tuple]] = []
+        self._queue: list[_Call] = []
         self._draining = False
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-embed")
         self.batches = 0    # forwards run by `encode` (coalesced calls count once)
         self.latency = Histogram("kvserve:embedding_latency_seconds", "Time to embed one batch of texts.",
                                  ["use"], buckets=LATENCY_BUCKETS, registry=registry)
@@ -96,9 +131,17 @@ class Embedder:
         self.latency.labels(use).observe(time.perf_counter() - t0)
         return out
 
+    async def run(self, fn, *args: Any) -> Any:
+        """`fn(*args)` on the encoder's thread (tokenizing a request's inputs, say)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def token_counts(self, texts: list[str]) -> list[int]:
+        """Each text's tokens as the encoder counts them (truncated at its sequence length)."""
+        return await self.run(lambda: self.get().token_counts(texts))
+
     async def encode(self, texts: list[str], use: str = "api"):
-        """([n, dim] tensor of unit rows, tokens), computed in a worker thread together with the
-        other calls waiting at that moment."""
+        """([n, dim] tensor of unit rows, tokens), computed on the encoder's thread together with
+        the other calls waiting at that moment."""
         vecs, tokens = await self.encode_depths(texts, (None,), use)
         return vecs[None], tokens
 
@@ -107,50 +150,90 @@ class Embedder:
         full embedding; model/bert.py `encode_depths`), coalesced with waiting calls that ask
         for the same depths."""
         depths = tuple(sorted(set(depths), key=lambda d: -1 if d is None else d))
-        if len(texts) > COALESCE_MAX_TEXTS:
-            self.batches += 1
-            vecs, counts = await asyncio.to_thread(self._encode_counted, texts, use, depths)
-            return vecs, sum(counts)
-        fut = asyncio.get_running_loop().create_future()
-        self._queue.append((texts, fut, use, depths))
+        if not texts:
+            vecs, _ = await self.run(self._encode_counted, [], use, depths)
+            return vecs, 0
+        call = _Call(list(texts), depths, use, asyncio.get_running_loop().create_future())
+        self._queue.append(call)
         if not self._draining:
             self._draining = True
             asyncio.get_running_loop().create_task(self._drain())
-        return await fut
+        try:
+            return await call.fut
+        finally:   # a caller gone (cancelled) stops costing forwards
+            if call in self._queue:
+                self._queue.remove(call)
+
+    def _next_batch(self) -> list[tuple[_Call, int]]:
+        """The next forward's (call, texts taken): lookups first, then the waiting calls in turn, up
+        to `slice_texts` texts and `slice_chars` characters (at least one text), all asking for
+        the depths of the first one served; a call with texts left goes to the back of the queue."""
+        queue = sorted(self._queue, key=lambda c: not c.lookup)   # stable: arrival order within each kind
+        depths = queue[0].depths
+        texts, chars, batch = self.slice_texts, self.slice_chars, []
+        for call in queue:
+            if call.depths != depths:
+                continue
+            take = 0
+            for text in call.texts[call.done:]:
+                cost = min(len(text), WINDOW_CHARS)
+                first = not batch and take == 0      # a forward takes at least one text
+                if not call.lookup and not first and (texts <= 0 or cost > chars):
+                    break
+                take, texts, chars = take + 1, texts - 1, chars - cost
+            if take == 0:
+                break
+            batch.append((call, take))
+        for call, take in batch:
+            self._queue.remove(call)
+            if call.done + take < len(call.texts):
+                self._queue.append(call)
+        return batch
 
     async def _drain(self) -> None:
+        import torch
+
         try:
             while self._queue:
-                depths = self._queue[0][3]     # one forward per set of depths, oldest first
-                calls = [c for c in self._queue if c[3] == depths]
-                self._queue = [c for c in self._queue if c[3] != depths]
-                texts = [t for c in calls for t in c[0]]
+                batch = self._next_batch()
+                texts = [t for call, take in batch for t in call.texts[call.done:call.done + take]]
                 self.batches += 1
                 try:
-                    vecs, counts = await asyncio.to_thread(self._encode_counted, texts, calls[0][2], depths)
-                except BaseException as e:   # every waiting call gets the error
-                    for _, fut, _, _ in calls:
-                        if not fut.done():
-                            fut.set_exception(e)
+                    vecs, counts = await self.run(self._encode_counted, texts, batch[0][0].use, batch[0][0].depths)
+                except BaseException as e:   # every call in the forward gets the error
+                    for call, _ in batch:
+                        if call in self._queue:
+                            self._queue.remove(call)
+                        if not call.fut.done():
+                            call.fut.set_exception(e)
                     if not isinstance(e, Exception):
                         raise
                     continue
                 at = 0
-                for call_texts, fut, _, _ in calls:
-                    n = len(call_texts)
-                    if not fut.done():
-                        fut.set_result(({d: v[at:at + n] for d, v in vecs.items()}, sum(counts[at:at + n])))
-                    at += n
+                for call, take in batch:
+                    call.parts.append({d: v[at:at + take] for d, v in vecs.items()})
+                    call.counts += counts[at:at + take]
+                    call.done += take
+                    at += take
+                    if call.done == len(call.texts) and not call.fut.done():
+                        whole = {d: torch.cat([p[d] for p in call.parts]) for d in call.depths}
+                        call.fut.set_result((whole, sum(call.counts)))
         finally:
             self._draining = False
 
     def _encode_counted(self, texts: list[str], use: str, depths: tuple = (None,)):
+        from kvserve.model.bert import one_thread
+
         t0 = time.perf_counter()
         enc = self.get()
-        vecs, counts = enc.encode_depths(texts, tuple(enc.layers if d is None else d for d in depths))
+        with one_thread():
+            vecs, counts = enc.encode_depths(texts, tuple(enc.layers if d is None else d for d in depths))
         self.latency.labels(use).observe(time.perf_counter() - t0)
         return {d: vecs[enc.layers if d is None else d] for d in depths}, counts
 
     def card(self, created: int) -> dict:
         return {"id": self.name, "object": "model", "created": created, "owned_by": "kvserve",
                 "kvserve_kind": "embedding", "dimensions": 384}
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -112,6 +112,7 @@ class ModelPool:
             self.entries[0].name = self.entries[0].name or engine.model_name
         self.on_load_failed = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.lora_owners: dict[str, str] = {}   # adapter -> the key it was loaded for (absent: everyone's)
 
     # ---- lookups --------------------------------------------------------------------------
     @property
@@ -135,12 +136,25 @@ class ModelPool:
         for e in self.loaded():       # a LoRA adapter over a model's base (engine/lora.py)
             if requested in e.engine.lora_names():
                 return e
-        served = ", ".join(repr(n) for n in self.names()) or "its model"
-        raise ModelNotFound(f"The model {requested!r} does not exist on this server; it serves {served} "
-                            "(GET /v1/models).", param="model")
+        raise self._not_found(requested)
 
-    def resolve(self, requested: str | None):
-        """(engine client, served name) for the model a request names; raises 404 / 503."""
+    def _not_found(self, requested: str) -> ModelNotFound:
+        served = ", ".join(repr(n) for n in self.names()) or "its model"
+        return ModelNotFound(f"The model {requested!r} does not exist on this server; it serves {served} "
+                             "(GET /v1/models).", param="model")
+
+    def lora_visible(self, name: str, caller: str | None) -> bool:
+        """Whether the caller (a key's name) may list and use adapter `name`: an adapter loaded for
+        one key (`kvserve_owner`) is that key's; one from --lora or loaded by the admin for no key
+        is everyone's."""
+        owner = self.lora_owners.get(name)
+        return owner is None or owner == caller
+
+    def resolve(self, requested: str | None, caller: str | None = None):
+        """(engine client, served name) for the model a request names; raises 404 / 503 (404 too
+        for another key's adapter: it is not there for this caller)."""
+        if requested and not self.lora_visible(requested, caller) and requested not in self.names():
+            raise self._not_found(requested)
         e = self.entry(requested)
         if e.engine is None:
             msg = (f"The model {e.name or e.spec.path or 'default'} failed to load: {e.load_error}"
@@ -218,10 +232,11 @@ class ModelPool:
                 threading.Thread(target=self.load_entry, args=(e,), name="kvserve-model-reload",
                                  daemon=True).start()
 
-    def cards(self, created: int) -> list[dict]:
-        """/v1/models entries of the loaded models."""
+    def cards(self, created: int, caller: str | None = None) -> list[dict]:
+        """/v1/models entries of the loaded models (and the adapters `caller` may use)."""
         return [{"id": e.name, "object": "model", "created": created, "owned_by": "kvserve",
                  "max_model_len": e.engine.max_model_len, "cost_per_1k_tokens": e.spec.cost_per_1k_tokens}
                 for e in self.loaded()] + [
                 {"id": n, "object": "model", "created": created, "owned_by": "kvserve", "parent": e.name, "root": n,
-                 "max_model_len": e.engine.max_model_len} for e in self.loaded() for n in e.engine.lora_names()]
+                 "max_model_len": e.engine.max_model_len} for e in self.loaded() for n in e.engine.lora_names()
+                if self.lora_visible(n, caller)]

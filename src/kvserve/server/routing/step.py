@@ -99,6 +99,7 @@ class RoutingStep:
     def close(self) -> None:
         if self.cache is not None:
             self.cache.close()
+        self.embedder.close()
 
     # ---- the router -----------------------------------------------------------------------
     async def route(self, req: GenerationRequest, kind: str,

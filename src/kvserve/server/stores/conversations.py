@@ -28,7 +28,10 @@ import time
 from dataclasses import dataclass
 
 from kvserve.errors import InvalidRequest, KVServeError
+from kvserve.server.stores.quota import QuotaExceeded
 from kvserve.server.stores.sql import Connection, SQLStore, Steps
+
+__all__ = ["ConversationNotFound", "ConversationStore", "QuotaExceeded", "StoreLimits"]
 
 ROLES = ("system", "user", "assistant", "tool")   # "tool": a tool call's result (meta.tool_call_id)
 
@@ -61,10 +64,6 @@ STEPS: Steps = [
 )""",
     ),
 ]
-
-
-class QuotaExceeded(KVServeError, status=413, code="storage_quota_exceeded"):
-    """An owner's conversations would exceed their storage quota (HTTP 413)."""
 
 
 class ConversationNotFound(KVServeError, status=404, code="conversation_not_found"):

@@ -14,6 +14,8 @@ the database only for what the two engines do differently:
     db.for_update                       row locks in a transaction (SQLite needs none: a
                                         transaction holds the file's write lock from BEGIN)
     db.octets(expr)                     the byte length of a text
+    db.lock_owner(conn, scope, owner)   an owner's writes to one store serialised until the
+                                        transaction ends (SQLite: the file's write lock already)
     db.data_version()                   a counter that moves when another connection commits
                                         (SQLite), or None: no cheap change signal (PostgreSQL)
     db.check_text(value, param)         a 400 for text the database cannot hold (NUL in PostgreSQL)
@@ -86,6 +88,9 @@ class Database:
 
     def octets(self, expr: str) -> str:
         return f"length(CAST({expr} AS BLOB))"
+
+    def lock_owner(self, conn: Connection, scope: str, owner: str) -> None:
+        """Hold `owner`'s lock in `scope` until the transaction ends (a quota check and its write)."""
 
     def data_version(self) -> int | None:
         return None

@@ -119,8 +119,8 @@ def open_backends(settings: ServerSettings, *, page_stores: bool = True) -> Stat
             return store
 
         convs = opened(ConversationStore(where, settings.store_limits())) if page_stores else None
-        arena = opened(ArenaStore(db)) if page_stores and db is not None else None
-        responses = opened(ResponseStore(where))
+        arena = opened(ArenaStore(db, settings.quota("arena"))) if page_stores and db is not None else None
+        responses = opened(ResponseStore(where, settings.quota("responses")))
         policies = opened(PolicyStore(where))
     except BaseException:
         _close_all(closers)

@@ -59,6 +59,7 @@ _KEY_COLS = "name, tier, rpm, tpm, prefix, created_at, revoked_at"
 _USAGE_COLS = ("key_name", "day", "requests", "prompt_tokens", "completion_tokens", "cached_tokens")
 
 TIERS = ("paid", "free")
+CLI_KEY_NAME = "api-key"   # the identity of `kvserve serve --api-key`: no database key may take it
 ANONYMOUS = "(anonymous)"  # ledger name for requests when auth is off
 
 
@@ -82,6 +83,9 @@ def new_key(name: str, tier: str, rpm: int | None, tpm: int | None) -> str:
     if not name or len(name) > 64 or not all(c.isalnum() or c in "-_." for c in name):
         raise InvalidRequest("Key names are 1-64 characters of letters, digits, '-', '_' or '.'.",
                              param="name")
+    if name == CLI_KEY_NAME:
+        raise InvalidRequest(f"The key name {CLI_KEY_NAME!r} is reserved for `kvserve serve --api-key`; pick "
+                             "another.", param="name")
     if tier not in TIERS:
         raise InvalidRequest(f"Tier must be one of {', '.join(TIERS)}.", param="tier")
     for label, value in (("rpm", rpm), ("tpm", tpm)):

@@ -88,6 +88,9 @@ class PostgresDatabase(Database):
     def schema(self, component: str, steps: Steps) -> None:
         migrate(self, component, self.render(steps))
 
+    def lock_owner(self, conn: Connection, scope: str, owner: str) -> None:
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(?))", (f"kvserve:{scope}:{owner}",))
+
     def octets(self, expr: str) -> str:
         return f"octet_length({expr})"
 

@@ -9,6 +9,10 @@ as chat messages without the instructions (OpenAI does not carry `instructions` 
 An owner sees only its own responses: another owner's id is a 404, as is an unknown one. The
 response and its conversation are JSON text (json.dumps escapes a NUL character, which
 PostgreSQL's TEXT cannot hold); storing an id again replaces it.
+
+Each owner's stored responses are under a quota (stores/quota.py: items, bytes of the response and
+its conversation, and OpenAI's 30-day expiry): past it, `put` is a 413 and nothing is stored; an
+expired response reads as unknown (404).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 from typing import Any
 
 from kvserve.errors import KVServeError
+from kvserve.server.stores.quota import DEFAULT_QUOTAS, OwnerQuota, QuotaLimits
 from kvserve.server.stores.sql import SQLStore, Steps
 
 
@@ -42,17 +47,27 @@ STEPS: Steps = [
 class ResponseStore(SQLStore):
     component, steps = "responses", STEPS
 
+    def __init__(self, db, quota: QuotaLimits | None = None):
+        self.quota = OwnerQuota("responses", quota or DEFAULT_QUOTAS["responses"], what="stored responses",
+                                param="store", text_columns=("response", "messages"))
+        super().__init__(db)
+
     def put(self, owner: str, response: dict[str, Any], messages: list[dict[str, Any]]) -> None:
-        with self.db.connection() as conn:
+        """Store (or replace) a response; 413 past the owner's quota."""
+        response_text, messages_text = json.dumps(response), json.dumps(messages)
+        size = len(response_text.encode()) + len(messages_text.encode())
+        with self.db.transaction() as conn:
+            self.quota.admit(self.db, conn, owner, size, replacing=response["id"])
             conn.execute("INSERT INTO responses (id, owner, created_at, response, messages) VALUES (?, ?, ?, ?, ?) "
                          "ON CONFLICT (id) DO UPDATE SET owner = excluded.owner, created_at = excluded.created_at, "
                          "response = excluded.response, messages = excluded.messages",
-                         (response["id"], owner, time.time(), json.dumps(response), json.dumps(messages)))
+                         (response["id"], owner, time.time(), response_text, messages_text))
 
     def _column(self, owner: str, response_id: str, column: str) -> Any:
+        alive, args = self.quota.alive()
         with self.db.connection() as conn:
-            row = conn.execute(f"SELECT {column} FROM responses WHERE id = ? AND owner = ?",
-                               (response_id, owner)).fetchone()
+            row = conn.execute(f"SELECT {column} FROM responses WHERE id = ? AND owner = ?{alive}",
+                               (response_id, owner, *args)).fetchone()
         if row is None:
             raise ResponseNotFound(f"No response with id {response_id!r} (stored responses are visible only to "
                                    "the key that created them).", param="response_id")
@@ -66,6 +81,7 @@ class ResponseStore(SQLStore):
 
     def delete(self, owner: str, response_id: str) -> None:
         with self.db.connection() as conn:
-            cur = conn.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner))
+            alive, args = self.quota.alive()
+            cur = conn.execute(f"DELETE FROM responses WHERE id = ? AND owner = ?{alive}", (response_id, owner, *args))
         if cur.rowcount == 0:
             raise ResponseNotFound(f"No response with id {response_id!r}.", param="response_id")

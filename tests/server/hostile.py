@@ -1,0 +1,124 @@
+"""Hostile requests of issue 49 (valid and small on the wire, dear for the server) and the
+bystander probe that checks one of them does not stall everyone else.
+
+`HOSTILE` is the soak's mix (test_soak_hostile.py): one entry per kind, `(name, send)` where
+`send(client, base_url, headers)` makes the request and returns nothing; a kind found later is
+one more entry here. `bystander_ms` is what a well-behaved caller sees: the median of several
+probes (a two-token chat, /health), so one noisy sample on a shared machine does not decide.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import httpx
+
+PROBE_QUESTIONS = [
+    "What is the capital of France?", "Name a primary colour.", "How many legs does a spider have?",
+    "What gas do plants absorb?", "Which planet is called the red planet?", "What is frozen water called?",
+    "Who wrote Hamlet?", "What is the boiling point of water in Celsius?", "What do bees make?",
+    "How many days are in a week?", "What is the largest ocean?", "Which animal says moo?",
+    "What colour is the sky on a clear day?", "What is two plus two?", "Which metal is liquid at room temperature?",
+    "What language is spoken in Brazil?", "How many continents are there?", "What is the opposite of hot?",
+    "Which organ pumps blood?", "What shape has three sides?", "What is the chemical symbol of gold?",
+    "Which season follows winter?", "What do you call a baby cat?", "What is the tallest animal?",
+]
+
+
+def long_text(i: int, words: int = 249) -> str:
+    """About 250 tokens in 500 bytes (a letter is a token): 2,048 of them fit the 1 MB body cap,
+    as in the issue's 2,048 x 256-token request."""
+    return " ".join("abcdefghijklmnopqrstuvwxyz"[(i * 7 + j * 3) % 26] for j in range(words))
+
+
+def chat_probe(base_url: str, headers: dict, question: str) -> float:
+    """Seconds for a two-token chat (raises on a non-200)."""
+    t0 = time.perf_counter()
+    r = httpx.post(base_url + "/v1/chat/completions", headers=headers, timeout=300,
+                   json={"messages": [{"role": "user", "content": question}], "max_tokens": 2, "temperature": 0})
+    r.raise_for_status()
+    return time.perf_counter() - t0
+
+
+def health_probe(base_url: str) -> float:
+    t0 = time.perf_counter()
+    httpx.get(base_url + "/health", timeout=300).raise_for_status()
+    return time.perf_counter() - t0
+
+
+def bystander_ms(base_url: str, headers: dict, questions: list[str]) -> tuple[float, float]:
+    """(median chat ms, median /health ms) over one probe per question."""
+    chats, healths = [], []
+    for q in questions:
+        chats.append(chat_probe(base_url, headers, q))
+        healths.append(health_probe(base_url))
+        time.sleep(0.05)
+    return statistics.median(chats) * 1000, statistics.median(healths) * 1000
+
+
+def within(loaded_ms: float, base_ms: float, factor: float = 2.0, slack_ms: float = 50.0) -> bool:
+    """The issue's bound: a bystander within `factor` times its unloaded latency (plus a few ms of
+    slack for the scheduling noise of a shared machine at sub-10 ms baselines)."""
+    return loaded_ms <= factor * base_ms + slack_ms
+
+
+# ---- the hostile kinds ------------------------------------------------------------------------
+
+def big_embeddings(client: httpx.Client, base_url: str, headers: dict, inputs: int = 200) -> httpx.Response:
+    """The largest /v1/embeddings request the caps allow (about 200 x 256 tokens)."""
+    return client.post(base_url + "/v1/embeddings", headers=headers, timeout=600,
+                       json={"input": [long_text(i) for i in range(inputs)]})
+
+
+def oversized_embeddings(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """Issue 49's 2,048 x 256 tokens: past the token cap (400)."""
+    return client.post(base_url + "/v1/embeddings", headers=headers, timeout=600,
+                       json={"input": [long_text(i) for i in range(2048)]})
+
+
+def big_metadata_response(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """A stored response with a 1 MB metadata value (400: metadata.x longer than 512)."""
+    return client.post(base_url + "/v1/responses", headers=headers, timeout=600,
+                       json={"input": "hi", "max_output_tokens": 1, "metadata": {"x": "v" * 1_000_000}})
+
+
+def stored_responses(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """Stored responses until the owner's quota refuses them (then 429 `quota_exceeded`)."""
+    return client.post(base_url + "/v1/responses", headers=headers, timeout=600,
+                       json={"input": "hi", "max_output_tokens": 1, "metadata": {"k": "v" * 500}})
+
+
+def arena_battles(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """Battles until the owner's quota refuses them, and a vote before any answer (409)."""
+    r = client.post(base_url + "/v1/kvserve/arena/battles", headers=headers, timeout=600,
+                    json={"prompt": "p" * 7000})
+    if r.status_code == 200:
+        client.post(base_url + f"/v1/kvserve/arena/battles/{r.json()['id']}/vote", headers=headers, timeout=600,
+                    json={"winner": "a"})
+    return r
+
+
+def guessed_admin_key(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """Admin-key guesses at line rate (throttled: 429 after a few)."""
+    return client.post(base_url + "/v1/load_lora_adapter", headers={"Authorization": "Bearer guess"},
+                       timeout=600, json={"lora_name": "x", "lora_path": "/nonexistent"})
+
+
+def newline_path(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """A path with an encoded newline (a 404, logged escaped)."""
+    return client.get(base_url + "/v1/%0a{\"forged\":1}", headers=headers, timeout=600)
+
+
+Send = Callable[[httpx.Client, str, dict], httpx.Response]
+
+HOSTILE: list[tuple[str, Send]] = [
+    ("big_embeddings", big_embeddings),
+    ("oversized_embeddings", oversized_embeddings),
+    ("big_metadata_response", big_metadata_response),
+    ("stored_responses", stored_responses),
+    ("arena_battles", arena_battles),
+    ("guessed_admin_key", guessed_admin_key),
+    ("newline_path", newline_path),
+]

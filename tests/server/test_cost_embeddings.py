@@ -1,0 +1,88 @@
+"""Issue 49.3: /v1/embeddings is capped per request, charged to the key's token bucket and usage
+ledger, and shares the encoder fairly: several of the largest requests the caps allow, at once, do
+not stall a short chat (whose semantic-cache lookup needs the same encoder) or /health.
+
+No time is asserted as a performance claim: the bystander's loaded latency is compared with its
+unloaded latency measured in the same test, by medians of several probes, within the issue's 2x.
+The unloaded latency is measured before and after the load and the slower of the two is the
+baseline: on a machine shared with other work its speed drifts within minutes, both ways.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from hostile import PROBE_QUESTIONS, big_embeddings, bystander_ms, long_text, oversized_embeddings, within
+
+from kvserve.server.stores.keys import KeyStore
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_server):
+    data_dir = tmp_path_factory.mktemp("cost-emb")
+    store = KeyStore(data_dir / "kvserve.db")
+    keys = {"a": store.create("emb-a"), "tight": store.create("emb-tight", tpm=3000)}
+    store.close()
+    srv = model_server(data_dir, "--semantic-cache", "on")
+    srv.keys = keys
+    return srv
+
+def auth(server, name: str = "a") -> dict:
+    return {"Authorization": f"Bearer {server.keys[name]}"}
+
+def test_token_cap_is_a_400_naming_input(server):
+    with httpx.Client() as c:
+        r = oversized_embeddings(c, server.base_url, auth(server))
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "input" and "tokens" in err["message"]
+
+def test_charged_to_the_token_bucket_and_the_ledger(server):
+    url = server.base_url + "/v1/embeddings"
+    r = httpx.post(url, headers=auth(server, "tight"), json={"input": ["hello there", "general kenobi"]}, timeout=120)
+    assert r.status_code == 200, r.text
+    used = r.json()["usage"]["prompt_tokens"]
+    # 20 x 256 tokens is more than the key's 3000 tokens per minute: refused before any forward
+    r = httpx.post(url, headers=auth(server, "tight"), json={"input": [long_text(i) for i in range(20)]}, timeout=120)
+    assert r.status_code == 429 and r.json()["error"]["param"] == "input", r.text
+    store = KeyStore(server.data_dir / "kvserve.db")
+    try:
+        row = next(u for u in store.usage("emb-tight"))
+    finally:
+        store.close()
+    assert row["prompt_tokens"] >= used and row["requests"] >= 1
+
+def test_big_requests_do_not_stall_a_chat_or_health(server):
+    h = auth(server)
+    with httpx.Client() as c:   # the encoder and the engine warm, the question set's cache entries absent
+        assert big_embeddings(c, server.base_url, h, inputs=4).status_code == 200
+    base_chat, base_health = bystander_ms(server.base_url, h, PROBE_QUESTIONS[:7])
+    stop = threading.Event()
+    done: list[int] = []
+
+    def hammer() -> None:
+        with httpx.Client() as c:
+            while not stop.is_set():
+                done.append(big_embeddings(c, server.base_url, h).status_code)
+
+    threads = [threading.Thread(target=hammer, daemon=True) for _ in range(6)]
+    for t in threads:
+        t.start()
+    try:
+
+        time.sleep(1.0)   # the six requests are queued at the encoder
+        loaded_chat, loaded_health = bystander_ms(server.base_url, h, PROBE_QUESTIONS[7:14])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=600)
+    assert done and set(done) == {200}, done
+    after_chat, after_health = bystander_ms(server.base_url, h, PROBE_QUESTIONS[14:21])
+    print(f"chat {base_chat:.0f} -> {loaded_chat:.0f} -> {after_chat:.0f} ms, "
+          f"health {base_health:.1f} -> {loaded_health:.1f} -> {after_health:.1f} ms")
+    base_chat, base_health = max(base_chat, after_chat), max(base_health, after_health)
+    assert within(loaded_chat, base_chat), (base_chat, loaded_chat)
+    assert within(loaded_health, base_health), (base_health, loaded_health)

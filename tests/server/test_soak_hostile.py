@@ -1,0 +1,89 @@
+"""Issue 49's soak: clients send the hostile mix (hostile.py's `HOSTILE`, one entry per kind of
+request that is small on the wire and dear for the server) against one server, and its RSS, open
+files and threads stay flat. The slow version runs 10 minutes (`KVSERVE_SOAK_S`, default 600);
+the short one (about 30 s) runs in `make test`. No answer may be a 5xx, and every kind is sent.
+
+Flat: after a warm-up, the server's RSS stays within 10% (plus 64 MiB of slack for caches that fill
+once) of its post-warm-up value, its open file descriptors within 16, and its threads within 4.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import pathlib
+import random
+import threading
+import time
+
+import httpx
+import pytest
+from hostile import HOSTILE
+
+from kvserve.server.stores.keys import KeyStore
+
+
+def resources(pid: int) -> tuple[int, int, int]:
+    """(RSS bytes, open fds, threads) of a process."""
+    status = dict(line.split(":", 1) for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines())
+    return (int(status["VmRSS"].split()[0]) * 1024, len(os.listdir(f"/proc/{pid}/fd")),
+            int(status["Threads"]))
+
+
+def run_hostile_soak(tmp_path: pathlib.Path, model_server, duration: float, warmup: float, clients: int = 3) -> None:
+    store = KeyStore(tmp_path / "kvserve.db")
+    key = store.create("hostile")
+    store.close()
+    srv = model_server(tmp_path, "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--semantic-cache", "on",
+                       "--admin-key", "soak-admin-key", "--quota", "responses:items=20",
+                       "--quota", "arena:items=5")
+    headers = {"Authorization": f"Bearer {key}"}
+    stop = threading.Event()
+    statuses: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    def client(seed: int) -> None:
+        order = HOSTILE[:]   # every kind in each round, in an order of the client's own
+        random.Random(seed).shuffle(order)
+        with httpx.Client() as c:
+            for i in itertools.count():
+                if stop.is_set():
+                    break
+                name, send = order[i % len(order)]
+                try:
+                    statuses[name][send(c, srv.base_url, headers).status_code] += 1
+                except httpx.TimeoutException:
+                    statuses[name]["timeout"] += 1
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    time.sleep(warmup)
+    base = resources(srv.proc.pid)
+    samples = []
+    end = time.monotonic() + duration
+    while time.monotonic() < end:
+        time.sleep(min(5.0, duration / 6))
+        samples.append(resources(srv.proc.pid))
+    stop.set()
+    for t in threads:
+        t.join(timeout=600)
+    assert httpx.get(srv.base_url + "/health", timeout=60).status_code == 200
+    print({name: dict(c) for name, c in statuses.items()}, base, samples[-1])
+    assert {name for name, _ in HOSTILE} <= set(statuses), statuses
+    bad = {name: c for name, c in statuses.items() if any(isinstance(s, int) and s >= 500 for s in c)}
+    assert not bad, bad
+    for rss, fds, nthreads in samples:
+        assert rss <= base[0] * 1.10 + (64 << 20), (base, samples)
+        assert fds <= base[1] + 16, (base, samples)
+        assert nthreads <= base[2] + 4, (base, samples)
+
+
+def test_hostile_mix_short(tmp_path, model_server):
+    run_hostile_soak(tmp_path, model_server, duration=20.0, warmup=10.0)
+
+
+@pytest.mark.slow
+def test_hostile_mix_soak(tmp_path, model_server):
+    duration = float(os.environ.get("KVSERVE_SOAK_S", "600"))
+    run_hostile_soak(tmp_path, model_server, duration=duration, warmup=min(60.0, duration / 5))
