@@ -59,23 +59,28 @@ def mount_embeddings(app: FastAPI, server: ServerState, embedder: Embedder) -> N
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> dict:
-        req = await read_request(request, EmbeddingRequest, settings)
-        if req.model not in (None, "", embedder.name):
-            raise ModelNotFound(f"The model {req.model!r} is not an embedding model of this server; use "
-                                f"{embedder.name!r}.", param="model")
-        texts = _texts(req)
-        if req.dimensions is not None and req.dimensions != 384:
-            raise InvalidRequest(f"{embedder.name} makes 384-dimensional vectors; dimensions={req.dimensions} "
-                                 "is not supported.", param="dimensions")
-        try:
-            vecs, tokens = await embedder.encode(texts)
-        except (KVServeError, OSError) as e:   # the weights package missing or broken: the server stays up
-            raise Overloaded(f"The embedding model could not be loaded: {getattr(e, 'message', e)}", retry_after=30.0,
-                             code="model_not_ready") from None
-        data = []
-        for i, v in enumerate(vecs):
-            emb = (base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() if req.encoding_format == "base64"
-                   else v.tolist())
-            data.append({"object": "embedding", "index": i, "embedding": emb})
-        return {"object": "list", "data": data, "model": embedder.name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return await create_embeddings(embedder, request, await read_request(request, EmbeddingRequest, settings))
+
+
+async def create_embeddings(embedder: Embedder, request: Request, req: EmbeddingRequest) -> dict:
+    """The `/v1/embeddings` answer to a validated request (Ollama's /api/embed renders it in its own
+    shape: api/ollama.py)."""
+    if req.model not in (None, "", embedder.name):
+        raise ModelNotFound(f"The model {req.model!r} is not an embedding model of this server; use "
+                            f"{embedder.name!r}.", param="model")
+    texts = _texts(req)
+    if req.dimensions is not None and req.dimensions != 384:
+        raise InvalidRequest(f"{embedder.name} makes 384-dimensional vectors; dimensions={req.dimensions} "
+                             "is not supported.", param="dimensions")
+    try:
+        vecs, tokens = await embedder.encode(texts)
+    except (KVServeError, OSError) as e:   # the weights package missing or broken: the server stays up
+        raise Overloaded(f"The embedding model could not be loaded: {getattr(e, 'message', e)}", retry_after=30.0,
+                         code="model_not_ready") from None
+    data = []
+    for i, v in enumerate(vecs):
+        emb = (base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() if req.encoding_format == "base64"
+               else v.tolist())
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return {"object": "list", "data": data, "model": embedder.name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

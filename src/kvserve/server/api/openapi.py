@@ -17,7 +17,9 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 import kvserve
+from kvserve.server.api.anthropic import CountTokensRequest, MessagesRequest
 from kvserve.server.api.embeddings import EmbeddingRequest
+from kvserve.server.api.ollama import ChatBody, EmbedBody, GenerateBody, ShowBody
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -106,7 +108,16 @@ BODIES: dict[tuple[str, str], type[BaseModel]] = {
     (CONV, "post"): ConversationCreate,
     (CONV + "/{conv_id}", "patch"): ConversationUpdate,
     (CONV + "/{conv_id}/messages", "post"): MessagesPut,
+    ("/v1/messages", "post"): MessagesRequest,               # Anthropic (api/anthropic.py)
+    ("/v1/messages/count_tokens", "post"): CountTokensRequest,
+    ("/api/chat", "post"): ChatBody,                          # Ollama (api/ollama.py)
+    ("/api/generate", "post"): GenerateBody,
+    ("/api/embed", "post"): EmbedBody,
+    ("/api/show", "post"): ShowBody,
 }
+STREAMS = {"/v1/chat/completions": "text/event-stream", "/v1/completions": "text/event-stream",
+           "/v1/responses": "text/event-stream", "/v1/messages": "text/event-stream",
+           "/api/chat": "application/x-ndjson", "/api/generate": "application/x-ndjson"}
 RESPONSES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/models", "get"): ModelList,
     ("/v1/models/{model_id}", "get"): ModelCard,
@@ -140,8 +151,8 @@ def openapi(app: FastAPI) -> dict:
                 op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(body)}}}
             ok = RESPONSES.get((path, method))
             content = {"application/json": {"schema": ref(ok) if ok else {}}}
-            if method == "post" and path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
-                content["text/event-stream"] = {"schema": {}}    # each event: a chunk or an error body
+            if method == "post" and path in STREAMS:
+                content[STREAMS[path]] = {"schema": {}}    # each event (line): a chunk or an error body
             if path == "/metrics":
                 content = {"text/plain": {"schema": {"type": "string"}}}
             op["responses"] = {"200": {"description": "OK", "content": content}, "default": error}
