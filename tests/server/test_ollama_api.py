@@ -115,6 +115,7 @@ def test_generate_whole_streamed_raw_and_load(server):
     assert r.response and r.prompt_eval_count < g.prompt_eval_count     # no template around a raw prompt
     loaded = c.generate(model=MODEL + ":latest")       # an empty prompt loads the model
     assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
+    assert client(server).chat(model=MODEL, messages=[], keep_alive=0).done_reason == "unload"
 
 
 def test_options_map_to_sampling(server):

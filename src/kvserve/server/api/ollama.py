@@ -10,11 +10,12 @@ path, with the same gates, stage list and usage ledger as OpenAI's routes; `Olla
     options: temperature, top_k, top_p, min_p, seed, num_predict (max_tokens; -1/-2: until the
              window), stop, repeat_penalty, presence/frequency_penalty -> the sampling fields;
              num_ctx caps prompt + answer (the answer's max_tokens is cut to fit; a prompt longer
-             than num_ctx is a 400); the hardware and mirostat options are accepted and ignored
+             than num_ctx is a 400); the hardware and mirostat options are accepted and ignored,
+             an unknown option is a 400
     format "json" -> response_format json_object; a JSON schema -> json_schema
     tools (OpenAI's function shape) -> tools; think true/"low"/"medium"/"high" -> reasoning_effort
-    keep_alive -> accepted; models stay loaded for the server's life (an empty generate answers
-             done_reason "load", or "unload" with keep_alive 0, and changes nothing)
+    keep_alive -> accepted; models stay loaded for the server's life (an empty chat or generate
+             answers done_reason "load", or "unload" with keep_alive 0, and changes nothing)
 
 `/api/tags` lists what `/v1/models` lists, from the same cards; `/api/embed` is `/v1/embeddings`
 (api/embeddings.py) in Ollama's shape. Errors are `{"error": "..."}` (api/error_shapes.py).
@@ -53,10 +54,45 @@ OLLAMA_VERSION = "0.12.0"     # the Ollama API version whose routes and fields t
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "min_p": "min_p", "seed": "seed", "stop": "stop",
             "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
             "frequency_penalty": "frequency_penalty"}
-IGNORED = {"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mmap",
-           "use_mlock", "embedding_only", "num_thread", "num_keep", "tfs_z", "typical_p", "repeat_last_n",
-           "mirostat", "mirostat_tau", "mirostat_eta", "penalize_newline"}
 Think = bool | Literal["low", "medium", "high"] | None
+
+
+class Options(_Strict):
+    """Ollama's `options`: the sampling ones are mapped (SAMPLING, top_k, num_predict, num_ctx); the
+    hardware and mirostat ones are accepted and ignored; any other key is a 400."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    num_predict: int | None = None
+    stop: list[str] | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    num_ctx: int | None = Field(default=None, ge=2)
+    # ignored
+    numa: bool | None = None
+    num_batch: int | None = None
+    num_gpu: int | None = None
+    main_gpu: int | None = None
+    low_vram: bool | None = None
+    f16_kv: bool | None = None
+    logits_all: bool | None = None
+    vocab_only: bool | None = None
+    use_mmap: bool | None = None
+    use_mlock: bool | None = None
+    embedding_only: bool | None = None
+    num_thread: int | None = None
+    num_keep: int | None = None
+    tfs_z: float | None = None
+    typical_p: float | None = None
+    repeat_last_n: int | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    penalize_newline: bool | None = None
 
 
 class OllamaMessage(_Strict):
@@ -72,7 +108,7 @@ class _Generation(_Strict):
     model: str
     stream: bool = True
     format: str | dict[str, Any] | None = None
-    options: dict[str, Any] | None = None
+    options: Options | None = None
     keep_alive: float | str | None = None
     think: Think = None
     logprobs: bool | None = None
@@ -98,7 +134,7 @@ class EmbedBody(_Strict):
     model: str
     input: str | list[str]
     truncate: bool | None = None
-    options: dict[str, Any] | None = None
+    options: Options | None = None      # accepted; the encoder has no sampling
     keep_alive: float | str | None = None
     dimensions: int | None = None
 
@@ -114,27 +150,18 @@ def served_name(name: str) -> str:
     return name.removesuffix(":latest")
 
 
-def _options(options: dict[str, Any] | None, out: dict[str, Any]) -> int | None:
+def _options(options: Options | None, out: dict[str, Any]) -> int | None:
     """Sampling fields from `options` into the request body `out`; returns num_ctx (None: unset)."""
-    options = options or {}
-    for key, value in options.items():
-        if value is None or key in IGNORED:
-            continue
-        if key in SAMPLING:
-            out[SAMPLING[key]] = value
-        elif key == "top_k":
-            if value > 0:        # Ollama: 0 turns top-k off
-                out["top_k"] = value
-        elif key == "num_predict":
-            if value > 0:        # -1: until the window is full; -2: fill the context
-                out["max_tokens"] = value
-        elif key != "num_ctx":
-            raise InvalidRequest(f"Unknown option {key!r}; see docs/api.md for the options kvserve maps.",
-                                 param=f"options.{key}")
-    num_ctx = options.get("num_ctx")
-    if num_ctx is not None and (not isinstance(num_ctx, int) or num_ctx < 2):
-        raise InvalidRequest("options.num_ctx must be an integer of at least 2.", param="options.num_ctx")
-    return num_ctx
+    if options is None:
+        return None
+    for key, dst in SAMPLING.items():
+        if getattr(options, key) is not None:
+            out[dst] = getattr(options, key)
+    if options.top_k is not None and options.top_k > 0:              # Ollama: 0 turns top-k off
+        out["top_k"] = options.top_k
+    if options.num_predict is not None and options.num_predict > 0:  # -1: until the window is full; -2: fill it
+        out["max_tokens"] = options.num_predict
+    return options.num_ctx
 
 
 def _common(body: _Generation, out: dict[str, Any]) -> int | None:
@@ -168,8 +195,8 @@ def chat_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
         if m.role == "assistant" and m.tool_calls:
             calls = []
             for j, c in enumerate(m.tool_calls):
-                fn = c.get("function") or {}
-                if not isinstance(fn.get("name"), str):
+                fn = c.get("function")
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     raise InvalidRequest("A tool call needs function.name.", param=f"messages[{i}].tool_calls[{j}]")
                 args = fn.get("arguments") or {}
                 calls.append({"id": f"call_{i}_{j}", "type": "function", "function": {
@@ -191,9 +218,14 @@ def chat_request(body: ChatBody) -> tuple[dict[str, Any], int | None]:
     chat: dict[str, Any] = {"messages": chat_messages(body.messages)}
     num_ctx = _common(body, chat)
     if body.tools:
-        chat["tools"] = [{"type": "function", "function": {k: v for k, v in (t.get("function") or {}).items()
-                                                           if k in ("name", "description", "parameters")}}
-                         for t in body.tools]
+        chat["tools"] = []
+        for i, t in enumerate(body.tools):
+            fn = t.get("function")
+            if t.get("type", "function") != "function" or not isinstance(fn, dict):
+                raise InvalidRequest('A tool is {"type": "function", "function": {"name", "description", '
+                                     '"parameters"}}.', param=f"tools[{i}]")
+            chat["tools"].append({"type": "function", "function": {
+                k: v for k, v in fn.items() if k in ("name", "description", "parameters")}})
     return chat, num_ctx
 
 
@@ -253,20 +285,27 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
 
         return await deliver(gw, request, gen, lease, lines, whole, media_type="application/x-ndjson")
 
+    def load(body: ChatBody | GenerateBody, chat: bool) -> Response:
+        """Ollama's way to load (keep_alive 0: unload) a model: a request with nothing to answer."""
+        ModelHandle.resolve(gw, served_name(body.model))
+        out: dict[str, Any] = {"model": body.model, "created_at": now()}
+        out |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+        out |= {"done": True, "done_reason": "unload" if body.keep_alive in (0, "0", "0s") else "load"}
+        return Response(line(out), media_type="application/x-ndjson") if body.stream else JSONResponse(out)
+
     @app.post("/api/chat")
     async def chat(request: Request) -> Response:
         body = await read_request(request, ChatBody, settings)
+        if not body.messages:
+            return load(body, chat=True)
         chat_body, num_ctx = chat_request(body)
         return await generation(request, chat_body, num_ctx, True, body.model)
 
     @app.post("/api/generate")
     async def generate(request: Request) -> Response:
         body = await read_request(request, GenerateBody, settings)
-        if not body.prompt and not body.system:     # Ollama's way to load (keep_alive 0: unload) a model
-            ModelHandle.resolve(gw, served_name(body.model))
-            reason = "unload" if body.keep_alive in (0, "0", "0s") else "load"
-            out = {"model": body.model, "created_at": now(), "response": "", "done": True, "done_reason": reason}
-            return Response(line(out), media_type="application/x-ndjson") if body.stream else JSONResponse(out)
+        if not body.prompt and not body.system:
+            return load(body, chat=False)
         gen_body, num_ctx, is_chat = generate_request(body)
         return await generation(request, gen_body, num_ctx, is_chat, body.model)
 

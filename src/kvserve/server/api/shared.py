@@ -20,7 +20,7 @@ from kvserve.errors import KVServeError
 from kvserve.server.api.openai_wire import INTERNAL_ERROR
 from kvserve.server.generation import Generation, Lease, ModelHandle
 from kvserve.server.generation.context import build_chat_prompt
-from kvserve.server.protocol import ChatCompletionRequest, check_tools
+from kvserve.server.protocol import ChatCompletionRequest, check_caps
 from kvserve.server.stages.tools import make_plan
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ async def under_lease(gen: Generation, lease: Lease, events: AsyncIterator[str],
 async def count_prompt_tokens(gw: ServerState, chat: ChatCompletionRequest) -> int:
     """The prompt tokens of `chat` as build_plan would render them (template, tools, the opening of
     a reasoning block), whatever the window; the model's name is checked (404 / 503)."""
-    check_tools(chat, gw.settings.max_tools, gw.settings.max_tools_bytes)
+    check_caps(chat, gw.settings)     # messages, tools: what build_plan checks first
     model = ModelHandle.resolve(gw, chat.model)
     tools = make_plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
     prompt = await asyncio.to_thread(build_chat_prompt, model.tokenizer, chat.messages, max_model_len=sys.maxsize,
