@@ -14,10 +14,15 @@ import httpx
 import pydantic
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
+from typer.testing import CliRunner
 
+from kvserve.server.cli import keys_app
 from kvserve.server.stores.keys import KeyStore
 
 MODEL = "smollm2-135m-instruct"
+WORD = "zanzibar"
+ASK = {"role": "user", "content": f"Say {WORD} eight times."}
+ECHO = [ASK, {"role": "assistant", "content": " ".join([WORD] * 8)}, ASK]   # the model copies its last answer
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
@@ -31,9 +36,12 @@ STREAM_ORDER = re.compile(r"message_start (content_block_start (content_block_de
 def server(tmp_path_factory, model_server):
     data_dir = tmp_path_factory.mktemp("anthropic")
     store = KeyStore(data_dir / "kvserve.db")
-    keys = {"a": store.create("a"), "usage": store.create("usage")}
+    keys = {"a": store.create("a"), "usage": store.create("usage"), "out": store.create("out")}
     keys |= {route: store.create(f"limited{i}", rpm=1) for i, route in enumerate(ROUTES)}
     store.close()
+    r = CliRunner().invoke(keys_app, ["moderation", "out", "--mode", "output", "--check-every", "4", "--block",
+                                      f"places={WORD}", "--data-dir", str(data_dir)])
+    assert r.exit_code == 0, r.output
     srv = model_server(data_dir, "--max-model-len", "1024")
     srv.keys = keys
     return srv
@@ -224,3 +232,12 @@ def test_moderation_and_usage(server):
     assert row["requests"] == 2
     assert row["completion_tokens"] == m1.usage.output_tokens + m2.usage.output_tokens
     assert row["prompt_tokens"] == sum(m.usage.input_tokens + m.usage.cache_read_input_tokens for m in (m1, m2))
+
+
+def test_output_moderation_cut_is_a_refusal(server):
+    c = client(server, "out")
+    m = c.messages.create(model=MODEL, max_tokens=48, extra_body={"temperature": 0}, messages=ECHO)
+    assert m.stop_reason == "refusal"
+    with c.messages.stream(model=MODEL, max_tokens=48, extra_body={"temperature": 0}, messages=ECHO) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "refusal" and "zanzibar zanzibar zanzibar zanzibar" not in final.content[0].text

@@ -22,10 +22,15 @@ from ollama._types import (
     ProcessResponse,
     ShowResponse,
 )
+from typer.testing import CliRunner
 
+from kvserve.server.cli import keys_app
 from kvserve.server.stores.keys import KeyStore
 
 MODEL = "smollm2-135m-instruct"
+WORD = "zanzibar"
+ASK = {"role": "user", "content": f"Say {WORD} eight times."}
+ECHO = [ASK, {"role": "assistant", "content": " ".join([WORD] * 8)}, ASK]   # the model copies its last answer
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
@@ -39,9 +44,12 @@ KNOWN_EXTRAS = {"name"}
 def server(tmp_path_factory, model_server):
     data_dir = tmp_path_factory.mktemp("ollama")
     store = KeyStore(data_dir / "kvserve.db")
-    keys = {"a": store.create("a"), "usage": store.create("usage")}
+    keys = {"a": store.create("a"), "usage": store.create("usage"), "out": store.create("out")}
     keys |= {path: store.create(f"limited{i}", rpm=1) for i, (_, path) in enumerate(ROUTES)}
     store.close()
+    r = CliRunner().invoke(keys_app, ["moderation", "out", "--mode", "output", "--check-every", "4", "--block",
+                                      f"places={WORD}", "--data-dir", str(data_dir)])
+    assert r.exit_code == 0, r.output
     srv = model_server(data_dir, "--max-model-len", "1024")
     srv.keys = keys
     return srv
@@ -246,3 +254,12 @@ def test_stream_error_line_is_raised():
 
     [line] = OllamaRenderer.failed(500, "boom")
     assert json.loads(line) == {"error": "boom"} and line.endswith("\n")
+
+
+def test_output_moderation_cut(server):
+    c = client(server, "out")
+    r = c.chat(model=MODEL, messages=ECHO, options={"temperature": 0, "num_predict": 48})
+    assert r.done_reason == "content_filter"
+    parts = list(c.chat(model=MODEL, messages=ECHO, stream=True, options={"temperature": 0, "num_predict": 48}))
+    assert parts[-1].done_reason == "content_filter"
+    assert "zanzibar zanzibar zanzibar zanzibar" not in "".join(p.message.content for p in parts)
