@@ -240,4 +240,5 @@ def test_output_moderation_cut_is_a_refusal(server):
     assert m.stop_reason == "refusal"
     with c.messages.stream(model=MODEL, max_tokens=48, extra_body={"temperature": 0}, messages=ECHO) as s:
         final = s.get_final_message()
-    assert final.stop_reason == "refusal" and "zanzibar zanzibar zanzibar zanzibar" not in final.content[0].text
+    assert final.stop_reason == "refusal" and [b.type for b in final.content] == [b.type for b in m.content]
+    assert "zanzibar zanzibar zanzibar zanzibar" not in final.content[-1].text

@@ -55,6 +55,7 @@ class MessageRenderer:
         self.stop_sequences = stop_sequences
         self.blocks = 0                       # content blocks opened so far
         self.open: tuple[str, int] | None = None   # (kind, tool call index) of the open block
+        self.kinds: set[str] = set()          # the kinds of block opened so far
 
     def _stop(self, reason: str | None, stop_reason: Any, calls: list) -> dict[str, Any]:
         if ended_with_calls(calls, reason):
@@ -96,6 +97,7 @@ class MessageRenderer:
     def _start(self, kind: str, block: dict[str, Any], call: int = -1) -> list[str]:
         out = self._close()
         self.open = (kind, call)
+        self.kinds.add(kind)
         out.append(sse("content_block_start", {"type": "content_block_start", "index": self.blocks,
                                                "content_block": block}))
         return out
@@ -145,6 +147,9 @@ class MessageRenderer:
                 yield event
             if d.done:
                 stop = self._stop(d.finish_reason, d.stop_reason, d.calls)
+        if not self.kinds & {"text", "tool_use"}:    # as message(): an answer has a text block, if empty
+            for event in self._start("text", {"type": "text", "text": ""}):
+                yield event
         for event in self._close():
             yield event
         yield sse("message_delta", {"type": "message_delta", "delta": stop, "usage": self.usage()})
