@@ -10,19 +10,16 @@ import json
 import re
 
 import anthropic
+import client_api_server
 import httpx
 import pydantic
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
-from typer.testing import CliRunner
+from client_api_server import ECHO
 
-from kvserve.server.cli import keys_app
 from kvserve.server.stores.keys import KeyStore
 
 MODEL = "smollm2-135m-instruct"
-WORD = "zanzibar"
-ASK = {"role": "user", "content": f"Say {WORD} eight times."}
-ECHO = [ASK, {"role": "assistant", "content": " ".join([WORD] * 8)}, ASK]   # the model copies its last answer
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
@@ -34,17 +31,7 @@ STREAM_ORDER = re.compile(r"message_start (content_block_start (content_block_de
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_server):
-    data_dir = tmp_path_factory.mktemp("anthropic")
-    store = KeyStore(data_dir / "kvserve.db")
-    keys = {"a": store.create("a"), "usage": store.create("usage"), "out": store.create("out")}
-    keys |= {route: store.create(f"limited{i}", rpm=1) for i, route in enumerate(ROUTES)}
-    store.close()
-    r = CliRunner().invoke(keys_app, ["moderation", "out", "--mode", "output", "--check-every", "4", "--block",
-                                      f"places={WORD}", "--data-dir", str(data_dir)])
-    assert r.exit_code == 0, r.output
-    srv = model_server(data_dir, "--max-model-len", "1024")
-    srv.keys = keys
-    return srv
+    return client_api_server.start(tmp_path_factory, model_server, "anthropic", list(ROUTES))
 
 
 def client(server, key: str = "a") -> anthropic.Anthropic:

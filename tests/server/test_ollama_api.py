@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import typing
 
+import client_api_server
 import httpx
 import ollama
 import pydantic
 import pytest
+from client_api_server import ECHO
 from ollama._types import (
     ChatResponse,
     EmbedResponse,
@@ -22,15 +24,10 @@ from ollama._types import (
     ProcessResponse,
     ShowResponse,
 )
-from typer.testing import CliRunner
 
-from kvserve.server.cli import keys_app
 from kvserve.server.stores.keys import KeyStore
 
 MODEL = "smollm2-135m-instruct"
-WORD = "zanzibar"
-ASK = {"role": "user", "content": f"Say {WORD} eight times."}
-ECHO = [ASK, {"role": "assistant", "content": " ".join([WORD] * 8)}, ASK]   # the model copies its last answer
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
@@ -42,17 +39,7 @@ KNOWN_EXTRAS = {"name"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_server):
-    data_dir = tmp_path_factory.mktemp("ollama")
-    store = KeyStore(data_dir / "kvserve.db")
-    keys = {"a": store.create("a"), "usage": store.create("usage"), "out": store.create("out")}
-    keys |= {path: store.create(f"limited{i}", rpm=1) for i, (_, path) in enumerate(ROUTES)}
-    store.close()
-    r = CliRunner().invoke(keys_app, ["moderation", "out", "--mode", "output", "--check-every", "4", "--block",
-                                      f"places={WORD}", "--data-dir", str(data_dir)])
-    assert r.exit_code == 0, r.output
-    srv = model_server(data_dir, "--max-model-len", "1024")
-    srv.keys = keys
-    return srv
+    return client_api_server.start(tmp_path_factory, model_server, "ollama", [path for _, path in ROUTES])
 
 
 def client(server, key: str = "a") -> ollama.Client:
