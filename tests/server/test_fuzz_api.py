@@ -4,7 +4,8 @@ server with the real model. Checks: no 5xx, every status and content type docume
 response body matching its schema; the server is alive and healthy after.
 
 Default run: a bounded budget per operation (FUZZ_EXAMPLES); `-m slow`: ten times as many.
-Generated max_tokens are clamped to 4 so that the budget goes to breadth, not to decoding.
+Generated max_tokens (Ollama's options.num_predict) are clamped to 4 so that the budget goes to
+breadth, not to decoding.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def fuzz(server, examples: int) -> dict[str, dict[int, int]]:
                 for k in ("max_tokens", "max_completion_tokens"):
                     if isinstance(case.body.get(k), int) and case.body[k] > 4:
                         case.body[k] = 4
+                if case.operation.path in ("/api/chat", "/api/generate"):   # Ollama: options.num_predict
+                    opts = case.body.get("options")
+                    case.body["options"] = {**(opts if isinstance(opts, dict) else {}), "num_predict": 4}
             r = case.call_and_validate(base_url=server.base_url, headers=headers, checks=CHECKS, timeout=120)
             codes[r.status_code] = codes.get(r.status_code, 0) + 1  # noqa: B023 - run() is called in this iteration
 

@@ -19,11 +19,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kvserve
 from kvserve.errors import KVServeError
 from kvserve.model.numerics import init_math_libraries
+from kvserve.server.api.anthropic import mount_anthropic
 from kvserve.server.api.arena import mount_arena
 from kvserve.server.api.embeddings import mount_embeddings
+from kvserve.server.api.error_shapes import shape_error
 from kvserve.server.api.lora_admin import mount_lora
 from kvserve.server.api.models import mount_models
 from kvserve.server.api.moderations import mount_moderations
+from kvserve.server.api.ollama import mount_ollama
 from kvserve.server.api.openai import mount_openai
 from kvserve.server.api.openapi import mount_openapi
 from kvserve.server.api.responses import mount_responses
@@ -122,13 +125,19 @@ class ServerState:
         self.pool.load()
 
 
-def _error_response(err: KVServeError) -> JSONResponse:
+def _error_response(err: KVServeError, path: str) -> JSONResponse:
     headers = {}
     retry_after = getattr(err, "retry_after", None)
     if retry_after is not None:
         headers["Retry-After"] = str(max(1, int(retry_after + 0.999)))
         headers["x-should-retry"] = "false" if getattr(err, "should_retry", True) is False else "true"
-    return JSONResponse(err.to_dict(), status_code=err.status, headers=headers)
+    return _shaped(path, err.status, err.to_dict(), headers)
+
+
+def _shaped(path: str, status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+    """An OpenAI-shaped error body in the shape of the API asked (api/error_shapes.py)."""
+    status, body = shape_error(path, status, body)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def create_app(engine, settings: ServerSettings) -> FastAPI:
@@ -157,25 +166,27 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(KVServeError)
     async def _kvserve_error(request: Request, exc: KVServeError) -> JSONResponse:
-        return _error_response(exc)
+        return _error_response(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
-        return JSONResponse({"error": {"message": f"{exc.detail}: {request.method} {request.url.path}",
-                                       "type": "invalid_request_error", "param": None, "code": code}},
-                            status_code=exc.status_code)
+        return _shaped(request.url.path, exc.status_code, {"error": {
+            "message": f"{exc.detail}: {request.method} {request.url.path}", "type": "invalid_request_error",
+            "param": None, "code": code}})
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %r", request.url.path)   # repr: a newline in a path stays escaped
-        return JSONResponse({"error": {"message": "Internal server error.", "type": "server_error",
-                                       "param": None, "code": "internal_error"}}, status_code=500)
+        return _shaped(request.url.path, 500, {"error": {"message": "Internal server error.", "type": "server_error",
+                                                         "param": None, "code": "internal_error"}})
 
     mount_openai(app, state)       # /v1/chat/completions, /v1/completions
     mount_moderations(app, state)  # /v1/moderations
     mount_responses(app, state)    # /v1/responses
     mount_lora(app, state)         # /v1/load_lora_adapter, /v1/unload_lora_adapter
+    mount_anthropic(app, state)    # /v1/messages, /v1/messages/count_tokens
+    mount_ollama(app, state)       # /api/chat, /api/generate, /api/embed, /api/tags, ...
 
     @app.get("/health")
     async def health() -> Response:

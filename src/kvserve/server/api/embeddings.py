@@ -70,32 +70,40 @@ def mount_embeddings(app: FastAPI, server: ServerState, embedder: Embedder) -> N
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         req = await read_request(request, EmbeddingRequest, settings)
-        if req.model not in (None, "", embedder.name):
-            raise ModelNotFound(f"The model {req.model!r} is not an embedding model of this server; use "
-                                f"{embedder.name!r}.", param="model")
-        texts = _texts(req, settings.max_embedding_inputs)
-        if req.dimensions is not None and req.dimensions != 384:
-            raise InvalidRequest(f"{embedder.name} makes 384-dimensional vectors; dimensions={req.dimensions} "
-                                 "is not supported.", param="dimensions")
-        try:
-            tokens = sum(await embedder.token_counts(texts))
-            if tokens > settings.max_embedding_tokens:
-                raise InvalidRequest(f"input holds {tokens} tokens; at most {settings.max_embedding_tokens} per "
-                                     "request: send fewer or shorter inputs per request.", param="input")
-            reservation = Reservation.take(server, request.state.record, tokens, param="input")
-            try:
-                vecs, tokens = await embedder.encode(texts)
-            except BaseException:
-                reservation.refund(0)
-                raise
-            await reservation.settle(tokens)
-        except (KVServeError, OSError) as e:   # the weights package missing or broken: the server stays up
-            if isinstance(e, KVServeError) and e.status < 500:
-                raise
-            raise Overloaded(f"The embedding model could not be loaded: {getattr(e, 'message', e)}", retry_after=30.0,
-                             code="model_not_ready") from None
+        vecs, tokens = await embed_texts(server, embedder, request, req)
         body = await embedder.run(_body, vecs, req.encoding_format, embedder.name, tokens)
         return Response(body, media_type="application/json")
+
+
+async def embed_texts(server: ServerState, embedder: Embedder, request: Request, req: EmbeddingRequest):
+    """The vectors and token count of a validated request, under its caps and charged to its key
+    (Ollama's /api/embed renders them in its own shape: api/ollama.py)."""
+    settings = server.settings
+    if req.model not in (None, "", embedder.name):
+        raise ModelNotFound(f"The model {req.model!r} is not an embedding model of this server; use "
+                            f"{embedder.name!r}.", param="model")
+    texts = _texts(req, settings.max_embedding_inputs)
+    if req.dimensions is not None and req.dimensions != 384:
+        raise InvalidRequest(f"{embedder.name} makes 384-dimensional vectors; dimensions={req.dimensions} "
+                             "is not supported.", param="dimensions")
+    try:
+        tokens = sum(await embedder.token_counts(texts))
+        if tokens > settings.max_embedding_tokens:
+            raise InvalidRequest(f"input holds {tokens} tokens; at most {settings.max_embedding_tokens} per "
+                                 "request: send fewer or shorter inputs per request.", param="input")
+        reservation = Reservation.take(server, request.state.record, tokens, param="input")
+        try:
+            vecs, tokens = await embedder.encode(texts)
+        except BaseException:
+            reservation.refund(0)
+            raise
+        await reservation.settle(tokens)
+    except (KVServeError, OSError) as e:   # the weights package missing or broken: the server stays up
+        if isinstance(e, KVServeError) and e.status < 500:
+            raise
+        raise Overloaded(f"The embedding model could not be loaded: {getattr(e, 'message', e)}", retry_after=30.0,
+                         code="model_not_ready") from None
+    return vecs, tokens
 
 
 def _body(vecs, encoding_format: str, model: str, tokens: int) -> bytes:

@@ -80,12 +80,13 @@ async def start(gw: ServerState, request: Request, req: ChatCompletionRequest | 
 
 
 async def deliver(gw: ServerState, request: Request, gen: Generation, lease: Lease,
-                  events: Callable[[], AsyncIterator[str]], whole: Callable[[], Awaitable[Response]]) -> Response:
-    """`events()` as an SSE response when the plan streams (the lease is released with 499 if the
-    body never starts); else the run to its end under the lease, then `whole()`, or 499 when the
-    client hangs up first."""
+                  events: Callable[[], AsyncIterator[str]], whole: Callable[[], Awaitable[Response]],
+                  media_type: str = "text/event-stream") -> Response:
+    """`events()` as an SSE response (`media_type`: Ollama's NDJSON) when the plan streams (the lease
+    is released with 499 if the body never starts); else the run to its end under the lease, then
+    `whole()`, or 499 when the client hangs up first."""
     if gen.plan.stream:
-        return StreamingResponse(events(), media_type="text/event-stream", headers=gen.plan.headers,
+        return StreamingResponse(events(), media_type=media_type, headers=gen.plan.headers,
                                  background=BackgroundTask(lease.release, 499))
     try:
         await run_to_end(gw, gen, lease, request.receive)

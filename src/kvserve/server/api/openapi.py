@@ -1,6 +1,7 @@
 """`GET /openapi.json`: the OpenAPI 3.1 document with the real request bodies (the pydantic models
-of protocol.py, not `dict`) and the OpenAI error body as every operation's error response, so
-schema-driven clients and fuzzers (schemathesis, in tests/server/test_fuzz_api.py) can use the API.
+of protocol.py, not `dict`) and the error body of each operation's API (OpenAI's; Anthropic's on
+/v1/messages, Ollama's on /api/*) as its error response, so schema-driven clients and fuzzers
+(schemathesis, in tests/server/test_fuzz_api.py) can use the API.
 
 The routes read raw bodies (gates/limits.py), so FastAPI cannot see their models: `openapi()` adds
 each route's body from `BODIES` and its answers from `RESPONSES`. A new route with a body adds a
@@ -17,7 +18,10 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 import kvserve
+from kvserve.server.api.anthropic import CountTokensRequest, MessagesRequest
 from kvserve.server.api.embeddings import EmbeddingRequest
+from kvserve.server.api.error_shapes import api_of
+from kvserve.server.api.ollama import ChatBody, EmbedBody, GenerateBody, ShowBody
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,6 +39,23 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class OllamaErrorResponse(BaseModel):
+    error: str
+
+
+ERRORS = {"openai": ErrorResponse, "anthropic": AnthropicErrorResponse, "ollama": OllamaErrorResponse}
 
 
 class ModelCard(BaseModel):
@@ -106,7 +127,16 @@ BODIES: dict[tuple[str, str], type[BaseModel]] = {
     (CONV, "post"): ConversationCreate,
     (CONV + "/{conv_id}", "patch"): ConversationUpdate,
     (CONV + "/{conv_id}/messages", "post"): MessagesPut,
+    ("/v1/messages", "post"): MessagesRequest,               # Anthropic (api/anthropic.py)
+    ("/v1/messages/count_tokens", "post"): CountTokensRequest,
+    ("/api/chat", "post"): ChatBody,                          # Ollama (api/ollama.py)
+    ("/api/generate", "post"): GenerateBody,
+    ("/api/embed", "post"): EmbedBody,
+    ("/api/show", "post"): ShowBody,
 }
+STREAMS = {"/v1/chat/completions": "text/event-stream", "/v1/completions": "text/event-stream",
+           "/v1/responses": "text/event-stream", "/v1/messages": "text/event-stream",
+           "/api/chat": "application/x-ndjson", "/api/generate": "application/x-ndjson"}
 RESPONSES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/models", "get"): ModelList,
     ("/v1/models/{model_id}", "get"): ModelCard,
@@ -122,26 +152,29 @@ def openapi(app: FastAPI) -> dict:
         return app.openapi_schema
     doc = get_openapi(title="kvserve", version=kvserve.__version__, routes=app.routes,
                       description="OpenAI-compatible API of kvserve; see docs/api.md.")
-    models = {*BODIES.values(), *RESPONSES.values(), ErrorResponse}
+    models = {*BODIES.values(), *RESPONSES.values(), *ERRORS.values()}
     _, defs = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
     components = doc.setdefault("components", {})
     components.setdefault("schemas", {}).update(defs.get("$defs", {}))
-    components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-    doc["security"] = [{"bearer": []}, {}]
+    components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                      "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+    doc["security"] = [{"bearer": []}, {"x-api-key": []}, {}]
 
     def ref(m: type[BaseModel]) -> dict:
         return {"$ref": f"#/components/schemas/{m.__name__}"}
 
-    error = {"description": "An OpenAI-shaped error", "content": {"application/json": {"schema": ref(ErrorResponse)}}}
     for path, ops in doc.get("paths", {}).items():
+        api = api_of(path)      # each API's own error body (api/error_shapes.py)
+        error = {"description": f"An error in {api}'s shape", "content": {"application/json": {
+            "schema": ref(ERRORS[api])}}}
         for method, op in ops.items():
             body = BODIES.get((path, method))
             if body is not None:
                 op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(body)}}}
             ok = RESPONSES.get((path, method))
             content = {"application/json": {"schema": ref(ok) if ok else {}}}
-            if method == "post" and path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
-                content["text/event-stream"] = {"schema": {}}    # each event: a chunk or an error body
+            if method == "post" and path in STREAMS:
+                content[STREAMS[path]] = {"schema": {}}    # each event (line): a chunk or an error body
             if path == "/metrics":
                 content = {"text/plain": {"schema": {"type": "string"}}}
             op["responses"] = {"200": {"description": "OK", "content": content}, "default": error}

@@ -33,6 +33,7 @@ import time
 import uuid
 
 from kvserve.errors import AuthenticationError, KVServeError, RateLimitError
+from kvserve.server.api.error_shapes import shape_error
 from kvserve.server.api.lora_admin import ADMIN_PATHS
 from kvserve.server.gates.ratelimit import RateLimiter
 from kvserve.server.records import RequestRecord
@@ -59,9 +60,11 @@ def _header(scope: dict, name: bytes) -> str | None:
     return None
 
 
-async def send_error(send, err: KVServeError, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = json.dumps(err.to_dict()).encode()
-    await send({"type": "http.response.start", "status": err.status,
+async def send_error(send, err: KVServeError, headers: list[tuple[bytes, bytes]] | None = None,
+                     path: str = "") -> None:
+    status, shaped = shape_error(path, err.status, err.to_dict())   # the API's own error shape
+    body = json.dumps(shaped).encode()
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())] + (headers or [])})
     await send({"type": "http.response.body", "body": body})
@@ -84,10 +87,13 @@ class GatewayMiddleware:
         if self.api_key is None and not self.keystore.auth_required():
             return None
         auth = _header(scope, b"authorization")
-        if not auth or not auth[:7].lower() == "bearer " or not auth[7:].strip():
-            raise AuthenticationError("Missing API key. Send it as `Authorization: Bearer <key>`; "
-                                      "create one with `kvserve keys create --name NAME`.")
-        presented = auth[7:].strip()
+        if auth and auth[:7].lower() == "bearer " and auth[7:].strip():
+            presented = auth[7:].strip()
+        elif (x_api_key := (_header(scope, b"x-api-key") or "").strip()):   # Anthropic's clients send this
+            presented = x_api_key
+        else:
+            raise AuthenticationError("Missing API key. Send it as `Authorization: Bearer <key>` (or "
+                                      "`x-api-key: <key>`); create one with `kvserve keys create --name NAME`.")
         key = self.keystore.lookup(presented)
         if key is not None and key.name == CLI_KEY_NAME:   # never the --api-key's buckets, ledger or stores
             key = dataclasses.replace(key, name=LEGACY_DB_CLI_NAME)
@@ -167,7 +173,7 @@ class GatewayMiddleware:
                     retry_after = getattr(err, "retry_after", None)
                     headers = [] if retry_after is None else [
                         (b"retry-after", str(max(1, int(retry_after + 0.999))).encode()), (b"x-should-retry", b"true")]
-                    await send_error(send_wrapped, err, headers)
+                    await send_error(send_wrapped, err, headers, record.path)
                     return
             await self.app(scope, receive, send_wrapped)
         finally:

@@ -1,0 +1,361 @@
+"""Ollama's API: `/api/chat`, `/api/generate`, `/api/embed`, `/api/tags`, `/api/show`, `/api/ps`,
+`/api/version`.
+
+Generation becomes a chat (or, for `raw` generate, a completions) request on the one generation
+path, with the same gates, stage list and usage ledger as OpenAI's routes; `OllamaRenderer`
+(ollama_wire.py) writes NDJSON lines (`"stream"` defaults to true, as in Ollama) or one object.
+
+    messages (system/user/assistant/tool; assistant tool_calls, tool turns by tool_name) -> chat
+    generate: system + prompt -> a chat of two turns (the model's template); raw -> the prompt as is
+    options: temperature, top_k, top_p, min_p, seed, num_predict (max_tokens; -1/-2: until the
+             window), stop, repeat_penalty, presence/frequency_penalty -> the sampling fields;
+             num_ctx caps prompt + answer (the answer's max_tokens is cut to fit; a prompt longer
+             than num_ctx is a 400); the hardware and mirostat options are accepted and ignored,
+             an unknown option is a 400
+    format "json" -> response_format json_object; a JSON schema -> json_schema
+    tools (OpenAI's function shape) -> tools; think true/"low"/"medium"/"high" -> reasoning_effort
+    keep_alive -> accepted; models stay loaded for the server's life (an empty chat or generate
+             answers done_reason "load", or "unload" with keep_alive 0, and changes nothing)
+
+`/api/tags` lists what `/v1/models` lists, from the same cards; `/api/embed` is `/v1/embeddings`
+(api/embeddings.py) in Ollama's shape. Errors are `{"error": "..."}` (api/error_shapes.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field
+
+import kvserve
+from kvserve.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
+from kvserve.server.api.embeddings import EmbeddingRequest, embed_texts
+from kvserve.server.api.ollama_wire import NEVER_EXPIRES, OllamaRenderer, details, line, model_entry, now
+from kvserve.server.api.openai import deliver, start
+from kvserve.server.api.shared import count_prompt_tokens, under_lease
+from kvserve.server.generation import ModelHandle, run_generation
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Strict,
+    read_request,
+    validate_body,
+)
+
+if TYPE_CHECKING:
+    from kvserve.server.app import ServerState
+
+OLLAMA_VERSION = "0.12.0"     # the Ollama API version whose routes and fields this module speaks
+SAMPLING = {"temperature": "temperature", "top_p": "top_p", "min_p": "min_p", "seed": "seed", "stop": "stop",
+            "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+            "frequency_penalty": "frequency_penalty"}
+Think = bool | Literal["low", "medium", "high"] | None
+
+
+class Options(_Strict):
+    """Ollama's `options`: the sampling ones are mapped (SAMPLING, top_k, num_predict, num_ctx); the
+    hardware and mirostat ones are accepted and ignored; any other key is a 400."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    num_predict: int | None = None
+    stop: list[str] | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    num_ctx: int | None = Field(default=None, ge=2)
+    # ignored
+    numa: bool | None = None
+    num_batch: int | None = None
+    num_gpu: int | None = None
+    main_gpu: int | None = None
+    low_vram: bool | None = None
+    f16_kv: bool | None = None
+    logits_all: bool | None = None
+    vocab_only: bool | None = None
+    use_mmap: bool | None = None
+    use_mlock: bool | None = None
+    embedding_only: bool | None = None
+    num_thread: int | None = None
+    num_keep: int | None = None
+    tfs_z: float | None = None
+    typical_p: float | None = None
+    repeat_last_n: int | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    penalize_newline: bool | None = None
+
+
+class OllamaMessage(_Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = ""
+    thinking: str | None = None          # an earlier answer's reasoning: not sent back to the model
+    images: list[Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
+
+
+class _Generation(_Strict):
+    model: str
+    stream: bool = True
+    format: str | dict[str, Any] | None = None
+    options: Options | None = None
+    keep_alive: float | str | None = None
+    think: Think = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class ChatBody(_Generation):
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateBody(_Generation):
+    prompt: str | None = None
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    raw: bool | None = None
+    images: list[Any] | None = None
+
+
+class EmbedBody(_Strict):
+    model: str
+    input: str | list[str]
+    truncate: bool | None = None
+    options: Options | None = None      # accepted; the encoder has no sampling
+    keep_alive: float | str | None = None
+    dimensions: int | None = None
+
+
+class ShowBody(_Strict):
+    model: str | None = None
+    name: str | None = None      # older clients
+    verbose: bool | None = None
+
+
+def served_name(name: str) -> str:
+    """Ollama's default tag is implied: "smollm2:latest" asks for "smollm2"."""
+    return name.removesuffix(":latest")
+
+
+def _options(options: Options | None, out: dict[str, Any]) -> int | None:
+    """Sampling fields from `options` into the request body `out`; returns num_ctx (None: unset)."""
+    if options is None:
+        return None
+    for key, dst in SAMPLING.items():
+        if getattr(options, key) is not None:
+            out[dst] = getattr(options, key)
+    if options.top_k is not None and options.top_k > 0:              # Ollama: 0 turns top-k off
+        out["top_k"] = options.top_k
+    if options.num_predict is not None and options.num_predict > 0:  # -1: until the window is full; -2: fill it
+        out["max_tokens"] = options.num_predict
+    return options.num_ctx
+
+
+def _common(body: _Generation, out: dict[str, Any]) -> int | None:
+    """The fields chat and generate share, into `out`; returns num_ctx."""
+    if body.logprobs:
+        raise InvalidRequest("logprobs are not served on the Ollama API here; use /v1/chat/completions.",
+                             param="logprobs")
+    out.update(model=served_name(body.model), stream=body.stream)
+    if body.format == "json":
+        out["response_format"] = {"type": "json_object"}
+    elif isinstance(body.format, dict):
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": body.format}}
+    elif body.format not in (None, ""):
+        raise InvalidRequest('format must be "json" or a JSON schema.', param="format")
+    if body.think is True:
+        out["reasoning_effort"] = "medium"
+    elif isinstance(body.think, str):
+        out["reasoning_effort"] = body.think
+    return _options(body.options, out)
+
+
+def chat_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
+    """Ollama's turns as chat completions messages: the assistant's calls get ids, and each tool
+    turn answers the first unanswered call of its `tool_name` (else the first unanswered one)."""
+    out: list[dict[str, Any]] = []
+    open_calls: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if m.images:
+            raise InvalidRequest("Images are not supported by this server's models.", param=f"messages[{i}].images")
+        turn: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.role == "assistant" and m.tool_calls:
+            calls = []
+            for j, c in enumerate(m.tool_calls):
+                fn = c.get("function")
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise InvalidRequest("A tool call needs function.name.", param=f"messages[{i}].tool_calls[{j}]")
+                args = fn.get("arguments") or {}
+                calls.append({"id": f"call_{i}_{j}", "type": "function", "function": {
+                    "name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
+            turn["tool_calls"] = calls
+            open_calls = list(calls)
+        elif m.role == "tool":
+            if not open_calls:
+                raise InvalidRequest("A tool message must follow an assistant message with tool_calls.",
+                                     param=f"messages[{i}]")
+            match = next((c for c in open_calls if c["function"]["name"] == m.tool_name), open_calls[0])
+            open_calls.remove(match)
+            turn["tool_call_id"] = match["id"]
+        out.append(turn)
+    return out
+
+
+def chat_request(body: ChatBody) -> tuple[dict[str, Any], int | None]:
+    chat: dict[str, Any] = {"messages": chat_messages(body.messages)}
+    num_ctx = _common(body, chat)
+    if body.tools:
+        chat["tools"] = []
+        for i, t in enumerate(body.tools):
+            fn = t.get("function")
+            if t.get("type", "function") != "function" or not isinstance(fn, dict):
+                raise InvalidRequest('A tool is {"type": "function", "function": {"name", "description", '
+                                     '"parameters"}}.', param=f"tools[{i}]")
+            chat["tools"].append({"type": "function", "function": {
+                k: v for k, v in fn.items() if k in ("name", "description", "parameters")}})
+    return chat, num_ctx
+
+
+def generate_request(body: GenerateBody) -> tuple[dict[str, Any], int | None, bool]:
+    """(the body, num_ctx, whether it is a chat request) of a generate with a prompt."""
+    for name in ("suffix", "template"):
+        if getattr(body, name):
+            raise InvalidRequest(f"{name} is not supported; the model's own chat template is used.", param=name)
+    if body.context:
+        raise InvalidRequest("context is not supported; continue a conversation with /api/chat.", param="context")
+    if body.images:
+        raise InvalidRequest("Images are not supported by this server's models.", param="images")
+    if body.raw:
+        out: dict[str, Any] = {"prompt": (body.system + "\n" if body.system else "") + (body.prompt or "")}
+        num_ctx = _common(body, out)
+        out.pop("reasoning_effort", None)
+        out.setdefault("max_tokens", None)
+        return out, num_ctx, False
+    msgs = ([{"role": "system", "content": body.system}] if body.system else []) + [
+        {"role": "user", "content": body.prompt}]
+    out = {"messages": msgs}
+    return out, _common(body, out), True
+
+
+async def _cap_to_window(gw: ServerState, req: ChatCompletionRequest | CompletionRequest, num_ctx: int | None) -> None:
+    """num_ctx as a cap: max_tokens cut so that prompt + answer fits in num_ctx tokens."""
+    if num_ctx is None:
+        return
+    model = ModelHandle.resolve(gw, req.model)
+    if num_ctx >= model.max_model_len:
+        return
+    if isinstance(req, ChatCompletionRequest):
+        n = await count_prompt_tokens(gw, req)
+    else:
+        n = len(await asyncio.to_thread(model.tokenizer.encode, req.prompt, add_special_tokens=True))
+    if n >= num_ctx:
+        raise ContextLengthExceeded(f"The prompt takes {n} tokens, more than options.num_ctx={num_ctx}.",
+                                    param="options.num_ctx")
+    req.max_tokens = min(req.max_tokens or num_ctx, num_ctx - n)
+
+
+def mount_ollama(app: FastAPI, gw: ServerState) -> None:
+    settings = gw.settings
+
+    async def generation(request: Request, body: dict[str, Any], num_ctx: int | None, chat: bool,
+                         model: str) -> Response:
+        req = validate_body(body, ChatCompletionRequest if chat else CompletionRequest)
+        await _cap_to_window(gw, req, num_ctx)
+        gen, lease = await start(gw, request, req, "chat" if chat else "completion")
+        render = OllamaRenderer(gen, chat=request.url.path == "/api/chat", model=model)
+
+        async def whole() -> Response:
+            return JSONResponse(render.whole(), headers=gen.plan.headers)
+
+        def lines():
+            return under_lease(gen, lease, render.lines(run_generation(gw, gen, lease)), render.failed)
+
+        return await deliver(gw, request, gen, lease, lines, whole, media_type="application/x-ndjson")
+
+    def load(body: ChatBody | GenerateBody, chat: bool) -> Response:
+        """Ollama's way to load (keep_alive 0: unload) a model: a request with nothing to answer."""
+        ModelHandle.resolve(gw, served_name(body.model))
+        out: dict[str, Any] = {"model": body.model, "created_at": now()}
+        out |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+        out |= {"done": True, "done_reason": "unload" if body.keep_alive in (0, "0", "0s") else "load"}
+        return Response(line(out), media_type="application/x-ndjson") if body.stream else JSONResponse(out)
+
+    @app.post("/api/chat")
+    async def chat(request: Request) -> Response:
+        body = await read_request(request, ChatBody, settings)
+        if not body.messages:
+            return load(body, chat=True)
+        chat_body, num_ctx = chat_request(body)
+        return await generation(request, chat_body, num_ctx, True, body.model)
+
+    @app.post("/api/generate")
+    async def generate(request: Request) -> Response:
+        body = await read_request(request, GenerateBody, settings)
+        if not body.prompt and not body.system:
+            return load(body, chat=False)
+        gen_body, num_ctx, is_chat = generate_request(body)
+        return await generation(request, gen_body, num_ctx, is_chat, body.model)
+
+    @app.post("/api/embed")
+    async def embed(request: Request) -> dict:
+        body = await read_request(request, EmbedBody, settings)
+        req = validate_body({"input": body.input, "model": served_name(body.model), "dimensions": body.dimensions},
+                            EmbeddingRequest)
+        embedder = gw.routing.embedder
+        vecs, tokens = await embed_texts(gw, embedder, request, req)
+        rows = await embedder.run(lambda: [v.tolist() for v in vecs])     # off the event loop, as /v1/embeddings
+        return {"model": body.model, "embeddings": rows, "prompt_eval_count": tokens}
+
+    def cards() -> list[dict[str, Any]]:
+        created = int(time.time())
+        return gw.pool.cards(created) + gw.routing.model_cards(created)
+
+    def card(name: str) -> dict[str, Any]:
+        found = next((c for c in cards() if c["id"] == served_name(name)), None)
+        if found is None:
+            raise ModelNotFound(f"model '{name}' not found", param="model")
+        return found
+
+    @app.get("/api/tags")
+    async def tags() -> dict:
+        return {"models": [model_entry(c) for c in cards()]}
+
+    @app.get("/api/ps")
+    async def ps() -> dict:
+        entries = [model_entry(c) | {"expires_at": NEVER_EXPIRES, "size_vram": 0, "context_length": c["max_model_len"]}
+                   for c in gw.pool.cards(int(time.time()))]
+        return {"models": [{k: v for k, v in e.items() if k != "modified_at"} for e in entries]}
+
+    @app.post("/api/show")
+    async def show(request: Request) -> dict:
+        body = await read_request(request, ShowBody, settings)
+        name = body.model or body.name
+        if not name:
+            raise InvalidRequest("model is required.", param="model")
+        c = card(name)
+        capabilities, info = ["completion", "tools", "thinking"], {"general.architecture": details(c)["family"]}
+        template = ""
+        if c.get("kvserve_kind") == "embedding":
+            capabilities, info = ["embedding"], {**info, "embedding_length": c.get("dimensions")}
+        elif c.get("max_model_len"):
+            info["context_length"] = c["max_model_len"]
+            template = ModelHandle.resolve(gw, c["id"]).tokenizer.chat_template or ""
+        return {"modelfile": f"FROM {c['id']}\n", "parameters": "", "template": template, "details": details(c),
+                "model_info": info, "capabilities": capabilities, "modified_at": model_entry(c)["modified_at"]}
+
+    @app.get("/api/version")
+    async def version() -> dict:
+        return {"version": OLLAMA_VERSION, "kvserve": kvserve.__version__}
