@@ -46,7 +46,9 @@ class ModerationConfig:
     regexes: dict[str, list[str]] = field(default_factory=dict)
     jailbreak: bool = True              # score jailbreak attempts on input
     pii_input: str = "off"              # off | flag (400) | redact (the model sees [EMAIL] ...)
-    pii_output: str = "redact"          # off | redact
+    pii_output: str = "off"             # off | redact (docs/safety.md: why off by default)
+    action: str = "block"               # block (400 / content_filter) | annotate (verdicts logged and traced only)
+    request_overrides: bool = True      # a request's `kvserve_moderation` may set action and pii_output
     check_every: int = 16               # output: check a window every this many tokens
     window_chars: int = 256             # output: the window's size in characters
 
