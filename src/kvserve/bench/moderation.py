@@ -10,6 +10,10 @@ tokens/s (tokens after the first / time after the first), and the checks' own CP
 answers output moderation cut (a false positive on the benign prompt: it happened, cutting every
 "on" answer at 16 tokens) is said so: its numbers then compare different work.
 
+`--pii` skips the server: CPU time of PII detection on hostile texts (issue 49, findings 2 and 6):
+the stream redactor fed 4 characters at a time with 2k/4k/8k characters of a growing `sk-` key,
+e-mail-ish text (`a.a.a.`), `a@a@` and digit groups; and `pii.find` over 40 KB and 1 MB of them.
+
 `--input-only` skips the server: the input gate's wall time (ModerationService.check_input on a
 chat request, the classifier and rules, as the server runs it) for a benign message of `--chars`
 characters, p50 and p90 over `--runs` calls (issue 48's bound: under 5 ms p50 for 2,000 characters).
@@ -62,6 +66,35 @@ def _stage_cpu_us_per_token(n_tokens: int = 512) -> float:
                                else None))
     service.close()
     return (time.process_time() - t0) / n_tokens * 1e6
+
+
+HOSTILE = {"sk-run": lambda n: "sk-" + "a" * n, "email-ish": lambda n: "a." * (n // 2),
+           "at-signs": lambda n: "a@" * (n // 2), "digit-groups": lambda n: "1 " * (n // 2),
+           "a-run": lambda n: "a" * n}
+
+
+def pii_cost(sizes: tuple[int, ...] = (2000, 4000, 8000), scans: tuple[int, ...] = (40_000, 1_000_000)) -> None:
+    """Print the CPU milliseconds of streaming redaction and of one scan over hostile texts."""
+    from kvserve.safety import pii
+
+    for n in sizes:
+        cells = []
+        for name, make in HOSTILE.items():
+            text, r = make(n), pii.StreamRedactor()
+            c0 = time.thread_time()
+            for i in range(0, len(text), 4):
+                r.feed(text[i:i + 4])
+            r.finish()
+            cells.append(f"{name} {(time.thread_time() - c0) * 1000:.0f} ms")
+        print(f"stream redaction, {n} characters: " + ", ".join(cells))
+    for n in scans:
+        cells = []
+        for name, make in HOSTILE.items():
+            text = make(n)
+            c0 = time.thread_time()
+            pii.find(text)
+            cells.append(f"{name} {(time.thread_time() - c0) * 1000:.0f} ms")
+        print(f"find, {n} characters: " + ", ".join(cells))
 
 
 def input_gate_ms(chars: int = 2000, runs: int = 300) -> tuple[float, float, float]:
@@ -133,9 +166,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--input-only", action="store_true", help="Only time the input gate (no server).")
+    ap.add_argument("--pii", action="store_true", help="Only time PII detection on hostile texts (no server).")
     ap.add_argument("--chars", type=int, default=2000)
     ap.add_argument("--runs", type=int, default=300)
     args = ap.parse_args(argv)
+    if args.pii:
+        pii_cost()
+        return
     if args.input_only:
         p50, p90, cpu = input_gate_ms(args.chars, args.runs)
         print(f"input moderation, {args.chars}-character message: p50 {p50:.2f} ms, p90 {p90:.2f} ms, "
