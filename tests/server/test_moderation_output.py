@@ -1,10 +1,11 @@
 """Output moderation with redaction on, against the real model: a schema's email field stays valid
-(issue 48), and a grammar-forced secret that keeps growing streams in linear time while the server
-stays responsive (issue 49, finding 2)."""
+(issue 48), and issue 49's grammar-forced growing secret completes while the server stays
+responsive (finding 2)."""
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import httpx
@@ -49,14 +50,16 @@ def test_schema_answers_stay_valid_with_redaction_on(server, stream):
     assert "bob@example.com" not in plain                           # without a grammar the policy redacts
 
 
-def test_a_growing_secret_streams_and_the_server_stays_responsive(server):
-    """`sk-` and then letters for 600 tokens (over 1,000 characters): the redactor masks it once and drops the rest, with
-    bounded work per token, while /health and a short chat are answered meanwhile."""
+def test_a_grammar_forced_secret_completes_and_the_server_stays_responsive(server):
+    """Issue 49's hostile request (`guided_regex: "sk-[a-z]+"` under a redaction policy) used to
+    rescan its whole tail every token; under a grammar nothing is redacted now (the answer matches
+    its regex), and the redactor's own bound is tested in tests/safety/test_pii_cost.py and
+    test_moderation_stage.py. /health and a short chat are answered meanwhile."""
     seen: list[int] = []
     done = threading.Event()
 
     def bystander():
-        with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        with httpx.Client(base_url=server.base_url, timeout=300) as c:
             while not done.is_set():
                 seen.append(c.get("/health").status_code)
                 seen.append(c.post("/v1/chat/completions", json={
@@ -65,8 +68,8 @@ def test_a_growing_secret_streams_and_the_server_stays_responsive(server):
     t = threading.Thread(target=bystander)
     t.start()
     try:
-        body = {"prompt": "The key is", "guided_regex": "sk-[a-z]+", "max_tokens": 600, "ignore_eos": True,
-                "temperature": 0, "stream": True}
+        body = {"prompt": "The key is", "guided_regex": "sk-[a-z]+", "max_tokens": 200, "ignore_eos": True,
+                "temperature": 0, "stream": True, "kvserve_moderation": {"pii_output": "redact"}}
         with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=900) as r:
             assert r.status_code == 200
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
@@ -74,5 +77,5 @@ def test_a_growing_secret_streams_and_the_server_stays_responsive(server):
         done.set()
         t.join()
     text = "".join(c["text"] for e in events for c in e["choices"])
-    assert text == "[SECRET]", text[:80]
+    assert re.fullmatch(r"sk-[a-z]+", text) and len(text) > 256, text[:80]
     assert seen and set(seen) == {200}

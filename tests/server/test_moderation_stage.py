@@ -150,3 +150,27 @@ def test_request_choices_and_scoring_requests(tmp_path):
             assert s.config_for(rec, req).action == "block", other
     finally:
         s.close()
+
+
+def test_policy_action_fields_are_validated():
+    from kvserve.server.stores.moderation_policies import policy_from_options, validate
+
+    assert validate({"action": "annotate", "request_overrides": False})
+    for bad in ({"action": "warn"}, {"request_overrides": "no"}):
+        with pytest.raises(InvalidRequest):
+            validate(bad)
+    assert policy_from_options(None, None, None, None, None, None, None, "annotate", False) == {
+        "action": "annotate", "request_overrides": False}
+
+
+def test_a_growing_secret_is_masked_once_with_bounded_work(service, monkeypatch):
+    """Issue 49, finding 2, at the stage: `sk-` and then 3,000 one-letter tokens with redaction on."""
+    from kvserve.safety import pii
+
+    sizes: list[int] = []
+    real = pii.find
+    monkeypatch.setattr(pii, "find", lambda text, kinds=pii.KINDS: sizes.append(len(text)) or real(text, kinds))
+    stage = service.output_stage(ModerationConfig(output=False, pii_output="redact"))
+    out = run(stage, ["The key is ", "sk-"] + ["q"] * 3000 + [" and more."])
+    assert "".join(d.text for d in out) == "The key is [SECRET] and more."
+    assert max(sizes) <= pii.HOLD + pii.HOLD_MAX + 16
