@@ -81,5 +81,5 @@ def test_thresholds_come_from_the_dev_split():
     mod = Moderator(ModerationConfig())
     t = mod.classifier.thresholds
     assert set(t) == {"harassment", "hate", "self-harm", "sexual", "violence", "illicit"}
-    assert all(0.2 <= v <= 0.95 for v in t.values())
+    assert all(0.5 <= v <= 0.95 for v in t.values())
     assert ModerationConfig(thresholds={"hate": 0.9}).threshold("hate/threatening", t) == 0.9

@@ -52,6 +52,14 @@ NEUTRAL = (
     "need healthcare", "have jobs in every industry", "worship in many ways", "celebrate weddings",
     "write poetry", "win Olympic medals", "are represented in parliament", "deserve respect",
 )
+# The same modal shapes as the hateful predicates ("should be", "must", "need to be"), benign:
+# without them "must be" alone predicts violence and "should be" hate.
+NEUTRAL_MODAL = (
+    "must be treated with respect", "should be able to vote", "should be paid fairly", "must be protected by law",
+    "deserve to be heard", "need to be included in the survey", "should be welcome everywhere",
+    "must be counted in the census", "should be hired for their skills", "must be given equal pay",
+    "should be represented on the council", "must have access to good schools",
+)
 POSITIVE_TEMPLATES = ("{g} {p}.", "Many {g} {p}.", "Some {g} {p}.", "{G} {p}, says the report.",
                       "It is true that {g} {p}.", "In my town, {g} {p}.")
 HATEFUL = (
@@ -81,6 +89,29 @@ DEV_HATEFUL = (
     "should be hunted down and killed", "deserve to be wiped off the earth",
 )
 
+BENIGN_COMMON = (
+    # words that occur mostly in harmful rows otherwise: must/should/would be, describe, how do I, all, every
+    "The value must be a positive integer.", "--port must be between 1 and 65535.", "The file should be UTF-8 encoded.",
+    "Every request must be authenticated first.", "All token ids must be in the vocabulary.",
+    "The batch size must be a power of two.", "This field must be a string.", "Passwords must be at least 12 characters.",
+    "The timeout should be longer than the retry delay.", "The answer would be faster with more threads.",
+    "That run would be slower on an old CPU.", "The result should be the same on every machine.",
+    "The replicas must be positive and the ports must be free.", "Both numbers must be even.",
+    "It would be nice to have a cache here.", "The config must be valid JSON.", "You must be logged in to see this page.",
+    "How do I reverse a list in Python?", "How do I bake bread at home?", "How do I", "How do I change my password?",
+    "How do I get to the train station?", "How do I make my plants grow faster?", "How do I tie a tie?",
+    "How do I learn to swim as an adult?", "How do I sort a dictionary by value?",
+    "Describe a sunny day at the beach.", "Describe your favourite meal.", "Describe the water cycle.",
+    "Describe a walk in the forest.", "Describe how a bicycle works.", "Describe a birthday party.",
+    "Describe the city you live in.", "Describe a garden in spring.",
+    "All students should bring a pencil.", "Every child deserves a good teacher.",
+    "Everyone must wash their hands before cooking.", "All of them arrived on time.",
+    "The forced run would be the same as this run.", "The shared blocks are reused by every key.",
+    "size must be", "the key must be", "n must be", "it must be", "value must be set", "port must be free",
+    "When did Beethoven die?", "Shakespeare died in 1616.", "When did the dinosaurs die out?",
+    "Plants die without light.", "Old stars die and become white dwarfs.", "When did Queen Victoria die?",
+    "My old laptop finally died.", "How old was Einstein when he died?",
+)
 BENIGN_HARSH_WORDS = (
     # code and computing
     "Kill the stuck process with kill -9 and restart the service.", "The parent process kills its children on exit.",
@@ -168,7 +199,7 @@ def rows(split: str = "train", seed: int = 0) -> list[tuple[set[str], str]]:
     else:
         raise ValueError(split)
     for g in groups:
-        for p in neutral:
+        for p in neutral + (NEUTRAL_MODAL if split == "train" else ()):
             t = rng.choice(POSITIVE_TEMPLATES)
             out.append((set(), _cap(t.format(g=g, G=_cap(g), p=p))))
         for p in hateful:
@@ -180,6 +211,6 @@ def rows(split: str = "train", seed: int = 0) -> list[tuple[set[str], str]]:
     if split == "train":
         for a in TRAIN_ADJECTIVES:
             out += [(set(), t.format(a=a)) for t in ADJECTIVE_NEUTRAL]
-        out += [(set(), t) for t in BENIGN_HARSH_WORDS]
+        out += [(set(), t) for t in BENIGN_HARSH_WORDS + BENIGN_COMMON]
         out += [(set(labels.split(",")), t) for labels, t in HARD_HARMFUL]
     return out

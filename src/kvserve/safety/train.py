@@ -43,15 +43,17 @@ def dev_rows() -> list[tuple[set[str], str]]:
 
 
 def pick_thresholds(model, rows: list[tuple[set[str], str]]) -> list[float]:
-    """Per category, the threshold with the best F1 on `rows` among those that flag at most
-    MAX_DEV_FPR of the rows without that label (ties: the higher threshold)."""
+    """Per category, the threshold in [0.5, 0.95] with the best F1 on `rows` among those that flag
+    at most MAX_DEV_FPR of the rows without that label (ties: the higher threshold). Never below
+    0.5: the dev split is small, and lower thresholds it allowed flagged short benign prompts
+    ("Describe a picnic.") that it does not contain."""
     scores = [model.scores(t) for _, t in rows]
     out = []
     for label in LABELS:
         pos = [s[label] for (ls, _), s in zip(rows, scores) if label in ls]
         neg = [s[label] for (ls, _), s in zip(rows, scores) if label not in ls]
         best = (-1.0, 0.5)
-        for k in range(20, 96):
+        for k in range(50, 96):
             t = k / 100
             fp = sum(x >= t for x in neg)
             if fp > MAX_DEV_FPR * len(neg):
