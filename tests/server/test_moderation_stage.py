@@ -123,6 +123,8 @@ def test_no_redaction_under_a_grammar(service):
 
 
 def test_request_choices_and_scoring_requests(tmp_path):
+    from dataclasses import replace
+
     from kvserve.errors import ContentPolicyViolation
     from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
     from kvserve.server.records import RequestRecord
@@ -139,6 +141,9 @@ def test_request_choices_and_scoring_requests(tmp_path):
             s.config_for(locked, chat)
         checks = s.check_input(chat, rec, cfg)        # flagged, reported, not raised
         assert checks[-1]["flagged"] and checks[-1]["action"] == "annotate" and rec.moderation["action"] == "annotate"
+        mail = ChatCompletionRequest(messages=[{"role": "user", "content": "mail bob@example.com"}], **ask)
+        s.check_input(mail, rec, replace(cfg, pii_input="flag", input=False))   # annotated, passed on as written
+        assert mail.messages[0].content == "mail bob@example.com" and rec.moderation["categories"] == ["pii:email"]
         with pytest.raises(ContentPolicyViolation):
             s.check_input(chat, RequestRecord(request_id="r", t0=0.0, method="POST", path="/v1/completions"), s.config_for(rec))
         # lm-eval's loglikelihood request: echo + logprobs + max_tokens <= 1, never blocked, even when locked

@@ -136,7 +136,7 @@ class ModerationService:
                 self.flagged.labels("input", "pii").inc()
                 raise ContentPolicyViolation(f"The request contains personal data or secrets ({', '.join(kinds)}); "
                                              "remove them and retry.", param="messages")
-            if kinds:
+            if kinds and config.pii_input == "redact":
                 redact_input(req)
                 texts = input_texts(req, tokenizer)
         if not config.input:
