@@ -211,6 +211,10 @@ def _mount() -> None:
                                ("kvserve.data.cli", "data_app", "data")):
         if importlib.util.find_spec(module) is not None:
             app.add_typer(getattr(importlib.import_module(module), attr), name=name)
+    if importlib.util.find_spec("kvserve.train.cli") is not None:   # `kvserve eval moderation FILE.jsonl`
+        from kvserve.safety.eval_cli import moderation_cmd
+
+        importlib.import_module("kvserve.train.cli").eval_app.command("moderation")(moderation_cmd)
 
 
 _mount()

@@ -25,12 +25,12 @@ ECHO = "zanzibar zanzibar zanzibar zanzibar zanzibar zanzibar zanzibar zanzibar"
 def server(tmp_path_factory, model_server):
     data_dir = tmp_path_factory.mktemp("moderation")
     store = KeyStore(data_dir / "kvserve.db")
-    keys = {name: store.create(name) for name in ("default", "plain", "out", "pii")}
+    keys = {name: store.create(name) for name in ("default", "plain", "out", "pii", "locked")}
     store.close()
     runner = CliRunner()
     for args in (["plain", "--mode", "off", "--pii-output", "off"],
                  ["out", "--mode", "output", "--check-every", "4", "--block", f"places={WORD}"],
-                 ["pii", "--pii-input", "redact"]):
+                 ["pii", "--pii-input", "redact"], ["locked", "--no-request-overrides"]):
         r = runner.invoke(keys_app, ["moderation", *args, "--data-dir", str(data_dir)])
         assert r.exit_code == 0, r.output
     listed = runner.invoke(keys_app, ["moderation", "--data-dir", str(data_dir)]).output
@@ -150,8 +150,10 @@ def test_pii_redacted_on_input_and_output(server):
     body = {"prompt": "Contact: alice.smith@example.com. Contact: alice.smith@example.com. Contact:",
             "max_tokens": 12, "temperature": 0}
     plain = post(server, "plain", "/v1/completions", body).json()["choices"][0]["text"]
-    redacted = post(server, "default", "/v1/completions", body).json()["choices"][0]["text"]
-    assert "@example.com" in plain                          # greedy: the model repeats the address
+    default = post(server, "default", "/v1/completions", body).json()["choices"][0]["text"]
+    redacted = post(server, "default", "/v1/completions",
+                    {**body, "kvserve_moderation": {"pii_output": "redact"}}).json()["choices"][0]["text"]
+    assert "@example.com" in plain and "@example.com" in default   # greedy: the model repeats the address
     assert "@example.com" not in redacted and "[EMAIL]" in redacted
     tr = post(server, "pii", "/v1/completions", {**body, "kvserve_trace": True}).json()["kvserve_trace"]
     assert "alice.smith" not in tr["prompt_text"] and "[EMAIL]" in tr["prompt_text"]
@@ -202,3 +204,18 @@ def test_token_id_prompts_are_moderated(server):
     for prompt in ([953, -25130, -98793], [fine, [5, 10 ** 9]]):
         r = post(server, "default", "/v1/completions", {"prompt": prompt, "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_annotate_lets_a_flagged_input_through_unless_the_key_forbids_it(server):
+    body = {"messages": [{"role": "user", "content": "I will stab him tonight"}], "max_tokens": 2,
+            "kvserve_moderation": {"action": "annotate"}}
+    r = post(server, "default", "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvserve-moderation"].startswith("flagged; categories=") and "violence" in \
+        r.headers["x-kvserve-moderation"]
+    line = next(json.loads(x) for x in reversed(server.access_log()) if "/v1/chat/completions" in x)
+    assert line["moderation"]["flagged"] and line["moderation"]["action"] == "annotate"
+    locked = post(server, "locked", "/v1/chat/completions", body)
+    assert locked.status_code == 400 and locked.json()["error"]["param"] == "kvserve_moderation"
+    blocked = post(server, "locked", "/v1/chat/completions", {**body, "kvserve_moderation": None})
+    assert blocked.status_code == 400 and blocked.json()["error"]["code"] == "content_policy_violation"

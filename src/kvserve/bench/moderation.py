@@ -1,7 +1,7 @@
 """Moderation's cost, A/B in one server: `python -m kvserve.bench.moderation [--rounds 12]`.
 
 Starts `kvserve serve` (the default model) with two keys: `on` (the default moderation: input and
-output, PII redaction) and `off` (a policy with moderation off). Requests alternate on, off, on,
+output; PII redaction is off by default) and `off` (a policy with moderation off). Requests alternate on, off, on,
 ... with the same prompt, one at a time, streamed, ignoring EOS for a fixed output length, so both
 arms see the same machine load. Prints each arm's TTFT p50 (client side: the first token's event;
 and the first visible text, which PII redaction may hold back by up to a word) and decode
@@ -9,6 +9,14 @@ tokens/s (tokens after the first / time after the first), and the checks' own CP
 (`time.process_time`, single thread) for an input prompt and an output window. An arm whose
 answers output moderation cut (a false positive on the benign prompt: it happened, cutting every
 "on" answer at 16 tokens) is said so: its numbers then compare different work.
+
+`--pii` skips the server: CPU time of PII detection on hostile texts (issue 49, findings 2 and 6):
+the stream redactor fed 4 characters at a time with 2k/4k/8k characters of a growing `sk-` key,
+e-mail-ish text (`a.a.a.`), `a@a@` and digit groups; and `pii.find` over 40 KB and 1 MB of them.
+
+`--input-only` skips the server: the input gate's wall time (ModerationService.check_input on a
+chat request, the classifier and rules, as the server runs it) for a benign message of `--chars`
+characters, p50 and p90 over `--runs` calls (issue 48's bound: under 5 ms p50 for 2,000 characters).
 """
 
 from __future__ import annotations
@@ -60,6 +68,61 @@ def _stage_cpu_us_per_token(n_tokens: int = 512) -> float:
     return (time.process_time() - t0) / n_tokens * 1e6
 
 
+HOSTILE = {"sk-run": lambda n: "sk-" + "a" * n, "email-ish": lambda n: "a." * (n // 2),
+           "at-signs": lambda n: "a@" * (n // 2), "digit-groups": lambda n: "1 " * (n // 2),
+           "a-run": lambda n: "a" * n}
+
+
+def pii_cost(sizes: tuple[int, ...] = (2000, 4000, 8000), scans: tuple[int, ...] = (40_000, 1_000_000)) -> None:
+    """Print the CPU milliseconds of streaming redaction and of one scan over hostile texts."""
+    from kvserve.safety import pii
+
+    for n in sizes:
+        cells = []
+        for name, make in HOSTILE.items():
+            text, r = make(n), pii.StreamRedactor()
+            c0 = time.thread_time()
+            for i in range(0, len(text), 4):
+                r.feed(text[i:i + 4])
+            r.finish()
+            cells.append(f"{name} {(time.thread_time() - c0) * 1000:.0f} ms")
+        print(f"stream redaction, {n} characters: " + ", ".join(cells))
+    for n in scans:
+        cells = []
+        for name, make in HOSTILE.items():
+            text = make(n)
+            c0 = time.thread_time()
+            pii.find(text)
+            cells.append(f"{name} {(time.thread_time() - c0) * 1000:.0f} ms")
+        print(f"find, {n} characters: " + ", ".join(cells))
+
+
+def input_gate_ms(chars: int = 2000, runs: int = 300) -> tuple[float, float, float]:
+    """(p50, p90, CPU p50) milliseconds of the input gate on one `chars`-character user message:
+    wall time, and CPU time of this thread (less sensitive to other load on the machine)."""
+    import tempfile as _tf
+
+    from kvserve.safety import ModerationConfig
+    from kvserve.server.gates.moderation import ModerationService
+    from kvserve.server.protocol import ChatCompletionRequest
+    from kvserve.server.records import RequestRecord
+
+    text = ((PROMPT + " ") * (chars // len(PROMPT) + 1))[:chars]
+    service = ModerationService(ModerationConfig(), os.path.join(_tf.mkdtemp(), "kvserve.db"))
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": text}])
+    times, cpu = [], []
+    for i in range(runs + 10):
+        record = RequestRecord(request_id=str(i), t0=0.0, method="POST", path="/v1/chat/completions")
+        t0, c0 = time.perf_counter(), time.thread_time()
+        service.check_input(req, record, service.config)
+        if i >= 10:                 # the first calls load the model
+            times.append((time.perf_counter() - t0) * 1000)
+            cpu.append((time.thread_time() - c0) * 1000)
+    service.close()
+    times.sort()
+    return statistics.median(times), times[int(0.9 * len(times))], statistics.median(cpu)
+
+
 def _one(base: str, key: str, max_tokens: int) -> tuple[float, float, float, str | None]:
     import httpx
 
@@ -102,7 +165,19 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--input-only", action="store_true", help="Only time the input gate (no server).")
+    ap.add_argument("--pii", action="store_true", help="Only time PII detection on hostile texts (no server).")
+    ap.add_argument("--chars", type=int, default=2000)
+    ap.add_argument("--runs", type=int, default=300)
     args = ap.parse_args(argv)
+    if args.pii:
+        pii_cost()
+        return
+    if args.input_only:
+        p50, p90, cpu = input_gate_ms(args.chars, args.runs)
+        print(f"input moderation, {args.chars}-character message: p50 {p50:.2f} ms, p90 {p90:.2f} ms, "
+              f"CPU p50 {cpu:.2f} ms ({args.runs} calls)")
+        return
     in_ms, win_ms = _check_cpu_ms()
     print(f"check CPU time: input prompt ({len(PROMPT)} chars) {in_ms:.3f} ms, output window (400 chars) "
           f"{win_ms:.3f} ms; output stage {_stage_cpu_us_per_token():.1f} us of CPU per token")

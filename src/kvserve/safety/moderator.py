@@ -7,8 +7,8 @@ come from rules (`sexual/minors`). `jailbreak` (a kvserve addition) is the heuri
 is only checked on input. Operator categories (a blocklist or regex under a new name) appear too.
 Texts of fewer than three words get half the classifier's scores (a fragment such as "Write to"
 at the start of an answer carries too little evidence). A category is flagged when its score
-reaches its threshold (`ModerationConfig.thresholds`,
-default 0.5); the text is flagged when any category is.
+reaches its threshold (`ModerationConfig.thresholds`, else the classifier's own per category, chosen on
+a dev split by train.py); the text is flagged when any category is.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvserve.safety.classifier import LABELS, default_classifier
+from kvserve.safety.classifier import LABELS, TextClassifier, default_classifier
 from kvserve.safety.rules import Rules
 
 CATEGORIES = ("harassment", "harassment/threatening", "hate", "hate/threatening", "illicit", "illicit/violent",
@@ -46,15 +46,21 @@ class ModerationConfig:
     regexes: dict[str, list[str]] = field(default_factory=dict)
     jailbreak: bool = True              # score jailbreak attempts on input
     pii_input: str = "off"              # off | flag (400) | redact (the model sees [EMAIL] ...)
-    pii_output: str = "redact"          # off | redact
+    pii_output: str = "off"             # off | redact (docs/safety.md: why off by default)
+    action: str = "block"               # block (400 / content_filter) | annotate (verdicts logged and traced only)
+    request_overrides: bool = True      # a request's `kvserve_moderation` may set action and pii_output
     check_every: int = 16               # output: check a window every this many tokens
     window_chars: int = 256             # output: the window's size in characters
 
-    def threshold(self, category: str) -> float:
+    def threshold(self, category: str, defaults: dict[str, float] | None = None) -> float:
+        """The configured threshold of a category (or of its parent), else `defaults` (the
+        classifier's own, chosen on a dev split), else 0.5 (0.6 for jailbreak)."""
         if category in self.thresholds:
             return self.thresholds[category]
         parent = category.split("/")[0]
-        return self.thresholds.get(parent, 0.6 if category == "jailbreak" else 0.5)
+        if parent in self.thresholds:
+            return self.thresholds[parent]
+        return 0.6 if category == "jailbreak" else (defaults or {}).get(parent, 0.5)
 
     def merged(self, overrides: dict[str, Any] | None) -> ModerationConfig:
         """This config with a stored policy's fields on top (thresholds and lists merged)."""
@@ -96,11 +102,11 @@ class Verdict:
 class Moderator:
     """Checks text against one configuration; cheap to make (rules compile, the model is shared)."""
 
-    def __init__(self, config: ModerationConfig | None = None):
+    def __init__(self, config: ModerationConfig | None = None, classifier: TextClassifier | None = None):
         self.config = config or ModerationConfig()
         c = self.config
         self.rules = Rules(blocklist=c.blocklist, regexes=c.regexes)
-        self.classifier = default_classifier()
+        self.classifier = classifier or default_classifier()
 
     def check(self, text: str, *, input: bool = True) -> Verdict:
         t0 = time.perf_counter()
@@ -126,6 +132,6 @@ class Moderator:
         if input and self.config.jailbreak:
             scores["jailbreak"] = self.rules.jailbreak_score(text)
         scores = {k: round(v, 6) for k, v in scores.items()}
-        categories = {k: v >= self.config.threshold(k) for k, v in scores.items()}
+        categories = {k: v >= self.config.threshold(k, self.classifier.thresholds) for k, v in scores.items()}
         return Verdict(any(categories.values()), categories, scores, (time.perf_counter() - t0) * 1000,
                        sorted(hits))

@@ -63,19 +63,24 @@ class Rules:
     builtin: bool = True
 
     def __post_init__(self) -> None:
-        pats: dict[str, list[str]] = {k: list(v) for k, v in BUILTIN.items()} if self.builtin else {}
-        for cat, rx in self.regexes.items():
-            pats.setdefault(cat, []).extend(rx)
+        # Built-in patterns and blocklist phrases are lowercase and run case-sensitively on the
+        # lowercased text (several times faster than IGNORECASE in `re`); an operator's regexes
+        # may use capitals in classes, so they run with IGNORECASE on the text as written.
+        lower: dict[str, list[str]] = {k: list(v) for k, v in BUILTIN.items()} if self.builtin else {}
         for cat, words in self.blocklist.items():
-            pats.setdefault(cat, []).extend(r"(?<!\w)" + re.escape(w) + r"(?!\w)" for w in words if w)
-        self.compiled = {cat: re.compile("|".join(f"(?:{p})" for p in ps), _I) for cat, ps in pats.items() if ps}
-        self._strong = [re.compile(p, _I) for p in JAILBREAK_STRONG]
-        self._weak = [re.compile(p, _I) for p in JAILBREAK_WEAK]
+            lower.setdefault(cat, []).extend(r"(?<!\w)" + re.escape(w.lower()) + r"(?!\w)" for w in words if w)
+        self.compiled = {cat: re.compile("|".join(f"(?:{p})" for p in ps)) for cat, ps in lower.items() if ps}
+        self.operator = {cat: re.compile("|".join(f"(?:{p})" for p in ps), _I) for cat, ps in self.regexes.items() if ps}
+        self._strong = [re.compile(p) for p in JAILBREAK_STRONG]
+        self._weak = [re.compile(p) for p in JAILBREAK_WEAK]
 
     def hits(self, text: str) -> set[str]:
-        return {cat for cat, rx in self.compiled.items() if rx.search(text)}
+        low = text.lower()
+        return ({cat for cat, rx in self.compiled.items() if rx.search(low)}
+                | {cat for cat, rx in self.operator.items() if rx.search(text)})
 
     def jailbreak_score(self, text: str) -> float:
-        score = 0.6 * sum(1 for p in self._strong if p.search(text)) + 0.25 * sum(1 for p in self._weak
-                                                                                 if p.search(text))
+        low = text.lower()
+        score = 0.6 * sum(1 for p in self._strong if p.search(low)) + 0.25 * sum(1 for p in self._weak
+                                                                                if p.search(low))
         return min(1.0, score)

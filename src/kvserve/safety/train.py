@@ -3,19 +3,22 @@
 Reads `data/train.tsv` and the benign negatives (`data/benign_docs.txt`,
 `data/benign_generated.txt`), fits one logistic regression per category (scikit-learn, liblinear)
 on the hashed features of classifier.py restricted to the columns the data uses, and writes
-`data/model.npz` (feature hashes, weights, biases). `--check` prints precision and recall on the
-held-out `data/eval.tsv` afterwards.
+`data/model.npz` (feature hashes, weights, biases, and each category's threshold, picked on the dev
+split: `data/eval.tsv` and augment.py's dev rows, never on training rows). `--check` prints
+precision and recall on `data/eval.tsv` afterwards.
 """
 
 from __future__ import annotations
 
 import sys
 
-from kvserve.safety.classifier import DATA, LABELS, MODEL_PATH, features, read_labelled
+from kvserve.safety import augment
+from kvserve.safety.classifier import DATA, LABELS, MODEL_PATH, TextClassifier, features, read_labelled
 
 # A category's positives weigh 3 negatives: the 2,160 generated benign windows would otherwise pull
 # recall down (held-out recall 0.81 at weight 1, 0.85 at 3; no generated dev window flagged at either).
 POSITIVE_WEIGHT = 3.0
+MAX_DEV_FPR = 0.01     # a threshold may flag at most this share of a category's dev negatives
 
 
 def _lines(name: str) -> list[str]:
@@ -26,11 +29,41 @@ def _lines(name: str) -> list[str]:
 
 
 def training_rows() -> list[tuple[set[str], str]]:
-    """`data/train.tsv` plus two benign sets, negatives for every category: `benign_docs.txt`
-    (sentences of kvserve's docs) and `benign_generated.txt` (windows of the default model's own
-    answers as output moderation checks them; safety/generations.py writes it)."""
+    """`data/train.tsv`, the counterfactual rows of augment.py, and two benign sets, negatives for
+    every category: `benign_docs.txt` (sentences of kvserve's docs) and `benign_generated.txt`
+    (windows of the default model's own answers as output moderation checks them;
+    safety/generations.py writes it)."""
     benign = _lines("benign_docs.txt") + _lines("benign_generated.txt")
-    return read_labelled(DATA / "train.tsv") + [(set(), line) for line in benign]
+    return read_labelled(DATA / "train.tsv") + augment.rows("train") + [(set(), line) for line in benign]
+
+
+def dev_rows() -> list[tuple[set[str], str]]:
+    """The split thresholds are chosen on (never trained on): `data/eval.tsv` and augment.py's dev rows."""
+    return read_labelled(DATA / "eval.tsv") + augment.rows("dev")
+
+
+def pick_thresholds(model, rows: list[tuple[set[str], str]]) -> list[float]:
+    """Per category, the threshold in [0.5, 0.95] with the best F1 on `rows` among those that flag
+    at most MAX_DEV_FPR of the rows without that label (ties: the higher threshold). Never below
+    0.5: the dev split is small, and lower thresholds it allowed flagged short benign prompts
+    ("Describe a picnic.") that it does not contain."""
+    scores = [model.scores(t) for _, t in rows]
+    out = []
+    for label in LABELS:
+        pos = [s[label] for (ls, _), s in zip(rows, scores) if label in ls]
+        neg = [s[label] for (ls, _), s in zip(rows, scores) if label not in ls]
+        best = (-1.0, 0.5)
+        for k in range(50, 96):
+            t = k / 100
+            fp = sum(x >= t for x in neg)
+            if fp > MAX_DEV_FPR * len(neg):
+                continue
+            tp = sum(x >= t for x in pos)
+            f1 = 2 * tp / (2 * tp + fp + len(pos) - tp) if pos else 0.0
+            if f1 >= best[0]:
+                best = (f1, t)
+        out.append(best[1])
+    return out
 
 
 def fit(rows: list[tuple[set[str], str]], c: float = 300.0, positive_weight: float = 1.0,
@@ -68,9 +101,11 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = sys.argv[1:] if argv is None else argv
     hashes, weights, bias = fit(training_rows(), positive_weight=POSITIVE_WEIGHT)
-    np.savez_compressed(MODEL_PATH, hashes=hashes, weights=weights.astype(np.float16),
-                        bias=bias)
-    print(f"wrote {MODEL_PATH} ({len(hashes)} features)")
+    weights = weights.astype(np.float16)
+    thresholds = np.asarray(pick_thresholds(TextClassifier(hashes, weights, bias), dev_rows()), dtype=np.float32)
+    np.savez_compressed(MODEL_PATH, hashes=hashes, weights=weights, bias=bias, thresholds=thresholds)
+    print(f"wrote {MODEL_PATH} ({len(hashes)} features); thresholds "
+          + ", ".join(f"{label} {t:.2f}" for label, t in zip(LABELS, thresholds)))
     if "--check" in argv:
         from kvserve.safety.evaluate import evaluate, format_table
 

@@ -349,6 +349,9 @@ def keys_moderation(
     pii_input: str = typer.Option(None, help="off | flag | redact."),
     pii_output: str = typer.Option(None, help="off | redact."),
     check_every: int = typer.Option(None, help="Output: check a window every this many tokens."),
+    action: str = typer.Option(None, help="block | annotate (verdicts logged and traced, nothing blocked)."),
+    request_overrides: bool = typer.Option(None, "--request-overrides/--no-request-overrides",
+                                           help="Whether a request's kvserve_moderation may set action and pii_output."),
     clear: bool = typer.Option(False, "--clear", help="Remove the subject's policy."),
     data_dir: DataDir = None,
     database_url: DatabaseUrl = None,
@@ -370,7 +373,8 @@ def keys_moderation(
         if clear:
             typer.echo(f"{'removed' if store.delete(subject) else 'no policy for'} {subject}")
             return
-        policy = policy_from_options(mode, threshold, block, regex, pii_input, pii_output, check_every)
+        policy = policy_from_options(mode, threshold, block, regex, pii_input, pii_output, check_every,
+                                     action, request_overrides)
         store.set(subject, {**store.all().get(subject, {}), **policy})
         typer.echo(f"{subject}: {json.dumps(store.all()[subject])}")
 

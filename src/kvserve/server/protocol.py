@@ -98,6 +98,14 @@ class RepetitionGuardSpec(_Strict):
     repeats: int = 4
 
 
+class ModerationSpec(_Strict):
+    """A request's own moderation choices, when its key's policy lets it (server/gates/moderation.py):
+    `action` "annotate" reports verdicts without blocking; `pii_output` turns output redaction on or off."""
+
+    action: Literal["block", "annotate"] | None = None
+    pii_output: Literal["off", "redact"] | None = None
+
+
 class _Common(_Strict):
     """Fields shared by chat and completions: OpenAI's, vLLM's extras, and kvserve's extensions."""
 
@@ -132,6 +140,7 @@ class _Common(_Strict):
     priority: int = 0
     cache_salt: str | None = Field(default=None, max_length=256)
     repetition_guard: RepetitionGuardSpec | None = None
+    kvserve_moderation: ModerationSpec | None = None
     # vLLM's beam-search fields: accepted so that clients get a clear answer, not "unrecognized"
     use_beam_search: bool = False
     length_penalty: float | None = None

@@ -7,9 +7,16 @@
   written on the access-log line.
 * Output: `output_stage` makes the last stage of every choice (stages/output_moderation.py).
 * Per request the config is the server's (`--moderation`, `--moderation-config`) with the tier's
-  and the key's stored policies on top (stores/moderation_policies.py); a Moderator per distinct
+  and the key's stored policies on top (stores/moderation_policies.py), then the request's own
+  `kvserve_moderation` (`action`, `pii_output`) when the policy allows it; a Moderator per distinct
   config is cached. Each check's time and verdict goes in `kvserve_trace.moderation`.
   `/v1/moderations` (api/moderations.py) runs the same moderators.
+* Action `annotate` checks everything and blocks nothing: a flagged input goes on (its verdict in
+  the access log, the trace, the `x-kvserve-moderation` header and
+  `kvserve:moderation_annotated_total`), a flagged output window is traced and not cut. A scoring
+  request (completions with echo and logprobs, max_tokens <= 1: how lm-eval measures a
+  continuation's likelihood) is always annotated, never blocked: it generates at most one token,
+  and what it echoes is the caller's own text.
 """
 
 from __future__ import annotations
@@ -18,11 +25,12 @@ import asyncio
 import json
 import pathlib
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvserve.errors import ContentPolicyViolation, KVServeError
+from kvserve.errors import ContentPolicyViolation, InvalidRequest, KVServeError
 from kvserve.safety import pii
 from kvserve.safety.moderator import ModerationConfig, Moderator, Verdict
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -54,15 +62,30 @@ class ModerationService:
                                "category.", ["stage", "category"], registry=registry)
         self.seconds = Histogram("kvserve:moderation_check_seconds", "Time of one moderation check.", ["stage"],
                                  buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05), registry=registry)
+        self.annotated = Counter("kvserve:moderation_annotated", "Flagged inputs and outputs let through "
+                                 "(action annotate), by stage and category.", ["stage", "category"], registry=registry)
 
     def close(self) -> None:
         if self._owns_policies:
             self.policies.close()
 
-    def config_for(self, record: RequestRecord) -> ModerationConfig:
+    def config_for(self, record: RequestRecord, req: GenerationRequest | None = None) -> ModerationConfig:
+        """The server's config, the caller's policies on top, then (given `req`) the request's own
+        `kvserve_moderation` and the scoring-request rule (see the module's docstring)."""
         config = self.config
         for policy in self.policies.for_caller(record.key_name, record.key_tier if record.key else None):
             config = config.merged(policy)
+        if req is None:
+            return config
+        spec = req.kvserve_moderation
+        if spec is not None and (spec.action is not None or spec.pii_output is not None):
+            if not config.request_overrides:
+                raise InvalidRequest("This key's moderation policy cannot be changed per request; drop "
+                                     "kvserve_moderation.", param="kvserve_moderation")
+            config = replace(config, action=spec.action or config.action,
+                             pii_output=spec.pii_output or config.pii_output)
+        if is_scoring_request(req):
+            config = replace(config, action="annotate")
         return config
 
     def moderator(self, config: ModerationConfig) -> Moderator:
@@ -74,11 +97,11 @@ class ModerationService:
             mod = self._moderators[key] = Moderator(config)
         return mod
 
-    def observe(self, stage: str, verdict: Verdict) -> None:
+    def observe(self, stage: str, verdict: Verdict, action: str = "block") -> None:
         self.checks.labels(stage).inc()
         self.seconds.labels(stage).observe(verdict.elapsed_ms / 1000)
         if verdict.flagged:
-            self.flagged.labels(stage, verdict.top or "unknown").inc()
+            (self.annotated if action == "annotate" else self.flagged).labels(stage, verdict.top or "unknown").inc()
 
     # ---- input ----------------------------------------------------------------------------
 
@@ -100,14 +123,20 @@ class ModerationService:
         if config.pii_input != "off":
             t0 = time.perf_counter()
             kinds = sorted({m.kind for _, text, _ in texts for m in pii.find(text)})
-            entries.append({"check": "pii_input", "kinds": kinds, "action": config.pii_input if kinds else "none",
+            annotate = config.pii_input == "flag" and config.action == "annotate"
+            entries.append({"check": "pii_input", "kinds": kinds,
+                            "action": ("annotate" if annotate else config.pii_input) if kinds else "none",
                             "ms": round((time.perf_counter() - t0) * 1000, 3)})
-            if kinds and config.pii_input == "flag":
+            if kinds and annotate:
+                record.moderation = {"stage": "input", "flagged": True, "categories": [f"pii:{k}" for k in kinds],
+                                     "action": "annotate"}
+                self.annotated.labels("input", "pii").inc()
+            elif kinds and config.pii_input == "flag":
                 record.moderation = {"stage": "input", "flagged": True, "categories": [f"pii:{k}" for k in kinds]}
                 self.flagged.labels("input", "pii").inc()
                 raise ContentPolicyViolation(f"The request contains personal data or secrets ({', '.join(kinds)}); "
                                              "remove them and retry.", param="messages")
-            if kinds:
+            if kinds and config.pii_input == "redact":
                 redact_input(req)
                 texts = input_texts(req, tokenizer)
         if not config.input:
@@ -128,10 +157,12 @@ class ModerationService:
         if worst is None:
             return entries
         worst.elapsed_ms = (time.perf_counter() - t0) * 1000
-        self.observe("input", worst)
-        entries.append({"check": "input", **worst.summary()})
-        record.moderation = {"stage": "input", **worst.summary()}
-        if worst.flagged:
+        self.observe("input", worst, config.action)
+        annotated = {"action": "annotate"} if worst.flagged and config.action == "annotate" else {}
+        entries.append({"check": "input", **worst.summary(), **annotated})
+        if not (record.moderation and record.moderation.get("flagged")):   # a PII annotation stays
+            record.moderation = {"stage": "input", **worst.summary(), **annotated}
+        if worst.flagged and not annotated:
             cats = ", ".join(c for c, f in worst.categories.items() if f)
             raise ContentPolicyViolation(f"The request was flagged by input moderation ({cats}) and was not "
                                          "processed.", param=where)
@@ -139,10 +170,31 @@ class ModerationService:
 
     # ---- output ---------------------------------------------------------------------------
 
-    def output_stage(self, config: ModerationConfig) -> OutputModerationStage | None:
-        if not config.output and config.pii_output == "off":
+    def output_stage(self, config: ModerationConfig, constrained: bool = False) -> OutputModerationStage | None:
+        """The output stage of one choice. `constrained`: the text follows the request's grammar or
+        schema, which a mask such as `[EMAIL]` could break, so nothing is redacted (the trace says so)."""
+        if not config.output and (config.pii_output == "off" or constrained):
             return None
-        return OutputModerationStage(self.moderator(config) if config.output else None, config, self)
+        return OutputModerationStage(self.moderator(config) if config.output else None, config, self,
+                                     redact=config.pii_output == "redact" and not constrained,
+                                     skipped_redaction=config.pii_output == "redact" and constrained)
+
+
+def is_scoring_request(req: GenerationRequest) -> bool:
+    """lm-eval's loglikelihood shape: a completions request with echo and logprobs that generates
+    at most one token."""
+    if not isinstance(req, CompletionRequest) or not req.echo or req.logprobs is None:
+        return False
+    max_tokens = req.requested_max_tokens()
+    return max_tokens is not None and max_tokens <= 1
+
+
+def annotation_header(record: RequestRecord) -> dict[str, str]:
+    """`x-kvserve-moderation` for an input flagged and let through (action annotate)."""
+    m = record.moderation
+    if not m or not m.get("flagged") or m.get("action") != "annotate":
+        return {}
+    return {"x-kvserve-moderation": "flagged; categories=" + ",".join(m.get("categories") or [])}
 
 
 def has_token_prompts(req: GenerationRequest) -> bool:

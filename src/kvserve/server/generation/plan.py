@@ -24,7 +24,7 @@ from kvserve.errors import InvalidRequest
 from kvserve.safety.moderator import ModerationConfig
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.server.gates.admission import engine_priority
-from kvserve.server.gates.moderation import prompt_tokenizer
+from kvserve.server.gates.moderation import annotation_header, prompt_tokenizer
 from kvserve.server.generation.context import Prompt, build_prompts, reasoning_budget, token_texts
 from kvserve.server.generation.engine import ModelHandle
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, check_caps, to_sampling_params
@@ -110,13 +110,13 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
     """The plan for one validated request, every gate passed in order (see the module's docstring)."""
     chat = kind == "chat"
     check_caps(req, gw.settings)
-    moderation = gw.moderation.config_for(record)    # input moderation, before any queue (400)
+    moderation = gw.moderation.config_for(record, req)    # input moderation, before any queue (400)
     checks = await gw.moderation.check_input_async(req, record, moderation,
                                                    prompt_tokenizer(gw, req) if not chat else None)
     timings = Timings(t0=record.t0, parsed=time.monotonic())
     requested, route, query = await gw.routing.route(req, kind, record.key_tier)
     model = ModelHandle.resolve(gw, requested, record.key_name)
-    headers: dict[str, str] = {}
+    headers: dict[str, str] = annotation_header(record)
     max_tokens = _capped_max_tokens(gw, record, req, headers)
     common: dict[str, Any] = {"kind": kind, "model": model, "timings": timings, "stream": bool(req.stream),
                               "include_usage": bool(req.stream and req.stream_options
@@ -153,7 +153,8 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
         raise InvalidRequest("best_of > n cannot be streamed; drop best_of or stream=false.", param="best_of")
     return GenerationPlan(
         prompts=prompts, params=params, headers=headers, structured=structured, tools=tools,
-        stages=lambda: build_stages(tools, reasoning=chat, moderation=lambda: gw.moderation.output_stage(moderation)),
+        stages=lambda: build_stages(tools, reasoning=chat, moderation=lambda: gw.moderation.output_stage(
+            moderation, constrained=structured is not None and structured[1] != "tools")),
         cache_scope=CacheScopeKey(gw.cache_scope.salt(record.key, req.cache_salt), req.cache_salt),
         moderation=moderation, input_checks=checks, priority=engine_priority(record.key_tier, req.priority),
         prompt_token_texts=texts, top_logprobs=top, echo=echo, cache_key=cache_key, **common)

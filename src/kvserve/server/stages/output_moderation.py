@@ -4,7 +4,10 @@ Personal data is redacted as the text streams (safety.pii.StreamRedactor), and e
 `check_every` tokens the last `window_chars` characters are checked while the engine keeps
 decoding. On a flag the choice ends with `finish_reason: "content_filter"`, the rest of its text
 is dropped, and the run (generation/run.py) aborts the engine request, which frees its KV blocks.
-So a violating text is cut within one window of `check_every` tokens after it appears.
+So a violating text is cut within one window of `check_every` tokens after it appears. Under
+action `annotate` a flagged window is traced (`"action": "annotate"`) and the choice goes on.
+Redaction is off by default (`pii_output`) and never runs on text that follows a grammar or
+schema: a mask would break it (the trace records `pii_output` skipped instead).
 """
 
 from __future__ import annotations
@@ -22,14 +25,18 @@ if TYPE_CHECKING:
 class OutputModerationStage:
     """The last stage of a choice: redact personal data, check a window every N tokens, cut on a flag."""
 
-    def __init__(self, moderator: Moderator | None, config: ModerationConfig, service: ModerationService):
+    def __init__(self, moderator: Moderator | None, config: ModerationConfig, service: ModerationService,
+                 redact: bool | None = None, skipped_redaction: bool = False):
         self.moderator = moderator
         self.config = config
         self.service = service
-        self.redactor = pii.StreamRedactor() if config.pii_output == "redact" else None
+        redact = config.pii_output == "redact" if redact is None else redact
+        self.redactor = pii.StreamRedactor() if redact else None
         self.window = ""
         self.unchecked = 0          # tokens since the last check
         self.checks: list[dict[str, Any]] = []
+        if skipped_redaction:
+            self.checks.append({"check": "pii_output", "action": "skipped", "reason": "structured output"})
         self.cut = False
 
     def feed(self, delta: ChoiceDelta) -> ChoiceDelta:
@@ -51,7 +58,10 @@ class OutputModerationStage:
             return delta        # a tool call is checked before it goes out: a client may act on it at once
         self.unchecked = 0
         v = self.moderator.check(self.window, input=False)
-        self.service.observe("output", v)
+        self.service.observe("output", v, self.config.action)
+        if v.flagged and self.config.action == "annotate":
+            self.checks.append({"check": "output", **v.summary(), "action": "annotate"})
+            return delta
         self.checks.append({"check": "output", **v.summary()})
         if v.flagged:
             self.cut = True

@@ -1,7 +1,8 @@
 """Moderation policies per key or tier, stored next to the keys (`kvserve keys moderation`).
 
 A policy is a JSON object of `ModerationConfig` overrides (`mode`, `thresholds`, `blocklist`,
-`regexes`, `pii_input`, `pii_output`, `jailbreak`, `check_every`) stored under a subject: a key's
+`regexes`, `pii_input`, `pii_output`, `jailbreak`, `check_every`, `action` block | annotate,
+`request_overrides`: whether a request's `kvserve_moderation` may change them) stored under a subject: a key's
 name, or `tier:free` / `tier:paid`. A request's config is the server's (`kvserve serve
 --moderation ...`), then its tier's policy, then its key's.
 
@@ -38,7 +39,7 @@ STEPS: Steps = [
 ]
 logger = logging.getLogger("kvserve.server")
 FIELDS = {"mode", "thresholds", "blocklist", "regexes", "pii_input", "pii_output", "jailbreak", "check_every",
-          "window_chars"}
+          "window_chars", "action", "request_overrides"}
 
 
 def validate(policy: dict[str, Any]) -> dict[str, Any]:
@@ -52,6 +53,10 @@ def validate(policy: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequest("pii_input must be off, flag or redact.", param="pii_input")
     if policy.get("pii_output", "off") not in ("off", "redact"):
         raise InvalidRequest("pii_output must be off or redact.", param="pii_output")
+    if policy.get("action", "block") not in ("block", "annotate"):
+        raise InvalidRequest("action must be block or annotate.", param="action")
+    if not isinstance(policy.get("request_overrides", True), bool):
+        raise InvalidRequest("request_overrides must be true or false.", param="request_overrides")
     for cat, v in (policy.get("thresholds") or {}).items():
         if not isinstance(v, int | float) or not 0 <= v <= 1:
             raise InvalidRequest(f"The threshold of {cat} must be a number in [0, 1].", param="thresholds")
@@ -141,7 +146,8 @@ def _pairs(items: list[str] | None, what: str) -> dict[str, list[str]]:
 
 def policy_from_options(mode: str | None, threshold: list[str] | None, block: list[str] | None,
                         regex: list[str] | None, pii_input: str | None, pii_output: str | None,
-                        check_every: int | None) -> dict[str, Any]:
+                        check_every: int | None, action: str | None = None,
+                        request_overrides: bool | None = None) -> dict[str, Any]:
     """A policy from `kvserve keys moderation` options (only what was given)."""
     policy: dict[str, Any] = {}
     if mode is not None:
@@ -161,6 +167,10 @@ def policy_from_options(mode: str | None, threshold: list[str] | None, block: li
         policy["pii_output"] = pii_output
     if check_every is not None:
         policy["check_every"] = check_every
+    if action is not None:
+        policy["action"] = action
+    if request_overrides is not None:
+        policy["request_overrides"] = request_overrides
     return validate(policy)
 
 
