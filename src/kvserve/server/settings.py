@@ -62,6 +62,8 @@ class ServerSettings:
     max_best_of: int = 8
     max_top_logprobs: int = 20
     max_stop: int = 16
+    max_stop_chars: int = 1024         # each stop string (the detokenizer holds back up to this much)
+    max_logit_bias: int = 300          # logit_bias entries (OpenAI's cap)
     max_prompts: int = 32  # list prompts in one /v1/completions request
     default_max_tokens: int = 512  # when the client sends none (still capped by the context window)
 
