@@ -70,4 +70,4 @@ def test_a_vocabulary_wide_bias_is_indexed_once_per_request(monkeypatch):
         reqs = [SamplingRequest(params, [1], [3] * step) for _ in range(8)]
         logits = torch.randn(8, V)
         assert torch.equal(sampler.process_logits(logits, reqs), walked(logits, reqs))
-    assert builds == [V, V]          # token ids and biases, once
+    assert builds == [V, V]          # token ids and biases, once (into one dense row)

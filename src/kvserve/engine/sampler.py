@@ -70,15 +70,15 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 @dataclass
 class RequestTensors:
     """A request's token-id controls as tensors, built once per request (not per step or row):
-    `bias` = (token ids, biases) of logit_bias, `stop_ids` = stop_token_ids, both cut to the
-    vocabulary (ids past it cannot be sampled anyway). A step then applies every row's bias with
-    one `index_put_`, whatever the size of the maps."""
+    `bias` = its logit_bias as a dense [V] row (zero where the map says nothing; ids past the
+    vocabulary cannot be sampled and are left out), `stop_ids` = stop_token_ids. A step then
+    adds every biased row's bias with one `index_add_`, whatever the size of the maps."""
 
     vocab_size: int
     device: torch.device
     logit_bias: dict[int, float] | None
     stop_token_ids: list[int] | None
-    bias: tuple[torch.Tensor, torch.Tensor]
+    bias: torch.Tensor
     stop_ids: torch.Tensor
 
 
@@ -90,11 +90,11 @@ def request_tensors(params: SamplingParams, V: int, device: torch.device) -> Req
             and cached.logit_bias is params.logit_bias and cached.stop_token_ids is params.stop_token_ids):
         return cached
     items = [(t, b) for t, b in (params.logit_bias or {}).items() if t < V]
-    cols = torch.tensor([t for t, _ in items], dtype=torch.long, device=device)
-    vals = torch.tensor([b for _, b in items], dtype=torch.float32, device=device)
+    bias = torch.zeros(V, dtype=torch.float32, device=device)
+    bias[torch.tensor([t for t, _ in items], dtype=torch.long, device=device)] = torch.tensor(
+        [b for _, b in items], dtype=torch.float32, device=device)
     stop_ids = torch.tensor([t for t in params.stop_token_ids or () if t < V], dtype=torch.long, device=device)
-    cached = RequestTensors(V, torch.device(device), params.logit_bias, params.stop_token_ids, (cols, vals),
-                            stop_ids)
+    cached = RequestTensors(V, torch.device(device), params.logit_bias, params.stop_token_ids, bias, stop_ids)
     params.__dict__["_sampler_tensors"] = cached
     return cached
 
@@ -178,7 +178,7 @@ class Sampler:
     def _apply_bias_and_masks(self, logits: torch.Tensor, reqs: list[SamplingRequest]) -> None:
         V, dev = logits.shape[1], logits.device
         bias_rows: list[int] = []
-        bias: list[tuple[torch.Tensor, torch.Tensor]] = []
+        bias: list[torch.Tensor] = []
         mask_rows: list[int] = []
         masks: list[torch.Tensor] = []
         eos = self._eos_index(V, dev)
@@ -199,9 +199,7 @@ class Sampler:
                 mask_rows.append(i)
                 masks.append(torch.cat(banned) if len(banned) > 1 else banned[0])
         if bias_rows:
-            rows = _rows_for(bias_rows, [c.numel() for c, _ in bias], dev)
-            logits.index_put_((rows, torch.cat([c for c, _ in bias])), torch.cat([v for _, v in bias]),
-                              accumulate=True)
+            logits.index_add_(0, torch.tensor(bias_rows, dtype=torch.long, device=dev), torch.stack(bias))
         if mask_rows:
             logits[_rows_for(mask_rows, [m.numel() for m in masks], dev), torch.cat(masks)] = _NEG_INF
 
