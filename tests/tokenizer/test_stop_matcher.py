@@ -126,3 +126,14 @@ def test_an_automaton_is_shared_by_the_sequences_of_a_request():
     a = IncrementalDetokenizer(tok, [], stop=["abc", "zz"])
     b = IncrementalDetokenizer(tok, [], stop=["abc", "zz"])
     assert a._stops is b._stops
+
+
+def test_the_automaton_cache_is_bounded_in_entries_and_characters(monkeypatch):
+    monkeypatch.setattr(stop_matcher, "_cache", type(stop_matcher._cache)())
+    monkeypatch.setattr(stop_matcher, "_CACHE_CHARS", 100)
+    for k in range(5):
+        stop_matcher.automaton((chr(ord("a") + k) * 60,))
+    assert list(stop_matcher._cache) == [("e" * 60,)]
+    for k in range(40):
+        stop_matcher.automaton((str(k),))
+    assert len(stop_matcher._cache) == stop_matcher._CACHE_ENTRIES

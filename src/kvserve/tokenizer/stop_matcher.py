@@ -9,15 +9,20 @@ is the hold-back, and a node's `match` names the longest stop that ends there. E
 costs amortised O(1) (the failure links never climb more than the characters fed), so a token
 costs what its text adds, not what the output or the stops already hold.
 
-Automata are immutable and shared: `automaton(stops)` caches the few most recent ones, so the
-`n` sequences of one request (and repeated requests with the same stops) build it once.
+Automata are immutable and shared: `automaton(stops)` caches the most recent ones (at most 16,
+and at most `_CACHE_CHARS` characters of stops in all, so a few huge offline stop lists cannot
+pin gigabytes), so the `n` sequences of one request (and repeated requests with the same stops)
+build it once.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import threading
+from collections import OrderedDict, deque
 from collections.abc import Sequence
-from functools import lru_cache
+
+_CACHE_ENTRIES = 16
+_CACHE_CHARS = 1 << 20
 
 
 class StopAutomaton:
@@ -81,7 +86,21 @@ class StopAutomaton:
         return len(self._goto)
 
 
-@lru_cache(maxsize=16)
+_cache: OrderedDict[tuple[str, ...], StopAutomaton] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
 def automaton(stops: tuple[str, ...]) -> StopAutomaton:
     """The shared automaton for these stop strings (order matters: it breaks ties)."""
-    return StopAutomaton(stops)
+    with _cache_lock:
+        found = _cache.get(stops)
+        if found is not None:
+            _cache.move_to_end(stops)
+            return found
+    built = StopAutomaton(stops)
+    with _cache_lock:
+        _cache[stops] = built
+        while len(_cache) > _CACHE_ENTRIES or (
+                len(_cache) > 1 and sum(len(s) for k in _cache for s in k) > _CACHE_CHARS):
+            _cache.popitem(last=False)
+    return built
