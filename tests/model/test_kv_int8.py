@@ -127,7 +127,7 @@ def test_int8_cache_avx2_build_gives_the_same_bits(default_model, tmp_path):
     env = {**os.environ, "KVSERVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     code = _CHILD.format(here=os.path.dirname(__file__), prompt=PROMPT, out=str(out))
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
-    avx2 = torch.load(out)
+    avx2 = torch.load(out, weights_only=True)
     assert torch.equal(avx2[0], last_logits(loaded.model, ids, len(ids)))
     assert torch.equal(avx2[1], avx2[0])
 

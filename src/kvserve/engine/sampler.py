@@ -67,6 +67,44 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
     return chosen.view(-1), ranks, None, None
 
 
+@dataclass
+class RequestTensors:
+    """A request's token-id controls as tensors, built once per request (not per step or row):
+    `bias` = its logit_bias as a dense [V] row (zero where the map says nothing; ids past the
+    vocabulary cannot be sampled and are left out), `stop_ids` = stop_token_ids. A step then
+    adds every biased row's bias with one `index_add_`, whatever the size of the maps."""
+
+    vocab_size: int
+    device: torch.device
+    logit_bias: dict[int, float] | None
+    stop_token_ids: list[int] | None
+    bias: torch.Tensor
+    stop_ids: torch.Tensor
+
+
+def request_tensors(params: SamplingParams, V: int, device: torch.device) -> RequestTensors:
+    """The tensors of `params`, cached on the params object (the `n` sequences of a request share
+    it); rebuilt only if the maps were replaced or the vocabulary or device differ."""
+    cached: RequestTensors | None = params.__dict__.get("_sampler_tensors")
+    if (cached is not None and cached.vocab_size == V and cached.device == device
+            and cached.logit_bias is params.logit_bias and cached.stop_token_ids is params.stop_token_ids):
+        return cached
+    items = [(t, b) for t, b in (params.logit_bias or {}).items() if t < V]
+    bias = torch.zeros(V, dtype=torch.float32, device=device)
+    bias[torch.tensor([t for t, _ in items], dtype=torch.long, device=device)] = torch.tensor(
+        [b for _, b in items], dtype=torch.float32, device=device)
+    stop_ids = torch.tensor([t for t in params.stop_token_ids or () if t < V], dtype=torch.long, device=device)
+    cached = RequestTensors(V, torch.device(device), params.logit_bias, params.stop_token_ids, bias, stop_ids)
+    params.__dict__["_sampler_tensors"] = cached
+    return cached
+
+
+def _rows_for(rows: list[int], counts: list[int], device: torch.device) -> torch.Tensor:
+    """Row index i repeated counts[i] times: the row of each entry of the concatenated columns."""
+    return torch.repeat_interleave(torch.tensor(rows, dtype=torch.long, device=device),
+                                   torch.tensor(counts, dtype=torch.long, device=device))
+
+
 def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
     return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long,
@@ -91,6 +129,7 @@ class Sampler:
 
     def __init__(self, eos_token_ids: list[int]):
         self.eos_token_ids = list(eos_token_ids)
+        self._eos_cache: tuple[int, torch.Tensor] | None = None
 
     def __call__(self, logits: torch.Tensor, reqs: list[SamplingRequest],
                  grammar: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
@@ -137,37 +176,39 @@ class Sampler:
                     or p.frequency_penalty or len(r.output_token_ids) < p.min_tokens)
 
     def _apply_bias_and_masks(self, logits: torch.Tensor, reqs: list[SamplingRequest]) -> None:
-        V = logits.shape[1]
-        rows: list[int] = []
-        cols: list[int] = []
-        vals: list[float] = []
+        V, dev = logits.shape[1], logits.device
+        bias_rows: list[int] = []
+        bias: list[torch.Tensor] = []
         mask_rows: list[int] = []
-        mask_cols: list[int] = []
+        masks: list[torch.Tensor] = []
+        eos = self._eos_index(V, dev)
         for i, r in enumerate(reqs):
             p = r.params
             if p.logit_bias:
-                for tok, b in p.logit_bias.items():
-                    if tok < V:  # ids past the vocabulary cannot be sampled anyway
-                        rows.append(i)
-                        cols.append(tok)
-                        vals.append(b)
-            banned: list[int] = []
+                bias_rows.append(i)
+                bias.append(request_tensors(p, V, dev).bias)
+            banned: list[torch.Tensor] = []
             if p.ignore_eos:
-                banned += self.eos_token_ids
+                banned.append(eos)
             if len(r.output_token_ids) < p.min_tokens or r.in_reasoning:
                 if not p.ignore_eos:
-                    banned += self.eos_token_ids
-                banned += p.stop_token_ids or []
-            for tok in banned:
-                if tok < V:
-                    mask_rows.append(i)
-                    mask_cols.append(tok)
-        dev = logits.device
-        if rows:
-            logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                              torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+                    banned.append(eos)
+                if p.stop_token_ids:
+                    banned.append(request_tensors(p, V, dev).stop_ids)
+            if banned:
+                mask_rows.append(i)
+                masks.append(torch.cat(banned) if len(banned) > 1 else banned[0])
+        if bias_rows:
+            logits.index_add_(0, torch.tensor(bias_rows, dtype=torch.long, device=dev), torch.stack(bias))
         if mask_rows:
-            logits[torch.tensor(mask_rows, device=dev), torch.tensor(mask_cols, device=dev)] = _NEG_INF
+            logits[_rows_for(mask_rows, [m.numel() for m in masks], dev), torch.cat(masks)] = _NEG_INF
+
+    def _eos_index(self, V: int, dev: torch.device) -> torch.Tensor:
+        cached = self._eos_cache
+        if cached is None or cached[0] != V or cached[1].device != dev:
+            ids = torch.tensor([t for t in self.eos_token_ids if t < V], dtype=torch.long, device=dev)
+            self._eos_cache = cached = (V, ids)
+        return cached[1]
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[SamplingRequest]) -> None:
         V, dev = logits.shape[1], logits.device

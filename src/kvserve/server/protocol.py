@@ -254,6 +254,13 @@ def check_caps(req: _Common, settings: ServerSettings) -> None:
         raise InvalidRequest(f"best_of must be at most {settings.max_best_of}.", param="best_of")
     if isinstance(req.stop, list) and len(req.stop) > settings.max_stop:
         raise InvalidRequest(f"At most {settings.max_stop} stop strings are allowed.", param="stop")
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if any(len(s) > settings.max_stop_chars for s in stops):
+        raise InvalidRequest(f"Each stop string may hold at most {settings.max_stop_chars} characters.",
+                             param="stop")
+    if req.logit_bias is not None and len(req.logit_bias) > settings.max_logit_bias:
+        raise InvalidRequest(f"logit_bias may hold at most {settings.max_logit_bias} entries.",
+                             param="logit_bias")
     if isinstance(req, ChatCompletionRequest):
         if not req.messages:
             raise InvalidRequest("messages must contain at least one message.", param="messages")

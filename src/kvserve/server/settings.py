@@ -63,6 +63,8 @@ class ServerSettings:
     max_best_of: int = 8
     max_top_logprobs: int = 20
     max_stop: int = 16
+    max_stop_chars: int = 1024         # each stop string (the detokenizer holds back up to this much)
+    max_logit_bias: int = 300          # logit_bias entries (OpenAI's cap)
     max_prompts: int = 32  # list prompts in one /v1/completions request
     max_embedding_inputs: int = 2048      # inputs of one /v1/embeddings request (OpenAI's cap)
     max_embedding_tokens: int = 65_536    # their tokens, as the encoder counts them (~2 s of one core)

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kvserve.structured.grammar import GrammarCompiler, _import_llguidance
+from kvserve.structured.grammar import GrammarCompiler, new_matcher
 
 INLINE_MAX_ROWS = 1     # a step with this many grammar rows or fewer builds its masks before the forward
 
@@ -66,8 +66,7 @@ class GrammarBackend:
             return fut
 
     def _compile(self, grammar: str):
-        llg = _import_llguidance()
-        m = llg.LLMatcher(self.compiler.lltokenizer(), grammar, log_level=0)
+        m = new_matcher(self.compiler.lltokenizer(), grammar)
         if m.is_error():
             with self._lock:
                 self._templates.pop(grammar, None)

@@ -5,6 +5,13 @@ installed), so an invalid schema is a 400 naming the failing path, and for keywo
 would ignore or refuse, so an unsupported keyword is a 400 naming it and where it is. Grammars
 are compiled (llguidance validates them against the tokenizer) once per distinct text and the
 verdict cached; the server does it on a worker thread with a time limit (`compile_async`).
+
+What a compile may cost is bounded before and during it, so a thread past the time limit does
+not go on for long: a grammar text longer than `MAX_GRAMMAR_CHARS` is refused before it reaches
+llguidance (a `choice` of 80,000 options costs ~35 s to build, growing with the square of the
+count), and every matcher is built with `parser_limits()`: llguidance's own fuel for the lexer's
+first construction and a cap on its states (`((x{100}){100}){100}` costs 2.7 s with the
+defaults, 0.3 s within these), so the work is counted by llguidance rather than by a clock.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ from kvserve.sampling_params import StructuredOutputsParams
 # model given "any whitespace" may spend its whole budget on newlines.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 COMPILE_TIMEOUT_S = 5.0
+MAX_GRAMMAR_CHARS = 1 << 18      # 256 KiB of grammar text (what llguidance compiles in ~1 s here)
+INITIAL_LEXER_FUEL = 200_000     # llguidance's default is 1,000,000
+MAX_LEXER_STATES = 50_000        # 1-2 kB each; llguidance's default is 250,000
 _UNSUPPORTED = frozenset({
     "not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains", "propertyNames",
     "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems",
@@ -133,6 +143,22 @@ def build_grammar(so: StructuredOutputsParams, param: str = "structured_outputs"
         raise InvalidRequest(f"The {kind} for {param} does not compile: {str(e)[:300]}", param=param) from None
 
 
+def parser_limits():
+    """The llguidance limits every matcher is built with (module docstring)."""
+    return _import_llguidance().LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL,
+                                                max_lexer_states=MAX_LEXER_STATES)
+
+
+def new_matcher(lltokenizer, grammar: str, param: str = "structured_outputs"):
+    """An llguidance matcher for `grammar`, within the size cap and `parser_limits()`; check
+    `is_error()` on it. A grammar over the size cap is an InvalidRequest without compiling."""
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest(f"The grammar for {param} is {len(grammar)} characters long once built; at most "
+                             f"{MAX_GRAMMAR_CHARS} are compiled. Use fewer options or a smaller schema.",
+                             param=param)
+    return _import_llguidance().LLMatcher(lltokenizer, grammar, log_level=0, limits=parser_limits())
+
+
 class GrammarCompiler:
     """Checks grammar texts against one tokenizer, once each (an LRU of verdicts); thread-safe.
 
@@ -166,8 +192,7 @@ class GrammarCompiler:
             if err is not None:
                 self._verdicts.move_to_end(grammar)
         if err is None:
-            llg = _import_llguidance()
-            m = llg.LLMatcher(self.lltokenizer(), grammar, log_level=0)
+            m = new_matcher(self.lltokenizer(), grammar, param)
             err = m.get_error() if m.is_error() else ""
             if not err:
                 import torch

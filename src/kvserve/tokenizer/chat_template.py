@@ -144,24 +144,36 @@ class FittedChat:
 
 def fit_chat(tokenizer, messages: list[dict], budget: int, *, drop_oldest: bool = True,
              add_generation_prompt: bool = True, tools: list[dict] | None = None, suffix: str = "") -> FittedChat:
-    """Render and tokenize a conversation to at most `budget` tokens. With `drop_oldest`, the oldest
-    non-system messages go one at a time until it fits; the system prompt(s) and the last message
-    always stay. `suffix` is text appended after the rendered template (a forced answer opening).
-    The caller decides what to say when it still does not fit (`fits` is False)."""
-    msgs = list(messages)
+    """Render and tokenize a conversation to at most `budget` tokens. With `drop_oldest`, the fewest
+    oldest non-system messages are dropped that make it fit; the system prompt(s) and the last
+    message always stay. `suffix` is text appended after the rendered template (a forced answer
+    opening). The caller decides what to say when it still does not fit (`fits` is False).
 
-    def render() -> tuple[str, list[int]]:
-        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools)
-        text += suffix
-        return text, tokenizer.encode(text, add_special_tokens=False)
+    How many to drop is found by bisection (dropping more never makes the prompt longer), so a
+    conversation of M messages costs O(log M) renders, not one per dropped message."""
+    droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
+    renders: dict[int, tuple[str, list[int]]] = {}
 
-    text, ids = render()
-    dropped = 0
-    while len(ids) > budget and drop_oldest:
-        victim = next((i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"), None)
-        if victim is None:
-            break
-        del msgs[victim]
-        dropped += 1
-        text, ids = render()
-    return FittedChat(text, ids, dropped, len(ids) <= budget)
+    def render(k: int) -> tuple[str, list[int]]:
+        """The conversation without its k oldest droppable messages."""
+        if k not in renders:
+            gone = set(droppable[:k])
+            msgs = [m for i, m in enumerate(messages) if i not in gone]
+            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools)
+            text += suffix
+            renders[k] = text, tokenizer.encode(text, add_special_tokens=False)
+        return renders[k]
+
+    def fits(k: int) -> bool:
+        return len(render(k)[1]) <= budget
+
+    lo, hi = 0, len(droppable)          # lo: the most known not to fit; hi: the fewest that may
+    if fits(0) or not drop_oldest or not droppable or not fits(hi):
+        k = 0 if fits(0) or not drop_oldest else hi
+    else:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        k = hi
+    text, ids = render(k)
+    return FittedChat(text, ids, k, len(ids) <= budget)

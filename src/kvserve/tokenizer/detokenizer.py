@@ -12,16 +12,19 @@ character is still split across tokens and must wait for its remaining bytes.
     decode(context)            -> "prefix text"
     decode(context + new)      -> "prefix text" + delta
 
-Confirmed text is then searched for stop strings (a match may span tokens and steps). The
-output is cut exactly where a stop string begins (or ends, with include_stop_str_in_output).
-Deltas hold back the longest tail that is still the beginning of some stop string, so a
-delta never carries text a later stop match swallows; `flush()` releases it at the end.
+Confirmed text is then fed through an automaton over the stop strings (`stop_matcher.py`;
+a match may span tokens and steps), each character once. The output is cut exactly where a
+stop string begins (or ends, with include_stop_str_in_output). Deltas hold back the longest
+tail that is still the beginning of some stop string (the automaton's state says how long),
+so a delta never carries text a later stop match swallows; `flush()` releases it at the end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import Protocol
+
+from kvserve.tokenizer.stop_matcher import automaton
 
 _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 5  # prompt tokens kept as decoding context for the first output tokens
@@ -44,7 +47,8 @@ class IncrementalDetokenizer:
         stops = [stop] if isinstance(stop, str) else list(stop or ())
         self.stop = [s for s in stops if s]
         self.include_stop_str_in_output = include_stop_str_in_output
-        self._max_stop = max((len(s) for s in self.stop), default=0)
+        self._stops = automaton(tuple(self.stop)) if self.stop else None
+        self._stop_state = 0   # the automaton's state after the confirmed text
 
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         # A context that itself ends inside a UTF-8 character would shift every delta; drop it.
@@ -109,18 +113,16 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _append(self, new_text: str) -> None:
-        start = max(0, len(self._text) - self._max_stop + 1)
+        start = len(self._text)
         self._text += new_text
-        if not self.stop:
+        if self._stops is None:
             return
-        best: tuple[int, int, str] | None = None  # (end, begin, stop): first match to complete
-        for s in self.stop:
-            i = self._text.find(s, start)
-            if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
-                best = (i + len(s), i, s)
-        if best is not None:
-            end, begin, s = best
-            self._text = self._text[:end if self.include_stop_str_in_output else begin]
+        # The first stop to complete wins; of those completing at one character, the longest.
+        self._stop_state, end, k = self._stops.feed(self._stop_state, new_text)
+        if k >= 0:
+            s = self._stops.stops[k]
+            end += start
+            self._text = self._text[:end if self.include_stop_str_in_output else end - len(s)]
             self.stop_reason = s
 
     def _take(self, final: bool) -> str:
@@ -135,10 +137,4 @@ class IncrementalDetokenizer:
 
     def _partial_stop_len(self) -> int:
         """Length of the longest tail of the text that a stop string begins with."""
-        hold = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self._text)), hold, -1):
-                if self._text.endswith(s[:n]):
-                    hold = n
-                    break
-        return hold
+        return self._stops.partial_len(self._stop_state) if self._stops is not None else 0

@@ -5,6 +5,10 @@ the next step is saved: weights and AdamW moments, the LR schedule's position, t
 (`PackedBatches.position` or a stage's own), and the torch / Python RNG states (sampling in
 GRPO, shuffling in SFT/DPO). Written atomically (tmp file + rename) so a crash mid-save never
 leaves a half checkpoint as the latest.
+
+A checkpoint is read as data only (`torch.load(weights_only=True)`: tensors, numbers, strings,
+containers): a `checkpoint.pt` in a directory someone else made is not trusted as code, so a
+pickle that would build any other object (and so could run a command) is refused, not run.
 """
 
 from __future__ import annotations
@@ -56,6 +60,19 @@ def save_checkpoint(out_dir: str | Path, *, model: torch.nn.Module, optimizer: t
     return path
 
 
+def read_checkpoint(path: Path, param: str) -> Any:
+    """The saved state as plain data; an `InvalidRequest` naming `param` if the file needs more
+    than tensors and containers to unpickle (a hostile or foreign pickle) or is not one at all."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InvalidRequest(f"{path} is not a kvserve checkpoint that loads as plain data (tensors and "
+                             f"containers only; nothing in it is run): {first[:200]}", param=param) from None
+
+
 def find_checkpoint(out_dir: str | Path) -> Path | None:
     p = Path(out_dir) / CHECKPOINT_NAME
     return p if p.is_file() else None
@@ -70,7 +87,7 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torc
     if not p.is_file():
         raise InvalidRequest(f"no checkpoint at {p}: nothing to resume (run without --resume to start fresh)",
                              param="resume")
-    state = torch.load(p, map_location="cpu", weights_only=False)
+    state = read_checkpoint(p, "resume")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:

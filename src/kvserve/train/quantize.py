@@ -77,8 +77,9 @@ def load_source(model: str | None) -> Source:
 
 def _from_checkpoint(path: Path) -> Source:
     from kvserve.model.decoder import DecoderLM
+    from kvserve.train.checkpoint import read_checkpoint
 
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = read_checkpoint(path, "model")
     if not isinstance(state, dict) or not state.get("model_config") or "model" not in state:
         raise InvalidRequest(f"{path} is not a kvserve training checkpoint (no model_config)", param="model")
     cfg = ModelConfig.from_hf_dict(state["model_config"])
