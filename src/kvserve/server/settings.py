@@ -86,11 +86,24 @@ class ServerSettings:
     conversation_body_bytes: int = 8 << 20
     conversation_quota_bytes: int = 64 << 20
 
+    # Files and batches (api/files.py, api/batches.py): an upload's cap, each key's files quota, and
+    # how many batch lines run at once (at a priority below every interactive request).
+    file_max_bytes: int = 64 << 20
+    file_quota_count: int = 500
+    file_quota_bytes: int = 1 << 30
+    batch_concurrency: int = 4
+
     def store_limits(self):
         from kvserve.server.stores.conversations import StoreLimits
 
         return StoreLimits(max_body_bytes=self.conversation_body_bytes, max_owner_bytes=self.conversation_quota_bytes,
                            body_timeout_s=self.body_timeout_s, max_json_depth=self.max_json_depth)
+
+    def file_limits(self):
+        from kvserve.server.stores.files import FileLimits
+
+        return FileLimits(max_file_bytes=self.file_max_bytes, max_owner_files=self.file_quota_count,
+                          max_owner_bytes=self.file_quota_bytes)
 
     def moderation_config(self):
         from kvserve.safety.moderator import ModerationConfig
