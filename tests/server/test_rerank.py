@@ -34,7 +34,7 @@ def post(server, path: str, body: dict, who: str = "a") -> httpx.Response:
 def test_cohere_client_reranks(server):
     co = cohere.ClientV2(api_key=server.keys["a"], base_url=server.base_url)
     r = co.rerank(model=ENCODER, query="What is the capital of France?", documents=DOCS, top_n=2)
-    assert [x.index for x in r.results][0] == 0 and len(r.results) == 2
+    assert r.results[0].index == 0 and len(r.results) == 2
     assert r.results[0].relevance_score >= r.results[1].relevance_score
 
 
