@@ -125,3 +125,17 @@ def test_a_batch_for_the_wrong_endpoint_fails_and_cancel_stops_one(server):
     assert b.output_file_id is None and b.cancelled_at
     listed = a.batches.list(limit=1)
     assert listed.data[0].id == b.id and listed.has_more
+
+
+def test_openapi_covers_the_new_routes(server):
+    doc = httpx.get(server.base_url + "/openapi.json").json()
+    paths = doc["paths"]
+    for path in ("/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/batches",
+                 "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel", "/v1/rerank", "/v2/rerank", "/v1/score"):
+        assert path in paths, path
+    assert "multipart/form-data" in paths["/v1/files"]["post"]["requestBody"]["content"]
+    body = paths["/v1/batches"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/BatchRequest"}
+    assert "application/octet-stream" in paths["/v1/files/{file_id}/content"]["get"]["responses"]["200"]["content"]
+    assert {"query", "documents", "top_n"} <= set(doc["components"]["schemas"]["RerankRequest"]["properties"])
+    assert {"text_1", "text_2"} <= set(doc["components"]["schemas"]["ScoreRequest"]["properties"])

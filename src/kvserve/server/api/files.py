@@ -48,15 +48,20 @@ def parse_form(body: bytes, content_type: str) -> dict[str, tuple[str | None, by
     if not content_type.lower().startswith("multipart/form-data"):
         raise InvalidRequest("Upload a file as multipart/form-data with the fields `file` and `purpose`.",
                              param="file")
-    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode("latin-1")
-    msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + body)
-    if not msg.is_multipart():
-        raise InvalidRequest("The multipart body could not be read; send `file` and `purpose` fields.", param="file")
-    out: dict[str, tuple[str | None, bytes]] = {}
-    for part in msg.iter_parts():
-        name = part.get_param("name", header="content-disposition")
-        if name:
-            out[str(name)] = (part.get_filename(), part.get_payload(decode=True) or b"")
+    unreadable = InvalidRequest("The multipart body could not be read; send `file` and `purpose` fields.",
+                                param="file")
+    try:
+        head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode("latin-1")
+        msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + body)
+        if not msg.is_multipart():
+            raise unreadable
+        out: dict[str, tuple[str | None, bytes]] = {}
+        for part in msg.iter_parts():
+            name = part.get_param("name", header="content-disposition")
+            if name:
+                out[str(name)] = (part.get_filename(), part.get_payload(decode=True) or b"")
+    except (ValueError, TypeError, LookupError, UnicodeError):   # what a malformed form can make the parser raise
+        raise unreadable from None
     return out
 
 
