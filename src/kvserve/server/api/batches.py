@@ -20,7 +20,7 @@ from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest
-from kvserve.server.api.files import BATCH_URLS, owner_of
+from kvserve.server.api.files import BATCH_URLS, owner_of, page
 from kvserve.server.protocol import _Strict, read_request
 
 if TYPE_CHECKING:
@@ -60,10 +60,7 @@ def mount_batches(app: FastAPI, gw: ServerState) -> None:
     @app.get("/v1/batches")
     async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict:
         limit = max(1, min(limit, 100))
-        rows = await run_in_threadpool(store.list, owner_of(request), limit + 1, after)
-        data = rows[:limit]
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
+        return page(await run_in_threadpool(store.list, owner_of(request), limit + 1, after), limit)
 
     @app.get("/v1/batches/{batch_id}")
     async def retrieve(request: Request, batch_id: str) -> dict:

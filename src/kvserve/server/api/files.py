@@ -43,6 +43,13 @@ def owner_of(request: Request) -> str:
     return f"key:{name}" if name else "anonymous"
 
 
+def page(rows: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    """OpenAI's cursor page of `rows` (fetched with one more than `limit`, to know `has_more`)."""
+    data = rows[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
+
+
 def parse_form(body: bytes, content_type: str) -> dict[str, tuple[str | None, bytes]]:
     """{field: (filename, bytes)} of a multipart/form-data body."""
     if not content_type.lower().startswith("multipart/form-data"):
@@ -129,10 +136,7 @@ def mount_files(app: FastAPI, gw: ServerState) -> None:
         if order not in ("asc", "desc"):
             raise InvalidRequest("`order` must be asc or desc.", param="order")
         limit = max(1, min(limit, 10_000))
-        rows = await run_in_threadpool(store.list, owner_of(request), purpose, limit + 1, after, order)
-        data = rows[:limit]
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
+        return page(await run_in_threadpool(store.list, owner_of(request), purpose, limit + 1, after, order), limit)
 
     @app.get("/v1/files/{file_id}")
     async def retrieve(request: Request, file_id: str) -> dict:

@@ -6,7 +6,8 @@ batches from the store (stores/batches.py) and moves each along:
 
     validating   the input file read and checked line by line; the lines stored and the batch
                  in_progress in one transaction (or failed, with the errors)
-    in_progress  lines claimed one at a time while fewer than `concurrency` run; each line is a
+    in_progress  lines claimed one at a time while fewer than `room()` run (`concurrency` on an
+                 idle server, one while interactive requests are admitted); each line is a
                  chat or completions request parsed as the route parses it, then build_plan (caps,
                  moderation, routing, the key's tier) → Lease.acquire (the key's token bucket, an
                  admission slot) → run_to_end → OpenAIRenderer.body(), with the plan's priority
@@ -60,6 +61,7 @@ logger = logging.getLogger("kvserve.server")
 access_log = logging.getLogger("kvserve.access")
 
 BATCH_PRIORITY = 10_000_000     # added to a line's engine priority: after every interactive tier
+BUSY_CONCURRENCY = 1            # lines at once while interactive requests run
 CLAIM_STALE_S = 60.0
 HEARTBEAT_S = 15.0
 POLL_S = 1.0
@@ -84,6 +86,7 @@ class BatchRunner:
         self.concurrency = max(1, concurrency)
         self.name = f"runner-{uuid.uuid4().hex[:12]}"
         self.running: dict[tuple[str, int], asyncio.Task] = {}
+        self.admitting = 0      # lines waiting for or holding an admission slot
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._keys: tuple[float, dict[str, ApiKey]] = (0.0, {})
@@ -162,7 +165,7 @@ class BatchRunner:
     async def _fill(self, row: dict[str, Any]) -> None:
         """Claim and start lines while there is room; finalize when none is left."""
         batch_id = row["id"]
-        while len(self.running) < self.concurrency:
+        while len(self.running) < self.room():
             claimed = await asyncio.to_thread(self.store.claim, batch_id, self.name, 1, CLAIM_STALE_S)
             if not claimed:
                 break
@@ -175,6 +178,14 @@ class BatchRunner:
         if await asyncio.to_thread(self.store.pending, batch_id) == 0 and await asyncio.to_thread(
                 self.store.set_status, batch_id, "finalizing", when=("in_progress",)):
             self.wake()
+
+    def room(self) -> int:
+        """How many lines may run now: `concurrency` on an idle server, `BUSY_CONCURRENCY` while
+        interactive requests hold or wait for admission slots (the lines already running finish;
+        no new one starts beyond that)."""
+        adm = self.gw.admission
+        interactive = adm.running + adm.num_waiting - self.admitting
+        return min(self.concurrency, BUSY_CONCURRENCY) if interactive > 0 else self.concurrency
 
     def _done(self, key: tuple[str, int]) -> None:
         self.running.pop(key, None)
@@ -258,8 +269,12 @@ class BatchRunner:
             raise InvalidRequest("A batch request cannot stream; drop `stream`.", param="stream")
         gen = Generation.start(await build_plan(self.gw, record, req, "chat" if chat else "completion"))
         gen.plan.priority += BATCH_PRIORITY
-        lease = await Lease.acquire(self.gw, gen, record, _never)
-        await run_to_end(self.gw, gen, lease, _never)
+        self.admitting += 1
+        try:
+            lease = await Lease.acquire(self.gw, gen, record, _never)
+            await run_to_end(self.gw, gen, lease, _never)
+        finally:
+            self.admitting -= 1
         return OpenAIRenderer(gen, TokenTexts(gen.plan.model.tokenizer)).body()
 
     async def _embed(self, record: RequestRecord, body: dict[str, Any]) -> dict:
