@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.errors import InvalidRequest, KVServeError
-from kvserve.server.stores.sql import Conflict, Connection, SQLStore, Steps
+from kvserve.server.stores.sql import Connection, SQLStore, Steps
 
 PURPOSES = ("batch", "batch_output", "user_data", "fine-tune", "assistants", "vision", "evals")
 UPLOAD_PURPOSES = ("batch", "user_data")
@@ -113,11 +113,8 @@ class FileStore(SQLStore):
                 conn.execute("INSERT INTO file_owners (owner) VALUES (?) ON CONFLICT (owner) DO NOTHING", (owner,))
                 conn.execute("SELECT owner FROM file_owners WHERE owner = ?" + self.db.for_update, (owner,))
                 self._check_quota(conn, owner, size)
-            try:
-                conn.execute(f"INSERT INTO files ({_META}, content) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                             (*row.values(), content))
-            except Conflict:
-                pass
+            conn.execute(f"INSERT INTO files ({_META}, content) VALUES (?, ?, ?, ?, ?, ?, ?) "
+                         "ON CONFLICT (id) DO NOTHING", (*row.values(), content))
         return self.get(owner, row["id"])
 
     def _row(self, owner: str, file_id: str, columns: str) -> dict[str, Any]:
