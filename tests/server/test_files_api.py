@@ -1,4 +1,4 @@
-"""/v1/files and /v1/batches at the gateway (no model), with the `openai` client: per-key ownership
+"""/v1/files and /v1/batches at the gateway (no model; SQLite, then PostgreSQL), with the `openai` client: per-key ownership
 on every route, the upload cap and quota, line checks, and a batch cancelled while it waits for
 the model (the runner answers nothing it was not asked)."""
 
@@ -22,13 +22,16 @@ def jsonl(n: int, url: str = "/v1/chat/completions") -> bytes:
                    + "\n" for i in range(n)).encode()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@pytest.fixture(scope="module", params=("sqlite", "postgres"))
+def server(request, tmp_path_factory):
+    """The gateway on the embedded stores, then with every store in PostgreSQL."""
     data_dir = tmp_path_factory.mktemp("files")
-    store = KeyStore(data_dir / "kvserve.db")
+    url = request.getfixturevalue("postgres_server").new_database() if request.param == "postgres" else None
+    store = KeyStore(url or data_dir / "kvserve.db")
     keys = {"a": store.create("tenant-a"), "b": store.create("tenant-b"), "q": store.create("quota")}
     store.close()
-    settings = ServerSettings(load_model=False, data_dir=data_dir, file_max_bytes=4000, file_quota_count=3)
+    settings = ServerSettings(load_model=False, data_dir=data_dir, file_max_bytes=4000, file_quota_count=3,
+                              database_url=url)
     with InProcessServer(settings) as srv:
         srv.keys = keys
         yield srv
