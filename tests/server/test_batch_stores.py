@@ -58,7 +58,11 @@ def test_a_batch_line_is_answered_once(target):
         two = store.claim(b["id"], "runner-2", 2)
         assert [r["line"] for r in one] == [0, 1] and [r["line"] for r in two] == [2]
         assert store.claim(b["id"], "runner-3", 1) == []
-        store.release("runner-2")                       # a clean shutdown gives line 2 back
+        store.release("runner-2", "batch_other")        # another batch's lines only: line 2 stays held
+        assert store.claim(b["id"], "runner-3", 1) == []
+        store.heartbeat("runner-2", [(b["id"], 2)])
+        assert store.claim(b["id"], "runner-3", 1, stale_s=30.0) == []   # kept fresh
+        store.release("runner-2", b["id"], 2)          # a clean shutdown gives line 2 back
         three = store.claim(b["id"], "runner-3", 1)
         assert [r["line"] for r in three] == [2]
         assert not store.finish_line(b["id"], 2, "runner-2", True, {"late": True})   # not its claim any more

@@ -116,7 +116,7 @@ class BatchRunner:
                     await self._advance(row)
                 if self.running and time.monotonic() - beat > HEARTBEAT_S:
                     beat = time.monotonic()
-                    await asyncio.to_thread(self.store.heartbeat, self.name)
+                    await asyncio.to_thread(self.store.heartbeat, self.name, list(self.running))
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -197,7 +197,7 @@ class BatchRunner:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.to_thread(self.store.release, self.name)
+        await asyncio.to_thread(self.store.release, self.name, batch_id)
 
     def _write_files(self, row: dict[str, Any], status: str, when: tuple[str, ...]) -> None:
         """The output and error files (ids derived from the batch: written once), then `status`."""
@@ -214,6 +214,14 @@ class BatchRunner:
     # ---- one line ----------------------------------------------------------------------------
 
     async def _line(self, row: dict[str, Any], line: dict[str, Any]) -> None:
+        try:
+            await self._answer_line(row, line)
+        except Exception:   # the store failed: the line goes back to pending for a later try
+            logger.exception("batch %s line %d could not be written", row["id"], line["line"])
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.store.release, self.name, row["id"], line["line"])
+
+    async def _answer_line(self, row: dict[str, Any], line: dict[str, Any]) -> None:
         record = RequestRecord(request_id=f"{row['id']}-{line['line']}", t0=time.monotonic(), method="POST",
                                path=row["endpoint"])
         status, body = await self._answer(row, record, json.loads(line["body"]))

@@ -201,17 +201,24 @@ class BatchStore(SQLStore):
                              (runner, now, batch_id, r["line"]))
         return rows
 
-    def heartbeat(self, runner: str) -> None:
-        """Keep the runner's claims fresh while their lines run."""
-        with self.db.connection() as conn:
-            conn.execute("UPDATE batch_lines SET claimed_at = ? WHERE claimed_by = ? AND state = 'pending'",
-                         (time.time(), runner))
+    def heartbeat(self, runner: str, lines: list[tuple[str, int]]) -> None:
+        """Keep the runner's claims on the lines it is running fresh."""
+        now = time.time()
+        with self.db.transaction() as conn:
+            for batch_id, line in lines:
+                conn.execute("UPDATE batch_lines SET claimed_at = ? WHERE batch_id = ? AND line = ? AND claimed_by = ?",
+                             (now, batch_id, line, runner))
 
-    def release(self, runner: str) -> None:
-        """Give back the runner's unanswered lines (a clean shutdown)."""
+    def release(self, runner: str, batch_id: str | None = None, line: int | None = None) -> None:
+        """Give back the runner's unanswered lines (all, a batch's, or one line)."""
+        sql = "UPDATE batch_lines SET claimed_by = NULL, claimed_at = NULL WHERE claimed_by = ? AND state = 'pending'"
+        args: list = [runner]
+        if batch_id is not None:
+            sql, args = sql + " AND batch_id = ?", [*args, batch_id]
+        if line is not None:
+            sql, args = sql + " AND line = ?", [*args, line]
         with self.db.connection() as conn:
-            conn.execute("UPDATE batch_lines SET claimed_by = NULL, claimed_at = NULL WHERE claimed_by = ? "
-                         "AND state = 'pending'", (runner,))
+            conn.execute(sql, args)
 
     def finish_line(self, batch_id: str, line: int, runner: str, ok: bool, result: dict[str, Any]) -> bool:
         """The line's result written and the line marked done (or failed), atomically, if it is
