@@ -56,12 +56,15 @@ class ScoreRequest(_Strict):
     user: str | None = None
 
 
-def _check_texts(texts: list[str], param: str) -> None:
+def check_texts(texts: list, param: str) -> None:
+    """400 unless `texts` holds 1 to MAX_DOCUMENTS non-empty strings of at most MAX_TEXT_CHARS."""
     if not texts:
         raise InvalidRequest(f"{param} is empty.", param=param)
     if len(texts) > MAX_DOCUMENTS:
         raise InvalidRequest(f"{param} holds {len(texts)} texts; at most {MAX_DOCUMENTS} per request.", param=param)
     for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise InvalidRequest(f"{param}[{i}] is not a string (this server embeds text).", param=param)
         if not t:
             raise InvalidRequest(f"{param}[{i}] is an empty string.", param=param)
         if len(t) > MAX_TEXT_CHARS:
@@ -80,8 +83,8 @@ async def rerank(gw: ServerState, request: Request) -> dict:
     req = await read_request(request, RerankRequest, gw.settings)
     model = _check_model(gw, req.model)
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
-    _check_texts([req.query], "query")
-    _check_texts(docs, "documents")
+    check_texts([req.query], "query")
+    check_texts(docs, "documents")
     vecs, tokens = await charged_encode(gw, request.state.record, [req.query, *docs])
     scores = (vecs[1:] @ vecs[0]).tolist()
     order = sorted(range(len(docs)), key=lambda i: -scores[i])[:req.top_n or len(docs)]
@@ -100,8 +103,8 @@ async def score(gw: ServerState, request: Request) -> dict:
     model = _check_model(gw, req.model)
     left = [req.text_1] if isinstance(req.text_1, str) else req.text_1
     right = [req.text_2] if isinstance(req.text_2, str) else req.text_2
-    _check_texts(left, "text_1")
-    _check_texts(right, "text_2")
+    check_texts(left, "text_1")
+    check_texts(right, "text_2")
     if len(left) != 1 and len(left) != len(right):
         raise InvalidRequest(f"text_1 holds {len(left)} texts and text_2 {len(right)}: send one text_1 to score "
                              "against every text_2, or lists of the same length to score pair by pair.",

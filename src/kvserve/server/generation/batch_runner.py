@@ -39,9 +39,10 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from kvserve.errors import AuthenticationError, InvalidRequest, KVServeError
-from kvserve.server.api.embeddings import EmbeddingRequest, _texts  # the route's input checks
+from kvserve.server.api.embeddings import EmbeddingRequest
 from kvserve.server.api.files import check_batch_lines
 from kvserve.server.api.openai_wire import INTERNAL_ERROR, OpenAIRenderer
+from kvserve.server.api.rerank import check_texts
 from kvserve.server.gates.encoder_usage import charged_encode
 from kvserve.server.generation.lease import Lease
 from kvserve.server.generation.plan import build_plan
@@ -292,6 +293,8 @@ class BatchRunner:
         if req.model not in (None, "", name):
             raise InvalidRequest(f"The model {req.model!r} is not an embedding model of this server; use {name!r}.",
                                  param="model")
-        vecs, tokens = await charged_encode(self.gw, record, _texts(req), use="batch")
+        texts = [req.input] if isinstance(req.input, str) else req.input
+        check_texts(texts, "input")
+        vecs, tokens = await charged_encode(self.gw, record, texts, use="batch")
         return {"object": "list", "model": name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                 "data": [{"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(vecs)]}
