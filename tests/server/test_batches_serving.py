@@ -133,30 +133,42 @@ def test_cancel_a_running_batch(server):
     assert len({r["custom_id"] for r in done}) == len(done)
 
 
-def test_a_restart_mid_batch_answers_every_line_once(tmp_path):
+def restart_mid_batch(tmp_path, lines: int, max_tokens: int, concurrency: int, stop_after: int) -> None:
+    """`lines` chat lines; SIGTERM once `stop_after` are done; a new server on the same data dir
+    finishes the batch; each line answered exactly once (output file and access logs)."""
     store = KeyStore(tmp_path / "kvserve.db")
     key = store.create("resumer")
     store.close()
-    first = ModelServer(tmp_path, "--max-model-len", "512", "--batch-concurrency", "2").start()
+    args = ("--max-model-len", "512", "--batch-concurrency", str(concurrency))
+    first = ModelServer(tmp_path, *args).start()
     try:
         c = openai.OpenAI(base_url=first.base_url + "/v1", api_key=key, max_retries=0, timeout=120)
-        f = c.files.create(file=("r.jsonl", chat_lines(14, max_tokens=8)), purpose="batch")
+        f = c.files.create(file=("r.jsonl", chat_lines(lines, max_tokens=max_tokens)), purpose="batch")
         b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-        mid = poll(c, b.id, done_at_least=3)
+        mid = poll(c, b.id, done_at_least=stop_after, timeout=3600)
         assert mid.status == "in_progress"
     finally:
         first.stop()    # SIGTERM while lines run
     assert first.proc.returncode is not None
-    second = ModelServer(tmp_path, "--max-model-len", "512", "--batch-concurrency", "2").start()
+    second = ModelServer(tmp_path, *args).start()
     try:
         c = openai.OpenAI(base_url=second.base_url + "/v1", api_key=key, max_retries=0, timeout=120)
-        b = poll(c, b.id)
-        assert b.status == "completed" and b.request_counts.completed == 14 and b.request_counts.failed == 0
+        b = poll(c, b.id, timeout=7200)
+        assert b.status == "completed" and b.request_counts.completed == lines and b.request_counts.failed == 0
         out = rows(c, b.output_file_id)
-        assert sorted(r["custom_id"] for r in out) == sorted(f"req-{i}" for i in range(14))
+        assert sorted(r["custom_id"] for r in out) == sorted(f"req-{i}" for i in range(lines))
         answered = [json.loads(x)["request_id"] for s in (first, second) for x in s.access_log()
                     if f'"{b.id}-' in x and '"status": 200' in x]
-        assert len(answered) == len(set(answered)) == 14   # no line ran to an answer twice
+        assert len(answered) == len(set(answered)) == lines   # no line ran to an answer twice
         assert {r["response"]["request_id"] for r in out} == set(answered)
     finally:
         second.stop()
+
+
+def test_a_restart_mid_batch_answers_every_line_once(tmp_path):
+    restart_mid_batch(tmp_path, lines=14, max_tokens=8, concurrency=2, stop_after=3)
+
+
+@pytest.mark.slow
+def test_a_500_line_batch_resumes_after_sigterm(tmp_path):
+    restart_mid_batch(tmp_path, lines=500, max_tokens=4, concurrency=8, stop_after=200)
