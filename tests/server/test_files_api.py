@@ -67,8 +67,12 @@ def test_another_key_sees_nothing(server):
     assert f.id not in [x.id for x in b.files.list()]
     assert batch.id not in [x.id for x in b.batches.list()]
     assert a.batches.cancel(batch.id).status in ("cancelling", "cancelled")
-    r = httpx.get(server.base_url + "/v1/files")
-    assert r.status_code == 401
+    for method, path in (("GET", "/v1/files"), ("POST", "/v1/files"), ("GET", f"/v1/files/{f.id}"),
+                         ("GET", f"/v1/files/{f.id}/content"), ("DELETE", f"/v1/files/{f.id}"),
+                         ("GET", "/v1/batches"), ("POST", "/v1/batches"), ("GET", f"/v1/batches/{batch.id}"),
+                         ("POST", f"/v1/batches/{batch.id}/cancel"), ("POST", "/v1/rerank"), ("POST", "/v2/rerank"),
+                         ("POST", "/rerank"), ("POST", "/v1/score")):
+        assert httpx.request(method, server.base_url + path).status_code == 401, path   # no key
 
 
 def test_size_cap_quota_and_line_checks(server):
