@@ -264,12 +264,20 @@ def test_stores_are_durable(gateway):
     if url:
         import psycopg
 
-        from kvserve.server.stores import arena, conversations, keys, moderation_policies, responses
+        from kvserve.server.stores import (
+            arena,
+            batches,
+            conversations,
+            files,
+            keys,
+            moderation_policies,
+            responses,
+        )
 
         with psycopg.connect(url) as conn:
             versions = dict(conn.execute("SELECT component, version FROM kvserve_schema_version").fetchall())
         stores = (keys.KeyStore, conversations.ConversationStore, arena.ArenaStore, responses.ResponseStore,
-                  moderation_policies.PolicyStore)
+                  moderation_policies.PolicyStore, files.FileStore, batches.BatchStore)
         assert versions == {s.component: len(s.steps) for s in stores}
         return
     with sqlite3.connect(gateway.state.settings.db_path) as conn:

@@ -42,7 +42,8 @@ def serve_command(
     profile: bool = typer.Option(False, "--profile", help="Print each kvserve server's time per step phase "
                                  "(schedule, forward, sample, detokenize, HTTP/SSE, ...) during the load."),
     scenario: str = typer.Option("default", help="default, or long-prompt: short probes' TTFT and streams' ITL "
-                                 "alone, under load, and while long prompts prefill (bench/scenario.py)."),
+                                 "alone, under load, and while long prompts prefill (bench/scenario.py); or batch: a "
+                                 "stream's ITL beside a Batch API job of --num-prompts lines (bench/batch.py)."),
     long_len: int = typer.Option(7000, "--long-len", min=1, help="long-prompt scenario: the long prompts' tokens."),
     server_arg: Annotated[list[str] | None, typer.Option(
         "--server-arg", help="Extra argument for a launched kvserve (repeatable): --server-arg=--max-step-ms=100")] = None,
@@ -86,8 +87,13 @@ def serve_command(
 
             return long_prompt_command(targets, tokenizer, cfg, long_len, model, threads, api_key, out_dir,
                                        server_arg, plan_server)
+        if scenario == "batch":
+            from kvserve.bench.batch import BatchScenario, batch_command
+
+            return batch_command(targets, model, threads, api_key, out_dir, server_arg, plan_server,
+                                 BatchScenario(lines=num_prompts, stream_len=output_len))
         if scenario != "default":
-            raise InvalidRequest(f"--scenario {scenario!r}: choose default or long-prompt", param="scenario")
+            raise InvalidRequest(f"--scenario {scenario!r}: choose default, long-prompt or batch", param="scenario")
         requests = sample_requests(tokenizer, cfg)
         if lora_adapters:
             server_arg = list(server_arg or []) + _lora_adapters(model, lora_adapters, lora_rank, out_dir)

@@ -21,20 +21,24 @@ from kvserve.errors import KVServeError
 from kvserve.model.numerics import init_math_libraries
 from kvserve.server.api.anthropic import mount_anthropic
 from kvserve.server.api.arena import mount_arena
+from kvserve.server.api.batches import mount_batches
 from kvserve.server.api.embeddings import mount_embeddings
 from kvserve.server.api.error_shapes import shape_error
+from kvserve.server.api.files import mount_files
 from kvserve.server.api.lora_admin import mount_lora
 from kvserve.server.api.models import mount_models
 from kvserve.server.api.moderations import mount_moderations
 from kvserve.server.api.ollama import mount_ollama
 from kvserve.server.api.openai import mount_openai
 from kvserve.server.api.openapi import mount_openapi
+from kvserve.server.api.rerank import mount_rerank
 from kvserve.server.api.responses import mount_responses
 from kvserve.server.api.tokenizer import mount_tokenizer
 from kvserve.server.api.webui import mount_webui
 from kvserve.server.gates.admission import Admission
 from kvserve.server.gates.auth import GatewayMiddleware
 from kvserve.server.gates.moderation import ModerationService
+from kvserve.server.generation.batch_runner import BatchRunner
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.routing.cache_scope import CacheScope
 from kvserve.server.routing.pool import ModelPool
@@ -67,6 +71,7 @@ class ServerState:
         if settings.load_model:    # before the model and the encoder load in threads of their own
             init_math_libraries()
         self.routing = RoutingStep.create(self)    # encoder, semantic cache, model router (routing/)
+        self.batch_runner: BatchRunner | None = None   # the Batch API's lines (started with the app)
 
     # The default (first) model, as the single-model server had it.
     @property
@@ -152,7 +157,11 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         if settings.load_model and len(state.pool.loaded()) < len(state.pool.entries):
             threading.Thread(target=state.load, name="kvserve-model-load", daemon=True).start()
         watchdog = asyncio.create_task(state.pool.watch()) if settings.load_model else None
+        state.batch_runner = BatchRunner(state, state.backends.batches, state.backends.files,
+                                         settings.batch_concurrency)
+        state.batch_runner.start()
         yield
+        await state.batch_runner.stop()
         if watchdog is not None:
             watchdog.cancel()
         await state.pool.shutdown()
@@ -217,6 +226,9 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     mount_tokenizer(app, state)    # /tokenize, /detokenize, /tokenizer_info
     mount_models(app, state)       # /v1/models, /v1/models/{id}
     mount_embeddings(app, state, state.routing.embedder)   # /v1/embeddings
+    mount_rerank(app, state)       # /v1/rerank (/rerank, /v2/rerank), /v1/score
+    mount_files(app, state)        # /v1/files
+    mount_batches(app, state)      # /v1/batches
     mount_webui(app, settings.db_path, settings.store_limits(), store=state.backends.conversations)   # /, /static
     mount_arena(app, state, settings.arena_contestants, store=state.backends.arena)   # /v1/kvserve/arena
     mount_openapi(app)             # /openapi.json

@@ -158,6 +158,7 @@ def serve(
                                                  "Repeatable."),
     max_body_bytes: int = typer.Option(1 << 20, help="Largest request body of the API (413 past it)."),
     conversation_quota_bytes: int = typer.Option(64 << 20, help="Saved conversations per key (413 past it)."),
+    batch_concurrency: int = typer.Option(4, help="Batch API lines run at once, below interactive traffic."),
     header_timeout: float = typer.Option(10.0, help="Seconds for a request's line and headers to arrive."),
     body_timeout: float = typer.Option(30.0, help="Seconds for each chunk of a request body (408 past it)."),
     shutdown_grace: float = typer.Option(5.0, help="On SIGTERM, seconds in-flight requests may finish."),
@@ -249,7 +250,7 @@ def serve(
         ladder_cap_max_tokens=ladder_cap_max_tokens, ladder_reject_free_at=ladder_reject_free_at,
         default_max_tokens=default_max_tokens, engine_process=engine_process, engine_kwargs=engine_kwargs,
         prefix_cache_scope=prefix_cache_scope, shared_prompts=shared, max_body_bytes=max_body_bytes,
-        conversation_quota_bytes=conversation_quota_bytes, header_timeout_s=header_timeout,
+        conversation_quota_bytes=conversation_quota_bytes, batch_concurrency=batch_concurrency, header_timeout_s=header_timeout,
         body_timeout_s=body_timeout, arena_contestants=arena_contestants, database_url=database_url,
         redis_url=redis_url, moderation=moderation, moderation_options=moderation_options)
     with _user_errors(2):

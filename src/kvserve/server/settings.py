@@ -105,6 +105,13 @@ class ServerSettings:
             base = replace(base, max_bytes=self.conversation_quota_bytes)
         return QuotaLimits.parse(self.quotas.get(store, ""), base)
 
+    # Files and batches (api/files.py, api/batches.py): an upload's cap, each key's files quota, and
+    # how many batch lines run at once (at a priority below every interactive request).
+    file_max_bytes: int = 64 << 20
+    file_quota_count: int = 500
+    file_quota_bytes: int = 1 << 30
+    batch_concurrency: int = 4
+
     def store_limits(self):
         from kvserve.server.stores.conversations import StoreLimits
 
@@ -114,6 +121,12 @@ class ServerSettings:
                            max_owner_bytes=unlimited if quota.max_bytes is None else quota.max_bytes,
                            max_conversations_per_owner=unlimited if quota.max_items is None else quota.max_items,
                            body_timeout_s=self.body_timeout_s, max_json_depth=self.max_json_depth)
+
+    def file_limits(self):
+        from kvserve.server.stores.files import FileLimits
+
+        return FileLimits(max_file_bytes=self.file_max_bytes, max_owner_files=self.file_quota_count,
+                          max_owner_bytes=self.file_quota_bytes)
 
     def moderation_config(self):
         from kvserve.safety.moderator import ModerationConfig

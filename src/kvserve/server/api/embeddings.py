@@ -27,8 +27,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import Field
 
-from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound, Overloaded
-from kvserve.server.generation.lease import Reservation
+from kvserve.errors import InvalidRequest, ModelNotFound
+from kvserve.server.gates.encoder_usage import charged_encode
 from kvserve.server.protocol import _Strict, read_request
 from kvserve.server.routing.embedder import Embedder
 
@@ -86,24 +86,7 @@ async def embed_texts(server: ServerState, embedder: Embedder, request: Request,
     if req.dimensions is not None and req.dimensions != 384:
         raise InvalidRequest(f"{embedder.name} makes 384-dimensional vectors; dimensions={req.dimensions} "
                              "is not supported.", param="dimensions")
-    try:
-        tokens = sum(await embedder.token_counts(texts))
-        if tokens > settings.max_embedding_tokens:
-            raise InvalidRequest(f"input holds {tokens} tokens; at most {settings.max_embedding_tokens} per "
-                                 "request: send fewer or shorter inputs per request.", param="input")
-        reservation = Reservation.take(server, request.state.record, tokens, param="input")
-        try:
-            vecs, tokens = await embedder.encode(texts)
-        except BaseException:
-            reservation.refund(0)
-            raise
-        await reservation.settle(tokens)
-    except (KVServeError, OSError) as e:   # the weights package missing or broken: the server stays up
-        if isinstance(e, KVServeError) and e.status < 500:
-            raise
-        raise Overloaded(f"The embedding model could not be loaded: {getattr(e, 'message', e)}", retry_after=30.0,
-                         code="model_not_ready") from None
-    return vecs, tokens
+    return await charged_encode(server, request.state.record, texts)
 
 
 def _body(vecs, encoding_format: str, model: str, tokens: int) -> bytes:

@@ -19,9 +19,11 @@ from pydantic.json_schema import models_json_schema
 
 import kvserve
 from kvserve.server.api.anthropic import CountTokensRequest, MessagesRequest
+from kvserve.server.api.batches import BatchRequest
 from kvserve.server.api.embeddings import EmbeddingRequest
 from kvserve.server.api.error_shapes import api_of
 from kvserve.server.api.ollama import ChatBody, EmbedBody, GenerateBody, ShowBody
+from kvserve.server.api.rerank import RerankRequest, ScoreRequest
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -117,6 +119,103 @@ class MessagesPut(BaseModel):
     start: int | None = None
 
 
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"]
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: str
+    status_details: str | None = None
+    expires_at: int | None = None
+
+
+class FileList(BaseModel):
+    object: Literal["list"]
+    data: list[FileObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"]
+    deleted: bool
+
+
+class BatchCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    errors: dict[str, Any] | None = None
+    input_file_id: str
+    completion_window: str
+    status: Literal["validating", "in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled",
+                    "expired"]
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    expires_at: int | None = None
+    in_progress_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: BatchCounts
+    metadata: dict[str, str] | None = None
+
+
+class BatchList(BaseModel):
+    object: Literal["list"]
+    data: list[BatchObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: dict[str, str] | None = None
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: dict[str, int]
+    meta: dict[str, Any] | None = None
+
+
+class ScoreItem(BaseModel):
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreItem]
+    usage: dict[str, int]
+
+
+FILE_UPLOAD = {"type": "object", "required": ["file", "purpose"],
+               "properties": {"file": {"type": "string", "format": "binary"},
+                              "purpose": {"type": "string", "enum": ["batch", "user_data"]}}}
+
 CONV = "/v1/kvserve/conversations"
 BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/chat/completions", "post"): ChatCompletionRequest,
@@ -133,6 +232,11 @@ BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/api/generate", "post"): GenerateBody,
     ("/api/embed", "post"): EmbedBody,
     ("/api/show", "post"): ShowBody,
+    ("/v1/rerank", "post"): RerankRequest,
+    ("/rerank", "post"): RerankRequest,
+    ("/v2/rerank", "post"): RerankRequest,
+    ("/v1/score", "post"): ScoreRequest,
+    ("/v1/batches", "post"): BatchRequest,
 }
 STREAMS = {"/v1/chat/completions": "text/event-stream", "/v1/completions": "text/event-stream",
            "/v1/responses": "text/event-stream", "/v1/messages": "text/event-stream",
@@ -143,6 +247,18 @@ RESPONSES: dict[tuple[str, str], type[BaseModel]] = {
     ("/tokenize", "post"): TokenizeResponse,
     ("/detokenize", "post"): DetokenizeResponse,
     ("/health", "get"): Health,
+    ("/v1/files", "post"): FileObject,
+    ("/v1/files", "get"): FileList,
+    ("/v1/files/{file_id}", "get"): FileObject,
+    ("/v1/files/{file_id}", "delete"): FileDeleted,
+    ("/v1/batches", "post"): BatchObject,
+    ("/v1/batches", "get"): BatchList,
+    ("/v1/batches/{batch_id}", "get"): BatchObject,
+    ("/v1/batches/{batch_id}/cancel", "post"): BatchObject,
+    ("/v1/rerank", "post"): RerankResponse,
+    ("/rerank", "post"): RerankResponse,
+    ("/v2/rerank", "post"): RerankResponse,
+    ("/v1/score", "post"): ScoreResponse,
 }
 
 
@@ -171,12 +287,16 @@ def openapi(app: FastAPI) -> dict:
             body = BODIES.get((path, method))
             if body is not None:
                 op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(body)}}}
+            if (path, method) == ("/v1/files", "post"):
+                op["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": FILE_UPLOAD}}}
             ok = RESPONSES.get((path, method))
             content = {"application/json": {"schema": ref(ok) if ok else {}}}
             if method == "post" and path in STREAMS:
                 content[STREAMS[path]] = {"schema": {}}    # each event (line): a chunk or an error body
             if path == "/metrics":
                 content = {"text/plain": {"schema": {"type": "string"}}}
+            if path == "/v1/files/{file_id}/content":
+                content = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
             op["responses"] = {"200": {"description": "OK", "content": content}, "default": error}
     app.openapi_schema = doc
     return doc

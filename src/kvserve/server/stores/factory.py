@@ -9,6 +9,7 @@
     arena battles       SQLite   arena.ArenaStore        PostgreSQL, the same class
     stored responses    SQLite   responses.ResponseStore           PostgreSQL, the same class
     moderation policies SQLite   moderation_policies.PolicyStore   PostgreSQL, the same class
+    files, batches      SQLite   files.FileStore, batches.BatchStore  PostgreSQL, the same classes
     semantic cache      SQLite   semantic_cache.SQLiteBackend      Redis  redis_cache.RedisCacheBackend
     live counters       memory   counters.MemoryCounters Redis  redis_state.RedisCounters
 
@@ -28,9 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvserve.server.gates.ratelimit import RateLimiter
 from kvserve.server.stores.arena import ArenaStore
+from kvserve.server.stores.batches import BatchStore
 from kvserve.server.stores.common import DATABASE_SCHEMES, REDIS_SCHEMES, check_url
 from kvserve.server.stores.conversations import ConversationStore
 from kvserve.server.stores.counters import CounterBackend, MemoryCounters
+from kvserve.server.stores.files import FileStore
 from kvserve.server.stores.keys import KeyBackend, KeyStore
 from kvserve.server.stores.moderation_policies import PolicyStore
 from kvserve.server.stores.responses import ResponseStore
@@ -52,6 +55,8 @@ class StateBackends:
     arena: ArenaStore | None = None   # None: the arena opens its SQLite store itself
     responses: ResponseStore | None = None   # stored Responses (the Responses API)
     policies: PolicyStore | None = None      # moderation policies per key / tier
+    files: FileStore | None = None           # /v1/files
+    batches: BatchStore | None = None        # /v1/batches
     _closers: list[Any] = field(default_factory=list)
 
     def close(self) -> None:
@@ -122,8 +127,10 @@ def open_backends(settings: ServerSettings, *, page_stores: bool = True) -> Stat
         arena = opened(ArenaStore(db, settings.quota("arena"))) if page_stores and db is not None else None
         responses = opened(ResponseStore(where, settings.quota("responses")))
         policies = opened(PolicyStore(where))
+        files = opened(FileStore(where, settings.file_limits()))
+        batches = opened(BatchStore(where))
     except BaseException:
         _close_all(closers)
         raise
     return StateBackends(keys=keys, limiter=limiter, counters=counters, conversations=convs, arena=arena,
-                         responses=responses, policies=policies, _closers=closers)
+                         responses=responses, policies=policies, files=files, batches=batches, _closers=closers)

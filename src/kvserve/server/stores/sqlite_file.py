@@ -2,7 +2,10 @@
 
 `connect(path)` makes the data folder 0700 when it creates it and the database file 0600 before
 SQLite opens it; SQLite gives its -wal and -shm files the database file's mode. An existing file
-that is readable by others is narrowed to 0600 (and a warning logged) on every start.
+that is readable by others is narrowed to 0600 (and a warning logged) on every start. An existing
+file is never opened here: closing any descriptor of a file drops every POSIX lock this process
+holds on it, and without its locks another process closing the file deletes the WAL that this
+server's open connections still write to (their later writes lost).
 """
 
 from __future__ import annotations
@@ -22,14 +25,12 @@ def secure_file(path: pathlib.Path) -> None:
     if not folder.exists():
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(folder, 0o700)   # mkdir's mode is masked by the umask
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        mode = stat.S_IMODE(os.fstat(fd).st_mode)
-        if mode & 0o077:
-            logger.warning("%s was readable by other users (mode %o); narrowing it to 0600", path, mode)
-            os.fchmod(fd, 0o600)
-    finally:
-        os.close(fd)
+    if not path.exists():
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        logger.warning("%s was readable by other users (mode %o); narrowing it to 0600", path, mode)
+        os.chmod(path, 0o600)
     for suffix in ("-wal", "-shm"):
         side = path.with_name(path.name + suffix)
         if side.exists() and stat.S_IMODE(side.stat().st_mode) & 0o077:
