@@ -124,8 +124,9 @@ class Scheduler:
         drafts = (self.spec.propose(decodes, self.cost) if self.spec is not None and self.spec.step_on(len(decodes))
                   else None)
         for i, req in enumerate(decodes):
+            supplied = req.supplied_drafts() if req.supplied_draft is not None else []
             self._schedule_running(out, budget, req, req.num_tokens - req.num_computed_tokens,
-                                   drafts[i] if drafts else ())
+                                   supplied or (drafts[i] if drafts else ()), supplied=bool(supplied))
         for req in prefilling:                                     # short prompts already running
             if req.status == Status.RUNNING and not self._is_long(req):
                 self._schedule_running(out, budget, req, req.num_tokens - req.num_computed_tokens)
@@ -200,8 +201,10 @@ class Scheduler:
         return n
 
     def _schedule_running(self, out: SchedulerOutput, budget: StepBudget, req: Request, n: int,
-                          drafts: Sequence[int] = ()) -> None:
-        """n tokens of req (plus its draft tokens, speculative decoding, as far as the budget goes)."""
+                          drafts: Sequence[int] = (), supplied: bool = False) -> None:
+        """n tokens of req (plus its draft tokens, speculative decoding, as far as the budget goes;
+        `supplied`: the request's own draft_token_ids, verified the same way but not counted as the
+        proposer's)."""
         n = min(n, budget.tokens)
         if n <= 0 or req.status != Status.RUNNING:     # (preempted earlier in this step)
             return
@@ -214,7 +217,9 @@ class Scheduler:
             self._preempt(victim, out, budget)
             if victim is req:
                 return
-        out.scheduled.append(self._entry(req, n + len(drafts), out, drafts))
+        entry = self._entry(req, n + len(drafts), out, drafts)
+        entry.supplied_draft = supplied and bool(drafts)
+        out.scheduled.append(entry)
         budget.tokens -= n + len(drafts)
 
     def _entry(self, req: Request, n: int, out: SchedulerOutput, drafts: list[int] | None = None) -> ScheduledRequest:
@@ -338,7 +343,8 @@ class Scheduler:
             req.num_kv_blocks = max(req.num_kv_blocks, self.kv.num_held_blocks(req.request_id))
             if not s.spec_token_ids:
                 self.kv.cache_full_blocks(req)
-        spec_rows = {s.request.request_id: len(s.spec_token_ids) for s in sched.scheduled if s.spec_token_ids}
+        spec_rows = {s.request.request_id: (len(s.spec_token_ids), s.supplied_draft)
+                     for s in sched.scheduled if s.spec_token_ids}
         for rid, (start, entries) in result.prompt_logprobs.items():
             outputs[rid] = self.make_output(self.requests[rid], [], prompt_logprobs=(start, entries))
         for row, rid in enumerate(result.req_ids):
@@ -363,11 +369,12 @@ class Scheduler:
                 o = outputs[rid] = self.make_output(req, new_ids, lps)
             else:
                 o.new_token_ids, o.new_logprobs, o.cumulative_logprob = new_ids, lps, req.cumulative_logprob
-            drafts = spec_rows.get(rid)
+            drafts, supplied = spec_rows.get(rid, (0, False))
             if drafts:
                 accepted = len(result.sampled_token_ids[row]) - 1
                 o.num_drafted = min(accepted, len(new_ids))
-                self.spec.observe(rid, drafts, accepted)
+                if not supplied and self.spec is not None:   # a supplied draft says nothing of the proposer
+                    self.spec.observe(rid, drafts, accepted)
                 if req.finish_reason is None:
                     self._settle_drafts(req, accepted)
             if req.finish_reason is not None:
