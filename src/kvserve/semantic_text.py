@@ -9,6 +9,12 @@ it has a number ("50 feet in meters" vs "50 miles in kilometers"). Two queries w
 differ never share an answer. What remains uncovered (documented in docs/models.md): names typed
 in lowercase, and antonyms ("largest" / "smallest") that the embedding itself must separate.
 
+`split_query` keeps long shared text out of the comparison: a message is cut into its *context*
+(documents, code, passages, every paragraph but one) and its *question* (the short last paragraph,
+else the short first one). Only the question is compared by meaning; the context must match
+exactly (the cache hashes it into the partition). A wrong split only costs hits, never a wrong
+match: whatever is not the question is compared byte for byte.
+
 `normalize` strips what does not change a question (case, spacing, contractions, polite
 fillers) before the embedding, which brings true paraphrases closer together.
 `is_creative` is a rule set (poems, stories, jokes, ...): creative requests want a new answer
@@ -80,6 +86,42 @@ class Facts:
     def key(self) -> str:
         return "|".join([",".join(self.numbers), ",".join(self.operators), ",".join(sorted(self.names)),
                          "neg" if self.negated else "", ",".join(sorted(self.units))])
+
+
+QUESTION_WORDS = 40       # a question is at most this many words (longer text is context)
+_FENCE = re.compile(r"```.*?(?:```|$)", re.DOTALL)
+_PARA = re.compile(r"\n\s*\n")
+
+
+def _blocks(text: str) -> list[str]:
+    """Paragraphs (blank-line separated; a fenced code block is one, whatever it holds); one
+    paragraph of several lines is cut into its lines."""
+    fences: list[str] = []
+
+    def hide(m: re.Match) -> str:
+        fences.append(m.group())
+        return f"\x00{len(fences) - 1}\x00"
+
+    hidden = _FENCE.sub(hide, text.strip())
+    parts = [b.strip() for b in _PARA.split(hidden) if b.strip()]
+    if len(parts) == 1:
+        parts = [b.strip() for b in parts[0].split("\n") if b.strip()]
+    return [re.sub("\x00(\\d+)\x00", lambda m: fences[int(m.group(1))], b) for b in parts]
+
+
+def _short(block: str) -> bool:
+    return "```" not in block and "\x00" not in block and len(block.split()) <= QUESTION_WORDS
+
+
+def split_query(text: str) -> tuple[str, str]:
+    """(context, question): the question is the text itself when it is one short line, else its short last
+    paragraph, else its short first one; the context is everything else, as written (compared
+    exactly). No short paragraph at either end: all context, question ""."""
+    blocks = _blocks(text)
+    if len(blocks) < 2:
+        return ("", text.strip()) if _short(text) else (text.strip(), "")
+    i = len(blocks) - 1 if _short(blocks[-1]) else 0 if _short(blocks[0]) else None
+    return "\n\n".join(b for j, b in enumerate(blocks) if j != i), ("" if i is None else blocks[i])
 
 
 def normalize(text: str) -> str:
