@@ -1,8 +1,8 @@
 """A request's own draft (EngineCoreRequest.draft_token_ids, the semantic cache's verification):
 verified by the rejection sampler like a proposer's drafts, on the default model.
 
-- greedy: with the request's own answer as the draft, the answer comes back token for token in two
-  steps (the prompt, then one forward over the draft); with a draft wrong from some token on, the
+- greedy: with the request's own answer as the draft, the answer comes back token for token in one
+  step (the prompt's last chunk and the draft in one forward); with a draft wrong from some token on, the
   verified prefix is kept and decoding continues to the same answer;
 - sampled: the answer is the model's (ends normally), whatever the draft;
 - the engine without a proposer (no --speculative) takes them; every block is back in the pool;
@@ -48,11 +48,11 @@ def test_greedy_draft_verified_whole_or_from_its_first_wrong_token(llm):
     answer = list(own.token_ids)
     tokens, steps, drafted, finish = run(llm, prompt, greedy, answer, "whole-" + question)
     assert tokens == answer and finish == own.finish_reason
-    # the first token from the prompt's step, the last one the bonus when max_tokens ends the answer
-    assert steps == 2 and drafted == len(answer) - (1 if finish == "stop" else 2)
+    # one forward: the prompt's last chunk and the draft (the last token is the bonus when max_tokens ends it)
+    assert steps == 1 and drafted == len(answer) - (0 if finish == "stop" else 1)
     wrong = answer[:6] + [tok.encode(" banana", add_special_tokens=False)[0]] + answer[7:]
     tokens, steps, drafted, finish = run(llm, prompt, greedy, wrong, "wrong-" + question)
-    assert tokens == answer and drafted == 5 and steps > 2
+    assert tokens == answer and drafted == 6 and steps > 2
     tokens, _, _, finish = run(llm, prompt, SamplingParams(temperature=0.8, max_tokens=40), answer, "s-" + question)
     assert finish in ("stop", "length") and 0 < len(tokens) <= 40
     core = llm.engine.core

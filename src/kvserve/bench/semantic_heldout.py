@@ -94,14 +94,16 @@ def _ask(client, base_url: str, content: str, salt: str, max_tokens: int, cache:
             "ms": (time.perf_counter() - t0) * 1000, "tokens": body["usage"]["completion_tokens"]}
 
 
-def run(base_url: str, max_tokens: int = 48) -> dict:
+def run(base_url: str, max_tokens: int = 48, limit: int = 100) -> dict:
     """Per set: asked (the second and later requests), hits, verified-whole hits, false hits; and the
-    latency of served hits against the same requests decoded in full (p50, ms)."""
+    latency of served hits against the same requests decoded in full (p50, ms). `limit`: at most
+    this many documents (and questions each) or pairs per set."""
     import httpx
 
     salt = uuid.uuid4().hex
-    sets = {"documents": [[doc_message(d, q) for q in qs] for d, qs in DOCUMENTS],
-            "near_misses": [list(p) for p in NEAR_MISSES], "paraphrases": [list(p) for p in PARAPHRASES]}
+    sets = {"documents": [[doc_message(d, q) for q in qs[:limit]] for d, qs in DOCUMENTS[:limit]],
+            "near_misses": [list(p) for p in NEAR_MISSES[:2 * limit]],
+            "paraphrases": [list(p) for p in PARAPHRASES[:2 * limit]]}
     report: dict = {}
     hit_ms, full_ms = [], []
     with httpx.Client() as client:
@@ -130,4 +132,5 @@ if __name__ == "__main__":
     import json
     import sys
 
+    # python -m kvserve.bench.semantic_heldout URL [max_tokens] [limit]
     print(json.dumps(run(sys.argv[1], *(int(a) for a in sys.argv[2:])), indent=1))

@@ -124,9 +124,8 @@ class Scheduler:
         drafts = (self.spec.propose(decodes, self.cost) if self.spec is not None and self.spec.step_on(len(decodes))
                   else None)
         for i, req in enumerate(decodes):
-            supplied = req.supplied_drafts() if req.supplied_draft is not None else []
             self._schedule_running(out, budget, req, req.num_tokens - req.num_computed_tokens,
-                                   supplied or (drafts[i] if drafts else ()), supplied=bool(supplied))
+                                   drafts[i] if drafts else ())
         for req in prefilling:                                     # short prompts already running
             if req.status == Status.RUNNING and not self._is_long(req):
                 self._schedule_running(out, budget, req, req.num_tokens - req.num_computed_tokens)
@@ -201,13 +200,15 @@ class Scheduler:
         return n
 
     def _schedule_running(self, out: SchedulerOutput, budget: StepBudget, req: Request, n: int,
-                          drafts: Sequence[int] = (), supplied: bool = False) -> None:
+                          drafts: Sequence[int] = ()) -> None:
         """n tokens of req (plus its draft tokens, speculative decoding, as far as the budget goes;
-        `supplied`: the request's own draft_token_ids, verified the same way but not counted as the
-        proposer's)."""
+        the request's own draft_token_ids take the proposer's place: `_own_drafts`)."""
         n = min(n, budget.tokens)
         if n <= 0 or req.status != Status.RUNNING:     # (preempted earlier in this step)
             return
+        own = self._own_drafts(req, req.num_computed_tokens, n)
+        supplied = bool(own)
+        drafts = own or drafts
         drafts = list(drafts[:budget.tokens - n])
         while not self.kv.allocate_slots(req, n + len(drafts)):
             if drafts:                                  # drafts never preempt anyone
@@ -221,6 +222,14 @@ class Scheduler:
         entry.supplied_draft = supplied and bool(drafts)
         out.scheduled.append(entry)
         budget.tokens -= n + len(drafts)
+
+    @staticmethod
+    def _own_drafts(req: Request, start: int, n: int) -> list[int]:
+        """A request's own draft (a semantic-cache answer) rides on the step that computes its last
+        known token, the prompt's last chunk included: the drafts are verified in the same forward."""
+        if req.supplied_draft is None or start + n != req.num_tokens:
+            return []
+        return req.supplied_drafts()
 
     def _entry(self, req: Request, n: int, out: SchedulerOutput, drafts: list[int] | None = None) -> ScheduledRequest:
         entry = ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id), drafts or [],
@@ -280,7 +289,10 @@ class Scheduler:
                     break
             else:
                 n = min(left, budget.tokens)
-            if not self.kv.allocate_slots(req, n, computed):
+            drafts = self._own_drafts(req, req.num_computed_tokens + cached, n)[:budget.tokens - n]
+            if drafts and not self.kv.allocate_slots(req, n + len(drafts), computed):
+                drafts = []                             # drafts never take the pool's last blocks
+            if not drafts and not self.kv.allocate_slots(req, n, computed):
                 budget.pool_short = True
                 break                                   # strict order: no overtaking when full
             req.num_computed_tokens += cached
@@ -291,8 +303,10 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             req.status = Status.RUNNING
             admitted.append(req)
-            out.scheduled.append(self._entry(req, n, out))
-            budget.tokens -= n
+            entry = self._entry(req, n + len(drafts), out, drafts)
+            entry.supplied_draft = bool(drafts)
+            out.scheduled.append(entry)
+            budget.tokens -= n + len(drafts)
             if long:
                 partial += 1
                 first_long = False
@@ -375,8 +389,8 @@ class Scheduler:
                 o.num_drafted = min(accepted, len(new_ids))
                 if not supplied and self.spec is not None:   # a supplied draft says nothing of the proposer
                     self.spec.observe(rid, drafts, accepted)
-                if req.finish_reason is None:
-                    self._settle_drafts(req, accepted)
+                # (also when it finished: a prompt whose last chunk carried drafts is hashed here)
+                self._settle_drafts(req, o.num_drafted)
             if req.finish_reason is not None:
                 self.finish(req, req.finish_reason, req.stop_reason)
                 outputs[rid].finish_reason, outputs[rid].stop_reason = req.finish_reason, req.stop_reason
