@@ -43,6 +43,7 @@ def test_facts_separate_near_misses_and_keep_paraphrases():
     assert facts("How much is 50 feet in meters?") == facts("How many meters is 50 feet?")
     assert facts("How many meters is 1 foot?").units == facts("How many meters are 1 feet?").units == {"foot", "meter"}
     assert facts("What year did Mozart die?") == facts("When did Mozart die?")
+    assert facts("Convert 10 miles to kilometers.") != facts("Convert 10 kilometers to miles.")   # the direction
 
 
 def test_normalize_and_creative_rules():

@@ -104,7 +104,7 @@ def run(base_url: str, max_tokens: int = 48, limit: int = 100) -> dict:
     sets = {"documents": [[doc_message(d, q) for q in qs[:limit]] for d, qs in DOCUMENTS[:limit]],
             "near_misses": [list(p) for p in NEAR_MISSES[:2 * limit]],
             "paraphrases": [list(p) for p in PARAPHRASES[:2 * limit]]}
-    report: dict = {}
+    report: dict = {"records": []}
     hit_ms, full_ms = [], []
     with httpx.Client() as client:
         for name, groups in sets.items():
@@ -112,9 +112,12 @@ def run(base_url: str, max_tokens: int = 48, limit: int = 100) -> dict:
             for group in groups:
                 for i, content in enumerate(group):
                     got = _ask(client, base_url, content, salt, max_tokens)
+                    own = got if i == 0 else _ask(client, base_url, content, salt, max_tokens, cache=False)
+                    report["records"].append({"set": name, "group": groups.index(group), "content": content,
+                                              "answer": got["text"], "own": own["text"], "hit": got["hit"],
+                                              "verified": got["verified"]})
                     if i == 0:
                         continue
-                    own = _ask(client, base_url, content, salt, max_tokens, cache=False)
                     asked += 1
                     hits += got["hit"]
                     verified += got["verified"] in ("verified", "served") and got["text"] == own["text"]
