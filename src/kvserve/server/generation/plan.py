@@ -125,7 +125,7 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
                                                     and req.stream_options.include_usage),
                               "trace": bool(req.kvserve_trace), "route": route}
     hit, cache_key = await gw.routing.from_cache(req, kind, model.name, record.key_name, CAP_HEADER in headers,
-                                                  query, moderation)
+                                                  query, moderation=moderation)
     if hit is not None and cache_key is None:     # verify off: served with no tokens computed
         return GenerationPlan(prompts=[Prompt(token_ids=[])], params=None, stages=list, cached=hit,
                               headers={CACHE_HEADER: "semantic"}, **common)
