@@ -48,8 +48,8 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
     structured_output: dict | None = None  # {"grammar": llguidance grammar text} (kvserve.structured)
     reasoning_end_ids: list[int] | None = None  # with params.reasoning_budget: the tokens that close <think>
     lora_name: str | None = None           # the LoRA adapter this sequence runs under (None: the base)
-    # A continuation the caller expects (a semantic-cache answer): verified as draft tokens by the
-    # rejection sampler in the first decode step(s); output is the model's own either way.
+    # A continuation the caller expects (a semantic-cache answer): scheduled behind the prompt's last
+    # chunk as draft tokens and verified by the rejection sampler; the output is the model's own.
     draft_token_ids: list[int] | None = None
 
 
