@@ -6,8 +6,15 @@ beside cosine >= threshold, the same *facts*: `facts(text)` is the ordered numbe
 number words), the arithmetic operators (symbols and words), the names (capitalized words that are
 not common words, and all-caps acronyms), whether the text negates, and its units of measure when
 it has a number ("50 feet in meters" vs "50 miles in kilometers"). Two queries whose facts
-differ never share an answer. What remains uncovered (documented in docs/models.md): names typed
+differ never share an answer; the unit right after a number is a fact of its own ("10 miles to
+kilometers" and "10 kilometers to miles" share their units, not their question). What remains uncovered (documented in docs/models.md): names typed
 in lowercase, and antonyms ("largest" / "smallest") that the embedding itself must separate.
+
+`split_query` keeps long shared text out of the comparison: a message is cut into its *context*
+(documents, code, passages, every paragraph but one) and its *question* (the short last paragraph,
+else the short first one). Only the question is compared by meaning; the context must match
+exactly (the cache hashes it into the partition). A wrong split only costs hits, never a wrong
+match: whatever is not the question is compared byte for byte.
 
 `normalize` strips what does not change a question (case, spacing, contractions, polite
 fillers) before the embedding, which brings true paraphrases closer together.
@@ -71,6 +78,7 @@ class Facts:
     names: frozenset[str]
     negated: bool
     units: frozenset[str] = frozenset()
+    measured: frozenset[str] = frozenset()    # the units right after a number: what the quantity is in
 
     @property
     def arithmetic(self) -> bool:
@@ -79,7 +87,43 @@ class Facts:
 
     def key(self) -> str:
         return "|".join([",".join(self.numbers), ",".join(self.operators), ",".join(sorted(self.names)),
-                         "neg" if self.negated else "", ",".join(sorted(self.units))])
+                         "neg" if self.negated else "", ",".join(sorted(self.units)), ",".join(sorted(self.measured))])
+
+
+QUESTION_WORDS = 40       # a question is at most this many words (longer text is context)
+_FENCE = re.compile(r"```.*?(?:```|$)", re.DOTALL)
+_PARA = re.compile(r"\n\s*\n")
+
+
+def _blocks(text: str) -> list[str]:
+    """Paragraphs (blank-line separated; a fenced code block is one, whatever it holds); one
+    paragraph of several lines is cut into its lines."""
+    fences: list[str] = []
+
+    def hide(m: re.Match) -> str:
+        fences.append(m.group())
+        return f"\x00{len(fences) - 1}\x00"
+
+    hidden = _FENCE.sub(hide, text.strip())
+    parts = [b.strip() for b in _PARA.split(hidden) if b.strip()]
+    if len(parts) == 1:
+        parts = [b.strip() for b in parts[0].split("\n") if b.strip()]
+    return [re.sub("\x00(\\d+)\x00", lambda m: fences[int(m.group(1))], b) for b in parts]
+
+
+def _short(block: str) -> bool:
+    return "```" not in block and "\x00" not in block and len(block.split()) <= QUESTION_WORDS
+
+
+def split_query(text: str) -> tuple[str, str]:
+    """(context, question): the question is the text itself when it is one short line, else its short last
+    paragraph, else its short first one; the context is everything else, as written (compared
+    exactly). No short paragraph at either end: all context, question ""."""
+    blocks = _blocks(text)
+    if len(blocks) < 2:
+        return ("", text.strip()) if _short(text) else (text.strip(), "")
+    i = len(blocks) - 1 if _short(blocks[-1]) else 0 if _short(blocks[0]) else None
+    return "\n\n".join(b for j, b in enumerate(blocks) if j != i), ("" if i is None else blocks[i])
 
 
 def normalize(text: str) -> str:
@@ -95,12 +139,14 @@ def normalize(text: str) -> str:
 
 def facts(text: str) -> Facts:
     """The facts two queries must share exactly to share an answer (see the module's docstring)."""
-    numbers, operators, names, negated, units = [], [], set(), False, set()
+    numbers, operators, names, negated, units, measured = [], [], set(), False, set(), set()
+    after_number = False
     text = re.sub(r"(?<=\d)\s*[xX]\s*(?=\d)", " * ", text)
     starts = {m.end() for m in re.finditer(r"(^|[.!?:;]\s+|\n)\s*", text)}
     for m in _WORD.finditer(text):
         w = m.group()
         low = w.lower()
+        was_after, after_number = after_number, w[0].isdigit() or low in NUMBER_WORDS
         if w[0].isdigit():
             numbers.append(w.replace(",", ""))
         elif low in NUMBER_WORDS:
@@ -113,12 +159,14 @@ def facts(text: str) -> Facts:
             negated = True
         elif low in UNITS or low in IRREGULAR_UNITS or (low.endswith("s") and low[:-1] in UNITS):
             units.add(low if low in UNITS else IRREGULAR_UNITS.get(low, low[:-1]))
+            if was_after:        # "10 miles to kilometers" is not "10 kilometers to miles"
+                measured.add(low if low in UNITS else IRREGULAR_UNITS.get(low, low[:-1]))
         elif (w[0].isupper() and low not in COMMON and m.start() not in starts) or \
                 (len(w) > 1 and w.isupper() and low != "i"):
             names.add(re.sub(r"'s$", "", low))
     # units count only beside a number ("what year did X die" names no quantity)
     return Facts(tuple(numbers), tuple(sorted(o for o in operators if o != "=")), frozenset(names), negated,
-                 frozenset(units) if numbers else frozenset())
+                 frozenset(units) if numbers else frozenset(), frozenset(measured))
 
 
 def is_creative(text: str) -> bool:

@@ -150,8 +150,8 @@ def cached(srv, monkeypatch):
                          "history of emperors, popes and painters.", finish_reason="stop", prompt_tokens=12,
                   completion_tokens=30, created=time.time(), last_used=time.time())
 
-    async def from_cache(req, kind, model_name, key_name, capped, query=None):
-        return Hit(entry, 0.97), None
+    async def from_cache(req, kind, model_name, key_name, capped, query=None, moderation=None):
+        return Hit(entry, 0.97), None     # (None: the cache's `verify` is off, the stored text is served)
 
     monkeypatch.setattr(srv.state.routing, "from_cache", from_cache)
     return entry

@@ -43,6 +43,7 @@ def test_facts_separate_near_misses_and_keep_paraphrases():
     assert facts("How much is 50 feet in meters?") == facts("How many meters is 50 feet?")
     assert facts("How many meters is 1 foot?").units == facts("How many meters are 1 feet?").units == {"foot", "meter"}
     assert facts("What year did Mozart die?") == facts("When did Mozart die?")
+    assert facts("Convert 10 miles to kilometers.") != facts("Convert 10 kilometers to miles.")   # the direction
 
 
 def test_normalize_and_creative_rules():
@@ -185,3 +186,89 @@ def test_head_brings_paraphrases_above_the_threshold():
     z = head.project(raw)
     assert float(z[0] @ z[1]) > float(raw[0] @ raw[1]) and float(z[2] @ z[3]) >= 0.95
     assert float(z[2] @ z[4]) < 0.95
+
+
+# ---- issue 47: keys that see the whole request; issue 49: partitions, a bounded mirror ----------
+
+def test_split_query_keeps_documents_out_of_the_comparison():
+    from kvserve.bench.semantic_heldout import DOCUMENTS, doc_message
+    from kvserve.semantic_text import split_query
+
+    assert split_query("What is the capital of France?") == ("", "What is the capital of France?")
+    for doc, questions in DOCUMENTS:
+        for q in questions:
+            context, question = split_query(doc_message(doc, q))
+            assert question == q and context == doc.strip()
+    code = "Repeat this exactly:\n\n```python\ndef f(x):\n\n    return x\n```"
+    assert split_query(code) == ("```python\ndef f(x):\n\n    return x\n```", "Repeat this exactly:")
+    long_line = "Summarize: " + "word " * 100       # no short paragraph: the whole text is exact
+    assert split_query(long_line) == (long_line.strip(), "")
+
+
+def test_questions_about_one_document_share_no_partition_with_another_document():
+    from kvserve.bench.semantic_heldout import CODE, LETTER, doc_message
+
+    o = CacheOptions()
+    a = make_plan(chat(doc_message(LETTER, "Who wrote this letter?"), temperature=0), "m", "k", o)
+    b = make_plan(chat(doc_message(LETTER, "Why was the refund made?"), temperature=0), "m", "k", o)
+    c = make_plan(chat(doc_message(CODE, "Who wrote this letter?"), temperature=0), "m", "k", o)
+    assert a.partition == b.partition and a.partition != c.partition      # the document: exact
+    assert (a.query, b.query) == ("Who wrote this letter?", "Why was the refund made?")   # only this by meaning
+    edited = LETTER.replace("45 euros", "46 euros")
+    assert make_plan(chat(doc_message(edited, "Who wrote this letter?"), temperature=0), "m", "k",
+                     o).partition != a.partition
+
+
+def test_partitions_follow_salt_user_and_moderation_even_when_shared():
+    from kvserve.safety.moderator import ModerationConfig
+
+    q = "What is the capital of France?"
+    for o in (CacheOptions(), CacheOptions(shared=True)):
+        base = make_plan(chat(q, temperature=0), "m", "k", o, ModerationConfig()).partition
+        assert make_plan(chat(q, temperature=0), "m", "k", o, ModerationConfig()).partition == base
+        assert make_plan(chat(q, temperature=0, cache_salt="s1"), "m", "k", o, ModerationConfig()).partition != base
+        assert make_plan(chat(q, temperature=0), "m", "k", o, ModerationConfig(jailbreak=False)).partition != base
+    private = CacheOptions()
+    assert make_plan(chat(q, user="u1"), "m", "k", private).partition != make_plan(chat(q, user="u2"), "m", "k",
+                                                                                 private).partition
+
+
+def test_mirror_is_bounded_and_token_ids_round_trip(tmp_path):
+    b = SQLiteBackend(tmp_path / "c.db", mirror_entries=5)
+    v = np.array([1, 0, 0, 0], dtype=np.float32)
+    for i in range(50):                     # lookups of new partitions: each mirrored, the oldest dropped
+        assert b.nearest(f"p{i}", v, now=1.0, max_age_s=10) is None
+        assert len(b.mirror) <= 5 and b.mirrored <= 5
+    e = _entry(0, "kept", 1.0)
+    e.token_ids = [5, 6, 7]
+    b.put(e, max_entries=100)
+    for i in range(50, 60):
+        b.nearest(f"p{i}", v, now=1.0, max_age_s=10)
+    assert "kept" not in b.mirror and b.nearest("kept", v, now=2.0, max_age_s=10)[0].token_ids == [5, 6, 7]
+    b.close()
+
+
+def test_old_database_gains_the_token_ids_column(tmp_path):
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "c.db")
+    db.execute("CREATE TABLE semantic_cache (id TEXT PRIMARY KEY, partition TEXT, query TEXT, vector BLOB, "
+               "answer TEXT, finish_reason TEXT, prompt_tokens INT, completion_tokens INT, created REAL, last_used REAL)")
+    db.execute("INSERT INTO semantic_cache VALUES ('a', 'p', 'q', ?, 'ans', 'stop', 1, 1, 1.0, 1.0)",
+               (np.array([1, 0, 0, 0], dtype=np.float32).tobytes(),))
+    db.commit()
+    db.close()
+    b = SQLiteBackend(tmp_path / "c.db")
+    e, _ = b.nearest("p", np.array([1, 0, 0, 0], dtype=np.float32), now=2.0, max_age_s=10)
+    assert e.answer == "ans" and e.token_ids is None
+    b.close()
+
+
+def test_verification_result():
+    from kvserve.server.routing.semantic_cache import Hit
+
+    hit = Hit(_entry(0, "p", 1.0), 0.99, draft=[1, 2, 3])
+    assert hit.verification([1, 2, 3], "stop")["result"] == "verified"
+    assert hit.verification([1, 2, 9, 4], "stop") == {"result": "partial", "draft_tokens": 3, "accepted_tokens": 2}
+    assert hit.verification([7], "stop")["result"] == "rejected"
+    assert hit.verification([1, 2, 3, 4], "length")["result"] == "partial"

@@ -63,7 +63,10 @@ class EngineClient(EngineInfoView):
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None, cache_salt_from: int = 0,
-                       prompt: str | None = None, lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, lora_name: str | None = None,
+                       draft_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """`draft_token_ids`: a continuation to verify as draft tokens (EngineCoreRequest.draft_token_ids;
+        one sequence only, ids inside the vocabulary)."""
         self.health()
         if request_id in self.outputs.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
@@ -72,6 +75,9 @@ class EngineClient(EngineInfoView):
                                 param="model")
         reqs = self.inputs.requests(request_id, list(prompt_token_ids), params, priority=priority,
                                     cache_salt=cache_salt, cache_salt_from=cache_salt_from, lora_name=lora_name)
+        vocab = self.inputs.info.vocab_size
+        if draft_token_ids and len(reqs) == 1 and all(0 <= t < vocab for t in draft_token_ids):
+            reqs[0].draft_token_ids = list(draft_token_ids[:params.max_tokens or None])
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         self.outputs.add(request_id, prompt, reqs)

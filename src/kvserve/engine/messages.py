@@ -48,6 +48,9 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
     structured_output: dict | None = None  # {"grammar": llguidance grammar text} (kvserve.structured)
     reasoning_end_ids: list[int] | None = None  # with params.reasoning_budget: the tokens that close <think>
     lora_name: str | None = None           # the LoRA adapter this sequence runs under (None: the base)
+    # A continuation the caller expects (a semantic-cache answer): scheduled behind the prompt's last
+    # chunk as draft tokens and verified by the rejection sampler; the output is the model's own.
+    draft_token_ids: list[int] | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -128,6 +131,7 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]
     spec_token_ids: list[int] = field(default_factory=list)   # proposer slot (speculative decoding)
+    supplied_draft: bool = False           # spec_token_ids came with the request (draft_token_ids), not a proposer
     grammar_bitmask_slot: int | None = None                    # row in the step's grammar bitmask
     local_block_ids: list[int] | None = None                   # the sliding layers' table (kv_hybrid.py)
 

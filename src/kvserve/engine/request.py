@@ -53,6 +53,7 @@ class Request:
     reasoning: Any = None                       # engine.reasoning.ReasoningState of a thinking request
     step_logprobs: list = field(default_factory=list)   # this step's TokenLogprobs (update_from_output)
     lora: Any = None                            # model.lora.LoRAAdapter this request runs under (None: base)
+    supplied_draft: list[int] | None = None     # the expected continuation (draft_token_ids), until it diverges
 
     @property
     def grammar_active(self) -> bool:
@@ -67,7 +68,22 @@ class Request:
         return cls(req.request_id, list(req.prompt_token_ids), p, arrival_seq, req.arrival_time, req.priority,
                    req.cache_salt, make_generator(req.seed, device), req.wait_for, req.want_prompt_logprobs,
                    room if p.max_tokens is None else min(room, p.max_tokens),
-                   cache_salt_from=req.cache_salt_from)
+                   cache_salt_from=req.cache_salt_from,
+                   supplied_draft=list(req.draft_token_ids) if req.draft_token_ids else None)
+
+    def supplied_drafts(self) -> list[int]:
+        """The rest of the supplied continuation while the output still follows it (each verified
+        step keeps the accepted drafts plus one token; once a token differs it is dropped), cut so
+        the drafts and the bonus token fit in max_tokens. A thinking request never takes them."""
+        want = self.supplied_draft
+        if want is None:
+            return []
+        n = len(self.output_token_ids)
+        rest = want[n:] if self.output_token_ids == want[:n] and self.reasoning is None else []
+        rest = rest[:max(0, (self.max_tokens or 0) - n - 1)]
+        if not rest:
+            self.supplied_draft = None
+        return rest
 
     @property
     def num_tokens(self) -> int:

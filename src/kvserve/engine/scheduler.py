@@ -201,10 +201,14 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: StepBudget, req: Request, n: int,
                           drafts: Sequence[int] = ()) -> None:
-        """n tokens of req (plus its draft tokens, speculative decoding, as far as the budget goes)."""
+        """n tokens of req (plus its draft tokens, speculative decoding, as far as the budget goes;
+        the request's own draft_token_ids take the proposer's place: `_own_drafts`)."""
         n = min(n, budget.tokens)
         if n <= 0 or req.status != Status.RUNNING:     # (preempted earlier in this step)
             return
+        own = self._own_drafts(req, req.num_computed_tokens, n)
+        supplied = bool(own)
+        drafts = own or drafts
         drafts = list(drafts[:budget.tokens - n])
         while not self.kv.allocate_slots(req, n + len(drafts)):
             if drafts:                                  # drafts never preempt anyone
@@ -214,8 +218,18 @@ class Scheduler:
             self._preempt(victim, out, budget)
             if victim is req:
                 return
-        out.scheduled.append(self._entry(req, n + len(drafts), out, drafts))
+        entry = self._entry(req, n + len(drafts), out, drafts)
+        entry.supplied_draft = supplied and bool(drafts)
+        out.scheduled.append(entry)
         budget.tokens -= n + len(drafts)
+
+    @staticmethod
+    def _own_drafts(req: Request, start: int, n: int) -> list[int]:
+        """A request's own draft (a semantic-cache answer) rides on the step that computes its last
+        known token, the prompt's last chunk included: the drafts are verified in the same forward."""
+        if req.supplied_draft is None or start + n != req.num_tokens:
+            return []
+        return req.supplied_drafts()
 
     def _entry(self, req: Request, n: int, out: SchedulerOutput, drafts: list[int] | None = None) -> ScheduledRequest:
         entry = ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id), drafts or [],
@@ -275,7 +289,10 @@ class Scheduler:
                     break
             else:
                 n = min(left, budget.tokens)
-            if not self.kv.allocate_slots(req, n, computed):
+            drafts = self._own_drafts(req, req.num_computed_tokens + cached, n)[:budget.tokens - n]
+            if drafts and not self.kv.allocate_slots(req, n + len(drafts), computed):
+                drafts = []                             # drafts never take the pool's last blocks
+            if not drafts and not self.kv.allocate_slots(req, n, computed):
                 budget.pool_short = True
                 break                                   # strict order: no overtaking when full
             req.num_computed_tokens += cached
@@ -286,8 +303,10 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             req.status = Status.RUNNING
             admitted.append(req)
-            out.scheduled.append(self._entry(req, n, out))
-            budget.tokens -= n
+            entry = self._entry(req, n + len(drafts), out, drafts)
+            entry.supplied_draft = bool(drafts)
+            out.scheduled.append(entry)
+            budget.tokens -= n + len(drafts)
             if long:
                 partial += 1
                 first_long = False
@@ -338,7 +357,8 @@ class Scheduler:
             req.num_kv_blocks = max(req.num_kv_blocks, self.kv.num_held_blocks(req.request_id))
             if not s.spec_token_ids:
                 self.kv.cache_full_blocks(req)
-        spec_rows = {s.request.request_id: len(s.spec_token_ids) for s in sched.scheduled if s.spec_token_ids}
+        spec_rows = {s.request.request_id: (len(s.spec_token_ids), s.supplied_draft)
+                     for s in sched.scheduled if s.spec_token_ids}
         for rid, (start, entries) in result.prompt_logprobs.items():
             outputs[rid] = self.make_output(self.requests[rid], [], prompt_logprobs=(start, entries))
         for row, rid in enumerate(result.req_ids):
@@ -363,13 +383,14 @@ class Scheduler:
                 o = outputs[rid] = self.make_output(req, new_ids, lps)
             else:
                 o.new_token_ids, o.new_logprobs, o.cumulative_logprob = new_ids, lps, req.cumulative_logprob
-            drafts = spec_rows.get(rid)
+            drafts, supplied = spec_rows.get(rid, (0, False))
             if drafts:
                 accepted = len(result.sampled_token_ids[row]) - 1
                 o.num_drafted = min(accepted, len(new_ids))
-                self.spec.observe(rid, drafts, accepted)
-                if req.finish_reason is None:
-                    self._settle_drafts(req, accepted)
+                if not supplied and self.spec is not None:   # a supplied draft says nothing of the proposer
+                    self.spec.observe(rid, drafts, accepted)
+                # (also when it finished: a prompt whose last chunk carried drafts is hashed here)
+                self._settle_drafts(req, o.num_drafted)
             if req.finish_reason is not None:
                 self.finish(req, req.finish_reason, req.stop_reason)
                 outputs[rid].finish_reason, outputs[rid].stop_reason = req.finish_reason, req.stop_reason

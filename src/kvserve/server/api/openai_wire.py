@@ -106,7 +106,7 @@ class OpenAIRenderer:
         return {"id": self.gen.id, "object": obj, "created": self.plan.created, "model": self.model}
 
     def _tail(self, out: dict[str, Any]) -> dict[str, Any]:
-        if self.plan.cached is not None:
+        if self.plan.cached is not None or self.plan.candidate is not None:
             out["kvserve_cache"] = "semantic"
         return out
 

@@ -53,9 +53,10 @@ class ModelHandle:
         await self.client.inputs.grammar_compiler().prepare_async(structured, param)
 
     def generate(self, token_ids: list[int], params: SamplingParams, request_id: str, *, priority: int,
-                 cache_salt: str | None, prompt: str | None, cache_salt_from: int) -> AsyncIterator[RequestOutput]:
+                 cache_salt: str | None, prompt: str | None, cache_salt_from: int,
+                 draft_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
         return self.client.generate(token_ids, params, request_id, priority=priority, cache_salt=cache_salt,
-                                    prompt=prompt, cache_salt_from=cache_salt_from)
+                                    prompt=prompt, cache_salt_from=cache_salt_from, draft_token_ids=draft_token_ids)
 
     async def abort(self, request_id: str) -> None:
         await self.client.abort(request_id)

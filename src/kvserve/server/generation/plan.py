@@ -2,7 +2,8 @@
 
     parse (the API's module) → `build_plan`: caps (400) → input moderation (400) → route: the
     model ("auto": the router), the pool (404; 503 while loading) → the ladder's max_tokens cap
-    → the semantic cache (a hit is a plan with a cached answer and nothing to run) → the prompt:
+    → the semantic cache (a candidate answer becomes the engine request's draft, verified by the
+    model; with `verify` off a hit is a plan with a cached answer and nothing to run) → the prompt:
     template + tokenize in a thread (context.py; 400 when it does not fit) → grammar compiled off
     the event loop → SamplingParams (400) → the KV budget (400)
 
@@ -86,6 +87,7 @@ class GenerationPlan:
     route: dict | None = None            # the router's decision, when it chose the model
     cache_key: CachePlan | None = None   # the semantic cache's key: the answer is stored under it
     cached: Hit | None = None            # a semantic-cache hit: the answer, with no engine request
+    candidate: Hit | None = None         # a semantic-cache hit the engine verifies (its draft), run as a miss
     headers: dict[str, str] = field(default_factory=dict)   # x-kvserve-* response headers
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
@@ -123,10 +125,14 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
                                                     and req.stream_options.include_usage),
                               "trace": bool(req.kvserve_trace), "route": route}
     hit, cache_key = await gw.routing.from_cache(req, kind, model.name, record.key_name, CAP_HEADER in headers,
-                                                  query)
-    if hit is not None:     # served with no tokens computed
+                                                  query, moderation=moderation)
+    if hit is not None and cache_key is None:     # verify off: served with no tokens computed
         return GenerationPlan(prompts=[Prompt(token_ids=[])], params=None, stages=list, cached=hit,
                               headers={CACHE_HEADER: "semantic"}, **common)
+    if hit is not None:                           # the stored answer's tokens: the engine's draft
+        headers[CACHE_HEADER] = "semantic"
+        hit.draft = hit.entry.token_ids or await asyncio.to_thread(model.tokenizer.encode, hit.entry.answer,
+                                                                    add_special_tokens=False)
     tools = make_plan(req.tools, req.tool_choice, req.parallel_tool_calls) if chat else None
     tok = model.tokenizer
     prompts = await asyncio.to_thread(build_prompts, tok, req, max_model_len=model.max_model_len,
@@ -157,7 +163,7 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
             moderation, constrained=structured is not None and structured[1] != "tools")),
         cache_scope=CacheScopeKey(gw.cache_scope.salt(record.key, req.cache_salt), req.cache_salt),
         moderation=moderation, input_checks=checks, priority=engine_priority(record.key_tier, req.priority),
-        prompt_token_texts=texts, top_logprobs=top, echo=echo, cache_key=cache_key, **common)
+        prompt_token_texts=texts, top_logprobs=top, echo=echo, cache_key=cache_key, candidate=hit, **common)
 
 
 def _capped_max_tokens(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest,

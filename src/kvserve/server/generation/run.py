@@ -5,7 +5,8 @@ list, as a stream of `ChoiceEvent`s that every API renders in its own wire forma
     merged into one stream) → per output: metrics once a request finishes → each choice's delta
     through its stage list (stages/), accumulated on the Generation → ChoiceEvent
 
-A cached answer (a semantic-cache hit) is a source of its own: its text in a few pieces and a
+A semantic-cache candidate runs like any request, its stored tokens sent as the engine request's
+draft (verified there). With the cache's `verify` off, a cached answer is a source of its own: its text in a few pieces and a
 last delta with the stored finish reason, no engine request, no stages. The run's time per
 engine output (stages, and the consumer's rendering and write while it holds the event) is
 added to `gw.http_ns`, the `http` phase of the profile (app.ServerState.engine_stats).
@@ -104,11 +105,13 @@ async def _engine_outputs(gen: Generation, lease: Lease) -> AsyncIterator[tuple[
     plan, scope = gen.plan, lease.gw.cache_scope
     model, salt = plan.model, plan.cache_scope
     assert plan.params is not None
+    draft = plan.candidate.draft if plan.candidate is not None else None
     lease.streams = [model.generate(ps.prompt.token_ids, plan.params, ps.request_id, priority=plan.priority,
                                     cache_salt=salt.salt, prompt=ps.prompt.text,
                                     cache_salt_from=scope.shared_prefix(model.tokenizer, ps.prompt.token_ids,
-                                                                        salt.client_salt))
-                     for ps in gen.prompts]
+                                                                        salt.client_salt),
+                                    draft_token_ids=draft if i == 0 else None)
+                     for i, ps in enumerate(gen.prompts)]
     lease.started = True
     if len(lease.streams) == 1:
         async for out in lease.streams[0]:

@@ -1,7 +1,8 @@
 """`kvserve_trace`: what the server measured for one request (see docs/api.md), the same object in
 every API's answer: the gateway's timings, the prompt's tokens (cached or not), each output
 token with its probability and whether it was drafted, the KV blocks used, the router's decision,
-moderation checks and the context fitting. A cached answer's trace says which entry answered."""
+moderation checks and the context fitting. A cached answer's trace says which entry answered; a
+verified candidate's also what the model kept of it and what checking it cost."""
 
 from __future__ import annotations
 
@@ -125,4 +126,17 @@ def request_trace(gen: Generation, decode: Callable[[int], str]) -> dict:
     out["moderation"] = trace_entries(plan.input_checks, ch.stages)   # each check: time and verdict
     out["context"] = {"dropped_messages": ps.prompt.dropped_messages,   # oldest turns cut to fit (context.py)
                       "prompt_tokens": len(ps.prompt.token_ids)}
+    if plan.candidate is not None:
+        out["semantic_cache"] = candidate_trace(plan.candidate, ch.token_ids, ch.finish_reason, out)
     return out
+
+
+def candidate_trace(hit, token_ids: list[int], finish_reason: str | None, trace: dict) -> dict:
+    """A verified candidate: what matched, what the model kept of it, and the cost (the engine's
+    time and the tokens it computed: the prompt's uncached part and the draft it checked)."""
+    ms = trace["timings_ms"]
+    v = hit.verification(token_ids, finish_reason)
+    return hit.trace_fields(time.time()) | {"verification": v, "cost": {
+        "prompt_tokens_computed": trace["prompt_token_count"] - trace["cached_prompt_tokens"],
+        "draft_tokens_checked": v["draft_tokens"], "decoded_tokens": max(0, len(token_ids) - v["accepted_tokens"]),
+        "prefill_ms": ms.get("prefill"), "decode_ms": ms.get("decode")}}

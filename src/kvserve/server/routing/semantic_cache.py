@@ -1,12 +1,17 @@
 """The semantic cache: answer a chat request from a stored answer to the same question, asked
 with other words.
 
-A request's key has two parts. The *exact* part must match byte for byte: the model, the key's
-name (answers are not shared across keys unless `shared` is set), every request field that can
-change the answer (temperature, top_p, max_tokens, seed, stop, response_format, ...), the system
-prompt and every message before the last, and the facts of the last user message
-(semantic_text.facts: numbers, operators, names, negation, units). Its hash is the entry's *partition*.
-The *semantic* part is the embedding of the last user message, normalized, through the cache's
+A request's key has two parts. The *exact* part must match byte for byte: the model (an adapter
+is its own model name), who may see the answer (`scope`: the key's name unless `shared` is set,
+the end `user`, and always the request's `cache_salt` and the caller's moderation policy: the
+partitions are at least as fine as the prefix cache's, cache_scope.py), every request field that
+can change the answer (temperature, top_p, max_tokens, seed, stop, response_format, ...), the
+system prompt and every message before the last, the last message's *context* (semantic_text.
+split_query: every paragraph but its short final question, so a long shared document or code
+cannot make two questions about it look alike) and the facts of its question (semantic_text.facts:
+numbers, operators, names, negation, units). Its hash is the entry's *partition*; a lookup only
+ever sees its own partition's entries, so a trace's `matched_query` is never another caller's.
+The *semantic* part is the embedding of the question, normalized, through the cache's
 embedding head (`CacheHead`; train/cache_head.py trains it, server/data/cache_head.npz is the
 default, its digest is in the exact part): within the partition, the nearest stored query hits when
 its cosine is >= `threshold` (a lower `arithmetic_threshold` when the facts alone are the whole
@@ -22,9 +27,20 @@ temperature above `max_temperature`, creative prompts (semantic_text.is_creative
 that is not the user's. Only answers that finished normally (stop or length, no tool calls) are
 stored. Entries expire after `ttl_s` and the least recently used go past `max_entries`.
 
+A match is a *candidate*, not an answer: with `verify` (the default) the request runs on the
+engine like a miss, with the stored answer's tokens as its draft (EngineCoreRequest.
+draft_token_ids). The engine verifies them as it verifies speculative drafts, in one forward after
+the prompt's prefill: a greedy request keeps the longest prefix that is exactly its own greedy
+continuation (so a hit is token for token what a miss gives) and decodes on from there; a sampled
+request goes through the exact rejection rule (each token kept with the model's probability of
+it), so what it gets is distributed exactly as a miss's answer. A seeded sampled request takes no
+draft (its tokens must not depend on the cache). `verify: false` serves the stored text without
+the model (the previous behaviour: a wrong hit is a wrong answer).
+
 Storage is a `CacheBackend`: the default keeps entries in SQLite on disk (semantic_cache.db in
-the data directory, 0600) with an in-memory mirror of each partition's vectors; because the exact
-part partitions the space, a lookup scans only the handful of vectors that share its partition.
+the data directory, 0600) with an in-memory mirror of the recently used partitions' vectors (LRU,
+each partition counted as at least one entry against `max_entries`); because the exact part
+partitions the space, a lookup scans only the handful of vectors that share its partition.
 With --redis-url, stores/redis_cache.RedisCacheBackend implements the same four methods in Redis, so
 every replica shares the answers (step.py picks the backend).
 """
@@ -32,73 +48,26 @@ every replica shares the answers (step.py picks the backend).
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
-import io
 import json
 import pathlib
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Protocol
 
 import numpy as np
 
 from kvserve.errors import InvalidRequest
-from kvserve.semantic_text import facts, is_creative, normalize
+from kvserve.semantic_text import facts, is_creative, normalize, split_query
+from kvserve.server.routing.cache_head import HEAD_PATH, CacheHead, load_head  # noqa: F401 - re-exported
 from kvserve.server.stores import sqlite_file
 
 # Request fields that never change the answer's text (everything else is in the exact part).
 NEUTRAL_FIELDS = {"messages", "prompt", "model", "stream", "stream_options", "user", "store", "metadata", "service_tier",
                   "kvserve_trace", "priority", "cache", "cache_salt"}
-
-
-HEAD_PATH = pathlib.Path(__file__).parents[1] / "data" / "cache_head.npz"   # server/data/ (package data)
-
-
-class CacheHead:
-    """The embedding head: v + w2 gelu(w1 v + b1) + b2, normalized (train/cache_head.py)."""
-
-    def __init__(self, arrays: dict[str, np.ndarray], digest: str):
-        self.w1, self.b1, self.w2, self.b2 = (np.asarray(arrays[k], dtype=np.float32) for k in ("w1", "b1", "w2", "b2"))
-        self.digest = digest
-        if not (self.w1.shape[0] == self.b1.shape[0] == self.w2.shape[1] and
-                self.w2.shape[0] == self.b2.shape[0] == self.w1.shape[1]):
-            raise ValueError(f"inconsistent shapes {self.w1.shape} {self.b1.shape} {self.w2.shape} {self.b2.shape}")
-
-    @property
-    def dim(self) -> int:
-        return self.w1.shape[1]
-
-    def project(self, vectors: np.ndarray) -> np.ndarray:
-        """Unit rows (or one unit vector) in the head's space."""
-        v = np.asarray(vectors, dtype=np.float32)
-        h = v @ self.w1.T + self.b1
-        h = 0.5 * h * (1.0 + np.tanh(0.7978845608028654 * (h + 0.044715 * h ** 3)))
-        out = v + h @ self.w2.T + self.b2
-        return out / np.maximum(np.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
-
-
-@functools.lru_cache(maxsize=8)
-def load_head(spec: str) -> CacheHead | None:
-    """The head named by the `head` option: "default" (the shipped one), "none", or an npz path."""
-    if not isinstance(spec, str) or not spec:
-        raise InvalidRequest(f"semantic_cache: \"head\" must be \"default\", \"none\" or a file path, not {spec!r}",
-                             param="semantic_cache")
-    if spec == "none":
-        return None
-    path = HEAD_PATH if spec == "default" else pathlib.Path(spec)
-    try:
-        data = path.read_bytes()
-        with np.load(io.BytesIO(data), allow_pickle=False) as z:
-            head = CacheHead({k: z[k] for k in ("w1", "b1", "w2", "b2")}, hashlib.sha256(data).hexdigest()[:16])
-        if not all(np.isfinite(a).all() for a in (head.w1, head.b1, head.w2, head.b2)):
-            raise ValueError("non-finite weights")
-        return head
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InvalidRequest(f"semantic_cache: cannot load the embedding head {str(path)!r}: {e}",
-                             param="semantic_cache") from None
 
 
 @dataclass
@@ -110,6 +79,7 @@ class CacheOptions:
     max_entries: int = 10_000
     shared: bool = False            # share answers across API keys
     head: str = "default"           # the embedding head: "default", "none" (raw MiniLM), or an npz path
+    verify: bool = True             # the model checks a candidate answer before it is served (docstring)
 
     @classmethod
     def from_dict(cls, d: dict) -> CacheOptions:
@@ -131,6 +101,7 @@ class Entry:
     completion_tokens: int
     created: float
     last_used: float
+    token_ids: list[int] | None = None    # the answer's token ids (the verification's draft)
 
 
 class CacheBackend(Protocol):
@@ -145,32 +116,53 @@ class CacheBackend(Protocol):
     def close(self) -> None: ...
 
 
-class SQLiteBackend:
-    """Entries in SQLite; each partition's vectors mirrored in memory on first use."""
+_COLUMNS = ("id, partition, query, vector, answer, finish_reason, prompt_tokens, completion_tokens, created, "
+            "last_used, token_ids")
 
-    def __init__(self, path: pathlib.Path):
+
+class SQLiteBackend:
+    """Entries in SQLite; the recently used partitions' vectors mirrored in memory (LRU, at most
+    `mirror_entries` entries, an empty partition counted as one)."""
+
+    def __init__(self, path: pathlib.Path, mirror_entries: int = 10_000):
         self.db = sqlite_file.connect(path, check_same_thread=False)
         self.db.execute("CREATE TABLE IF NOT EXISTS semantic_cache (id TEXT PRIMARY KEY, partition TEXT, query TEXT, "
                         "vector BLOB, answer TEXT, finish_reason TEXT, prompt_tokens INT, completion_tokens INT, "
                         "created REAL, last_used REAL)")
+        if "token_ids" not in {r[1] for r in self.db.execute("PRAGMA table_info(semantic_cache)")}:
+            self.db.execute("ALTER TABLE semantic_cache ADD COLUMN token_ids TEXT")
         self.db.execute("CREATE INDEX IF NOT EXISTS semantic_cache_partition ON semantic_cache(partition)")
         self.db.execute("CREATE INDEX IF NOT EXISTS semantic_cache_lru ON semantic_cache(last_used)")
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.commit()
         self.lock = threading.Lock()
-        self.mirror: dict[str, list[Entry]] = {}
+        self.mirror: OrderedDict[str, list[Entry]] = OrderedDict()
+        self.mirror_entries = max(1, mirror_entries)
+        self.mirrored = 0                      # sum of max(1, len(p)) over the mirror's partitions
         self.touched: dict[str, float] = {}    # hits' last_used times, written with the next put or close
 
     def _partition(self, partition: str) -> list[Entry]:
         got = self.mirror.get(partition)
-        if got is None:
-            rows = self.db.execute("SELECT id, partition, query, vector, answer, finish_reason, prompt_tokens, "
-                                   "completion_tokens, created, last_used FROM semantic_cache WHERE partition = ?",
-                                   (partition,)).fetchall()
-            got = [Entry(r[0], r[1], r[2], np.frombuffer(r[3], dtype=np.float32), *r[4:]) for r in rows]
-            self.mirror[partition] = got
+        if got is not None:
+            self.mirror.move_to_end(partition)
+            return got
+        rows = self.db.execute(f"SELECT {_COLUMNS} FROM semantic_cache WHERE partition = ?", (partition,)).fetchall()
+        got = [Entry(r[0], r[1], r[2], np.frombuffer(r[3], dtype=np.float32), *r[4:10],
+                     json.loads(r[10]) if r[10] else None) for r in rows]
+        self.mirror[partition] = got
+        self.mirrored += max(1, len(got))
+        while self.mirrored > self.mirror_entries and len(self.mirror) > 1:   # drop the least recently used
+            _, old = self.mirror.popitem(last=False)
+            self.mirrored -= max(1, len(old))
         return got
+
+    def _resize(self, partition: str, entries: list[Entry]) -> None:
+        """Replace a mirrored partition's list, keeping the count."""
+        old = self.mirror.get(partition)
+        if old is not None:
+            self.mirrored += max(1, len(entries)) - max(1, len(old))
+            self.mirror[partition] = entries
 
     def nearest(self, partition, vector, now, max_age_s):
         with self.lock:
@@ -190,11 +182,12 @@ class SQLiteBackend:
     def put(self, entry, max_entries):
         with self.lock:
             self._flush_touched()      # the LRU order below needs the hits' times
-            self.db.execute("INSERT OR REPLACE INTO semantic_cache VALUES (?,?,?,?,?,?,?,?,?,?)",
+            self.db.execute(f"INSERT OR REPLACE INTO semantic_cache ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                             (entry.id, entry.partition, entry.query, entry.vector.astype(np.float32).tobytes(),
                              entry.answer, entry.finish_reason, entry.prompt_tokens, entry.completion_tokens,
-                             entry.created, entry.last_used))
-            self._partition(entry.partition).append(entry)
+                             entry.created, entry.last_used,
+                             json.dumps(entry.token_ids) if entry.token_ids is not None else None))
+            self._resize(entry.partition, self._partition(entry.partition) + [entry])
             (count,) = self.db.execute("SELECT COUNT(*) FROM semantic_cache").fetchone()
             if count > max_entries:
                 old = self.db.execute("SELECT id, partition FROM semantic_cache ORDER BY last_used LIMIT ?",
@@ -202,7 +195,7 @@ class SQLiteBackend:
                 self.db.executemany("DELETE FROM semantic_cache WHERE id = ?", [(i,) for i, _ in old])
                 for i, p in old:
                     if p in self.mirror:
-                        self.mirror[p] = [e for e in self.mirror[p] if e.id != i]
+                        self._resize(p, [e for e in self.mirror[p] if e.id != i])
             self.db.commit()
 
     def touch(self, entry, now):
@@ -235,14 +228,30 @@ class CachePlan:
 
 @dataclass
 class Hit:
+    """A stored answer that matched: served as is (`verify` off) or offered to the model as a draft."""
+
     entry: Entry
     similarity: float
     lookup_ms: float = 0.0
     trace: dict = field(default_factory=dict)
+    draft: list[int] | None = None      # the token ids offered to the engine (None: served without it)
 
     def trace_fields(self, now: float) -> dict:
         return {"matched_query": self.entry.query, "similarity": round(self.similarity, 4),
                 "age_s": round(now - self.entry.created, 1), "lookup_ms": round(self.lookup_ms, 2)}
+
+    def verification(self, token_ids: list[int], finish_reason: str | None) -> dict:
+        """What the model did with the draft: "verified" (served whole: the answer is the stored
+        one), "partial" (its first `accepted_tokens` kept, then decoded), "rejected" (none kept)."""
+        draft = self.draft or []
+        n = 0
+        for a, b in zip(draft, token_ids):
+            if a != b:
+                break
+            n += 1
+        whole = n == len(draft) == len(token_ids) and finish_reason == self.entry.finish_reason
+        return {"result": "verified" if whole else "partial" if n else "rejected",
+                "draft_tokens": len(draft), "accepted_tokens": n}
 
 
 def _text(content) -> str | None:
@@ -294,17 +303,29 @@ def _space(head: str) -> str:
     return "minilm" if loaded is None else loaded.digest
 
 
-def make_plan(req, model_name: str, key_name: str | None, options: CacheOptions) -> CachePlan:
-    """The request's partition (the exact part, hashed) and its query (embedded normalized)."""
+def policy_digest(moderation) -> str | None:
+    """A moderation policy as a partition field (None: no moderation)."""
+    if moderation is None:
+        return None
+    d = asdict(moderation) if is_dataclass(moderation) else repr(moderation)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def make_plan(req, model_name: str, key_name: str | None, options: CacheOptions, moderation=None) -> CachePlan:
+    """The request's partition (the exact part, hashed) and its question (embedded normalized).
+    `moderation`: the caller's moderation policy (answers never cross policies)."""
     chat = hasattr(req, "messages")
-    last = _last_text(req) or ""
-    f = facts(last)
-    exact = {"model": model_name, "kind": "chat" if chat else "completion",
-             "scope": None if options.shared else key_name, "facts": f.key(), "space": _space(options.head),
+    context, question = split_query(_last_text(req) or "")
+    f = facts(question)
+    scope = {"key": None if options.shared else key_name, "user": None if options.shared else getattr(req, "user", None),
+             "cache_salt": getattr(req, "cache_salt", None), "moderation": policy_digest(moderation)}
+    exact = {"model": model_name, "kind": "chat" if chat else "completion", "scope": scope, "facts": f.key(),
+             "space": _space(options.head), "context": context, "question": None if question else "",
              "history": [[m.role, _text(m.content)] for m in req.messages[:-1]] if chat else [],
              "params": req.model_dump(exclude=NEUTRAL_FIELDS, exclude_none=True, mode="json")}
     digest = hashlib.sha256(json.dumps(exact, sort_keys=True, default=str).encode()).hexdigest()
-    return CachePlan(partition=digest, query=last, arithmetic=f.arithmetic)
+    # no short question: the whole message is in the exact part, and what is embedded only labels it
+    return CachePlan(partition=digest, query=question or context[:200], arithmetic=f.arithmetic)
 
 
 class SemanticCache:
@@ -348,12 +369,12 @@ class SemanticCache:
         return Hit(entry, sim)
 
     def store(self, plan: CachePlan, answer: str, finish_reason: str, prompt_tokens: int,
-              completion_tokens: int) -> None:
+              completion_tokens: int, token_ids: list[int] | None = None) -> None:
         if plan.vector is None or finish_reason not in ("stop", "length"):
             return
         now = time.time()
         self.backend.put(Entry(uuid.uuid4().hex, plan.partition, plan.query, plan.vector, answer, finish_reason,
-                               prompt_tokens, completion_tokens, now, now), self.options.max_entries)
+                               prompt_tokens, completion_tokens, now, now, token_ids), self.options.max_entries)
 
     def describe(self) -> dict:
         return asdict(self.options)

@@ -6,9 +6,11 @@ also behind /v1/embeddings), the semantic cache (semantic_cache.py) and the mode
 cache_scope.py salts the prefix cache per key.
 
 The plan builder (generation/plan.py) calls, in order: `route(req)` (which model a request with
-model "auto" goes to), the pool's `resolve`, then `from_cache(...)` (a Hit, whose answer the run
-streams as a cached source through the API's own renderer; or None and the request's CachePlan),
-and, when the answer is complete, the lease calls `store(gen, plan)`.
+model "auto" goes to), the pool's `resolve`, then `from_cache(...)` (a Hit and, with `verify`, the
+request's CachePlan: the hit's tokens go to the engine as the request's draft and the run is a
+miss's with them verified; without `verify` the run streams the stored answer as a cached source;
+or None and the request's CachePlan), and, when the answer is complete, the lease calls
+`store(gen, plan)` (which also counts how the verification went).
 
 Both the router and the cache look at the same thing: the embedding of the request's last user
 message, normalized (semantic_text.normalize). `route` returns it as a `QueryEmbedding` that
@@ -61,6 +63,9 @@ class RoutingStep:
                                      registry=r)
         self.cache_hits = Counter("kvserve:semantic_cache_hits", "Chat requests answered from the semantic cache.",
                                   ["model_name"], registry=r)
+        self.cache_verified = Counter("kvserve:semantic_cache_verified", "Semantic-cache candidates the model "
+                                      "checked, by result (verified, partial, rejected).", ["model_name", "result"],
+                                      registry=r)
         self.router_decisions = Counter("kvserve:router_decisions", "Requests the router sent to each model.",
                                         ["router", "model_name", "reason"], registry=r)
 
@@ -74,7 +79,7 @@ class RoutingStep:
             if s.redis_url:   # shared by every replica on this Redis (stores/redis_cache.py)
                 backend: CacheBackend = RedisCacheBackend(s.redis_url, options.ttl_s)
             else:
-                backend = SQLiteBackend(s.data_dir / "semantic_cache.db")
+                backend = SQLiteBackend(s.data_dir / "semantic_cache.db", options.max_entries)
             cache = SemanticCache(backend, embedder, options)
         router = ModelRouter.from_config(s.router, state.pool, embedder) if s.router else None
         step = cls(state, embedder, cache, router)
@@ -122,15 +127,20 @@ class RoutingStep:
 
     # ---- the semantic cache ---------------------------------------------------------------
     async def from_cache(self, req: GenerationRequest, kind: str, model_name: str, key_name: str | None, capped: bool,
-                         query: QueryEmbedding | None = None) -> tuple[Hit | None, CachePlan | None]:
-        """(the hit, None) or (None, the key a complete answer is stored under; None: bypassed)."""
+                         query: QueryEmbedding | None = None,
+                         moderation=None) -> tuple[Hit | None, CachePlan | None]:
+        """(the hit, its CachePlan with `verify`, else None) or (None, the key a complete answer is
+        stored under; None: bypassed). `moderation`: the caller's policy (a partition field)."""
         if self.cache is None:
             return None, None
-        reason = "max_tokens_capped" if capped else bypass_reason(req, self.cache.options)
+        options = self.cache.options
+        reason = "max_tokens_capped" if capped else bypass_reason(req, options)
+        if reason is None and options.verify and req.seed is not None and req.temperature != 0:
+            reason = "seeded"     # its tokens must not depend on a draft, so a candidate could not help
         if reason is not None:
             self.cache_queries.labels(model_name, "bypass_" + reason).inc()
             return None, None
-        plan = make_plan(req, model_name, key_name, self.cache.options)
+        plan = make_plan(req, model_name, key_name, options, moderation)
         try:
             if query is None or query.text != plan.text:
                 query = QueryEmbedding(plan.text)
@@ -146,14 +156,21 @@ class RoutingStep:
             return None, plan
         self.cache_queries.labels(model_name, "hit").inc()
         self.cache_hits.labels(model_name).inc()
-        return hit, None
+        return hit, (plan if options.verify else None)
 
     def store(self, gen: Generation, plan: CachePlan | None, status: int) -> None:
-        """After a complete answer: store it under the request's plan (one choice, no tool calls)."""
+        """After a complete answer: store it under the request's plan (one choice, no tool calls),
+        unless it is a candidate the model verified whole (the stored answer is this one)."""
         if self.cache is None or plan is None or status != 200 or len(gen.prompts) != 1:
             return
         ch = gen.prompts[0].choices
         if len(ch) != 1 or ch[0].calls or ch[0].reasoning:
             return
+        hit = gen.plan.candidate
+        if hit is not None:
+            result = hit.verification(ch[0].token_ids, ch[0].finish_reason)["result"]
+            self.cache_verified.labels(gen.plan.model.name, result).inc()
+            if result == "verified":
+                return
         prompt, completion, _ = gen.usage_counts()
-        self.cache.store(plan, ch[0].content, ch[0].finish_reason or "", prompt, completion)
+        self.cache.store(plan, ch[0].content, ch[0].finish_reason or "", prompt, completion, list(ch[0].token_ids))

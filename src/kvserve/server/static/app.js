@@ -152,7 +152,8 @@ function renderMessage(msg, index) {
   if (msg.meta?.stopped) actions.append(Object.assign(document.createElement("span"), { className: "badge", textContent: "stopped" }));
   if (msg.meta?.cache === "semantic") {
     actions.append(Object.assign(document.createElement("span"), { className: "badge cached", textContent: "cached",
-      title: `Answered from the semantic cache${msg.trace?.semantic_cache ? `: matched "${msg.trace.semantic_cache.matched_query}"` : ""}` }));
+      title: `Answered from the semantic cache${msg.trace?.semantic_cache ? `: matched "${msg.trace.semantic_cache.matched_query}"` +
+        (msg.trace.semantic_cache.verification ? ` (${msg.trace.semantic_cache.verification.result} by the model)` : "") : ""}` }));
   }
   if (msg.meta?.routed) actions.append(Object.assign(document.createElement("span"), { className: "badge", textContent: `routed to ${msg.meta.routed}` }));
   const copyable = msg.content || (calls?.length ? JSON.stringify(calls, null, 2) : "");

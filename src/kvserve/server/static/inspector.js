@@ -173,6 +173,16 @@ export function renderInspector(container, message) {
     const c = trace.semantic_cache;
     container.append(el("p", { class: "hint", text: `Answered from the semantic cache: matched "${c.matched_query}" ` +
       `(similarity ${c.similarity}, stored ${c.age_s} s ago, lookup ${c.lookup_ms} ms).` }));
+    if (c.verification) {   // the model checked the stored answer as a draft (issue 47)
+      const v = c.verification;
+      const k = c.cost || {};
+      const what = v.result === "verified" ? "the model verified the stored answer whole"
+        : v.result === "partial" ? `the model kept the first ${v.accepted_tokens} of its ${v.draft_tokens} tokens, then decoded`
+          : "the model rejected the stored answer and decoded its own";
+      container.append(el("p", { class: "hint", text: `Verification: ${what}. Cost: ${k.prompt_tokens_computed} prompt ` +
+        `tokens computed, ${k.draft_tokens_checked} answer tokens checked, ${k.decoded_tokens} decoded; prefill ` +
+        `${k.prefill_ms} ms, decode ${k.decode_ms} ms.` }));
+    }
   }
   if (trace.router) {
     container.append(el("p", { class: "hint", text: `Router: sent to ${trace.router.model} (${trace.router.reason}` +

@@ -1,0 +1,65 @@
+"""A request's own draft (EngineCoreRequest.draft_token_ids, the semantic cache's verification):
+verified by the rejection sampler like a proposer's drafts, on the default model.
+
+- greedy: with the request's own answer as the draft, the answer comes back token for token in one
+  step (the prompt's last chunk and the draft in one forward); with a draft wrong from some token on, the
+  verified prefix is kept and decoding continues to the same answer;
+- sampled: the answer is the model's (ends normally), whatever the draft;
+- the engine without a proposer (no --speculative) takes them; every block is back in the pool;
+- the field crosses the process boundary (msgpack).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.messages import EngineCoreRequest, decode_input, encode
+
+
+@pytest.fixture(scope="module")
+def llm(loaded) -> LLM:
+    return LLM(loaded.model, tokenizer=loaded.tokenizer, kv_cache_memory="128MiB")
+
+
+def run(llm: LLM, prompt: list[int], params: SamplingParams, draft: list[int] | None, rid: str):
+    core = llm.engine.core
+    core.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params,
+                                       arrival_time=time.monotonic(), draft_token_ids=draft))
+    tokens, steps, drafted = [], 0, 0
+    while True:
+        steps += 1
+        for o in core.step().outputs:
+            if o.request_id == rid:
+                tokens += o.new_token_ids
+                drafted += o.num_drafted
+                if o.finish_reason:
+                    return tokens, steps, drafted, o.finish_reason
+
+
+def test_greedy_draft_verified_whole_or_from_its_first_wrong_token(llm):
+    question = "Why is the sky blue? Answer in two sentences."
+    tok = llm.get_tokenizer()
+    prompt = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=True)
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    own = llm.generate({"prompt_token_ids": prompt}, greedy, use_tqdm=False)[0].outputs[0]
+    answer = list(own.token_ids)
+    tokens, steps, drafted, finish = run(llm, prompt, greedy, answer, "whole-" + question)
+    assert tokens == answer and finish == own.finish_reason
+    # one forward: the prompt's last chunk and the draft (the last token is the bonus when max_tokens ends it)
+    assert steps == 1 and drafted == len(answer) - (0 if finish == "stop" else 1)
+    wrong = answer[:6] + [tok.encode(" banana", add_special_tokens=False)[0]] + answer[7:]
+    tokens, steps, drafted, finish = run(llm, prompt, greedy, wrong, "wrong-" + question)
+    assert tokens == answer and drafted == 6 and steps > 2
+    tokens, _, _, finish = run(llm, prompt, SamplingParams(temperature=0.8, max_tokens=40), answer, "s-" + question)
+    assert finish in ("stop", "length") and 0 < len(tokens) <= 40
+    core = llm.engine.core
+    assert core.kv.num_free_blocks == core.kv.num_blocks and not core.scheduler.requests
+
+
+def test_draft_token_ids_cross_the_process_boundary():
+    req = EngineCoreRequest(request_id="r", prompt_token_ids=[1, 2], sampling_params=SamplingParams(),
+                            arrival_time=0.0, draft_token_ids=[3, 4, 5])
+    assert decode_input(encode(req)).draft_token_ids == [3, 4, 5]
