@@ -104,7 +104,7 @@ def test_two_servers_share_responses_and_policies_in_postgres(postgres_server, t
 def _entry(i: int, partition: str, created: float) -> Entry:
     v = np.zeros(4, dtype=np.float32)
     v[i % 4] = 1
-    return Entry(str(i), partition, f"q{i}", v, f"a{i}", "stop", 1, 1, created, created)
+    return Entry(str(i), partition, f"q{i}", v, f"a{i}", "stop", 1, 1, created, created, token_ids=[i, 7, 9])
 
 
 @pytest.fixture(params=("sqlite", "redis"))
@@ -143,6 +143,7 @@ def test_cache_backend_ttl_lru_and_reopen(cache_backend):
     b.put(_entry(1, "p", 200.0), max_entries=3)
     e, sim = b.nearest("p", np.array([1, 0, 0, 0], dtype=np.float32), now=250.0, max_age_s=1000)
     assert e.id == "0" and e.answer == "a0" and e.query == "q0" and sim == pytest.approx(1.0)
+    assert e.token_ids == [0, 7, 9]       # the verification's draft, as generated (not re-tokenized)
     assert b.nearest("p", np.array([1, 0, 0, 0], dtype=np.float32), now=1150.0, max_age_s=1000)[0].id == "1"
     assert b.nearest("other", np.array([1, 0, 0, 0], dtype=np.float32), now=250.0, max_age_s=1000) is None
     b.touch(e, 300.0)                     # 0 is now the most recently used: 1 goes first

@@ -57,7 +57,7 @@ if over > 0 then
 end
 return over
 """
-_META = ("query", "answer", "finish_reason", "prompt_tokens", "completion_tokens")
+_META = ("query", "answer", "finish_reason", "prompt_tokens", "completion_tokens", "token_ids")
 
 
 class RedisCacheBackend:
@@ -88,7 +88,8 @@ class RedisCacheBackend:
             return None
         m = json.loads(meta)
         entry = Entry(ids[best], partition, m["query"], vecs[best], m["answer"], m["finish_reason"],
-                      m["prompt_tokens"], m["completion_tokens"], m["created"], m["last_used"])
+                      m["prompt_tokens"], m["completion_tokens"], m["created"], m["last_used"],
+                      m.get("token_ids"))     # entries stored before the ids were kept: re-tokenized
         return entry, float(sims[best])
 
     def put(self, entry: Entry, max_entries: int) -> None:
