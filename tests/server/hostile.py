@@ -111,6 +111,52 @@ def newline_path(client: httpx.Client, base_url: str, headers: dict) -> httpx.Re
     return client.get(base_url + "/v1/%0a{\"forged\":1}", headers=headers, timeout=600)
 
 
+def _chat(client: httpx.Client, base_url: str, headers: dict, **body) -> httpx.Response:
+    body.setdefault("messages", [{"role": "user", "content": "Tell me about the sea."}])
+    return client.post(base_url + "/v1/chat/completions", headers=headers, timeout=600,
+                       json={"max_tokens": 32, "temperature": 0, "cache": False, **body})
+
+
+def long_stops(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """Sixteen stops of the largest length allowed, n=4 (49.1: an automaton, not a rescan; completes)."""
+    return _chat(client, base_url, headers, n=4, temperature=0.8,
+                 stop=[chr(97 + i) * 1000 + " sea" for i in range(16)])
+
+
+def huge_stops(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """Issue 49's sixteen 60 KB stops (400 naming `stop`)."""
+    return _chat(client, base_url, headers, stop=["s" * 60_000 + str(i) for i in range(16)])
+
+
+def wide_logit_bias(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """The most logit_bias entries allowed at n=4 (49.7: one dense row per request; completes), and a
+    vocabulary-wide map (400 naming `logit_bias`)."""
+    _chat(client, base_url, headers, logit_bias={str(t): -1 for t in range(49_000)})
+    return _chat(client, base_url, headers, n=4, temperature=0.8, logit_bias={str(t): 0.5 for t in range(300)})
+
+
+def huge_choice_grammar(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """A grammar past its size cap (49.8: 400 before llguidance sees it)."""
+    return _chat(client, base_url, headers, guided_choice=[f"option number {i}" for i in range(40_000)])
+
+
+def secret_shaped_output(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """A grammar that forces a growing secret-shaped answer (49.2: bounded redaction; completes)."""
+    return _chat(client, base_url, headers, guided_regex="sk-[a-z]+", max_tokens=256)
+
+
+def truncate_many_turns(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """256 turns that must mostly be dropped to fit (49.8: bisected, not one render per drop)."""
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": long_text(i, 60)} for i in range(255)]
+    return _chat(client, base_url, headers, messages=turns, truncate="oldest", max_tokens=4)
+
+
+def pii_heavy_input(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """Half a megabyte of e-mail-like text (49.6: linear scans; a 400 for the context, not minutes)."""
+    text = " ".join(f"user{i}.name@mail{i % 97}.example.com a.b.c.d@" for i in range(12_000))
+    return _chat(client, base_url, headers, messages=[{"role": "user", "content": text}], max_tokens=1)
+
+
 Send = Callable[[httpx.Client, str, dict], httpx.Response]
 
 HOSTILE: list[tuple[str, Send]] = [
@@ -121,4 +167,11 @@ HOSTILE: list[tuple[str, Send]] = [
     ("arena_battles", arena_battles),
     ("guessed_admin_key", guessed_admin_key),
     ("newline_path", newline_path),
+    ("long_stops", long_stops),
+    ("huge_stops", huge_stops),
+    ("wide_logit_bias", wide_logit_bias),
+    ("huge_choice_grammar", huge_choice_grammar),
+    ("secret_shaped_output", secret_shaped_output),
+    ("truncate_many_turns", truncate_many_turns),
+    ("pii_heavy_input", pii_heavy_input),
 ]
