@@ -189,7 +189,7 @@ def test_long_prompt_scenario_against_a_launched_kvserve(tmp_path):
 
 def test_bench_serve_unknown_scenario(tmp_path):
     res = CliRunner().invoke(app, ["serve", "--launch", "kvserve", "--scenario", "nope", "--out-dir", str(tmp_path)])
-    assert res.exit_code == 1 and "choose default or long-prompt" in res.output
+    assert res.exit_code == 1 and "choose default, long-prompt or batch" in res.output
 
 
 def test_a_launched_server_that_fails_keeps_its_log_and_not_its_data(tmp_path, monkeypatch):

@@ -162,9 +162,21 @@ def model_server():
         started.append(server)
         return server.start()
 
+    make.started = started
     yield make
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_the_modules_servers(model_server):
+    """The servers a module started stop when the module ends (each holds a model, about 1 GB, and
+    its threads), except a session fixture's (`keep`)."""
+    first = len(model_server.started)
+    yield
+    for server in model_server.started[first:]:
+        if not getattr(server, "keep", False):
+            server.stop()
 
 
 HARDENED_SHARED_PROMPT = (
@@ -187,6 +199,7 @@ def hardened_server(tmp_path_factory, model_server) -> ModelServer:
     server = model_server(data_dir, "--max-model-len", "512", "--shared-prompt", HARDENED_SHARED_PROMPT,
                           "--header-timeout", "1")
     server.keys = keys
+    server.keep = True          # shared by two modules: stopped at the end of the session
     return server
 
 

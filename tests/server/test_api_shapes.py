@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from conftest import InProcessServer
 
 from kvserve.server.api.error_shapes import api_of, shape_error
 from kvserve.server.settings import ServerSettings
@@ -55,8 +56,6 @@ def test_gateway_answers_in_each_shape(gateway):
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
-    from conftest import InProcessServer
-
     data_dir = tmp_path_factory.mktemp("keyed")
     store = KeyStore(data_dir / "kvserve.db")
     key = store.create("k")

@@ -24,7 +24,7 @@ def moderation_cmd(
     from kvserve.errors import KVServeError
     from kvserve.safety.bias import HELDOUT_PATH, evaluate_file, format_report
     from kvserve.safety.moderator import ModerationConfig
-    from kvserve.server.stores.moderation_policies import load_options, policy_from_options
+    from kvserve.safety.policy import load_options, policy_from_options
 
     try:
         options = load_options("input,output", str(config)) if config else {}
