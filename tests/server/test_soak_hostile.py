@@ -3,8 +3,13 @@ request that is small on the wire and dear for the server) against one server, a
 files and threads stay flat. The slow version runs 10 minutes (`KVSERVE_SOAK_S`, default 600);
 the short one (about 30 s) runs in `make test`. No answer may be a 5xx, and every kind is sent.
 
-Flat: after a warm-up, the server's RSS stays within 10% (plus 64 MiB of slack for caches that fill
-once) of its post-warm-up value, its open file descriptors within 16, and its threads within 4.
+Flat: the warm-up lasts until every client has sent every kind `warm_rounds` times (caches that
+fill once, the allocator's arenas and the encoder's buffers are then at their working size), and
+at least `warmup` seconds. After it, RSS may not trend up: the peak of the second half of the
+samples stays within 5% (plus 64 MiB) of the first half's peak, since one large request can lift
+RSS for a moment in either half but a leak lifts the later half. No sample may exceed the
+post-warm-up RSS by more than 25% (plus 128 MiB). Open file descriptors stay within 16 of the
+post-warm-up count and threads within 4.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ def resources(pid: int) -> tuple[int, int, int]:
             int(status["Threads"]))
 
 
-def run_hostile_soak(tmp_path: pathlib.Path, model_server, duration: float, warmup: float, clients: int = 3) -> None:
+def run_hostile_soak(tmp_path: pathlib.Path, model_server, duration: float, warmup: float, warm_rounds: int,
+                     clients: int = 3) -> None:
     store = KeyStore(tmp_path / "kvserve.db")
     key = store.create("hostile")
     store.close()
@@ -41,6 +47,7 @@ def run_hostile_soak(tmp_path: pathlib.Path, model_server, duration: float, warm
     headers = {"Authorization": f"Bearer {key}"}
     stop = threading.Event()
     statuses: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    rounds = [0] * clients
 
     def client(seed: int) -> None:
         order = HOSTILE[:]   # every kind in each round, in an order of the client's own
@@ -49,6 +56,8 @@ def run_hostile_soak(tmp_path: pathlib.Path, model_server, duration: float, warm
             for i in itertools.count():
                 if stop.is_set():
                     break
+                if i and i % len(order) == 0:
+                    rounds[seed] += 1
                 name, send = order[i % len(order)]
                 try:
                     statuses[name][send(c, srv.base_url, headers).status_code] += 1
@@ -58,32 +67,39 @@ def run_hostile_soak(tmp_path: pathlib.Path, model_server, duration: float, warm
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
         t.start()
-    time.sleep(warmup)
+    warm_until = time.monotonic() + warmup
+    while time.monotonic() < warm_until or min(rounds) < warm_rounds:
+        assert all(t.is_alive() for t in threads), "a client died during the warm-up"
+        time.sleep(0.5)
     base = resources(srv.proc.pid)
     samples = []
     end = time.monotonic() + duration
     while time.monotonic() < end:
-        time.sleep(min(5.0, duration / 6))
+        time.sleep(min(5.0, duration / 12))
         samples.append(resources(srv.proc.pid))
     stop.set()
     for t in threads:
         t.join(timeout=600)
     assert httpx.get(srv.base_url + "/health", timeout=60).status_code == 200
-    print({name: dict(c) for name, c in statuses.items()}, base, samples[-1])
+    print({name: dict(c) for name, c in statuses.items()}, rounds, base, samples)
     assert {name for name, _ in HOSTILE} <= set(statuses), statuses
     bad = {name: c for name, c in statuses.items() if any(isinstance(s, int) and s >= 500 for s in c)}
     assert not bad, bad
+    half = len(samples) // 2
+    first_peak = max(rss for rss, _, _ in samples[:half])
+    later_peak = max(rss for rss, _, _ in samples[half:])
+    assert later_peak <= first_peak * 1.05 + (64 << 20), ("RSS trends up", base, samples)
     for rss, fds, nthreads in samples:
-        assert rss <= base[0] * 1.10 + (64 << 20), (base, samples)
+        assert rss <= base[0] * 1.25 + (128 << 20), (base, samples)
         assert fds <= base[1] + 16, (base, samples)
         assert nthreads <= base[2] + 4, (base, samples)
 
 
 def test_hostile_mix_short(tmp_path, model_server):
-    run_hostile_soak(tmp_path, model_server, duration=20.0, warmup=10.0)
+    run_hostile_soak(tmp_path, model_server, duration=20.0, warmup=10.0, warm_rounds=2)
 
 
 @pytest.mark.slow
 def test_hostile_mix_soak(tmp_path, model_server):
     duration = float(os.environ.get("KVSERVE_SOAK_S", "600"))
-    run_hostile_soak(tmp_path, model_server, duration=duration, warmup=min(60.0, duration / 5))
+    run_hostile_soak(tmp_path, model_server, duration=duration, warmup=min(60.0, duration / 5), warm_rounds=3)
