@@ -196,21 +196,26 @@ class MPClient(EngineClient):
 
 
 def make_engine_client(model: str | None = None, *, engine_process: bool = False, weight_format: str = "auto",
-                       replicas: int = 1, prefill_replicas: int = 0, decode_replicas: int = 0,
-                       ray_address: str | None = None, **engine_kwargs) -> EngineClient:
+                       replicas: int | str = 1, prefill_replicas: int = 0, decode_replicas: int = 0,
+                       ray_address: str | None = None, target_ttft_ms: float | None = None,
+                       replica_idle_seconds: float = 60.0, **engine_kwargs) -> EngineClient:
     """Load `model` and return a client for it (blocking: call it from a thread). With
     `engine_process`, the engine runs in its own process; with several replicas (or a Ray address,
     or prefill/decode pools) in Ray actors behind one client (engine/ray_client.py)."""
     from kvserve.engine.config import EngineConfig
 
     cfg = EngineConfig(weight_format=weight_format, **engine_kwargs)   # bad options fail here, in this process
-    if replicas > 1 or prefill_replicas or decode_replicas or ray_address:
+    from kvserve.engine.ray_cluster import check_pools, parse_replicas
+
+    lo, hi = parse_replicas(replicas)
+    if hi > 1 or prefill_replicas or decode_replicas or ray_address:
         from kvserve.engine.ray_client import RayClient
-        from kvserve.engine.ray_cluster import check_pools
 
         check_pools(replicas, prefill_replicas, decode_replicas, engine_process)
-        return RayClient.launch(model, weight_format, engine_kwargs, replicas=replicas, ray_address=ray_address,
-                                prefill_replicas=prefill_replicas, decode_replicas=decode_replicas)
+        return RayClient.launch(model, weight_format, engine_kwargs, replicas=lo, max_replicas=hi,
+                                target_ttft_ms=target_ttft_ms, replica_idle_seconds=replica_idle_seconds,
+                                ray_address=ray_address, prefill_replicas=prefill_replicas,
+                                decode_replicas=decode_replicas)
     if engine_process:
         return MPClient.launch(model, weight_format, engine_kwargs)
     from kvserve.engine.core import EngineCore

@@ -15,7 +15,10 @@ what crosses Ray is msgpack bytes only. Per request:
   to the loop, as MPClient's reader does;
 * a replica that dies (its poll raises) leaves the rotation; its requests that had streamed
   nothing are sent again to another replica (same request, same seed: the same answer), the
-  others end with EngineDeadError (503, retryable). The gateway keeps answering while one lives.
+  others end with EngineDeadError (503, retryable). The gateway keeps answering while one lives;
+* healing and scaling (engine/replica_supervisor.py): a dead replica is started again in its slot,
+  and with `replicas="MIN:MAX"` slots are added under load and drained when idle. A slot's
+  incarnation is its Replica object: a reader thread only speaks for the object it polls.
 
 Disaggregated: prefill replicas compute each prompt (max_tokens 1) and export its KV blocks
 through Ray's object store straight to the chosen decode replica, which imports them into its
@@ -31,7 +34,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -56,6 +59,7 @@ logger = logging.getLogger("kvserve.engine")
 
 _local_cluster = False     # this process started the Ray cluster it is connected to
 
+RESTARTING = "no engine replica is serving right now (one is restarting): send the request again"
 _GAUGES = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_total", "kv_blocks_free")
 
 
@@ -65,7 +69,8 @@ class Replica:
     actor: object
     role: str               # "serve", "prefill" or "decode"
     pid: int = 0
-    alive: bool = True
+    alive: bool = True      # its outputs count: serving or draining
+    state: str = "serving"  # starting | serving | draining | stopped | dead (replica_supervisor.py)
     stats: dict = field(default_factory=dict)
     reader: threading.Thread | None = None
 
@@ -99,17 +104,24 @@ class RayClient(EngineClient):
         self.pools = {"prefill": PoolTimes(), "decode": PoolTimes()}
         self.num_retried = 0
         self._closing = False
+        self._sent_at: dict[str, float] = {}              # core request id -> dispatched, until its first token
+        self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=512)   # (when, seconds to first token)
+        self.spawn = None          # (index, role) -> actor, set by launch; the supervisor starts replicas with it
+        self.supervisor = None     # ReplicaSupervisor, set by launch
 
     # ---- launch ---------------------------------------------------------------------------
     @classmethod
     def launch(cls, model: str | None, weight_format: str, engine_kwargs: dict, *, replicas: int = 1,
-               prefill_replicas: int = 0, decode_replicas: int = 0, ray_address: str | None = None,
-               timeout: float = 900) -> RayClient:
+               max_replicas: int | None = None, target_ttft_ms: float | None = None,
+               replica_idle_seconds: float = 60.0, prefill_replicas: int = 0, decode_replicas: int = 0,
+               ray_address: str | None = None, timeout: float = 900) -> RayClient:
         """Start the replicas (a local Ray cluster unless one is running or ray_address is given)
-        and wait until each has loaded the model (blocking)."""
+        and wait until each has loaded the model (blocking). `replicas` start; with `max_replicas`
+        above it the supervisor scales between the two."""
         import ray
 
         from kvserve.engine.ray_replica import EngineReplica
+        from kvserve.engine.replica_supervisor import ReplicaSupervisor
 
         roles = (["prefill"] * prefill_replicas + ["decode"] * decode_replicas if prefill_replicas or decode_replicas
                  else ["serve"] * replicas)
@@ -119,7 +131,7 @@ class RayClient(EngineClient):
             if ray_address:
                 ray.init(address=ray_address, include_dashboard=False)
             else:
-                start_local_cluster(max(2, len(roles)))
+                start_local_cluster(max(2, len(roles), max_replicas or 0))
                 owns = _local_cluster = True
         kwargs = {"num_threads": 1, **engine_kwargs}
         # On a shared cluster each replica claims a CPU, so Ray places replicas where cores are free.
@@ -128,11 +140,13 @@ class RayClient(EngineClient):
         cpus = 0 if _local_cluster and not ray_address else 1
         actor_cls = ray.remote(num_cpus=cpus, max_restarts=0, concurrency_groups={"poll": 1, "prefill": 32, "kv": 1})(
             EngineReplica)
-        actors = []
-        for i, role in enumerate(roles):
-            spec = msgspec.json.encode({"model": model, "weight_format": weight_format, "engine_kwargs": kwargs,
-                                        "index": i, "role": None if role == "serve" else role})
-            actors.append(actor_cls.remote(spec))
+
+        def spawn(index: int, role: str):
+            return actor_cls.remote(msgspec.json.encode({"model": model, "weight_format": weight_format,
+                                                         "engine_kwargs": kwargs, "index": index,
+                                                         "role": None if role == "serve" else role}))
+
+        actors = [spawn(i, role) for i, role in enumerate(roles)]
         try:
             readies = [decode_output(r) for r in ray.get([a.ready.remote() for a in actors], timeout=timeout)]
             pids = ray.get([a.pid.remote() for a in actors], timeout=60)
@@ -149,16 +163,25 @@ class RayClient(EngineClient):
         client = cls(readies[0], actors, roles, pids, owns)
         for rep, stats in zip(client.replicas, first_stats):
             rep.stats = stats
+        client.spawn = spawn
+        client.supervisor = ReplicaSupervisor(client, min_replicas=len(roles),
+                                              max_replicas=max(max_replicas or 0, len(roles)),
+                                              target_ttft_ms=target_ttft_ms, idle_down=replica_idle_seconds)
         return client
 
     async def start(self) -> None:
         await super().start()
         reclaim_signals()
         for rep in self.replicas:
-            if rep.reader is None:
-                rep.reader = threading.Thread(target=self._read, args=(rep,), daemon=True,
-                                              name=f"kvserve-replica-{rep.index}")
-                rep.reader.start()
+            self.start_reader(rep)
+        if self.supervisor is not None:
+            self.supervisor.start()
+
+    def start_reader(self, rep: Replica) -> None:
+        if rep.reader is None:
+            rep.reader = threading.Thread(target=self._read, args=(rep,), daemon=True,
+                                          name=f"kvserve-replica-{rep.index}")
+            rep.reader.start()
 
     async def shutdown(self) -> None:
         import ray
@@ -166,6 +189,8 @@ class RayClient(EngineClient):
         if self._closing:
             return
         self._closing = True
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         if not ray.is_initialized():   # the cluster went down with another model's client: nothing to stop
             return
         live = [r for r in self.replicas if r.alive]
@@ -192,18 +217,18 @@ class RayClient(EngineClient):
                 batch = ray.get(rep.actor.outputs.options(concurrency_group="poll").remote(0.2), timeout=120)
             except Exception as e:   # noqa: BLE001 - the actor died (or hangs): out of rotation
                 if not self._closing:
-                    self._call_soon(self._replica_died, rep.index, f"{type(e).__name__}")
+                    self._call_soon(self._replica_died, rep, f"{type(e).__name__}")
                 return
             for data in batch:
                 msg = decode_output(data)
                 if isinstance(msg, EngineCoreOutputs):
-                    self._call_soon(self._on_replica_outputs, rep.index, msg)
+                    self._call_soon(self._on_replica_outputs, rep, msg)
 
-    def _on_replica_outputs(self, index: int, outs: EngineCoreOutputs) -> None:
+    def _on_replica_outputs(self, rep: Replica, outs: EngineCoreOutputs) -> None:
         """On the event loop."""
-        rep = self.replicas[index]
-        if not rep.alive:
-            return                  # late words of a dead replica: its requests were moved on
+        index = rep.index
+        if not rep.alive or self.replicas[index] is not rep:
+            return                  # late words of a dead replica (or an earlier incarnation): moved on
         if outs.stats is not None:
             rep.stats = outs.stats
             self.router.report(index, outs.stats.get("num_requests_waiting", 0),
@@ -214,6 +239,9 @@ class RayClient(EngineClient):
             if o.request_id not in self._where:
                 continue            # a prefill request, or one already moved or finished
             if o.new_token_ids:
+                sent = self._sent_at.pop(o.request_id, None)
+                if sent is not None:
+                    self.recent_ttft.append((now, now - sent))
                 parent = self.outputs.parent_of.get(o.request_id)
                 if parent is not None:
                     self._streamed.add(parent)
@@ -222,6 +250,7 @@ class RayClient(EngineClient):
                 ended.append(self.outputs.parent_of.get(o.request_id))
                 del self._where[o.request_id]
                 self._reqs.pop(o.request_id, None)
+                self._sent_at.pop(o.request_id, None)
                 self._decode_start.pop(o.request_id, None)
                 self._last_token.pop(o.request_id, None)
                 self.router.done(index)
@@ -243,12 +272,13 @@ class RayClient(EngineClient):
             pool.itl_count += n
         self._last_token[core_id] = now
 
-    def _replica_died(self, index: int, message: str) -> None:
-        """On the event loop: take the replica out, move or fail its requests."""
-        rep = self.replicas[index]
-        if not rep.alive or self._closing:
+    def _replica_died(self, rep: Replica, message: str) -> None:
+        """On the event loop: take the replica out, move or fail its requests, have it healed."""
+        index = rep.index
+        if not rep.alive or self._closing or self.replicas[index] is not rep:
             return
         rep.alive = False
+        rep.state = "dead"
         self.router.mark_dead(index)
         logger.error("engine replica %d (pid %d) is gone (%s); %d left", index, rep.pid, message,
                      len(self._serving()))
@@ -256,16 +286,20 @@ class RayClient(EngineClient):
         for cid in [c for c, w in self._where.items() if w == index]:
             del self._where[cid]
             req = self._reqs.pop(cid)
+            self._sent_at.pop(cid, None)
             parent = self.outputs.parent_of.get(cid)
             if parent is not None:
                 by_parent[parent].append(req)
-        if not self._serving():
+        healing = self.supervisor is not None and self.supervisor.replica_died(index)
+        if not self._serving() and not healing:
             self._fail_all(f"every engine replica is gone (the last: {message})")
             return
         for parent, reqs in by_parent.items():
             if parent in self._streamed:
                 self._fail_request(parent, f"the engine replica serving this request died after it had started "
                                            f"streaming ({message}): send it again")
+            elif not self._serving():
+                self._fail_request(parent, RESTARTING)
             else:
                 self.num_retried += 1
                 self._dispatch(reqs)
@@ -281,7 +315,8 @@ class RayClient(EngineClient):
         return [r.index for r in self.replicas if r.alive and r.role != "prefill"]
 
     def health(self) -> None:
-        if self._dead is None and not self._serving() and not self._closing:
+        healing = self.supervisor is not None and self.supervisor.healing()
+        if self._dead is None and not self._serving() and not self._closing and not healing:
             self._dead = "every engine replica is gone"
         super().health()
 
@@ -309,12 +344,17 @@ class RayClient(EngineClient):
         try:
             index = self.router.route(first.prompt_token_ids, first.cache_salt, first.cache_salt_from, exclude=others)
         except LookupError:
-            self._fail_all("every engine replica is gone")
+            if self.supervisor is not None and self.supervisor.healing():
+                self._fail_request(self.outputs.parent_of.get(first.request_id, first.request_id), RESTARTING)
+            else:
+                self._fail_all("every engine replica is gone")
             return
         self.router.replicas[index].in_flight += len(group) - 1     # counted per core request
+        now = time.monotonic()
         for r in group:
             self._where[r.request_id] = index
             self._reqs[r.request_id] = r
+            self._sent_at.setdefault(r.request_id, now)    # a resent request keeps its first send
         data = [encode(r) for r in group]
         if self.disaggregated and self._prefill(first, index, data, [r.request_id for r in group]):
             return
@@ -383,14 +423,24 @@ class RayClient(EngineClient):
         for k in ("kv_cache_dtype", "kv_cache_bytes_per_token"):
             if any(k in r.stats for r in live):
                 out[k] = next(r.stats[k] for r in live if k in r.stats)
-        out["replicas"] = [{"index": r.index, "role": r.role, "alive": r.alive, "pid": r.pid,
+        out["replicas"] = [{"index": r.index, "role": r.role, "alive": r.alive, "state": r.state, "pid": r.pid,
                             "in_flight": self.router.replicas[r.index].in_flight,
                             **{k: r.stats.get(k, 0) for k in ("num_requests_running", "num_requests_waiting",
                                                               "prefix_cache_queries", "prefix_cache_hits",
                                                               "prompt_tokens", "generation_tokens")}}
                            for r in self.replicas]
         out["replicas_alive"] = sum(r.alive for r in self.replicas)
+        out["replica_states"] = self.replica_states()
+        if self.supervisor is not None:
+            out.update(self.supervisor.stats())
         out["requests_retried"] = self.num_retried
         if self.disaggregated:
             out["pools"] = {k: vars(v).copy() for k, v in self.pools.items()}
         return out
+
+    def replica_states(self) -> dict[str, int]:
+        """How many slots are starting, serving, draining, stopped or dead (/health, /metrics)."""
+        counts = dict.fromkeys(("starting", "serving", "draining", "stopped", "dead"), 0)
+        for r in self.replicas:
+            counts[r.state] += 1
+        return counts

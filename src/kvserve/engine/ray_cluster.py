@@ -11,8 +11,28 @@ import time
 from kvserve.errors import InvalidRequest, ModelLoadError
 
 
-def check_pools(replicas: int, prefill_replicas: int, decode_replicas: int, engine_process: bool = False) -> None:
+def parse_replicas(value: int | str) -> tuple[int, int]:
+    """`--replicas`: N (N replicas, healed) or MIN:MAX (scaled between the two)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        lo = hi = value
+    elif isinstance(value, str) and value.strip():
+        parts = value.split(":")
+        try:
+            lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (None, None)
+        except ValueError:
+            lo = hi = None
+        if lo is None:
+            raise InvalidRequest(f"replicas must be N or MIN:MAX, got {value!r}", param="replicas")
+    else:
+        raise InvalidRequest(f"replicas must be N or MIN:MAX, got {value!r}", param="replicas")
+    if lo < 1 or hi < lo:
+        raise InvalidRequest(f"replicas must be at least 1 and MIN at most MAX, got {value!r}", param="replicas")
+    return lo, hi
+
+
+def check_pools(replicas: int | str, prefill_replicas: int, decode_replicas: int, engine_process: bool = False) -> None:
     """One-line errors for replica counts that cannot run."""
+    replicas = parse_replicas(replicas)[1]
     for name, v in (("replicas", replicas), ("prefill_replicas", prefill_replicas),
                     ("decode_replicas", decode_replicas)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (name == "replicas" and v < 1):

@@ -48,6 +48,7 @@ class ReplicaLoad:
     waiting: int = 0              # the replica's last reported waiting queue
     kv_usage: float = 0.0         # its last reported KV cache usage, 0..1
     alive: bool = True
+    accepting: bool = True        # False while draining: its requests finish, no new ones come
     seen: OrderedDict = field(default_factory=OrderedDict)   # prefix hash -> None, LRU
 
     @property
@@ -76,6 +77,23 @@ class PrefixAffinityRouter:
         r.seen.clear()
         r.in_flight = 0
 
+    def slot(self, index: int) -> ReplicaLoad:
+        """Slot `index`, appended (not alive) when the replica is new."""
+        while index >= len(self.replicas):
+            self.replicas.append(ReplicaLoad(alive=False))
+        return self.replicas[index]
+
+    def revive(self, index: int) -> None:
+        """A (re)started replica takes `index`'s place: empty cache, no load, accepting."""
+        self.slot(index)
+        self.replicas[index] = ReplicaLoad()
+
+    def drain(self, index: int) -> None:
+        """No new requests for `index`; the ones in flight finish there."""
+        r = self.replicas[index]
+        r.accepting = False
+        r.seen.clear()
+
     def report(self, index: int, waiting: int, kv_usage: float) -> None:
         r = self.replicas[index]
         r.waiting, r.kv_usage = waiting, kv_usage
@@ -84,7 +102,7 @@ class PrefixAffinityRouter:
               exclude: frozenset[int] = frozenset()) -> int:
         """The replica for this prompt (counted in flight until `done`). Raises LookupError when
         no replica is alive."""
-        live = [i for i in self.alive() if i not in exclude]
+        live = [i for i in self.alive() if i not in exclude and self.replicas[i].accepting]
         if not live:
             raise LookupError("no engine replica is alive")
         hashes = prefix_hashes(token_ids, self.block_size, self.max_blocks, salt, salt_from)

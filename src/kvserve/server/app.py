@@ -212,7 +212,15 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         except KVServeError:
             return JSONResponse({"status": "error", "engine": kind}, status_code=503,
                                 headers={"Retry-After": "5"})
-        return JSONResponse({"status": "ok", "engine": kind})
+        # Ray replicas (engine/replica_supervisor.py): how many slots start, serve, drain
+        states = [e.engine.replica_states() for e in state.pool.entries if hasattr(e.engine, "replica_states")]
+        if not states:
+            return JSONResponse({"status": "ok", "engine": kind})
+        replicas = {k: sum(s[k] for s in states) for k in states[0]}
+        if any(s["serving"] == 0 for s in states):     # a model's every replica is (re)starting
+            return JSONResponse({"status": "loading", "engine": kind, "replicas": replicas}, status_code=503,
+                                headers={"Retry-After": "5"})
+        return JSONResponse({"status": "ok", "engine": kind, "replicas": replicas})
 
     @app.get("/version")
     async def version() -> dict:

@@ -141,8 +141,15 @@ def serve(
                                         help="Run the engine in its own process (msgpack over a local ZMQ "
                                              "socket), so the HTTP process stays responsive while the model "
                                              "computes."),
-    replicas: int = typer.Option(1, min=1, help="Engine replicas as Ray actors behind this gateway, routed by "
-                                                 "prefix-cache affinity (a local Ray cluster unless --ray-address)."),
+    replicas: str = typer.Option("1", help="Engine replicas as Ray actors behind this gateway, routed by "
+                                            "prefix-cache affinity (a local Ray cluster unless --ray-address); "
+                                            "a dead one is restarted. MIN:MAX scales between the two on queue "
+                                            "depth and --target-ttft-ms."),
+    target_ttft_ms: float = typer.Option(None, "--target-ttft-ms", help="With --replicas MIN:MAX: start another "
+                                                                        "replica while the median time to first "
+                                                                        "token stays above this."),
+    replica_idle_seconds: float = typer.Option(60.0, help="With --replicas MIN:MAX: drain a replica above MIN "
+                                                          "after this long with nothing to do."),
     ray_address: str = typer.Option(None, "--ray-address", help="Join this Ray cluster (HOST:PORT or auto) "
                                                                 "for the replicas."),
     prefill_replicas: int = typer.Option(0, min=0, help="Disaggregated serving: replicas that only prefill "
@@ -202,7 +209,14 @@ def serve(
                                              ("max_step_ms", max_step_ms),
                                              ("max_decode_slowdown", max_decode_slowdown),
                                              ("kv_cache_dtype", kv_cache_dtype)] if v is not None}
-    engine_kwargs.update({k: v for k, v in [("replicas", replicas), ("ray_address", ray_address),
+    if replicas != "1":
+        from kvserve.engine.ray_cluster import parse_replicas
+        with _user_errors(2):
+            parse_replicas(replicas)
+        engine_kwargs.update(replicas=replicas, replica_idle_seconds=replica_idle_seconds)
+        if target_ttft_ms is not None:
+            engine_kwargs["target_ttft_ms"] = target_ttft_ms
+    engine_kwargs.update({k: v for k, v in [("ray_address", ray_address),
                                             ("prefill_replicas", prefill_replicas),
                                             ("decode_replicas", decode_replicas),
                                             ("tensor_parallel_size", tensor_parallel_size)] if v})

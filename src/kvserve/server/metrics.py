@@ -129,10 +129,29 @@ REPLICA_STATS = {
 }
 
 
+SUPERVISOR_STATS = {
+    "replica_restarts": ("replica_restarts", "Dead replicas started again in their slot."),
+    "replica_scale_ups": ("replica_scale_ups", "Replicas started because TTFT or the queue missed the target."),
+    "replica_scale_downs": ("replica_scale_downs", "Replicas drained and stopped after an idle period."),
+}
+
+
 def _replica_families(models: dict[str, dict]) -> Iterator:
     replicas = {model: stats["replicas"] for model, stats in models.items() if stats.get("replicas")}
     if not replicas:
         return
+    states = GaugeMetricFamily(P + "replicas", "Replica slots by state: starting, serving, draining, stopped, "
+                               "dead (engine/replica_supervisor.py).", labels=["model_name", "state"])
+    for model, stats in models.items():
+        for state, n in (stats.get("replica_states") or {}).items():
+            states.add_metric([model, state], float(n))
+    yield states
+    for key, (name, doc) in SUPERVISOR_STATS.items():
+        family = CounterMetricFamily(P + name, doc, labels=["model_name"])
+        for model, stats in models.items():
+            if key in stats:
+                family.add_metric([model], float(stats[key]))
+        yield family
     for key, (name, kind, doc) in REPLICA_STATS.items():
         family_cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
         family = family_cls(P + name, doc, labels=["model_name", "replica", "role"])

@@ -92,6 +92,7 @@ class DetokenizeResponse(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "loading", "error"]
     engine: str | None = None
+    replicas: dict[str, int] | None = None     # Ray replicas: slots by state (starting, serving, draining...)
 
 
 class StoredMessage(BaseModel):
