@@ -151,6 +151,22 @@ def test_echo_logprobs_for_loglikelihood(client):
     assert "".join(lp.tokens[:n_prompt]) == "The capital of France is"
 
 
+def test_prompt_of_token_ids_is_one_prompt_of_any_length(srv, client):
+    """`prompt: [ids]` is one tokenized prompt however long (not len(ids) prompts; the 32-prompt cap
+    once rejected any token prompt past 32 ids), and it answers as its text does."""
+    text = ("The lighthouse keeper climbed the stairs every evening, counted the steps, lit the lamp, "
+            "checked the oil, wiped the salt from the glass, listened to the foghorn across the bay "
+            "and wrote the weather in a small book before supper.")
+    ids = HTTP.post(srv.base_url + "/tokenize", json={"prompt": text}, headers=auth(srv)).json()["tokens"]
+    assert len(ids) > 32
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    by_text = client.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0)
+    assert len(by_ids.choices) == 1 and by_ids.usage.prompt_tokens == len(ids)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    two = client.completions.create(model=MODEL, prompt=[ids, ids[:10]], max_tokens=2, temperature=0)
+    assert len(two.choices) == 2
+
+
 def test_errors_401_404_400(srv, client):
     url = srv.base_url + "/v1/chat/completions"
     r = HTTP.post(url, json={"messages": HELLO})

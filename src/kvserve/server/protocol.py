@@ -284,7 +284,10 @@ def check_caps(req: _Common, settings: ServerSettings) -> None:
             raise InvalidRequest(f"logprobs must be in [0, {settings.max_top_logprobs}].", param="logprobs")
         if req.suffix:
             raise InvalidRequest("suffix is not supported.", param="suffix")
-        if isinstance(req.prompt, list) and (not req.prompt or len(req.prompt) > settings.max_prompts):
+        one_of_ids = isinstance(req.prompt, list) and bool(req.prompt) and all(
+            isinstance(t, int) for t in req.prompt)          # [ids]: one prompt of token ids, not len(ids) prompts
+        if isinstance(req.prompt, list) and not one_of_ids and (not req.prompt
+                                                                or len(req.prompt) > settings.max_prompts):
             raise InvalidRequest(f"prompt lists must hold 1 to {settings.max_prompts} prompts.",
                                  param="prompt")
     for name in ("max_tokens",) + (("max_completion_tokens",) if isinstance(req, ChatCompletionRequest)
