@@ -233,6 +233,9 @@ def test_moderation_and_usage(server):
     assert row["requests"] == 2
     assert row["prompt_tokens"] == a.prompt_eval_count + b.prompt_eval_count
     assert row["completion_tokens"] == a.eval_count + b.eval_count
+    e = c.embed(model="all-minilm-l6-v2", input=["a cat", "a dog"])         # the encoder's tokens, charged too
+    [row] = KeyStore(server.data_dir / "kvserve.db").usage("usage")
+    assert row["prompt_tokens"] == a.prompt_eval_count + b.prompt_eval_count + e.prompt_eval_count
 
 
 def test_stream_error_line_is_raised():

@@ -73,6 +73,10 @@ def test_charged_to_the_key(server):
     before = _prompt_tokens(server, "reader")
     tokens = post(server, "/v1/score", {"text_1": "capital of France", "text_2": DOCS}).json()["usage"]["total_tokens"]
     assert _prompt_tokens(server, "reader") == before + tokens
+    for path in ("/v1/rerank", "/v2/rerank", "/rerank"):
+        before = _prompt_tokens(server, "reader")
+        tokens = post(server, path, {"query": "capital of France", "documents": DOCS}).json()["usage"]["total_tokens"]
+        assert tokens > 0 and _prompt_tokens(server, "reader") == before + tokens, path
     r = post(server, "/v1/rerank", {"query": "q" * 40, "documents": DOCS}, who="tiny")   # over its 30 tokens/minute
     assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
     assert httpx.post(server.base_url + "/v1/score", json={"text_1": "a", "text_2": "b"}).status_code == 401

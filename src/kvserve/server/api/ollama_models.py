@@ -225,12 +225,13 @@ def model_entry(card: dict[str, Any], facts: ModelFacts) -> dict[str, Any]:
 def mount_ollama_models(app: FastAPI, gw: ServerState) -> None:
     settings = gw.settings
 
-    def cards() -> list[dict[str, Any]]:
+    def cards(request: Request) -> list[dict[str, Any]]:
+        """/v1/models' cards: another key's LoRA adapter is not listed (api/models.py)."""
         created = int(datetime.now(UTC).timestamp())
-        return gw.pool.cards(created) + gw.routing.model_cards(created)
+        return gw.pool.cards(created, request.state.record.key_name) + gw.routing.model_cards(created)
 
-    def card(name: str) -> dict[str, Any]:
-        found = next((c for c in cards() if c["id"] == served_name(name)), None)
+    def card(request: Request, name: str) -> dict[str, Any]:
+        found = next((c for c in cards(request) if c["id"] == served_name(name)), None)
         if found is None:
             raise ModelNotFound(f"model '{name}' not found", param="model")
         return found
@@ -250,8 +251,8 @@ def mount_ollama_models(app: FastAPI, gw: ServerState) -> None:
         return await asyncio.to_thread(lambda: [facts_of(c) for c in cs])
 
     @app.get("/api/tags")
-    async def tags() -> dict:
-        cs = cards()
+    async def tags(request: Request) -> dict:
+        cs = cards(request)
         return {"models": [model_entry(c, f) for c, f in zip(cs, await facts(cs))]}
 
     @app.get("/api/ps")
@@ -274,7 +275,7 @@ def mount_ollama_models(app: FastAPI, gw: ServerState) -> None:
         name = body.model or body.name
         if not name:
             raise InvalidRequest("model is required.", param="model")
-        c = card(name)
+        c = card(request, name)
         [f] = await facts([c])
         info = {"general.architecture": f.family, **f.info}
         capabilities, template = ["completion", "tools", "thinking"], ""
