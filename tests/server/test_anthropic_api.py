@@ -15,11 +15,17 @@ import httpx
 import pydantic
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
-from client_api_server import ECHO
+from client_api_server import (  # noqa: F401 (no_client_warnings: an autouse fixture)
+    ECHO,
+    NO_CLIENT_WARNINGS,
+    no_client_warnings,
+    unknown_fields,
+)
 
 from kvserve.server.api.anthropic_wire import thinking_signature
 from kvserve.server.stores.keys import KeyStore
 
+pytestmark = NO_CLIENT_WARNINGS
 MODEL = "smollm2-135m-instruct"
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -37,19 +43,6 @@ def server(tmp_path_factory, model_server):
 
 def client(server, key: str = "a") -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.base_url, api_key=server.keys[key], max_retries=0, timeout=300)
-
-
-def unknown_fields(obj, path: str = "$") -> list[str]:
-    """Every field of the parsed SDK object that its type does not declare (what a client would drop)."""
-    out = []
-    if isinstance(obj, pydantic.BaseModel):
-        out += [f"{path}.{k}" for k in (obj.model_extra or {})]
-        for name in type(obj).model_fields:
-            out += unknown_fields(getattr(obj, name), f"{path}.{name}")
-    elif isinstance(obj, list):
-        for i, x in enumerate(obj):
-            out += unknown_fields(x, f"{path}[{i}]")
-    return out
 
 
 def raw_stream(server, body: dict) -> list[tuple[str, dict]]:
@@ -252,3 +245,4 @@ def test_output_moderation_cut_is_a_refusal(server):
         final = s.get_final_message()
     assert final.stop_reason == "refusal" and [b.type for b in final.content] == [b.type for b in m.content]
     assert "zanzibar zanzibar zanzibar zanzibar" not in final.content[-1].text
+

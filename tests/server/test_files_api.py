@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 import pytest
+from client_api_server import NO_CLIENT_WARNINGS, no_client_warnings  # noqa: F401 (an autouse fixture)
 from conftest import InProcessServer
 
 from kvserve.server.settings import ServerSettings
@@ -21,6 +22,8 @@ LIMITED = (("GET", "/v1/files"), ("POST", "/v1/files"), ("GET", "/v1/files/file-
            ("DELETE", "/v1/files/file-x"), ("GET", "/v1/batches"), ("POST", "/v1/batches"),
            ("GET", "/v1/batches/batch_x"), ("POST", "/v1/batches/batch_x/cancel"), ("POST", "/v1/rerank"),
            ("POST", "/v2/rerank"), ("POST", "/rerank"), ("POST", "/v1/score"))
+
+pytestmark = NO_CLIENT_WARNINGS
 
 
 def jsonl(n: int, url: str = "/v1/chat/completions") -> bytes:

@@ -15,7 +15,7 @@ import httpx
 import ollama
 import pydantic
 import pytest
-from client_api_server import ECHO
+from client_api_server import ECHO, NO_CLIENT_WARNINGS, no_client_warnings  # noqa: F401 (an autouse fixture)
 from ollama._types import (
     ChatResponse,
     EmbedResponse,
@@ -27,6 +27,7 @@ from ollama._types import (
 
 from kvserve.server.stores.keys import KeyStore
 
+pytestmark = NO_CLIENT_WARNINGS
 MODEL = "smollm2-135m-instruct"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -362,10 +363,11 @@ def test_fim_prompt_frames_prefix_and_suffix():
     body = GenerateBody(model="m", prompt="def f", suffix="return x", system="ignored", think=True,
                         options={"num_predict": 5}, logprobs=True)
     out, num_ctx, is_chat = generate_request(body, fim_prompt(tok, "m", body.prompt, body.suffix))
-    assert not is_chat and num_ctx is None and out["prompt"][0] == pre and out["max_tokens"] == 5
+    assert not is_chat and num_ctx is None and out["prompt"][0][0] == pre and out["max_tokens"] == 5
     assert "reasoning_effort" not in out and out["logprobs"] == 0 and "messages" not in out
     plain = fim_tokenizer(fim=False)
     assert fim_tokens(plain) is None
     with pytest.raises(InvalidRequest) as e:
         fim_prompt(plain, "m", "a", "b")
     assert e.value.status == 400 and e.value.param == "suffix"
+

@@ -6,6 +6,7 @@ from __future__ import annotations
 import cohere
 import httpx
 import pytest
+from client_api_server import NO_CLIENT_WARNINGS, no_client_warnings  # noqa: F401 (an autouse fixture)
 from conftest import InProcessServer
 
 from kvserve.server.settings import ServerSettings
@@ -13,6 +14,8 @@ from kvserve.server.stores.keys import KeyStore
 
 DOCS = ["Paris is the capital of France.", "Bananas are rich in potassium.", "The Eiffel Tower is in Paris."]
 ENCODER = "all-minilm-l6-v2"
+
+pytestmark = NO_CLIENT_WARNINGS
 
 
 @pytest.fixture(scope="module")

@@ -243,7 +243,7 @@ def generate_request(body: GenerateBody, fim: list[int] | None = None) -> tuple[
                                  "frames it with the model's fill-in-the-middle tokens.", param="suffix")
         if fim is None:
             raise InvalidRequest("suffix needs the model's fill-in-the-middle tokens.", param="suffix")
-        out: dict[str, Any] = {"prompt": fim}
+        out: dict[str, Any] = {"prompt": [fim]}      # one prompt of token ids
     elif body.raw:
         out = {"prompt": (body.system + "\n" if body.system else "") + (body.prompt or "")}
     else:
@@ -266,6 +266,8 @@ async def _cap_to_window(gw: ServerState, req: ChatCompletionRequest | Completio
         return
     if isinstance(req, ChatCompletionRequest):
         n = await count_prompt_tokens(gw, req)
+    elif isinstance(req.prompt, list):       # a fill-in-the-middle prompt: [token ids]
+        n = len(req.prompt[0])
     else:
         n = len(await asyncio.to_thread(model.tokenizer.encode, req.prompt, add_special_tokens=True))
     if n >= num_ctx:
