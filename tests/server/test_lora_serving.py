@@ -127,17 +127,25 @@ def test_an_adapter_loaded_for_one_key_is_that_keys_alone(lora_server):
         assert httpx.get(url + "/v1/models/late", headers={"Authorization": f"Bearer {USER}"}).status_code == 404
 
 
-def test_ollama_tags_list_what_v1_models_lists_per_key(lora_server):
-    """Issue 50: /api/tags and /api/show see the adapters /v1/models shows the same key, no others."""
+def test_client_apis_see_the_adapters_of_their_key(lora_server):
+    """Issue 50: /api/tags and /api/show see the adapters /v1/models shows the same key, no others; a
+    num_ctx cap and Anthropic's count_tokens resolve a key's own adapter, not another's."""
     url = lora_server.base_url
     with adapter_of(lora_server, "carol") as carol:
         for key in (carol, USER):
             auth = {"Authorization": f"Bearer {key}"}
-            models = [m["id"] for m in httpx.get(url + "/v1/models", headers=auth).json()["data"]]
-            assert [m["model"] for m in httpx.get(url + "/api/tags", headers=auth).json()["models"]] == models
+            models = [m["id"] for m in httpx.get(url + "/v1/models", headers=auth, timeout=60).json()["data"]]
+            assert [m["model"] for m in httpx.get(url + "/api/tags", headers=auth, timeout=60).json()["models"]] == models
             shown = httpx.post(url + "/api/show", json={"model": "late"}, headers=auth, timeout=60)
             assert shown.status_code == (200 if key == carol else 404), shown.text
         assert shown.json() == {"error": "model 'late' not found"}
-        tags = httpx.get(url + "/api/tags", headers={"Authorization": f"Bearer {carol}"}).json()["models"]
+        tags = httpx.get(url + "/api/tags", headers={"Authorization": f"Bearer {carol}"}, timeout=60).json()["models"]
         late = next(m for m in tags if m["model"] == "late")
         assert late["details"]["parent_model"] and late["details"]["family"] == "llama" and late["size"] == 0
+        ask = {"model": "late", "messages": [{"role": "user", "content": "Hi"}]}
+        for key, status in ((carol, 200), (USER, 404)):
+            auth = {"Authorization": f"Bearer {key}"}
+            r = httpx.post(url + "/api/chat", headers=auth, timeout=120,
+                           json={**ask, "stream": False, "options": {"num_ctx": 64, "num_predict": 2}})
+            assert r.status_code == status, r.text
+            assert httpx.post(url + "/v1/messages/count_tokens", json=ask, headers=auth, timeout=60).status_code == status

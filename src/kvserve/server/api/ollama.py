@@ -1,9 +1,10 @@
 """Ollama's API: `/api/chat`, `/api/generate`, `/api/embed`, `/api/tags`, `/api/show`, `/api/ps`,
 `/api/version`.
 
-Generation becomes a chat (or, for `raw` and `suffix` generate, a completions) request on the one generation
-path, with the same gates, stage list and usage ledger as OpenAI's routes; `OllamaRenderer`
-(ollama_wire.py) writes NDJSON lines (`"stream"` defaults to true, as in Ollama) or one object.
+Generation becomes a chat (or, for `raw` and `suffix` generate, a completions) request on the one
+generation path, with the same gates, stage list and usage ledger as OpenAI's routes;
+`OllamaRenderer` (ollama_wire.py) writes NDJSON lines (`"stream"` defaults to true, as in Ollama)
+or one object.
 
     messages (system/user/assistant/tool; assistant tool_calls, tool turns by tool_name) -> chat
     generate: system + prompt -> a chat of two turns (the model's template); raw -> the prompt as is;
@@ -22,7 +23,8 @@ path, with the same gates, stage list and usage ledger as OpenAI's routes; `Olla
              answers done_reason "load", or "unload" with keep_alive 0, and changes nothing)
 
 `/api/tags`, `/api/show` and `/api/ps` describe the models from their files (api/ollama_models.py);
-`/api/embed` is `/v1/embeddings` (api/embeddings.py) in Ollama's shape. Errors are `{"error": "..."}` (api/error_shapes.py).
+`/api/embed` is `/v1/embeddings` (api/embeddings.py) in Ollama's shape. Errors are
+`{"error": "..."}` (api/error_shapes.py).
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ def no_images(model: str, param: str) -> InvalidRequest:
                           "vision model). Send the message without images.", param=param)
 
 
-def chat_messages(messages: list[OllamaMessage], model: str = "") -> list[dict[str, Any]]:
+def chat_messages(messages: list[OllamaMessage], model: str) -> list[dict[str, Any]]:
     """Ollama's turns as chat completions messages: the assistant's calls get ids, and each tool
     turn answers the first unanswered call of its `tool_name` (else the first unanswered one)."""
     out: list[dict[str, Any]] = []
@@ -257,15 +259,16 @@ def generate_request(body: GenerateBody, fim: list[int] | None = None) -> tuple[
     return out, num_ctx, False
 
 
-async def _cap_to_window(gw: ServerState, req: ChatCompletionRequest | CompletionRequest, num_ctx: int | None) -> None:
+async def _cap_to_window(gw: ServerState, req: ChatCompletionRequest | CompletionRequest, num_ctx: int | None,
+                         caller: str | None) -> None:
     """num_ctx as a cap: max_tokens cut so that prompt + answer fits in num_ctx tokens."""
     if num_ctx is None:
         return
-    model = ModelHandle.resolve(gw, req.model)
+    model = ModelHandle.resolve(gw, req.model, caller)
     if num_ctx >= model.max_model_len:
         return
     if isinstance(req, ChatCompletionRequest):
-        n = await count_prompt_tokens(gw, req)
+        n = await count_prompt_tokens(gw, req, caller)
     elif isinstance(req.prompt, list):       # a fill-in-the-middle prompt: [token ids]
         n = len(req.prompt[0])
     else:
@@ -282,7 +285,7 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
     async def generation(request: Request, body: dict[str, Any], num_ctx: int | None, chat: bool,
                          model: str) -> Response:
         req = validate_body(body, ChatCompletionRequest if chat else CompletionRequest)
-        await _cap_to_window(gw, req, num_ctx)
+        await _cap_to_window(gw, req, num_ctx, request.state.record.key_name)
         gen, lease = await start(gw, request, req, "chat" if chat else "completion")
         render = OllamaRenderer(gen, chat=request.url.path == "/api/chat", model=model)
 
@@ -317,7 +320,7 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
             return load(body, chat=False)
         fim = None
         if body.suffix and not body.raw:     # tokenized off the event loop, as every prompt
-            tokenizer = ModelHandle.resolve(gw, served_name(body.model)).tokenizer
+            tokenizer = ModelHandle.resolve(gw, served_name(body.model), request.state.record.key_name).tokenizer
             fim = await asyncio.to_thread(fim_prompt, tokenizer, body.model, body.prompt or "", body.suffix)
         gen_body, num_ctx, is_chat = generate_request(body, fim)
         return await generation(request, gen_body, num_ctx, is_chat, body.model)

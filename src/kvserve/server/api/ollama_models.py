@@ -7,7 +7,8 @@ capabilities ("insert" when its vocabulary has fill-in-the-middle tokens, api/ol
 
 Each served model's weights are found as the engine found them (`model/registry.py`: a built-in
 name, a .gguf file or a Hugging Face directory; the sentence encoder's zip) and described once per
-file version (path, size, mtime), off the event loop:
+file version (path, size, mtime), off the event loop (at startup, in a background thread, for a
+server that loads its models; else on the first ask):
 
     size                 bytes on disk (a directory: the sum of its files)
     digest               sha256 of the content (a directory: of its files' names and digests)
@@ -222,8 +223,18 @@ def model_entry(card: dict[str, Any], facts: ModelFacts) -> dict[str, Any]:
             "size": facts.size, "digest": facts.digest, "details": facts.details(card.get("parent") or "")}
 
 
+def warm(sources: list[str | None]) -> None:
+    """Read the served models' files (and the encoder's) ahead of the first /api/tags."""
+    for source in sources:
+        model_facts(source)
+    encoder_facts()
+
+
 def mount_ollama_models(app: FastAPI, gw: ServerState) -> None:
     settings = gw.settings
+    if settings.load_model:     # a server that loads its models hashes their files meanwhile, in the background
+        threading.Thread(target=warm, args=([e.spec.path for e in gw.pool.entries],), name="kvserve-model-facts",
+                         daemon=True).start()
 
     def cards(request: Request) -> list[dict[str, Any]]:
         """/v1/models' cards: another key's LoRA adapter is not listed (api/models.py)."""
@@ -283,7 +294,7 @@ def mount_ollama_models(app: FastAPI, gw: ServerState) -> None:
             capabilities, info = ["embedding"], {**info, "embedding_length": c.get("dimensions")}
         elif c.get("max_model_len"):
             info["context_length"] = c["max_model_len"]     # the served window (the file's is <arch>.context_length)
-            tokenizer = ModelHandle.resolve(gw, c["id"]).tokenizer
+            tokenizer = ModelHandle.resolve(gw, c["id"], request.state.record.key_name).tokenizer
             template = tokenizer.chat_template or ""
             if fim_tokens(tokenizer) is not None:
                 capabilities.append("insert")
