@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import logging
 import pathlib
 import struct
 import threading
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 
-from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound
+from kvserve.errors import InvalidRequest, ModelNotFound
 from kvserve.server.api.ollama_fim import fim_tokens
 from kvserve.server.generation import ModelHandle
 from kvserve.server.protocol import _Strict, read_request
@@ -46,6 +47,7 @@ from kvserve.server.protocol import _Strict, read_request
 if TYPE_CHECKING:
     from kvserve.server.app import ServerState
 
+logger = logging.getLogger("kvserve.server")
 NEVER_EXPIRES = "2318-01-01T00:00:00Z"   # /api/ps: a served model stays loaded (keep_alive is not applied)
 
 _CHUNK = 1 << 20
@@ -185,7 +187,8 @@ def model_facts(source: str | None) -> ModelFacts:
 
     try:
         return file_facts(resolve(source).path)
-    except (KVServeError, OSError, ValueError):
+    except Exception:   # the listing answers without a file it cannot read
+        logger.warning("cannot describe the model file of %r for /api/tags", source, exc_info=True)
         return ModelFacts()
 
 
@@ -195,7 +198,8 @@ def encoder_facts() -> ModelFacts:
 
     try:
         return file_facts(minilm_zip())
-    except (KVServeError, OSError, ValueError, KeyError, zipfile.BadZipFile):
+    except Exception:   # as model_facts
+        logger.warning("cannot describe the sentence encoder's file for /api/tags", exc_info=True)
         return ModelFacts()
 
 
