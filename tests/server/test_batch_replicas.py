@@ -5,31 +5,17 @@ one and finished and read on either. Tiny random models in this process keep it 
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
-import httpx
 import openai
-from client_api_server import NO_CLIENT_WARNINGS, no_client_warnings  # noqa: F401 (an autouse fixture)
+from client_api_server import NO_CLIENT_WARNINGS, loaded, no_client_warnings, tiny_model  # noqa: F401 (autouse)
 from conftest import InProcessServer
 
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stores.keys import KeyStore
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from ggufmaker import make_tiny_llama_gguf
-
 pytestmark = NO_CLIENT_WARNINGS
 LINES = 48
-
-
-def ready(srv: InProcessServer) -> InProcessServer:
-    deadline = time.monotonic() + 120
-    while httpx.get(srv.base_url + "/health").status_code != 200:
-        assert time.monotonic() < deadline, "the tiny model did not load"
-        time.sleep(0.1)
-    return srv
 
 
 def test_two_gateways_share_a_batch(tmp_path, postgres_server):
@@ -37,7 +23,7 @@ def test_two_gateways_share_a_batch(tmp_path, postgres_server):
     store = KeyStore(url)
     key = store.create("batcher")
     store.close()
-    tiny = make_tiny_llama_gguf(tmp_path / "tiny.gguf", ctx=512)
+    tiny = tiny_model(tmp_path / "tiny.gguf")
     answered: dict[int, list[int]] = {0: [], 1: []}
 
     def settings(i: int) -> ServerSettings:
@@ -46,7 +32,7 @@ def test_two_gateways_share_a_batch(tmp_path, postgres_server):
                               semantic_cache=False, batch_concurrency=1)
 
     with InProcessServer(settings(0)) as one, InProcessServer(settings(1)) as two:
-        for i, srv in enumerate((ready(one), ready(two))):
+        for i, srv in enumerate((loaded(one), loaded(two))):
             runner = srv.state.batch_runner
             answer = runner._answer_line
 

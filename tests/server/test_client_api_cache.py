@@ -5,22 +5,15 @@ only. A tiny random model in this process keeps it fast; the official clients se
 
 from __future__ import annotations
 
-import sys
-import time
-from pathlib import Path
-
 import anthropic
 import httpx
 import ollama
 import pytest
-from client_api_server import NO_CLIENT_WARNINGS, no_client_warnings  # noqa: F401 (an autouse fixture)
+from client_api_server import NO_CLIENT_WARNINGS, loaded, no_client_warnings, tiny_model  # noqa: F401 (autouse)
 from conftest import InProcessServer
 
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stores.keys import KeyStore
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from ggufmaker import make_tiny_llama_gguf
 
 pytestmark = NO_CLIENT_WARNINGS
 CACHE = "x-kvserve-cache"
@@ -29,17 +22,13 @@ CACHE = "x-kvserve-cache"
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     root = tmp_path_factory.mktemp("apicache")
-    tiny = make_tiny_llama_gguf(root / "tiny.gguf", ctx=512)
+    tiny = tiny_model(root / "tiny.gguf")
     store = KeyStore(root / "kvserve.db")
     keys = {"a": store.create("tenant-a"), "b": store.create("tenant-b")}
     store.close()
     with InProcessServer(ServerSettings(model=str(tiny), served_model_name="tiny", data_dir=root)) as s:
-        deadline = time.monotonic() + 120
-        while httpx.get(s.base_url + "/health").status_code != 200:
-            assert time.monotonic() < deadline, "the tiny model did not load"
-            time.sleep(0.1)
         s.keys = keys
-        yield s
+        yield loaded(s)
 
 
 def test_messages_hit_for_their_key_and_user_only(srv):

@@ -5,21 +5,13 @@ logprobs on it, and "insert" among the model's capabilities."""
 
 from __future__ import annotations
 
-import sys
-import time
-from pathlib import Path
-
-import httpx
 import ollama
 import pytest
-from client_api_server import NO_CLIENT_WARNINGS, no_client_warnings  # noqa: F401 (an autouse fixture)
+from client_api_server import NO_CLIENT_WARNINGS, loaded, no_client_warnings, tiny_model  # noqa: F401 (autouse)
 from conftest import InProcessServer
 
 from kvserve.server.api.ollama_fim import fim_prompt
 from kvserve.server.settings import ServerSettings
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from ggufmaker import make_tiny_llama_gguf
 
 pytestmark = NO_CLIENT_WARNINGS
 FIM = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
@@ -29,14 +21,10 @@ PREFIX, SUFFIX = "def add(a, b):\n    ", "\n    return total\n"
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     root = tmp_path_factory.mktemp("fim")
-    tiny = make_tiny_llama_gguf(root / "tiny.gguf", ctx=512, extra_specials=FIM)
+    tiny = tiny_model(root / "tiny.gguf", extra_specials=FIM)
     settings = ServerSettings(model=str(tiny), served_model_name="coder", data_dir=root, semantic_cache=False)
     with InProcessServer(settings) as s:
-        deadline = time.monotonic() + 120
-        while httpx.get(s.base_url + "/health").status_code != 200:
-            assert time.monotonic() < deadline, "the tiny model did not load"
-            time.sleep(0.1)
-        yield s
+        yield loaded(s)
 
 
 def test_suffix_fills_in_the_middle(srv):
