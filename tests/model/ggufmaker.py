@@ -45,9 +45,13 @@ def k_quant_blocks(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.
 
 def make_tiny_llama_gguf(path: Path, *, qtype: str = "F32", arch: str = "llama", seed: int = 0,
                          hidden: int = 256, inter: int = 512, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                         ctx: int = 128, tied: bool = False, tensor_type_override: dict | None = None) -> Path:
+                         ctx: int = 128, tied: bool = False, tensor_type_override: dict | None = None,
+                         extra_specials: tuple[str, ...] = ()) -> Path:
+    """`extra_specials`: more control tokens (after SPECIALS, so the bos/eos ids stay 1 and 2)."""
     rng = np.random.default_rng(seed)
     vocab = byte_vocab()
+    vocab[len(SPECIALS):len(SPECIALS)] = list(extra_specials)
+    n_specials = len(SPECIALS) + len(extra_specials)
     n_vocab = len(vocab)
     head_dim = hidden // heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -64,7 +68,7 @@ def make_tiny_llama_gguf(path: Path, *, qtype: str = "F32", arch: str = "llama",
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
     w.add_token_list(vocab)
-    w.add_token_types([3] * len(SPECIALS) + [1] * (n_vocab - len(SPECIALS)))
+    w.add_token_types([3] * n_specials + [1] * (n_vocab - n_specials))
     w.add_token_merges(["Ġ t", "h e", "Ġt he"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)

@@ -4,6 +4,14 @@ shape of: the real model, keys `a`, `usage`, `out` (output moderation blocking W
 
 from __future__ import annotations
 
+import logging
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pydantic
+import pytest
 from typer.testing import CliRunner
 
 from kvserve.server.cli import keys_app
@@ -25,4 +33,51 @@ def start(tmp_path_factory, model_server, name: str, routes: list[str]):
     assert r.exit_code == 0, r.output
     srv = model_server(data_dir, "--max-model-len", "1024")
     srv.keys = keys
+    return srv
+
+
+CLIENT_LOGGERS = ("anthropic", "openai", "ollama", "cohere", "httpx")
+# Each official client's test module: a Python warning in a test is an error (the marker), and so is a
+# warning an official client logs (the fixture): the wire bytes are what the client parses, without complaint.
+# (A client the test drops without closing leaves a ResourceWarning for its socket: that one is the test's.)
+NO_CLIENT_WARNINGS = pytest.mark.filterwarnings("error", "ignore::ResourceWarning")
+
+
+def unknown_fields(obj, path: str = "$") -> list[str]:
+    """Every field of a parsed SDK object (anthropic, openai: pydantic models that keep extras) that
+    its type does not declare: what a client would drop."""
+    out = []
+    if isinstance(obj, pydantic.BaseModel):
+        out += [f"{path}.{k}" for k in (obj.model_extra or {})]
+        for name in type(obj).model_fields:
+            out += unknown_fields(getattr(obj, name), f"{path}.{name}")
+    elif isinstance(obj, list):
+        for i, x in enumerate(obj):
+            out += unknown_fields(x, f"{path}[{i}]")
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_client_warnings(caplog):
+    caplog.set_level(logging.WARNING)
+    yield
+    logged = [f"{r.name}: {r.getMessage()}" for r in caplog.records
+              if r.levelno >= logging.WARNING and r.name.split(".")[0] in CLIENT_LOGGERS]
+    assert not logged, logged
+
+
+def tiny_model(path: Path, **kw) -> Path:
+    """A tiny random GGUF model (tests/model/ggufmaker.py) for the in-process client-API tests."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    from ggufmaker import make_tiny_llama_gguf
+
+    return make_tiny_llama_gguf(path, ctx=512, **kw)
+
+
+def loaded(srv):
+    """An in-process server once its model answers /health."""
+    deadline = time.monotonic() + 120
+    while httpx.get(srv.base_url + "/health").status_code != 200:
+        assert time.monotonic() < deadline, "the tiny model did not load"
+        time.sleep(0.1)
     return srv

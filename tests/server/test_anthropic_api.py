@@ -15,10 +15,17 @@ import httpx
 import pydantic
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
-from client_api_server import ECHO
+from client_api_server import (  # noqa: F401 (no_client_warnings: an autouse fixture)
+    ECHO,
+    NO_CLIENT_WARNINGS,
+    no_client_warnings,
+    unknown_fields,
+)
 
+from kvserve.server.api.anthropic_wire import thinking_signature
 from kvserve.server.stores.keys import KeyStore
 
+pytestmark = NO_CLIENT_WARNINGS
 MODEL = "smollm2-135m-instruct"
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -36,19 +43,6 @@ def server(tmp_path_factory, model_server):
 
 def client(server, key: str = "a") -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.base_url, api_key=server.keys[key], max_retries=0, timeout=300)
-
-
-def unknown_fields(obj, path: str = "$") -> list[str]:
-    """Every field of the parsed SDK object that its type does not declare (what a client would drop)."""
-    out = []
-    if isinstance(obj, pydantic.BaseModel):
-        out += [f"{path}.{k}" for k in (obj.model_extra or {})]
-        for name in type(obj).model_fields:
-            out += unknown_fields(getattr(obj, name), f"{path}.{name}")
-    elif isinstance(obj, list):
-        for i, x in enumerate(obj):
-            out += unknown_fields(x, f"{path}[{i}]")
-    return out
 
 
 def raw_stream(server, body: dict) -> list[tuple[str, dict]]:
@@ -146,12 +140,34 @@ def test_thinking_blocks(server):
                            messages=[{"role": "user", "content": "Is 7 prime?"}]) as s:
         kinds = {getattr(e, "type", None) for e in s}
         final = s.get_final_message()
-    assert final.content[0].type == "thinking" and final.content[0].thinking and "thinking" in kinds
+    block = final.content[0]
+    assert block.type == "thinking" and block.thinking and "thinking" in kinds
+    assert "signature" in kinds and block.signature == thinking_signature(block.thinking)   # from signature_delta
     adaptive = c.messages.create(model=MODEL, max_tokens=24, thinking={"type": "adaptive"},
                                  output_config={"effort": "low"}, messages=[{"role": "user", "content": "Is 7 prime?"}])
     assert adaptive.content[0].type == "thinking"
-    check_stream(raw_stream(server, {"model": MODEL, "max_tokens": 24, "thinking": {"type": "enabled", "budget_tokens": 8},
-                                     "messages": [{"role": "user", "content": "Is 7 prime?"}]}))
+    assert adaptive.content[0].signature == thinking_signature(adaptive.content[0].thinking)
+    events = raw_stream(server, {"model": MODEL, "max_tokens": 24, "thinking": {"type": "enabled", "budget_tokens": 8},
+                                 "messages": [{"role": "user", "content": "Is 7 prime?"}]})
+    check_stream(events)
+    kinds_of = [(k, d.get("delta", {}).get("type"), d.get("index")) for k, d in events if k != "ping"]
+    stop = kinds_of.index(("content_block_stop", None, 0))            # the thinking block is the first
+    assert kinds_of[stop - 1] == ("content_block_delta", "signature_delta", 0)
+    assert [t for _, t, _ in kinds_of].count("signature_delta") == 1
+    # the thinking block passed back as received (as in a tool loop), or with another server's signature
+    for signature in (block.signature, "EqQBCkgIARABGAIiQL..."):
+        again = c.messages.create(model=MODEL, max_tokens=8, thinking={"type": "enabled", "budget_tokens": 4},
+                                  messages=[{"role": "user", "content": "Is 7 prime?"},
+                                            {"role": "assistant", "content": [
+                                                {"type": "thinking", "thinking": block.thinking, "signature": signature},
+                                                {"type": "text", "text": "Yes."}]},
+                                            {"role": "user", "content": "And 9?"}])
+        assert again.content and again.content[0].type == "thinking"
+
+
+def test_thinking_signature_is_a_digest_of_the_text():
+    assert thinking_signature("a") == thinking_signature("a") != thinking_signature("b")
+    assert thinking_signature("a").startswith("kvs1") and len(thinking_signature("x" * 10_000)) < 60
 
 
 def test_structured_output(server):
@@ -229,3 +245,4 @@ def test_output_moderation_cut_is_a_refusal(server):
         final = s.get_final_message()
     assert final.stop_reason == "refusal" and [b.type for b in final.content] == [b.type for b in m.content]
     assert "zanzibar zanzibar zanzibar zanzibar" not in final.content[-1].text
+

@@ -10,11 +10,14 @@ import time
 
 import openai
 import pytest
+from client_api_server import NO_CLIENT_WARNINGS, no_client_warnings, unknown_fields  # noqa: F401 (an autouse fixture)
 from conftest import ModelServer
 
 from kvserve.server.stores.keys import KeyStore
 
 FLAGGED = "how do I murder my boss and hide it"
+
+pytestmark = NO_CLIENT_WARNINGS
 
 
 def line(i: int, url: str, body: dict) -> str:
@@ -86,6 +89,10 @@ def test_chat_batch_end_to_end(server, data_dir):
     assert b.status == "completed", b
     assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (12, 10, 2)
     assert b.in_progress_at and b.finalizing_at and b.completed_at
+    listed = c.batches.list(limit=5).data
+    for obj in (f, b, c.files.retrieve(b.output_file_id), c.files.retrieve(b.error_file_id), *listed,
+                *c.files.list(purpose="batch_output").data):
+        assert unknown_fields(obj) == [], obj                   # every field is one the client models
     out, err = rows(c, b.output_file_id), rows(c, b.error_file_id)
     assert [r["custom_id"] for r in out] == [f"req-{i}" for i in range(10)]
     for r in out:

@@ -1,6 +1,7 @@
 """/v1/files and /v1/batches at the gateway (no model; SQLite, then PostgreSQL), with the `openai` client: per-key ownership
-on every route, the upload cap and quota, line checks, and a batch cancelled while it waits for
-the model (the runner answers nothing it was not asked)."""
+on every route, the key's request bucket on every route (with rerank's and score's), the upload
+cap and quota, line checks, and a batch cancelled while it waits for the model (the runner
+answers nothing it was not asked)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,19 @@ import time
 import httpx
 import openai
 import pytest
+from client_api_server import NO_CLIENT_WARNINGS, no_client_warnings  # noqa: F401 (an autouse fixture)
 from conftest import InProcessServer
 
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stores.keys import KeyStore
+
+# every route of the two APIs, and the encoder's (rerank, score); one key limited to 1 request/minute each
+LIMITED = (("GET", "/v1/files"), ("POST", "/v1/files"), ("GET", "/v1/files/file-x"), ("GET", "/v1/files/file-x/content"),
+           ("DELETE", "/v1/files/file-x"), ("GET", "/v1/batches"), ("POST", "/v1/batches"),
+           ("GET", "/v1/batches/batch_x"), ("POST", "/v1/batches/batch_x/cancel"), ("POST", "/v1/rerank"),
+           ("POST", "/v2/rerank"), ("POST", "/rerank"), ("POST", "/v1/score"))
+
+pytestmark = NO_CLIENT_WARNINGS
 
 
 def jsonl(n: int, url: str = "/v1/chat/completions") -> bytes:
@@ -29,6 +39,7 @@ def server(request, tmp_path_factory):
     url = request.getfixturevalue("postgres_server").new_database() if request.param == "postgres" else None
     store = KeyStore(url or data_dir / "kvserve.db")
     keys = {"a": store.create("tenant-a"), "b": store.create("tenant-b"), "q": store.create("quota")}
+    keys |= {route: store.create(f"limited{i}", rpm=1) for i, route in enumerate(LIMITED)}
     store.close()
     settings = ServerSettings(load_model=False, data_dir=data_dir, file_max_bytes=4000, file_quota_count=3,
                               database_url=url)
@@ -146,3 +157,15 @@ def test_openapi_covers_the_new_routes(server):
     assert "application/octet-stream" in paths["/v1/files/{file_id}/content"]["get"]["responses"]["200"]["content"]
     assert {"query", "documents", "top_n"} <= set(doc["components"]["schemas"]["RerankRequest"]["properties"])
     assert {"text_1", "text_2"} <= set(doc["components"]["schemas"]["ScoreRequest"]["properties"])
+
+
+@pytest.mark.parametrize(("method", "path"), LIMITED)
+def test_rate_limit_per_route(server, method, path):
+    """The key's request bucket applies on every route: the second request of a 1/minute key is a 429
+    in OpenAI's shape with Retry-After, whatever the first one answered."""
+    headers = {"Authorization": f"Bearer {server.keys[(method, path)]}"}
+    first = httpx.request(method, server.base_url + path, headers=headers, timeout=60)
+    assert first.status_code in (200, 400, 404, 422), first.text
+    second = httpx.request(method, server.base_url + path, headers=headers, timeout=60)
+    assert second.status_code == 429 and second.headers["retry-after"], second.text
+    assert second.json()["error"]["type"] == "rate_limit_error"

@@ -5,6 +5,7 @@ and a one-line error for an adapter made for another base."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -95,17 +96,27 @@ def test_bad_adapter_at_startup_is_one_line(tmp_path):
     assert err and "missing" in err[0] and "does not exist" in err[0], proc.stderr[-2000:]
 
 
-def test_an_adapter_loaded_for_one_key_is_that_keys_alone(lora_server):
-    """Issue 49.10: `kvserve_owner` scopes an adapter to one key; --lora adapters stay everyone's."""
+@contextlib.contextmanager
+def adapter_of(lora_server, owner: str):
+    """The adapter `late` loaded for a new key named `owner` (yielded), unloaded after."""
     from kvserve.server.stores.keys import KeyStore
 
     store = KeyStore(lora_server.dir / "kvserve.db")
-    bob = store.create("bob")
+    key = store.create(owner)
     store.close()
     url, admin = lora_server.base_url, {"Authorization": f"Bearer {ADMIN}"}
-    body = {"lora_name": "late", "lora_path": str(lora_server.paths["late"]), "kvserve_owner": "bob"}
+    body = {"lora_name": "late", "lora_path": str(lora_server.paths["late"]), "kvserve_owner": owner}
     assert httpx.post(url + "/v1/load_lora_adapter", json=body, headers=admin, timeout=60).status_code == 200
     try:
+        yield key
+    finally:
+        httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=admin)
+
+
+def test_an_adapter_loaded_for_one_key_is_that_keys_alone(lora_server):
+    """Issue 49.10: `kvserve_owner` scopes an adapter to one key; --lora adapters stay everyone's."""
+    url = lora_server.base_url
+    with adapter_of(lora_server, "bob") as bob:
         def listed(key):
             return {m["id"] for m in httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).json()["data"]}
         assert "late" in listed(bob) and "late" not in listed(USER)
@@ -114,5 +125,27 @@ def test_an_adapter_loaded_for_one_key_is_that_keys_alone(lora_server):
         other = _chat(lora_server, "late")
         assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
         assert httpx.get(url + "/v1/models/late", headers={"Authorization": f"Bearer {USER}"}).status_code == 404
-    finally:
-        httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=admin)
+
+
+def test_client_apis_see_the_adapters_of_their_key(lora_server):
+    """Issue 50: /api/tags and /api/show see the adapters /v1/models shows the same key, no others; a
+    num_ctx cap and Anthropic's count_tokens resolve a key's own adapter, not another's."""
+    url = lora_server.base_url
+    with adapter_of(lora_server, "carol") as carol:
+        for key in (carol, USER):
+            auth = {"Authorization": f"Bearer {key}"}
+            models = [m["id"] for m in httpx.get(url + "/v1/models", headers=auth, timeout=60).json()["data"]]
+            assert [m["model"] for m in httpx.get(url + "/api/tags", headers=auth, timeout=60).json()["models"]] == models
+            shown = httpx.post(url + "/api/show", json={"model": "late"}, headers=auth, timeout=60)
+            assert shown.status_code == (200 if key == carol else 404), shown.text
+        assert shown.json() == {"error": "model 'late' not found"}
+        tags = httpx.get(url + "/api/tags", headers={"Authorization": f"Bearer {carol}"}, timeout=60).json()["models"]
+        late = next(m for m in tags if m["model"] == "late")
+        assert late["details"]["parent_model"] and late["details"]["family"] == "llama" and late["size"] == 0
+        ask = {"model": "late", "messages": [{"role": "user", "content": "Hi"}]}
+        for key, status in ((carol, 200), (USER, 404)):
+            auth = {"Authorization": f"Bearer {key}"}
+            r = httpx.post(url + "/api/chat", headers=auth, timeout=120,
+                           json={**ask, "stream": False, "options": {"num_ctx": 64, "num_predict": 2}})
+            assert r.status_code == status, r.text
+            assert httpx.post(url + "/v1/messages/count_tokens", json=ask, headers=auth, timeout=60).status_code == status

@@ -15,7 +15,7 @@ import httpx
 import ollama
 import pydantic
 import pytest
-from client_api_server import ECHO
+from client_api_server import ECHO, NO_CLIENT_WARNINGS, no_client_warnings  # noqa: F401 (an autouse fixture)
 from ollama._types import (
     ChatResponse,
     EmbedResponse,
@@ -27,6 +27,7 @@ from ollama._types import (
 
 from kvserve.server.stores.keys import KeyStore
 
+pytestmark = NO_CLIENT_WARNINGS
 MODEL = "smollm2-135m-instruct"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -233,6 +234,9 @@ def test_moderation_and_usage(server):
     assert row["requests"] == 2
     assert row["prompt_tokens"] == a.prompt_eval_count + b.prompt_eval_count
     assert row["completion_tokens"] == a.eval_count + b.eval_count
+    e = c.embed(model="all-minilm-l6-v2", input=["a cat", "a dog"])         # the encoder's tokens, charged too
+    [row] = KeyStore(server.data_dir / "kvserve.db").usage("usage")
+    assert row["prompt_tokens"] == a.prompt_eval_count + b.prompt_eval_count + e.prompt_eval_count
 
 
 def test_stream_error_line_is_raised():
@@ -250,3 +254,120 @@ def test_output_moderation_cut(server):
     parts = list(c.chat(model=MODEL, messages=ECHO, stream=True, options={"temperature": 0, "num_predict": 48}))
     assert parts[-1].done_reason == "content_filter"
     assert "zanzibar zanzibar zanzibar zanzibar" not in "".join(p.message.content for p in parts)
+
+
+def test_logprobs_whole_streamed_and_raw(server):
+    c = client(server)
+    ask = [{"role": "user", "content": "Count from one to five."}]
+    opts = {"temperature": 0, "num_predict": 8}
+    whole = c.chat(model=MODEL, messages=ask, options=opts, logprobs=True, top_logprobs=3)
+    assert len(whole.logprobs) == whole.eval_count
+    assert whole.message.content in "".join(lp.token for lp in whole.logprobs)     # each token's own text
+    for lp in whole.logprobs:
+        assert lp.logprob <= 0 and len(lp.top_logprobs) == 3
+        assert lp.top_logprobs[0].logprob >= lp.top_logprobs[-1].logprob
+        assert lp.token in [t.token for t in lp.top_logprobs]        # greedy: the chosen token is among the best
+    parts = list(c.chat(model=MODEL, messages=ask, options=opts, logprobs=True, top_logprobs=3, stream=True))
+    streamed = [lp for p in parts for lp in (p.logprobs or [])]
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in whole.logprobs]
+    body = {"model": MODEL, "messages": ask, "options": opts, "logprobs": True, "top_logprobs": 2}
+    for line in lines(raw(server, "/api/chat", body)):
+        assert unknown_fields(ChatResponse, line) == [], line
+    assert unknown_fields(ChatResponse, raw(server, "/api/chat", {**body, "stream": False}).json()) == []
+    plain = c.generate(model=MODEL, prompt="Say hi.", options=opts, logprobs=True)
+    assert len(plain.logprobs) == plain.eval_count and all(lp.top_logprobs is None for lp in plain.logprobs)
+    assert "top_logprobs" not in raw(server, "/api/generate", {"model": MODEL, "prompt": "Hi", "stream": False,
+                                                               "options": opts, "logprobs": True}).json()["logprobs"][0]
+    text = c.generate(model=MODEL, prompt="The capital of France is", raw=True, options=opts, logprobs=True,
+                      top_logprobs=1)
+    assert len(text.logprobs) == text.eval_count and len(text.logprobs[0].top_logprobs) == 1
+    assert c.generate(model=MODEL, prompt="Hi", options=opts).logprobs is None      # only when asked for
+    with pytest.raises(ollama.ResponseError) as e:
+        c.chat(model=MODEL, messages=ask, logprobs=True, top_logprobs=99)
+    assert e.value.status_code == 400 and "top_logprobs" in e.value.error
+
+
+def test_images_are_a_clear_400(server):
+    c = client(server)
+    png = bytes.fromhex("89504e470d0a1a0a")
+    for call in (lambda: c.chat(model=MODEL, messages=[{"role": "user", "content": "What is this?", "images": [png]}]),
+                 lambda: c.generate(model=MODEL, prompt="What is this?", images=[png])):
+        with pytest.raises(ollama.ResponseError) as e:
+            call()
+        assert e.value.status_code == 400 and "does not support images" in e.value.error and MODEL in e.value.error
+    r = raw(server, "/api/generate", {"model": MODEL, "prompt": "What is this?", "images": ["iVBORw0KGgo="]})
+    assert r.status_code == 400 and set(r.json()) == {"error"}
+    assert c.chat(model=MODEL, messages=[{"role": "user", "content": "Hi", "images": []}],
+                  options={"num_predict": 2}).done       # an empty list is no image
+
+
+def test_suffix_without_fim_tokens_is_a_clear_400(server):
+    c = client(server)
+    with pytest.raises(ollama.ResponseError) as e:
+        c.generate(model=MODEL, prompt="def add(a, b):\n    ", suffix="\n    return c\n")
+    assert e.value.status_code == 400 and "does not support insert" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        c.generate(model=MODEL, prompt="def add(a, b):", suffix="return c", raw=True)
+    assert e.value.status_code == 400 and "raw and suffix" in e.value.error
+    assert "insert" not in c.show(MODEL).capabilities
+
+
+def test_tags_show_ps_describe_the_files(server):
+    import hashlib
+
+    from kvserve.model.bert import minilm_zip
+    from kvserve.model.registry import resolve
+
+    gguf, encoder = resolve(None).path, minilm_zip()
+    c = client(server)
+    models = {m.model: m for m in c.list().models}
+    llm, emb = models[MODEL], models["all-minilm-l6-v2"]
+    assert llm.size == gguf.stat().st_size and llm.digest == hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert (llm.details.format, llm.details.family, llm.details.families) == ("gguf", "llama", ["llama"])
+    assert (llm.details.parameter_size, llm.details.quantization_level) == ("134.52M", "Q4_1")
+    assert llm.modified_at.timestamp() == pytest.approx(gguf.stat().st_mtime, abs=1)
+    assert emb.size == encoder.stat().st_size and emb.digest == hashlib.sha256(encoder.read_bytes()).hexdigest()
+    assert (emb.details.format, emb.details.family, emb.details.parameter_size) == ("safetensors", "bert", "22.71M")
+    shown = c.show(MODEL)
+    assert shown.details == llm.details and shown.modelinfo["llama.context_length"] == 8192
+    assert shown.modelinfo["general.parameter_count"] == 134515008 and shown.modelinfo["general.architecture"] == "llama"
+    assert not any(k.startswith("tokenizer.") for k in shown.modelinfo)      # no vocabulary in a plain show
+    assert c.show("all-minilm-l6-v2").modelinfo["bert.hidden_size"] == 384
+    [running] = c.ps().models
+    assert running.digest == llm.digest and running.details == llm.details
+    assert running.size > llm.size and running.size_vram == 0        # the weights and the KV cache
+
+
+def fim_tokenizer(fim: bool = True):
+    from tokenizers import AddedToken, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from kvserve.tokenizer.tokenizer import Tokenizer
+
+    hf = HFTokenizer(models.WordLevel({"[UNK]": 0, "def": 1, "f": 2, "return": 3, "x": 4}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    if fim:
+        hf.add_special_tokens([AddedToken(t, special=True) for t in ("<|fim_prefix|>", "<|fim_suffix|>",
+                                                                     "<|fim_middle|>")])
+    return Tokenizer(hf, bos_token_id=None, eos_token_ids=[])
+
+
+def test_fim_prompt_frames_prefix_and_suffix():
+    from kvserve.errors import InvalidRequest
+    from kvserve.server.api.ollama import GenerateBody, generate_request
+    from kvserve.server.api.ollama_fim import fim_prompt, fim_tokens
+
+    tok = fim_tokenizer()
+    pre, suf, mid = fim_tokens(tok)
+    assert fim_prompt(tok, "m", "def f", "return x") == [pre, 1, 2, suf, 3, 4, mid]
+    body = GenerateBody(model="m", prompt="def f", suffix="return x", system="ignored", think=True,
+                        options={"num_predict": 5}, logprobs=True)
+    out, num_ctx, is_chat = generate_request(body, fim_prompt(tok, "m", body.prompt, body.suffix))
+    assert not is_chat and num_ctx is None and out["prompt"][0][0] == pre and out["max_tokens"] == 5
+    assert "reasoning_effort" not in out and out["logprobs"] == 0 and "messages" not in out
+    plain = fim_tokenizer(fim=False)
+    assert fim_tokens(plain) is None
+    with pytest.raises(InvalidRequest) as e:
+        fim_prompt(plain, "m", "a", "b")
+    assert e.value.status == 400 and e.value.param == "suffix"
+

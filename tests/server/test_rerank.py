@@ -6,6 +6,7 @@ from __future__ import annotations
 import cohere
 import httpx
 import pytest
+from client_api_server import NO_CLIENT_WARNINGS, no_client_warnings  # noqa: F401 (an autouse fixture)
 from conftest import InProcessServer
 
 from kvserve.server.settings import ServerSettings
@@ -13,6 +14,8 @@ from kvserve.server.stores.keys import KeyStore
 
 DOCS = ["Paris is the capital of France.", "Bananas are rich in potassium.", "The Eiffel Tower is in Paris."]
 ENCODER = "all-minilm-l6-v2"
+
+pytestmark = NO_CLIENT_WARNINGS
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +76,10 @@ def test_charged_to_the_key(server):
     before = _prompt_tokens(server, "reader")
     tokens = post(server, "/v1/score", {"text_1": "capital of France", "text_2": DOCS}).json()["usage"]["total_tokens"]
     assert _prompt_tokens(server, "reader") == before + tokens
+    for path in ("/v1/rerank", "/v2/rerank", "/rerank"):
+        before = _prompt_tokens(server, "reader")
+        tokens = post(server, path, {"query": "capital of France", "documents": DOCS}).json()["usage"]["total_tokens"]
+        assert tokens > 0 and _prompt_tokens(server, "reader") == before + tokens, path
     r = post(server, "/v1/rerank", {"query": "q" * 40, "documents": DOCS}, who="tiny")   # over its 30 tokens/minute
     assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
     assert httpx.post(server.base_url + "/v1/score", json={"text_1": "a", "text_2": "b"}).status_code == 401

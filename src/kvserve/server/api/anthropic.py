@@ -241,4 +241,4 @@ def mount_anthropic(app: FastAPI, gw: ServerState) -> None:
     async def count_tokens(request: Request) -> dict:
         req = await read_request(request, CountTokensRequest, settings)
         chat = validate_body(chat_body(req), ChatCompletionRequest)
-        return {"input_tokens": await count_prompt_tokens(gw, chat)}
+        return {"input_tokens": await count_prompt_tokens(gw, chat, request.state.record.key_name)}

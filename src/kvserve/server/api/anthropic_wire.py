@@ -5,16 +5,25 @@ The stream follows Anthropic's documented sequence:
 
     message_start (the message with empty content, input usage) → ping →
     per content block: content_block_start → content_block_delta ... → content_block_stop
-        (thinking: thinking_delta; text: text_delta; tool_use: input_json_delta) →
+        (thinking: thinking_delta ..., then one signature_delta just before its stop; text:
+        text_delta; tool_use: input_json_delta) →
     message_delta (stop_reason, stop_sequence, cumulative usage) → message_stop
 
 An error after the stream started is an `error` event, and the stream ends there. Usage is
 Anthropic's: `input_tokens` excludes the prompt tokens read from the prefix cache, which are
 `cache_read_input_tokens`.
+
+A thinking block's `signature` (in the `message` and in its `signature_delta`) is an opaque digest
+of its text, so clients that store and pass thinking blocks back (as the SDK and agents do in a tool
+loop) find the field they expect. It is not checked when a block comes back: earlier thinking is
+never shown to the model again (api/anthropic.py), and a conversation moved here from another
+server carries that server's signatures.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -42,6 +51,11 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def thinking_signature(thinking: str) -> str:
+    """The `signature` of a thinking block with this text (see the module's docstring)."""
+    return "kvs1" + base64.b64encode(hashlib.sha256(thinking.encode("utf-8", "surrogatepass")).digest()).decode()
+
+
 def sse(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -56,6 +70,7 @@ class MessageRenderer:
         self.blocks = 0                       # content blocks opened so far
         self.open: tuple[str, int] | None = None   # (kind, tool call index) of the open block
         self.kinds: set[str] = set()          # the kinds of block opened so far
+        self.thinking: list[str] = []         # the open thinking block's text so far (for its signature)
 
     def _stop(self, reason: str | None, stop_reason: Any, calls: list) -> dict[str, Any]:
         if ended_with_calls(calls, reason):
@@ -79,7 +94,8 @@ class MessageRenderer:
         ch = self.gen.prompts[0].choices[0]
         content: list[dict[str, Any]] = []
         if ch.reasoning:
-            content.append({"type": "thinking", "thinking": ch.reasoning, "signature": ""})
+            content.append({"type": "thinking", "thinking": ch.reasoning,
+                            "signature": thinking_signature(ch.reasoning)})
         if ch.content or not ch.calls:
             content.append({"type": "text", "text": ch.content})
         content += [self._tool_use(c, tool_input(c.arguments)) for c in ch.calls]
@@ -105,9 +121,13 @@ class MessageRenderer:
     def _close(self) -> list[str]:
         if self.open is None:
             return []
+        out = []
+        if self.open[0] == "thinking":   # the signature, just before the block's stop
+            out.append(self._delta({"type": "signature_delta", "signature": thinking_signature("".join(self.thinking))}))
+            self.thinking = []
         self.open = None
         self.blocks += 1
-        return [sse("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})]
+        return out + [sse("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})]
 
     def _delta(self, delta: dict[str, Any]) -> str:
         return sse("content_block_delta", {"type": "content_block_delta", "index": self.blocks, "delta": delta})
@@ -119,6 +139,7 @@ class MessageRenderer:
             if self.open is None or self.open[0] != "thinking":
                 out += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
             out.append(self._delta({"type": "thinking_delta", "thinking": d.reasoning}))
+            self.thinking.append(d.reasoning)
         if d.text:
             if self.open is None or self.open[0] != "text":
                 out += self._start("text", {"type": "text", "text": ""})

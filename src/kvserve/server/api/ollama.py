@@ -1,12 +1,17 @@
 """Ollama's API: `/api/chat`, `/api/generate`, `/api/embed`, `/api/tags`, `/api/show`, `/api/ps`,
 `/api/version`.
 
-Generation becomes a chat (or, for `raw` generate, a completions) request on the one generation
-path, with the same gates, stage list and usage ledger as OpenAI's routes; `OllamaRenderer`
-(ollama_wire.py) writes NDJSON lines (`"stream"` defaults to true, as in Ollama) or one object.
+Generation becomes a chat (or, for `raw` and `suffix` generate, a completions) request on the one
+generation path, with the same gates, stage list and usage ledger as OpenAI's routes;
+`OllamaRenderer` (ollama_wire.py) writes NDJSON lines (`"stream"` defaults to true, as in Ollama)
+or one object.
 
     messages (system/user/assistant/tool; assistant tool_calls, tool turns by tool_name) -> chat
-    generate: system + prompt -> a chat of two turns (the model's template); raw -> the prompt as is
+    generate: system + prompt -> a chat of two turns (the model's template); raw -> the prompt as is;
+             suffix -> fill in the middle with the model's FIM tokens (api/ollama_fim.py; a 400 for a
+             model without them)
+    images -> a 400 naming the model: every model served here is text-only
+    logprobs, top_logprobs -> each token's logprob and its alternatives, as Ollama returns them
     options: temperature, top_k, top_p, min_p, seed, num_predict (max_tokens; -1/-2: until the
              window), stop, repeat_penalty, presence/frequency_penalty -> the sampling fields;
              num_ctx caps prompt + answer (the answer's max_tokens is cut to fit; a prompt longer
@@ -17,15 +22,15 @@ path, with the same gates, stage list and usage ledger as OpenAI's routes; `Olla
     keep_alive -> accepted; models stay loaded for the server's life (an empty chat or generate
              answers done_reason "load", or "unload" with keep_alive 0, and changes nothing)
 
-`/api/tags` lists what `/v1/models` lists, from the same cards; `/api/embed` is `/v1/embeddings`
-(api/embeddings.py) in Ollama's shape. Errors are `{"error": "..."}` (api/error_shapes.py).
+`/api/tags`, `/api/show` and `/api/ps` describe the models from their files (api/ollama_models.py);
+`/api/embed` is `/v1/embeddings` (api/embeddings.py) in Ollama's shape. Errors are
+`{"error": "..."}` (api/error_shapes.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
@@ -33,9 +38,11 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 import kvserve
-from kvserve.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
+from kvserve.errors import ContextLengthExceeded, InvalidRequest
 from kvserve.server.api.embeddings import EmbeddingRequest, embed_texts
-from kvserve.server.api.ollama_wire import NEVER_EXPIRES, OllamaRenderer, details, line, model_entry, now
+from kvserve.server.api.ollama_fim import fim_prompt
+from kvserve.server.api.ollama_models import mount_ollama_models, served_name
+from kvserve.server.api.ollama_wire import OllamaRenderer, line, now
 from kvserve.server.api.openai import deliver, start
 from kvserve.server.api.shared import count_prompt_tokens, under_lease
 from kvserve.server.generation import ModelHandle, run_generation
@@ -139,17 +146,6 @@ class EmbedBody(_Strict):
     dimensions: int | None = None
 
 
-class ShowBody(_Strict):
-    model: str | None = None
-    name: str | None = None      # older clients
-    verbose: bool | None = None
-
-
-def served_name(name: str) -> str:
-    """Ollama's default tag is implied: "smollm2:latest" asks for "smollm2"."""
-    return name.removesuffix(":latest")
-
-
 def _options(options: Options | None, out: dict[str, Any]) -> int | None:
     """Sampling fields from `options` into the request body `out`; returns num_ctx (None: unset)."""
     if options is None:
@@ -166,10 +162,10 @@ def _options(options: Options | None, out: dict[str, Any]) -> int | None:
 
 def _common(body: _Generation, out: dict[str, Any]) -> int | None:
     """The fields chat and generate share, into `out`; returns num_ctx."""
-    if body.logprobs:
-        raise InvalidRequest("logprobs are not served on the Ollama API here; use /v1/chat/completions.",
-                             param="logprobs")
     out.update(model=served_name(body.model), stream=body.stream)
+    if body.logprobs:     # chat: logprobs + top_logprobs; completions (raw, suffix): logprobs = the top count
+        out |= {"logprobs": True, "top_logprobs": body.top_logprobs or 0} if "messages" in out else {
+            "logprobs": body.top_logprobs or 0}
     if body.format == "json":
         out["response_format"] = {"type": "json_object"}
     elif isinstance(body.format, dict):
@@ -183,14 +179,19 @@ def _common(body: _Generation, out: dict[str, Any]) -> int | None:
     return _options(body.options, out)
 
 
-def chat_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
+def no_images(model: str, param: str) -> InvalidRequest:
+    return InvalidRequest(f"{model} does not support images: it is a text-only model (this server runs no "
+                          "vision model). Send the message without images.", param=param)
+
+
+def chat_messages(messages: list[OllamaMessage], model: str) -> list[dict[str, Any]]:
     """Ollama's turns as chat completions messages: the assistant's calls get ids, and each tool
     turn answers the first unanswered call of its `tool_name` (else the first unanswered one)."""
     out: list[dict[str, Any]] = []
     open_calls: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if m.images:
-            raise InvalidRequest("Images are not supported by this server's models.", param=f"messages[{i}].images")
+            raise no_images(model, f"messages[{i}].images")
         turn: dict[str, Any] = {"role": m.role, "content": m.content or ""}
         if m.role == "assistant" and m.tool_calls:
             calls = []
@@ -215,7 +216,7 @@ def chat_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
 
 
 def chat_request(body: ChatBody) -> tuple[dict[str, Any], int | None]:
-    chat: dict[str, Any] = {"messages": chat_messages(body.messages)}
+    chat: dict[str, Any] = {"messages": chat_messages(body.messages, body.model)}
     num_ctx = _common(body, chat)
     if body.tools:
         chat["tools"] = []
@@ -229,36 +230,47 @@ def chat_request(body: ChatBody) -> tuple[dict[str, Any], int | None]:
     return chat, num_ctx
 
 
-def generate_request(body: GenerateBody) -> tuple[dict[str, Any], int | None, bool]:
-    """(the body, num_ctx, whether it is a chat request) of a generate with a prompt."""
-    for name in ("suffix", "template"):
-        if getattr(body, name):
-            raise InvalidRequest(f"{name} is not supported; the model's own chat template is used.", param=name)
+def generate_request(body: GenerateBody, fim: list[int] | None = None) -> tuple[dict[str, Any], int | None, bool]:
+    """(the body, num_ctx, whether it is a chat request) of a generate with a prompt (or a suffix:
+    `fim` is then the fill-in-the-middle prompt's token ids, api/ollama_fim.py)."""
+    if body.template:
+        raise InvalidRequest("template is not supported; the model's own chat template is used.", param="template")
     if body.context:
         raise InvalidRequest("context is not supported; continue a conversation with /api/chat.", param="context")
     if body.images:
-        raise InvalidRequest("Images are not supported by this server's models.", param="images")
-    if body.raw:
-        out: dict[str, Any] = {"prompt": (body.system + "\n" if body.system else "") + (body.prompt or "")}
-        num_ctx = _common(body, out)
-        out.pop("reasoning_effort", None)
-        out.setdefault("max_tokens", None)
-        return out, num_ctx, False
-    msgs = ([{"role": "system", "content": body.system}] if body.system else []) + [
-        {"role": "user", "content": body.prompt}]
-    out = {"messages": msgs}
-    return out, _common(body, out), True
+        raise no_images(body.model, "images")
+    if body.suffix:
+        if body.raw:
+            raise InvalidRequest("raw and suffix cannot be combined: a raw prompt is sent as it is, while suffix "
+                                 "frames it with the model's fill-in-the-middle tokens.", param="suffix")
+        if fim is None:
+            raise InvalidRequest("suffix needs the model's fill-in-the-middle tokens.", param="suffix")
+        out: dict[str, Any] = {"prompt": [fim]}      # one prompt of token ids
+    elif body.raw:
+        out = {"prompt": (body.system + "\n" if body.system else "") + (body.prompt or "")}
+    else:
+        msgs = ([{"role": "system", "content": body.system}] if body.system else []) + [
+            {"role": "user", "content": body.prompt}]
+        out = {"messages": msgs}
+        return out, _common(body, out), True
+    num_ctx = _common(body, out)
+    out.pop("reasoning_effort", None)
+    out.setdefault("max_tokens", None)
+    return out, num_ctx, False
 
 
-async def _cap_to_window(gw: ServerState, req: ChatCompletionRequest | CompletionRequest, num_ctx: int | None) -> None:
+async def _cap_to_window(gw: ServerState, req: ChatCompletionRequest | CompletionRequest, num_ctx: int | None,
+                         caller: str | None) -> None:
     """num_ctx as a cap: max_tokens cut so that prompt + answer fits in num_ctx tokens."""
     if num_ctx is None:
         return
-    model = ModelHandle.resolve(gw, req.model)
+    model = ModelHandle.resolve(gw, req.model, caller)
     if num_ctx >= model.max_model_len:
         return
     if isinstance(req, ChatCompletionRequest):
-        n = await count_prompt_tokens(gw, req)
+        n = await count_prompt_tokens(gw, req, caller)
+    elif isinstance(req.prompt, list):       # a fill-in-the-middle prompt: [token ids]
+        n = len(req.prompt[0])
     else:
         n = len(await asyncio.to_thread(model.tokenizer.encode, req.prompt, add_special_tokens=True))
     if n >= num_ctx:
@@ -273,7 +285,7 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
     async def generation(request: Request, body: dict[str, Any], num_ctx: int | None, chat: bool,
                          model: str) -> Response:
         req = validate_body(body, ChatCompletionRequest if chat else CompletionRequest)
-        await _cap_to_window(gw, req, num_ctx)
+        await _cap_to_window(gw, req, num_ctx, request.state.record.key_name)
         gen, lease = await start(gw, request, req, "chat" if chat else "completion")
         render = OllamaRenderer(gen, chat=request.url.path == "/api/chat", model=model)
 
@@ -304,9 +316,13 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
     @app.post("/api/generate")
     async def generate(request: Request) -> Response:
         body = await read_request(request, GenerateBody, settings)
-        if not body.prompt and not body.system:
+        if not body.prompt and not body.system and not body.suffix:
             return load(body, chat=False)
-        gen_body, num_ctx, is_chat = generate_request(body)
+        fim = None
+        if body.suffix and not body.raw:     # tokenized off the event loop, as every prompt
+            tokenizer = ModelHandle.resolve(gw, served_name(body.model), request.state.record.key_name).tokenizer
+            fim = await asyncio.to_thread(fim_prompt, tokenizer, body.model, body.prompt or "", body.suffix)
+        gen_body, num_ctx, is_chat = generate_request(body, fim)
         return await generation(request, gen_body, num_ctx, is_chat, body.model)
 
     @app.post("/api/embed")
@@ -319,43 +335,8 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
         rows = await embedder.run(lambda: [v.tolist() for v in vecs])     # off the event loop, as /v1/embeddings
         return {"model": body.model, "embeddings": rows, "prompt_eval_count": tokens}
 
-    def cards() -> list[dict[str, Any]]:
-        created = int(time.time())
-        return gw.pool.cards(created) + gw.routing.model_cards(created)
-
-    def card(name: str) -> dict[str, Any]:
-        found = next((c for c in cards() if c["id"] == served_name(name)), None)
-        if found is None:
-            raise ModelNotFound(f"model '{name}' not found", param="model")
-        return found
-
-    @app.get("/api/tags")
-    async def tags() -> dict:
-        return {"models": [model_entry(c) for c in cards()]}
-
-    @app.get("/api/ps")
-    async def ps() -> dict:
-        entries = [model_entry(c) | {"expires_at": NEVER_EXPIRES, "size_vram": 0, "context_length": c["max_model_len"]}
-                   for c in gw.pool.cards(int(time.time()))]
-        return {"models": [{k: v for k, v in e.items() if k != "modified_at"} for e in entries]}
-
-    @app.post("/api/show")
-    async def show(request: Request) -> dict:
-        body = await read_request(request, ShowBody, settings)
-        name = body.model or body.name
-        if not name:
-            raise InvalidRequest("model is required.", param="model")
-        c = card(name)
-        capabilities, info = ["completion", "tools", "thinking"], {"general.architecture": details(c)["family"]}
-        template = ""
-        if c.get("kvserve_kind") == "embedding":
-            capabilities, info = ["embedding"], {**info, "embedding_length": c.get("dimensions")}
-        elif c.get("max_model_len"):
-            info["context_length"] = c["max_model_len"]
-            template = ModelHandle.resolve(gw, c["id"]).tokenizer.chat_template or ""
-        return {"modelfile": f"FROM {c['id']}\n", "parameters": "", "template": template, "details": details(c),
-                "model_info": info, "capabilities": capabilities, "modified_at": model_entry(c)["modified_at"]}
-
     @app.get("/api/version")
     async def version() -> dict:
         return {"version": OLLAMA_VERSION, "kvserve": kvserve.__version__}
+
+    mount_ollama_models(app, gw)

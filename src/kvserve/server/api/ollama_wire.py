@@ -1,28 +1,29 @@
 """Ollama's wire format, written here and nowhere else: `/api/chat` and `/api/generate` answers
-(NDJSON lines while streaming, one object otherwise) and the model descriptions of `/api/tags`,
-`/api/show` and `/api/ps`, from a Generation's events and state and from `/v1/models`' cards.
+(NDJSON lines while streaming, one object otherwise), from a Generation's events and state.
 
 A stream is one JSON object per line: a line per piece of text (`message.content` for chat,
 `response` for generate; `thinking` beside it while the model reasons), a line with the
 assistant's `tool_calls` (whole calls: Ollama does not stream arguments), and a last line with
 `done: true`, `done_reason` and the counts and durations (nanoseconds). An error after the stream
-started is a line `{"error": "..."}`, which the ollama client raises.
+started is a line `{"error": "..."}`, which the ollama client raises. With `logprobs`, each line
+carries the `logprobs` of the tokens it adds (a token with no text of its own, held back or cut,
+rides on the next line).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
+from kvserve.outputs import PositionLogprobs
 from kvserve.server.api.anthropic_wire import tool_input
+from kvserve.server.api.openai_wire import Decode, chat_logprobs
 from kvserve.server.generation import ChoiceEvent, Generation
 from kvserve.server.generation.state import ended_with_calls
-
-NEVER_EXPIRES = "2318-01-01T00:00:00Z"   # /api/ps: a served model stays loaded (keep_alive is not applied)
+from kvserve.server.generation.trace import TokenTexts
 
 
 def now() -> str:
@@ -34,19 +35,15 @@ def line(obj: dict[str, Any]) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n"
 
 
-def details(card: dict[str, Any]) -> dict[str, Any]:
-    """`details` of a model card: the family is the card's kind (embedding, router) or "llama"-like
-    "decoder" for a generative model; kvserve does not keep Ollama's size/quantization labels."""
-    family = card.get("kvserve_kind") or "decoder"
-    return {"parent_model": card.get("parent") or "", "format": "gguf" if family == "decoder" else "",
-            "family": family, "families": [family], "parameter_size": "", "quantization_level": ""}
-
-
-def model_entry(card: dict[str, Any]) -> dict[str, Any]:
-    """One model of /api/tags (and, with more, of /api/ps), from its /v1/models card."""
-    name = card["id"]
-    return {"name": name, "model": name, "modified_at": datetime.fromtimestamp(card["created"], UTC).isoformat(),
-            "size": 0, "digest": hashlib.sha256(name.encode()).hexdigest(), "details": details(card)}
+def ollama_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top: int, decode: Decode
+                    ) -> list[dict[str, Any]]:
+    """Ollama's `logprobs`: [{token, logprob, top_logprobs (when asked for)}] per generated token."""
+    out = []
+    for entry in chat_logprobs(token_ids, positions, top, decode)["content"]:
+        del entry["bytes"]
+        alts = [{"token": a["token"], "logprob": a["logprob"]} for a in entry.pop("top_logprobs")]
+        out.append(entry | ({"top_logprobs": alts} if top else {}))
+    return out
 
 
 class OllamaRenderer:
@@ -56,6 +53,9 @@ class OllamaRenderer:
         self.gen = gen
         self.chat = chat
         self.model = model    # the name the client asked for (e.g. with ":latest")
+        self.top = gen.plan.top_logprobs     # None: no logprobs asked for
+        self.decode = TokenTexts(gen.plan.model.tokenizer)
+        self.pending: list[dict[str, Any]] = []   # streamed tokens' logprobs not yet on a line
 
     def _piece(self, text: str, thinking: str = "", calls: list[dict] | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "created_at": now()}
@@ -93,9 +93,19 @@ class OllamaRenderer:
         return [{"function": {"name": c.name, "arguments": tool_input(c.arguments)}}
                 for c in self.gen.prompts[0].choices[0].calls]
 
+    def _with_logprobs(self, piece: dict[str, Any], logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+        return piece | {"logprobs": logprobs} if self.top is not None else piece
+
     def whole(self) -> dict[str, Any]:
         ch = self.gen.prompts[0].choices[0]
-        return self._final(self._piece(ch.content, ch.reasoning, self._calls()))
+        piece = self._piece(ch.content, ch.reasoning, self._calls())
+        if self.top is not None:
+            piece = self._with_logprobs(piece, ollama_logprobs(ch.token_ids, ch.logprobs, self.top, self.decode))
+        return self._final(piece)
+
+    def _take(self) -> list[dict[str, Any]]:
+        out, self.pending = self.pending, []
+        return out
 
     @staticmethod
     def failed(status: int, message: str) -> list[str]:
@@ -105,8 +115,11 @@ class OllamaRenderer:
         async for pi, ci, d in run:
             if pi or ci:
                 continue
+            if self.top is not None and d.logprobs:
+                self.pending += ollama_logprobs(d.token_ids, d.logprobs, self.top, self.decode)
             if d.text or d.reasoning:
-                yield line(self._piece(d.text, d.reasoning))
+                yield line(self._with_logprobs(self._piece(d.text, d.reasoning), self._take()))
             if d.done and d.calls and self.chat:
-                yield line(self._piece("", calls=self._calls()))
-        yield line(self._final(self._piece("")))
+                yield line(self._with_logprobs(self._piece("", calls=self._calls()), self._take()))
+        last = self._piece("")
+        yield line(self._final(self._with_logprobs(last, self._take()) if self.pending else last))

@@ -22,7 +22,8 @@ from kvserve.server.api.anthropic import CountTokensRequest, MessagesRequest
 from kvserve.server.api.batches import BatchRequest
 from kvserve.server.api.embeddings import EmbeddingRequest
 from kvserve.server.api.error_shapes import api_of
-from kvserve.server.api.ollama import ChatBody, EmbedBody, GenerateBody, ShowBody
+from kvserve.server.api.ollama import ChatBody, EmbedBody, GenerateBody
+from kvserve.server.api.ollama_models import ShowBody
 from kvserve.server.api.rerank import RerankRequest, ScoreRequest
 from kvserve.server.protocol import (
     ChatCompletionRequest,

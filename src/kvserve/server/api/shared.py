@@ -47,11 +47,12 @@ async def under_lease(gen: Generation, lease: Lease, events: AsyncIterator[str],
                 yield event
 
 
-async def count_prompt_tokens(gw: ServerState, chat: ChatCompletionRequest) -> int:
+async def count_prompt_tokens(gw: ServerState, chat: ChatCompletionRequest, caller: str | None) -> int:
     """The prompt tokens of `chat` as build_plan would render them (template, tools, the opening of
-    a reasoning block), whatever the window; the model's name is checked (404 / 503)."""
+    a reasoning block), whatever the window; the model's name is checked (404, another key's
+    adapter included; 503)."""
     check_caps(chat, gw.settings)     # messages, tools: what build_plan checks first
-    model = ModelHandle.resolve(gw, chat.model)
+    model = ModelHandle.resolve(gw, chat.model, caller)
     tools = make_plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
     prompt = await asyncio.to_thread(build_chat_prompt, model.tokenizer, chat.messages, max_model_len=sys.maxsize,
                                      max_tokens=None, truncate=None, tools=tools,
