@@ -5,6 +5,7 @@ and a one-line error for an adapter made for another base."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -114,5 +115,67 @@ def test_an_adapter_loaded_for_one_key_is_that_keys_alone(lora_server):
         other = _chat(lora_server, "late")
         assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
         assert httpx.get(url + "/v1/models/late", headers={"Authorization": f"Bearer {USER}"}).status_code == 404
+    finally:
+        httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=admin)
+
+
+PROBES = [   # every route that takes a model name, with a body that is valid otherwise
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}),
+    ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+    ("POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 1, "store": False}),
+    ("POST", "/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}),
+    ("POST", "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("POST", "/api/chat", {"messages": [{"role": "user", "content": "Hi"}], "stream": False,
+                           "options": {"num_predict": 1, "num_ctx": 256}}),
+    ("POST", "/api/generate", {"prompt": "Hi", "stream": False, "options": {"num_predict": 1}}),
+    ("POST", "/api/generate", {}),                                         # Ollama's "load the model"
+    ("POST", "/api/show", {}),
+    ("POST", "/api/embed", {"input": "Hi"}),
+    ("POST", "/tokenize", {"prompt": "Hi"}),
+    ("POST", "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("POST", "/v1/embeddings", {"input": "Hi"}),
+    ("POST", "/v1/rerank", {"query": "Hi", "documents": ["a", "b"]}),
+    ("POST", "/v1/score", {"text_1": "Hi", "text_2": "a"}),
+    ("GET", "/v1/models/{model}", None),
+]
+
+
+def same_but_ids(a: str, b: str) -> bool:
+    """Two error bodies equal once request ids (random per answer) are left out."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in ("id", "request_id")}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+    return strip(json.loads(a)) == strip(json.loads(b))
+
+
+def test_another_keys_adapter_cannot_be_used_or_probed_by_name(lora_server):
+    """Issue 49.10: every route that takes a model name answers another key's adapter exactly as a
+    name that does not exist (status and body, the name aside); its owner tokenizes with it."""
+    from kvserve.server.stores.keys import KeyStore
+
+    store = KeyStore(lora_server.dir / "kvserve.db")
+    carol = store.create("carol")
+    store.close()
+    url, admin = lora_server.base_url, {"Authorization": f"Bearer {ADMIN}"}
+    body = {"lora_name": "late", "lora_path": str(lora_server.paths["late"]), "kvserve_owner": "carol"}
+    assert httpx.post(url + "/v1/load_lora_adapter", json=body, headers=admin, timeout=60).status_code == 200
+
+    def ask(method: str, path: str, body: dict | None, model: str, key: str) -> httpx.Response:
+        field = "name" if path == "/api/show" else "model"
+        return httpx.request(method, url + path.format(model=model), headers={"Authorization": f"Bearer {key}"},
+                             json=None if body is None else {**body, field: model}, timeout=120)
+
+    try:
+        for method, path, probe in PROBES:
+            theirs, missing = ask(method, path, probe, "late", USER), ask(method, path, probe, "gone", USER)
+            assert theirs.status_code == missing.status_code and theirs.status_code >= 400, (path, theirs.text)
+            assert same_but_ids(theirs.text.replace("late", "gone"), missing.text), (path, theirs.text, missing.text)
+        for probe in PROBES:
+            if probe[1] in ("/tokenize", "/detokenize"):
+                mine = ask(*probe, "late", carol)
+                assert mine.status_code == 200, mine.text
+                assert mine.json().get("model", "late") == "late"
     finally:
         httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=admin)
