@@ -8,8 +8,9 @@ probes (a two-token chat, /health), so one noisy sample on a shared machine does
 
 `bystander_check` is the issue's bound for one kind: the bystander unloaded (before and after;
 the slower of the two, as a shared machine drifts both ways within minutes), then while the kind
-is sent back to back from its own process (`python hostile.py KIND URL`: building megabyte bodies
-never takes the probing process's GIL), as a ratio, never as an absolute time.
+is sent back to back (at most 20 a second) from its own process (`python hostile.py KIND URL`:
+building megabyte bodies never takes the probing process's GIL), as a ratio, never as an absolute
+time.
 """
 
 from __future__ import annotations
@@ -244,9 +245,14 @@ class Check:
                 f"{len(self.statuses)} sent: {sorted(set(self.statuses))}")
 
 
+MIN_INTERVAL_S = 0.05   # a loop starts at most 20 requests a second: the cost of each request is
+                        # checked here; a flood at line rate is the rate limiter's (test_hardening.py)
+
+
 class Sender:
-    """`clients` loops sending one kind back to back from a process of their own, until stopped;
-    `stop()` returns each answer's status (or "timeout" / the exception's name)."""
+    """`clients` loops sending one kind back to back (at most one each `MIN_INTERVAL_S`) from a
+    process of their own, until stopped; `stop()` returns each answer's status (or "timeout" / the
+    exception's name)."""
 
     def __init__(self, name: str, base_url: str, headers: dict, clients: int = 1):
         self.proc = subprocess.Popen([sys.executable, __file__, name, base_url, json.dumps(headers), str(clients)],
@@ -278,6 +284,7 @@ def _send_until_stdin_closes(name: str, base_url: str, headers: dict, clients: i
     def loop() -> None:
         with httpx.Client() as c:
             while not stop.is_set():
+                started = time.monotonic()
                 try:
                     status = str(send(c, base_url, headers).status_code)
                 except httpx.TimeoutException:
@@ -286,6 +293,7 @@ def _send_until_stdin_closes(name: str, base_url: str, headers: dict, clients: i
                     status = type(e).__name__
                 with lock:
                     statuses.append(status)
+                stop.wait(MIN_INTERVAL_S - (time.monotonic() - started))
 
     threads = [threading.Thread(target=loop, daemon=True) for _ in range(clients)]
     for t in threads:
