@@ -5,6 +5,7 @@ and a one-line error for an adapter made for another base."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -96,17 +97,27 @@ def test_bad_adapter_at_startup_is_one_line(tmp_path):
     assert err and "missing" in err[0] and "does not exist" in err[0], proc.stderr[-2000:]
 
 
-def test_an_adapter_loaded_for_one_key_is_that_keys_alone(lora_server):
-    """Issue 49.10: `kvserve_owner` scopes an adapter to one key; --lora adapters stay everyone's."""
+@contextlib.contextmanager
+def late_adapter_owned_by(server, owner: str):
+    """A new key `owner` (yielded) and the adapter "late" loaded for it alone, unloaded after."""
     from kvserve.server.stores.keys import KeyStore
 
-    store = KeyStore(lora_server.dir / "kvserve.db")
-    bob = store.create("bob")
+    store = KeyStore(server.dir / "kvserve.db")
+    key = store.create(owner)
     store.close()
-    url, admin = lora_server.base_url, {"Authorization": f"Bearer {ADMIN}"}
-    body = {"lora_name": "late", "lora_path": str(lora_server.paths["late"]), "kvserve_owner": "bob"}
-    assert httpx.post(url + "/v1/load_lora_adapter", json=body, headers=admin, timeout=60).status_code == 200
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    body = {"lora_name": "late", "lora_path": str(server.paths["late"]), "kvserve_owner": owner}
+    assert httpx.post(server.base_url + "/v1/load_lora_adapter", json=body, headers=admin, timeout=60).status_code == 200
     try:
+        yield key
+    finally:
+        httpx.post(server.base_url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=admin)
+
+
+def test_an_adapter_loaded_for_one_key_is_that_keys_alone(lora_server):
+    """Issue 49.10: `kvserve_owner` scopes an adapter to one key; --lora adapters stay everyone's."""
+    url = lora_server.base_url
+    with late_adapter_owned_by(lora_server, "bob") as bob:
         def listed(key):
             return {m["id"] for m in httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).json()["data"]}
         assert "late" in listed(bob) and "late" not in listed(USER)
@@ -115,8 +126,6 @@ def test_an_adapter_loaded_for_one_key_is_that_keys_alone(lora_server):
         other = _chat(lora_server, "late")
         assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
         assert httpx.get(url + "/v1/models/late", headers={"Authorization": f"Bearer {USER}"}).status_code == 404
-    finally:
-        httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=admin)
 
 
 PROBES = [   # every route that takes a model name, with a body that is valid otherwise
@@ -153,21 +162,14 @@ def same_but_ids(a: str, b: str) -> bool:
 def test_another_keys_adapter_cannot_be_used_or_probed_by_name(lora_server):
     """Issue 49.10: every route that takes a model name answers another key's adapter exactly as a
     name that does not exist (status and body, the name aside); its owner tokenizes with it."""
-    from kvserve.server.stores.keys import KeyStore
-
-    store = KeyStore(lora_server.dir / "kvserve.db")
-    carol = store.create("carol")
-    store.close()
-    url, admin = lora_server.base_url, {"Authorization": f"Bearer {ADMIN}"}
-    body = {"lora_name": "late", "lora_path": str(lora_server.paths["late"]), "kvserve_owner": "carol"}
-    assert httpx.post(url + "/v1/load_lora_adapter", json=body, headers=admin, timeout=60).status_code == 200
+    url = lora_server.base_url
 
     def ask(method: str, path: str, body: dict | None, model: str, key: str) -> httpx.Response:
         field = "name" if path == "/api/show" else "model"
         return httpx.request(method, url + path.format(model=model), headers={"Authorization": f"Bearer {key}"},
                              json=None if body is None else {**body, field: model}, timeout=120)
 
-    try:
+    with late_adapter_owned_by(lora_server, "carol") as carol:
         for method, path, probe in PROBES:
             theirs, missing = ask(method, path, probe, "late", USER), ask(method, path, probe, "gone", USER)
             assert theirs.status_code == missing.status_code and theirs.status_code >= 400, (path, theirs.text)
@@ -177,5 +179,3 @@ def test_another_keys_adapter_cannot_be_used_or_probed_by_name(lora_server):
                 mine = ask(*probe, "late", carol)
                 assert mine.status_code == 200, mine.text
                 assert mine.json().get("model", "late") == "late"
-    finally:
-        httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=admin)
