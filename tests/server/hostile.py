@@ -2,16 +2,27 @@
 bystander probe that checks one of them does not stall everyone else.
 
 `HOSTILE` is the soak's mix (test_soak_hostile.py): one entry per kind, `(name, send)` where
-`send(client, base_url, headers)` makes the request and returns nothing; a kind found later is
-one more entry here. `bystander_ms` is what a well-behaved caller sees: the median of several
+`send(client, base_url, headers)` makes the request and returns its response; a kind found later
+is one more entry here (or in `SLOW_KINDS`, checked against a bystander but not soaked). `bystander_ms` is what a well-behaved caller sees: the median of several
 probes (a two-token chat, /health), so one noisy sample on a shared machine does not decide.
+
+`bystander_check` is the issue's bound for one kind: the bystander unloaded (before and after;
+the slower of the two, as a shared machine drifts both ways within minutes), then while the kind
+is sent back to back (at most 20 a second) from its own process (`python hostile.py KIND URL`:
+building megabyte bodies never takes the probing process's GIL), as a ratio, never as an absolute
+time.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -157,6 +168,28 @@ def pii_heavy_input(client: httpx.Client, base_url: str, headers: dict) -> httpx
     return _chat(client, base_url, headers, messages=[{"role": "user", "content": text}], max_tokens=1)
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def long_tool_call(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """A tool-call block held open for 256 tokens, tags and all inside its string (49.8: the
+    parser resumes its scan, not one rescan of the block per token; completes)."""
+    return _chat(client, base_url, headers, tools=[WEATHER_TOOL], max_tokens=256, ignore_eos=True,
+                 messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                 guided_regex='<tool_call>\n\\{"name": "get_weather", "arguments": \\{"city": "[a-z<>/ ]+')
+
+
+def growing_secret_output(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """`sk-sk-sk-...` for 128 tokens without a grammar (a logit_bias on the tokens of "sk" and "-"),
+    redacted (49.2: a bounded hold-back, masked once; completes)."""
+    ids = client.post(base_url + "/tokenize", headers=headers, timeout=600, json={"prompt": "sk-"}).json()["tokens"]
+    return client.post(base_url + "/v1/completions", headers=headers, timeout=600, json={
+        "prompt": "The key is sk-", "max_tokens": 128, "temperature": 0, "ignore_eos": True, "cache": False,
+        "logit_bias": {str(i): 100 for i in ids}, "kvserve_moderation": {"pii_output": "redact"}})
+
+
 Send = Callable[[httpx.Client, str, dict], httpx.Response]
 
 HOSTILE: list[tuple[str, Send]] = [
@@ -175,3 +208,102 @@ HOSTILE: list[tuple[str, Send]] = [
     ("truncate_many_turns", truncate_many_turns),
     ("pii_heavy_input", pii_heavy_input),
 ]
+
+# Kinds the bystander check sends but the soak's mix does not (yet): each takes seconds of decoding,
+# and the short soak must send every kind of its mix within 30 s.
+SLOW_KINDS: list[tuple[str, Send]] = [
+    ("long_tool_call", long_tool_call),
+    ("growing_secret_output", growing_secret_output),
+]
+ALL_KINDS = HOSTILE + SLOW_KINDS
+
+
+# ---- one kind against a bystander ----------------------------------------------------------------
+
+@dataclass
+class Check:
+    """One kind's bystander numbers (medians, ms) and the statuses its requests got."""
+
+    name: str
+    before: tuple[float, float]
+    loaded: tuple[float, float]
+    after: tuple[float, float]
+    statuses: list[str] = field(default_factory=list)
+
+    @property
+    def base(self) -> tuple[float, float]:
+        return max(self.before[0], self.after[0]), max(self.before[1], self.after[1])
+
+    def ok(self) -> bool:
+        """Chat and /health each within 2x of their unloaded median."""
+        return all(within(loaded, base) for loaded, base in zip(self.loaded, self.base, strict=True))
+
+    def __str__(self) -> str:
+        (b0, b1), (l0, l1), (a0, a1) = self.before, self.loaded, self.after
+        return (f"{self.name}: chat {b0:.0f} -> {l0:.0f} -> {a0:.0f} ms ({l0 / self.base[0]:.2f}x), "
+                f"health {b1:.1f} -> {l1:.1f} -> {a1:.1f} ms ({l1 / self.base[1]:.2f}x), "
+                f"{len(self.statuses)} sent: {sorted(set(self.statuses))}")
+
+
+MIN_INTERVAL_S = 0.05   # a loop starts at most 20 requests a second: the cost of each request is
+                        # checked here; a flood at line rate is the rate limiter's (test_hardening.py)
+
+
+class Sender:
+    """`clients` loops sending one kind back to back (at most one each `MIN_INTERVAL_S`) from a
+    process of their own, until stopped; `stop()` returns each answer's status (or "timeout" / the
+    exception's name)."""
+
+    def __init__(self, name: str, base_url: str, headers: dict, clients: int = 1):
+        self.proc = subprocess.Popen([sys.executable, __file__, name, base_url, json.dumps(headers), str(clients)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def stop(self) -> list[str]:
+        out, _ = self.proc.communicate("", timeout=900)   # stdin closed: finish the requests in flight
+        return out.split()
+
+
+def bystander_check(base_url: str, headers: dict, name: str, questions: list[str], *, clients: int = 1,
+                    settle_s: float = 1.0) -> Check:
+    """The bystander before, while `name` is sent back to back (after `settle_s`, so a request is
+    in flight), and after; the caller warms the server up first (probes and the kind once)."""
+    before = bystander_ms(base_url, headers, questions)
+    sender = Sender(name, base_url, headers, clients)
+    try:
+        time.sleep(settle_s)
+        loaded = bystander_ms(base_url, headers, questions)
+    finally:
+        statuses = sender.stop()
+    return Check(name, before, loaded, bystander_ms(base_url, headers, questions), statuses)
+
+
+def _send_until_stdin_closes(name: str, base_url: str, headers: dict, clients: int) -> None:
+    send, stop, lock = dict(ALL_KINDS)[name], threading.Event(), threading.Lock()
+    statuses: list[str] = []
+
+    def loop() -> None:
+        with httpx.Client() as c:
+            while not stop.is_set():
+                started = time.monotonic()
+                try:
+                    status = str(send(c, base_url, headers).status_code)
+                except httpx.TimeoutException:
+                    status = "timeout"
+                except httpx.HTTPError as e:
+                    status = type(e).__name__
+                with lock:
+                    statuses.append(status)
+                stop.wait(MIN_INTERVAL_S - (time.monotonic() - started))
+
+    threads = [threading.Thread(target=loop, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    sys.stdin.read()
+    stop.set()
+    for t in threads:
+        t.join()
+    print(" ".join(statuses))
+
+
+if __name__ == "__main__":
+    _send_until_stdin_closes(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]))

@@ -86,3 +86,29 @@ def test_big_requests_do_not_stall_a_chat_or_health(server):
     base_chat, base_health = max(base_chat, after_chat), max(base_health, after_health)
     assert within(loaded_chat, base_chat), (base_chat, loaded_chat)
     assert within(loaded_health, base_health), (base_health, loaded_health)
+
+
+def test_counting_stops_at_the_first_slice_past_the_cap():
+    """An oversized request costs no more counting than the largest one allowed: the encoder counts
+    slices of about COUNT_SLICE_CHARS characters and the 400 comes at the first slice past the cap."""
+    import asyncio
+
+    from kvserve.errors import InvalidRequest
+    from kvserve.server.gates.encoder_usage import COUNT_SLICE_CHARS, count_within
+
+    class Counter:                       # a token a character; what it was asked to count
+        counted = 0
+
+        async def token_counts(self, texts):
+            self.counted += sum(map(len, texts))
+            assert sum(map(len, texts)) <= max(COUNT_SLICE_CHARS, max(map(len, texts)))
+            return [len(t) for t in texts]
+
+    texts = [long_text(i) for i in range(2048)]               # a million characters
+    enc = Counter()
+    assert asyncio.run(count_within(enc, texts[:40], 65_536, "input")) == sum(map(len, texts[:40]))
+    enc = Counter()
+    with pytest.raises(InvalidRequest) as e:
+        asyncio.run(count_within(enc, texts, 65_536, "input"))
+    assert e.value.param == "input" and "tokens" in e.value.message
+    assert enc.counted <= 65_536 + COUNT_SLICE_CHARS

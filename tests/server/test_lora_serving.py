@@ -6,6 +6,7 @@ and a one-line error for an adapter made for another base."""
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 
@@ -149,3 +150,56 @@ def test_client_apis_see_the_adapters_of_their_key(lora_server):
                            json={**ask, "stream": False, "options": {"num_ctx": 64, "num_predict": 2}})
             assert r.status_code == status, r.text
             assert httpx.post(url + "/v1/messages/count_tokens", json=ask, headers=auth, timeout=60).status_code == status
+
+
+PROBES = [   # every route that takes a model name, with a body that is valid otherwise
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}),
+    ("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+    ("POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 1, "store": False}),
+    ("POST", "/v1/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}),
+    ("POST", "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("POST", "/api/chat", {"messages": [{"role": "user", "content": "Hi"}], "stream": False,
+                           "options": {"num_predict": 1, "num_ctx": 256}}),
+    ("POST", "/api/generate", {"prompt": "Hi", "stream": False, "options": {"num_predict": 1}}),
+    ("POST", "/api/generate", {}),                                         # Ollama's "load the model"
+    ("POST", "/api/show", {}),
+    ("POST", "/api/embed", {"input": "Hi"}),
+    ("POST", "/tokenize", {"prompt": "Hi"}),
+    ("POST", "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("POST", "/v1/embeddings", {"input": "Hi"}),
+    ("POST", "/v1/rerank", {"query": "Hi", "documents": ["a", "b"]}),
+    ("POST", "/v1/score", {"text_1": "Hi", "text_2": "a"}),
+    ("GET", "/v1/models/{model}", None),
+]
+
+
+def same_but_ids(a: str, b: str) -> bool:
+    """Two error bodies equal once request ids (random per answer) are left out."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in ("id", "request_id")}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+    return strip(json.loads(a)) == strip(json.loads(b))
+
+
+def test_another_keys_adapter_cannot_be_used_or_probed_by_name(lora_server):
+    """Issue 49.10: every route that takes a model name answers another key's adapter exactly as a
+    name that does not exist (status and body, the name aside); its owner tokenizes with it."""
+    url = lora_server.base_url
+
+    def ask(method: str, path: str, body: dict | None, model: str, key: str) -> httpx.Response:
+        field = "name" if path == "/api/show" else "model"
+        return httpx.request(method, url + path.format(model=model), headers={"Authorization": f"Bearer {key}"},
+                             json=None if body is None else {**body, field: model}, timeout=120)
+
+    with adapter_of(lora_server, "carol") as carol:
+        for method, path, probe in PROBES:
+            theirs, missing = ask(method, path, probe, "late", USER), ask(method, path, probe, "gone", USER)
+            assert theirs.status_code == missing.status_code and theirs.status_code >= 400, (path, theirs.text)
+            assert same_but_ids(theirs.text.replace("late", "gone"), missing.text), (path, theirs.text, missing.text)
+        for probe in PROBES:
+            if probe[1] in ("/tokenize", "/detokenize"):
+                mine = ask(*probe, "late", carol)
+                assert mine.status_code == 200, mine.text
+                assert mine.json().get("model", "late") == "late"

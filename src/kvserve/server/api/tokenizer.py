@@ -7,6 +7,8 @@
                           `local-completions` with `tokenizer_backend=remote` never loads a local one)
 
 Messages are rendered exactly as a chat request's are (context.template_messages, tools folded in).
+`model` is resolved for the calling key as a generation's is: another key's LoRA adapter is the 404
+of an unknown model (its tokenizer is the base's, but its name is not to be probed).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def mount_tokenizer(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         req = await read_request(request, TokenizeRequest, settings)
-        engine, name = state.require_engine(req.model)
+        engine, name = state.require_engine(req.model, request.state.record.key_name)
         tok = engine.tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequest("Send exactly one of prompt or messages.", param="prompt")
@@ -50,7 +52,7 @@ def mount_tokenizer(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         req = await read_request(request, DetokenizeRequest, settings)
-        engine, _ = state.require_engine(req.model)
+        engine, _ = state.require_engine(req.model, request.state.record.key_name)
         vocab = getattr(engine.tokenizer, "vocab_size", None)
         if any(t < 0 or (vocab is not None and t >= vocab) for t in req.tokens):
             raise InvalidRequest("tokens holds an id outside the vocabulary.", param="tokens")

@@ -1,6 +1,8 @@
 """The sentence encoder's work charged to the caller's key, as a generation is: the encoder's
 tokens counted first (on its thread, before any forward) and capped by `--max-embedding-tokens`
-(400 naming `param`), reserved from the key's token bucket (generation/lease.py's `Reservation`:
+(400 naming `param`; counted in slices of about `COUNT_SLICE_CHARS` characters that stop at the
+first one past the cap, so an oversized request costs no more counting than the largest one
+allowed, and the encoder's thread is free between slices), reserved from the key's token bucket (generation/lease.py's `Reservation`:
 429 when the bucket cannot hold them), and written to the usage ledger once encoded.
 
 Every caller of the encoder on a key's behalf goes through `charged_encode`: /v1/embeddings and
@@ -18,6 +20,27 @@ from kvserve.server.generation.lease import Reservation
 if TYPE_CHECKING:
     from kvserve.server.app import ServerState
     from kvserve.server.records import RequestRecord
+    from kvserve.server.routing.embedder import Embedder
+
+COUNT_SLICE_CHARS = 16_384   # about 4,000 tokens: one slice is a few tens of milliseconds of counting
+
+
+async def count_within(embedder: Embedder, texts: list[str], cap: int, param: str) -> int:
+    """The encoder's tokens of `texts`, counted a slice at a time; a 400 naming `param` as soon as
+    they pass `cap`."""
+    tokens, start = 0, 0
+    while start < len(texts):
+        end, chars = start, 0
+        while end < len(texts) and (end == start or chars + len(texts[end]) <= COUNT_SLICE_CHARS):
+            chars += len(texts[end])
+            end += 1
+        tokens += sum(await embedder.token_counts(texts[start:end]))
+        if tokens > cap:
+            held = "" if end == len(texts) else f" (in its first {end} of {len(texts)} inputs)"
+            raise InvalidRequest(f"{param} holds {tokens} tokens{held}; at most {cap} per request: send fewer "
+                                 "or shorter inputs per request.", param=param)
+        start = end
+    return tokens
 
 
 async def charged_encode(gw: ServerState, record: RequestRecord, texts: list[str], use: str = "api",
@@ -25,10 +48,7 @@ async def charged_encode(gw: ServerState, record: RequestRecord, texts: list[str
     """([n, dim] unit rows, tokens) of `texts` from the server's encoder, charged to the record's key."""
     embedder, cap = gw.routing.embedder, gw.settings.max_embedding_tokens
     try:
-        tokens = sum(await embedder.token_counts(texts))
-        if tokens > cap:
-            raise InvalidRequest(f"{param} holds {tokens} tokens; at most {cap} per request: send fewer or "
-                                 "shorter inputs per request.", param=param)
+        tokens = await count_within(embedder, texts, cap, param)
         reservation = Reservation.take(gw, record, tokens, param=param)
         try:
             vecs, tokens = await embedder.encode(texts, use)

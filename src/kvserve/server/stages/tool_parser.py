@@ -38,6 +38,32 @@ class ParsedCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+class _JsonStrings:
+    """Whether each character of a JSON text is inside a string, one character at a time, so a
+    scan can stop at the end of what it has and resume when more comes (the quote and backslash
+    state is all it carries)."""
+
+    __slots__ = ("esc", "in_str")
+
+    def __init__(self) -> None:
+        self.in_str = self.esc = False
+
+    def outside(self, ch: str) -> bool:
+        """Take the next character; True when it is outside every string (quotes are neither)."""
+        if self.in_str:
+            if self.esc:
+                self.esc = False
+            elif ch == "\\":
+                self.esc = True
+            elif ch == '"':
+                self.in_str = False
+            return False
+        if ch == '"':
+            self.in_str = True
+            return False
+        return True
+
+
 class _EndScanner:
     """Where an open call block's body ends: at `</tool_call>` (or a new `<tool_call>`) outside
     JSON strings, or anywhere in a body that is not JSON. Incremental: the body only grows between
@@ -48,7 +74,7 @@ class _EndScanner:
     def __init__(self) -> None:
         self.pos = 0
         self.json: bool | None = None    # the body starts with "{" (None: only whitespace so far)
-        self.in_str = self.esc = False
+        self.strings = _JsonStrings()
         self.examined = 0
 
     def find(self, body: str) -> tuple[int, str] | None:
@@ -69,19 +95,9 @@ class _EndScanner:
                 return min(hits)
             self.pos = max(k, n - len(CLOSE) + 1)     # a tag may be cut by the end of the body
             return None
-        in_str, esc = self.in_str, self.esc
+        outside = self.strings.outside
         while k < n:
-            ch = body[k]
-            if in_str:
-                if esc:
-                    esc = False
-                elif ch == "\\":
-                    esc = True
-                elif ch == '"':
-                    in_str = False
-            elif ch == '"':
-                in_str = True
-            elif ch == "<":
+            if outside(body[k]) and body[k] == "<":     # "<" outside a string leaves the state as it was
                 if body.startswith(CLOSE, k):
                     return k, CLOSE
                 if body.startswith(OPEN, k):
@@ -90,25 +106,16 @@ class _EndScanner:
                     break                                # undecided until more text comes
             k += 1
         self.examined += k - self.pos
-        self.pos, self.in_str, self.esc = k, in_str, esc
+        self.pos = k
         return None
 
 
 def _outside_strings(text: str):
     """(index, char) of every character of `text` that is not inside a JSON string (quotes included
     in neither)."""
-    in_str = esc = False
+    strings = _JsonStrings()
     for k, ch in enumerate(text):
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        else:
+        if strings.outside(ch):
             yield k, ch
 
 
