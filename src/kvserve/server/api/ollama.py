@@ -14,8 +14,9 @@ path, with the same gates, stage list and usage ledger as OpenAI's routes; `Olla
              an unknown option is a 400
     format "json" -> response_format json_object; a JSON schema -> json_schema
     tools (OpenAI's function shape) -> tools; think true/"low"/"medium"/"high" -> reasoning_effort
-    keep_alive -> accepted; models stay loaded for the server's life (an empty chat or generate
-             answers done_reason "load", or "unload" with keep_alive 0, and changes nothing)
+    keep_alive -> how long a model on demand (--models-dir) stays loaded after the request
+             (routing/residency.py); an empty chat or generate loads it (done_reason "load"), or
+             with keep_alive 0 unloads it ("unload"); a pinned model stays loaded
 
 `/api/tags` lists what `/v1/models` lists, from the same cards; `/api/embed` is `/v1/embeddings`
 (api/embeddings.py) in Ollama's shape. Errors are `{"error": "..."}` (api/error_shapes.py).
@@ -285,9 +286,9 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
 
         return await deliver(gw, request, gen, lease, lines, whole, media_type="application/x-ndjson")
 
-    def load(body: ChatBody | GenerateBody, chat: bool) -> Response:
+    async def load(body: ChatBody | GenerateBody, chat: bool) -> Response:
         """Ollama's way to load (keep_alive 0: unload) a model: a request with nothing to answer."""
-        ModelHandle.resolve(gw, served_name(body.model))
+        await gw.pool.preload(served_name(body.model), body.keep_alive)
         out: dict[str, Any] = {"model": body.model, "created_at": now()}
         out |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
         out |= {"done": True, "done_reason": "unload" if body.keep_alive in (0, "0", "0s") else "load"}
@@ -297,7 +298,8 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
     async def chat(request: Request) -> Response:
         body = await read_request(request, ChatBody, settings)
         if not body.messages:
-            return load(body, chat=True)
+            return await load(body, chat=True)
+        gw.pool.set_keep_alive(body.keep_alive)
         chat_body, num_ctx = chat_request(body)
         return await generation(request, chat_body, num_ctx, True, body.model)
 
@@ -305,7 +307,8 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
     async def generate(request: Request) -> Response:
         body = await read_request(request, GenerateBody, settings)
         if not body.prompt and not body.system:
-            return load(body, chat=False)
+            return await load(body, chat=False)
+        gw.pool.set_keep_alive(body.keep_alive)
         gen_body, num_ctx, is_chat = generate_request(body)
         return await generation(request, gen_body, num_ctx, is_chat, body.model)
 
@@ -321,7 +324,7 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
 
     def cards() -> list[dict[str, Any]]:
         created = int(time.time())
-        return gw.pool.cards(created) + gw.routing.model_cards(created)
+        return gw.pool.cards(created, unloaded=True) + gw.routing.model_cards(created)
 
     def card(name: str) -> dict[str, Any]:
         found = next((c for c in cards() if c["id"] == served_name(name)), None)
