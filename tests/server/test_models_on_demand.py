@@ -182,3 +182,27 @@ def test_a_request_waits_for_the_load_then_gets_503(tmp_path):
         assert _chat(srv.base_url, "").json()["model"] == "solo"     # the first model is the default
     finally:
         srv.stop()
+
+
+def test_engine_process_models_load_and_unload(tmp_path):
+    """With --engine-process each model on demand is an engine process: started at first use,
+    stopped when unloaded, started again by the next request."""
+    from kvserve.model.registry import resolve
+
+    d = tmp_path / "models"
+    d.mkdir()
+    (d / "solo.gguf").symlink_to(resolve(None).path)
+    srv = ModelServer(tmp_path, "--models-dir", str(d), "--kv-cache-memory", KV, "--keep-alive", "1h",
+                      engine="process")
+    try:
+        srv.start()
+        base = srv.base_url
+        assert _chat(base, "solo").status_code == 200
+        assert _states(base)["solo"] == "loaded"
+        r = httpx.post(base + "/api/chat", json={"model": "solo", "messages": [], "keep_alive": 0}, timeout=60)
+        assert r.json()["done_reason"] == "unload"
+        assert _states(base)["solo"] == "unloaded"
+        assert _chat(base, "solo").status_code == 200
+        assert _metric(base, "kvserve:model_loads_total", model_name="solo") == 2
+    finally:
+        srv.stop()
