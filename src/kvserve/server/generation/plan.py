@@ -88,7 +88,7 @@ class GenerationPlan:
     route: dict | None = None            # the router's decision, when it chose the model
     cache_key: CachePlan | None = None   # the semantic cache's key: the answer is stored under it
     cached: Hit | None = None            # a semantic-cache hit: the answer, with no engine request
-    hold: Any = None                     # the model's hold when it is on demand (released by the lease)
+    holds: list[Any] = field(default_factory=list)   # on-demand models' holds (routing/residency.py), until the lease ends
     candidate: Hit | None = None         # a semantic-cache hit the engine verifies (its draft), run as a miss
     headers: dict[str, str] = field(default_factory=dict)   # x-kvserve-* response headers
     id: str = ""
@@ -112,13 +112,16 @@ class GenerationPlan:
 async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest,
                      kind: Kind) -> GenerationPlan:
     """The plan for one validated request, every gate passed in order (see the module's docstring)."""
-    hold = await gw.pool.acquire(req.model)
+    holds = [await gw.pool.acquire(req.model)]
     try:
         plan = await _build_plan(gw, record, req, kind)
+        if plan.route is not None:        # "auto": the model the router chose (resident: no wait)
+            holds.append(await gw.pool.acquire(plan.model.name))
     except BaseException:
-        hold.release()
+        for hold in holds:
+            hold.release()
         raise
-    plan.hold = hold
+    plan.holds = holds
     return plan
 
 

@@ -24,6 +24,7 @@ import json
 import logging
 import pathlib
 import threading
+import time
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from kvserve.server.routing.residency import (
     Hold,
     ModelStatus,
     Residency,
+    memory_budget,
     model_bytes,
     parse_keep_alive,
     scan_models_dir,
@@ -100,8 +102,6 @@ def model_options(values: list[str], config: str | pathlib.Path | None, models_d
     the router and semantic-cache config, and the ServerSettings fields of the models on demand
     (`--models-dir`, `--models-memory`, `--keep-alive`, or the config's top-level keys of those names
     in snake case, the options winning; and the config's `model_load_timeout`, seconds)."""
-    from kvserve.server.routing.residency import memory_budget, parse_keep_alive
-
     specs = [ModelSpec.parse(v) for v in values]
     router, cache, data = None, {}, {}
     if config is not None:
@@ -241,6 +241,8 @@ class ModelPool:
         if requested and not self.lora_visible(requested, caller) and requested not in self.names():
             raise self._not_found(requested)
         e = self.entry(requested)
+        if e.spec.on_demand:
+            e.last_used = time.monotonic()          # looked up: not the least recently used
         if e.engine is None and e.spec.on_demand:     # a synchronous lookup: start the load, retry later
             if self.loop is not None:
                 self.loop.call_soon_threadsafe(self.residency.start_load, e)
