@@ -206,3 +206,36 @@ def test_engine_process_models_load_and_unload(tmp_path):
         assert _metric(base, "kvserve:model_loads_total", model_name="solo") == 2
     finally:
         srv.stop()
+
+
+def test_a_model_answering_is_never_evicted(tmp_path):
+    """Budget for one model: a request for the second while the first streams waits for that
+    stream's end, then loads in its place; the stream is whole."""
+    from kvserve.model.registry import resolve
+    from kvserve.server.routing.residency import model_bytes
+
+    d = tmp_path / "models"
+    d.mkdir()
+    for name in ("one", "two"):
+        (d / f"{name}.gguf").symlink_to(resolve(None).path)
+    size = model_bytes(str(d / "one.gguf"), {"kv_cache_memory": KV})
+    srv = ModelServer(tmp_path, "--models-dir", str(d), "--kv-cache-memory", KV, "--models-memory", str(size * 3 // 2),
+                      "--keep-alive", "-1")
+    try:
+        srv.start()
+        base = srv.base_url
+        body = CHAT | {"model": "one", "max_tokens": 48, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=300) as c, c.stream("POST", base + "/v1/chat/completions", json=body) as stream, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))     # "one" is answering
+            second = pool.submit(_chat, base, "two")     # waits: evicting "one" would cut this stream
+            rest = [line for line in lines if line.startswith("data: ")]
+            assert second.result().status_code == 200, second.result().text
+        chunks = [json.loads(x[6:]) for x in [first, *rest] if x != "data: [DONE]"]
+        assert "error" not in chunks[-1] and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(bool(c["choices"][0]["delta"].get("content")) for c in chunks) > 1
+        assert _states(base) == {"one": "unloaded", "two": "loaded"}
+        assert _metric(base, "kvserve:model_unloads_total", model_name="one", reason="evicted") == 1
+    finally:
+        srv.stop()
