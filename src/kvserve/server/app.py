@@ -66,6 +66,7 @@ class ServerState:
         self.metrics = ServerMetrics(self.engine_stats, lambda: self.model_name or "", self.all_engine_stats)
         self.metrics.gateway_waiting.set_function(lambda: self.admission.num_waiting)
         self.metrics.registry.register(CountersCollector(self.backends.counters))
+        self.pool.residency.bind_metrics(self.metrics.registry)   # on-demand loads and unloads
         self.moderation = ModerationService(settings.moderation_config(), settings.db_path, self.metrics.registry,
                                             policies=self.backends.policies)
         if settings.load_model:    # before the model and the encoder load in threads of their own
@@ -84,7 +85,7 @@ class ServerState:
 
     @property
     def load_error(self) -> str | None:
-        return next((e.load_error for e in self.pool.entries if e.load_error), None)
+        return next((e.load_error for e in self.pool.pinned() if e.load_error), None)
 
     @property
     def engine_restarts(self) -> int:
@@ -154,7 +155,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         state.loop = asyncio.get_running_loop()
         state.pool.loop = state.loop
         await state.pool.start()
-        if settings.load_model and len(state.pool.loaded()) < len(state.pool.entries):
+        if settings.load_model and any(e.engine is None for e in state.pool.pinned()):
             threading.Thread(target=state.load, name="kvserve-model-load", daemon=True).start()
         watchdog = asyncio.create_task(state.pool.watch()) if settings.load_model else None
         state.batch_runner = BatchRunner(state, state.backends.batches, state.backends.files,
@@ -201,12 +202,12 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     async def health() -> Response:
         """Open without a key, so it says only ok / loading / error and which engine client runs;
         the reason for an error is in the server's log."""
-        if any(e.engine is None for e in state.pool.entries):
+        if any(e.engine is None for e in state.pool.pinned()):   # models on demand load at first use
             body = {"status": "error"} if state.load_error else {"status": "loading"}
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         kind = getattr(state.engine, "kind", None)   # which engine client: "inproc" or "process"
         try:
-            for e in state.pool.entries:
+            for e in state.pool.loaded():
                 if hasattr(e.engine, "health"):
                     e.engine.health()   # raises when the engine (process) is gone
         except KVServeError:

@@ -81,6 +81,14 @@ def serve(
                                                     "\"semantic_cache\": {...}} (docs/models.md)."),
     router_opt: str = typer.Option(None, "--router", help="Serve a router under this name (e.g. auto): it sends each "
                                "request to the cheapest model predicted good enough (docs/models.md)."),
+    models_dir: str = typer.Option(None, "--models-dir", help="Serve each model in this directory (.gguf files, "
+                                   "Hugging Face directories) on demand: loaded by the first request naming it, "
+                                   "unloaded after --keep-alive idle (docs/api.md)."),
+    models_memory: str = typer.Option(None, "--models-memory", help="Memory the resident models may take: bytes, "
+                                      "a size such as 8GiB or a fraction of RAM (default 0.75 of the available); "
+                                      "past it the least recently used idle model on demand is unloaded."),
+    keep_alive: str = typer.Option(None, "--keep-alive", help="How long a model on demand stays loaded after its "
+                                   "last request: 5m (default), seconds, 1h; 0: unload at once; negative: forever."),
     semantic_cache: str = typer.Option("on", "--semantic-cache", help="on or off: answer repeated and "
                                        "paraphrased requests from the semantic cache (docs/models.md)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
@@ -239,15 +247,18 @@ def serve(
         engine_kwargs["kv_cache_memory"] = (int(kv_cache_memory) if kv_cache_memory.isdigit() else
                                             float(kv_cache_memory) if kv_cache_memory.replace(".", "", 1).isdigit()
                                             else kv_cache_memory)
+    from kvserve.server.routing.pool import model_options
+
     with _user_errors(2):
-        models, router, cache_options = _model_specs(model or [], models_config)
+        models, router, cache_options, on_demand = model_options(model or [], models_config, models_dir,
+                                                                 models_memory, keep_alive)
         router_name = router_opt
     if semantic_cache not in ("on", "off"):
         typer.echo("error: --semantic-cache must be on or off", err=True)
         raise typer.Exit(2)
     if router_name:
         router = {**(router or {}), "name": router_name}
-    single = models[0] if len(models) == 1 and not models_config else None
+    single = models[0] if len(models) == 1 and not models_config and not on_demand["models_dir"] else None
     from kvserve.server.stores.quota import quota_options
 
     with _user_errors(2):
@@ -266,7 +277,7 @@ def serve(
         prefix_cache_scope=prefix_cache_scope, shared_prompts=shared, max_body_bytes=max_body_bytes,
         conversation_quota_bytes=conversation_quota_bytes, batch_concurrency=batch_concurrency, header_timeout_s=header_timeout,
         body_timeout_s=body_timeout, arena_contestants=arena_contestants, database_url=database_url,
-        redis_url=redis_url, moderation=moderation, moderation_options=moderation_options)
+        redis_url=redis_url, moderation=moderation, moderation_options=moderation_options, **on_demand)
     with _user_errors(2):
         sock = serving.bind(host, port)
     try:
@@ -281,20 +292,6 @@ def serve(
     if code:
         typer.echo(f"error: the model could not be loaded: {app.state.server.load_error}", err=True)
         raise typer.Exit(code)
-
-
-def _model_specs(values: list[str], config: pathlib.Path | None) -> tuple[list, dict | None, dict]:
-    """The ModelSpecs of `--model` (repeatable) and `--models-config`, the router and cache config."""
-    from kvserve.server.routing.pool import ModelSpec, read_config
-
-    specs = [ModelSpec.parse(v) for v in values]
-    router, cache = None, {}
-    if config is not None:
-        data = read_config(config)
-        specs += [ModelSpec.from_dict(d) for d in data.get("models", [])]
-        router = data.get("router")
-        cache = data.get("semantic_cache") or {}
-    return specs or [ModelSpec(name=None, path=None)], router, cache
 
 
 keys_app = typer.Typer(help="Create, list and revoke API keys; show usage.", no_args_is_help=True)

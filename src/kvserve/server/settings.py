@@ -26,6 +26,15 @@ class ServerSettings:
     # (server/routing/model_router.py), or None.
     models: list = field(default_factory=list)
     router: dict | None = None
+    # Models on demand (server/routing/residency.py): every model in `models_dir` (GGUF files, HF
+    # directories) is loaded by the first request that names it and unloaded after `keep_alive_s`
+    # idle (negative: never), the least recently used first when the resident models would exceed
+    # `models_memory` (bytes, a size such as "8GiB", a fraction of RAM; None: 3/4 of the RAM
+    # available at start). A request waits for its model's load up to `model_load_timeout_s`.
+    models_dir: str | None = None
+    models_memory: int | float | str | None = None
+    keep_alive_s: float = 300.0
+    model_load_timeout_s: float = 120.0
     # The semantic cache (server/routing/semantic_cache.py): on by default; its options
     # (threshold, ttl_s, ...).
     semantic_cache: bool = True

@@ -19,8 +19,9 @@ or one object.
              an unknown option is a 400
     format "json" -> response_format json_object; a JSON schema -> json_schema
     tools (OpenAI's function shape) -> tools; think true/"low"/"medium"/"high" -> reasoning_effort
-    keep_alive -> accepted; models stay loaded for the server's life (an empty chat or generate
-             answers done_reason "load", or "unload" with keep_alive 0, and changes nothing)
+    keep_alive -> how long a model on demand (--models-dir) stays loaded after the request
+             (routing/residency.py); an empty chat or generate loads it (done_reason "load"), or
+             with keep_alive 0 unloads it ("unload"); a pinned model stays loaded
 
 `/api/tags`, `/api/show` and `/api/ps` describe the models from their files (api/ollama_models.py);
 `/api/embed` is `/v1/embeddings` (api/embeddings.py) in Ollama's shape. Errors are
@@ -297,9 +298,9 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
 
         return await deliver(gw, request, gen, lease, lines, whole, media_type="application/x-ndjson")
 
-    def load(body: ChatBody | GenerateBody, chat: bool) -> Response:
+    async def load(body: ChatBody | GenerateBody, chat: bool) -> Response:
         """Ollama's way to load (keep_alive 0: unload) a model: a request with nothing to answer."""
-        ModelHandle.resolve(gw, served_name(body.model))
+        await gw.pool.preload(served_name(body.model), body.keep_alive)
         out: dict[str, Any] = {"model": body.model, "created_at": now()}
         out |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
         out |= {"done": True, "done_reason": "unload" if body.keep_alive in (0, "0", "0s") else "load"}
@@ -309,21 +310,31 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
     async def chat(request: Request) -> Response:
         body = await read_request(request, ChatBody, settings)
         if not body.messages:
-            return load(body, chat=True)
+            return await load(body, chat=True)
+        gw.pool.set_keep_alive(body.keep_alive)
         chat_body, num_ctx = chat_request(body)
-        return await generation(request, chat_body, num_ctx, True, body.model)
+        hold = await gw.pool.acquire(served_name(body.model))   # on demand: loaded before num_ctx reads it
+        try:
+            return await generation(request, chat_body, num_ctx, True, body.model)
+        finally:
+            hold.release()                                       # the request's lease holds it from here
 
     @app.post("/api/generate")
     async def generate(request: Request) -> Response:
         body = await read_request(request, GenerateBody, settings)
         if not body.prompt and not body.system and not body.suffix:
-            return load(body, chat=False)
-        fim = None
-        if body.suffix and not body.raw:     # tokenized off the event loop, as every prompt
-            tokenizer = ModelHandle.resolve(gw, served_name(body.model), request.state.record.key_name).tokenizer
-            fim = await asyncio.to_thread(fim_prompt, tokenizer, body.model, body.prompt or "", body.suffix)
-        gen_body, num_ctx, is_chat = generate_request(body, fim)
-        return await generation(request, gen_body, num_ctx, is_chat, body.model)
+            return await load(body, chat=False)
+        gw.pool.set_keep_alive(body.keep_alive)
+        hold = await gw.pool.acquire(served_name(body.model))   # on demand: loaded before suffix or num_ctx read it
+        try:
+            fim = None
+            if body.suffix and not body.raw:     # tokenized off the event loop, as every prompt
+                tokenizer = ModelHandle.resolve(gw, served_name(body.model), request.state.record.key_name).tokenizer
+                fim = await asyncio.to_thread(fim_prompt, tokenizer, body.model, body.prompt or "", body.suffix)
+            gen_body, num_ctx, is_chat = generate_request(body, fim)
+            return await generation(request, gen_body, num_ctx, is_chat, body.model)
+        finally:
+            hold.release()                                       # the request's lease holds it from here
 
     @app.post("/api/embed")
     async def embed(request: Request) -> dict:

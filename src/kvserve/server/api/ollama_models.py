@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from kvserve.server.app import ServerState
 
 logger = logging.getLogger("kvserve.server")
-NEVER_EXPIRES = "2318-01-01T00:00:00Z"   # /api/ps: a served model stays loaded (keep_alive is not applied)
+NEVER_EXPIRES = "2318-01-01T00:00:00Z"   # /api/ps: a pinned (--model) model, or keep_alive < 0, stays loaded
 
 _CHUNK = 1 << 20
 _LIST_MAX = 16      # longer metadata lists (the vocabulary) stay out of model_info, as Ollama's non-verbose show
@@ -241,9 +241,10 @@ def mount_ollama_models(app: FastAPI, gw: ServerState) -> None:
                          daemon=True).start()
 
     def cards(request: Request) -> list[dict[str, Any]]:
-        """/v1/models' cards: another key's LoRA adapter is not listed (api/models.py)."""
+        """/v1/models' cards: another key's LoRA adapter is not listed (api/models.py); models on
+        demand (--models-dir) are, loaded or not."""
         created = int(datetime.now(UTC).timestamp())
-        return gw.pool.cards(created, request.state.record.key_name) + gw.routing.model_cards(created)
+        return gw.pool.cards(created, request.state.record.key_name, unloaded=True) + gw.routing.model_cards(created)
 
     def card(request: Request, name: str) -> dict[str, Any]:
         found = next((c for c in cards(request) if c["id"] == served_name(name)), None)
@@ -273,6 +274,7 @@ def mount_ollama_models(app: FastAPI, gw: ServerState) -> None:
     @app.get("/api/ps")
     async def ps() -> dict:
         cs = [c for c in gw.pool.cards(int(datetime.now(UTC).timestamp())) if not c.get("parent")]
+        expires = {st.name: st.expires_at for st in gw.pool.statuses(loaded_only=True)}   # on demand: keep_alive
         out = []
         for c, f in zip(cs, await facts(cs)):
             engine = next((e.engine for e in gw.pool.loaded() if e.name == c["id"]), None)
@@ -280,7 +282,10 @@ def mount_ollama_models(app: FastAPI, gw: ServerState) -> None:
             kv = int(st.get("kv_cache_bytes_per_token", 0) or 0) * int(st.get("kv_cache_capacity_tokens", 0) or 0)
             entry = model_entry(c, f)
             del entry["modified_at"]
-            out.append(entry | {"size": f.size + kv, "expires_at": NEVER_EXPIRES, "size_vram": 0,
+            until = expires.get(c["id"])
+            out.append(entry | {"size": f.size + kv, "size_vram": 0,
+                                "expires_at": NEVER_EXPIRES if until is None else datetime.fromtimestamp(
+                                    until, UTC).isoformat().replace("+00:00", "Z"),
                                 "context_length": c["max_model_len"]})
         return {"models": out}
 

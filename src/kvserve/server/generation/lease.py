@@ -138,6 +138,8 @@ class Lease:
             await self._stop_engine_work()
             if self.ticket is not None:
                 self.ticket.release()
+            for hold in self.gen.plan.holds:    # a model on demand may expire from now on
+                hold.release()
             await self._account(status)
         if self.gen.plan.cached is None:
             self.record.generation = self.gen.log(status, error)

@@ -1,6 +1,7 @@
 """The generation plan: what one request will run, built once from any API's body, gates included.
 
-    parse (the API's module) → `build_plan`: caps (400) → input moderation (400) → route: the
+    parse (the API's module) → `build_plan`: a model on demand loaded (waits) and held until the
+    lease ends (routing/residency.py) → caps (400) → input moderation (400) → route: the
     model ("auto": the router), the pool (404; 503 while loading) → the ladder's max_tokens cap
     → the semantic cache (a candidate answer becomes the engine request's draft, verified by the
     model; with `verify` off a hit is a plan with a cached answer and nothing to run) → the prompt:
@@ -87,6 +88,7 @@ class GenerationPlan:
     route: dict | None = None            # the router's decision, when it chose the model
     cache_key: CachePlan | None = None   # the semantic cache's key: the answer is stored under it
     cached: Hit | None = None            # a semantic-cache hit: the answer, with no engine request
+    holds: list[Any] = field(default_factory=list)   # on-demand models' holds (routing/residency.py), until the lease ends
     candidate: Hit | None = None         # a semantic-cache hit the engine verifies (its draft), run as a miss
     headers: dict[str, str] = field(default_factory=dict)   # x-kvserve-* response headers
     id: str = ""
@@ -110,6 +112,21 @@ class GenerationPlan:
 async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest,
                      kind: Kind) -> GenerationPlan:
     """The plan for one validated request, every gate passed in order (see the module's docstring)."""
+    holds = [await gw.pool.acquire(req.model)]
+    try:
+        plan = await _build_plan(gw, record, req, kind)
+        if plan.route is not None:        # "auto": the model the router chose (resident: no wait)
+            holds.append(await gw.pool.acquire(plan.model.name))
+    except BaseException:
+        for hold in holds:
+            hold.release()
+        raise
+    plan.holds = holds
+    return plan
+
+
+async def _build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest,
+                      kind: Kind) -> GenerationPlan:
     chat = kind == "chat"
     check_caps(req, gw.settings)
     moderation = gw.moderation.config_for(record, req)    # input moderation, before any queue (400)

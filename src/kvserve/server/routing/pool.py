@@ -12,7 +12,8 @@ Models are described by `ModelSpec`s: from `--model NAME=PATH` (repeatable), or 
 (JSON or TOML: `{"models": [{"name", "path", "kv_cache_memory", "cost_per_1k_tokens",
 "engine_process", ...}], "router": {...}}`), or, with neither, the single model of the settings.
 Engine options (max_model_len, kv_cache_memory, ...) given on the command line apply to every
-model; a spec's own `engine` options override them.
+model; a spec's own `engine` options override them. Models on demand (`--models-dir`, or entries
+with `"on_demand": true`) are entries too, loaded at first use and unloaded when idle: residency.py.
 """
 
 from __future__ import annotations
@@ -23,11 +24,22 @@ import json
 import logging
 import pathlib
 import threading
+import time
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound, Overloaded
+from kvserve.server.routing.residency import (
+    REQUEST_KEEP_ALIVE,
+    Hold,
+    ModelStatus,
+    Residency,
+    memory_budget,
+    model_bytes,
+    parse_keep_alive,
+    scan_models_dir,
+)
 
 logger = logging.getLogger("kvserve.server")
 ENGINE_KEYS = ("max_model_len", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
@@ -45,6 +57,7 @@ class ModelSpec:
     engine_process: bool | None = None
     weight_format: str | None = None
     cost_per_1k_tokens: float = 1.0   # for the router and the usage's cost
+    on_demand: bool = False           # loaded by the first request naming it, unloaded when idle
 
     @classmethod
     def parse(cls, text: str) -> ModelSpec:
@@ -63,7 +76,8 @@ class ModelSpec:
         engine = dict(d.get("engine") or {})
         engine.update({k: d[k] for k in ENGINE_KEYS if k in d})
         return cls(name=d.get("name"), path=d.get("path"), engine=engine, engine_process=d.get("engine_process"),
-                   weight_format=d.get("weight_format"), cost_per_1k_tokens=float(d.get("cost_per_1k_tokens", 1.0)))
+                   weight_format=d.get("weight_format"), cost_per_1k_tokens=float(d.get("cost_per_1k_tokens", 1.0)),
+                   on_demand=bool(d.get("on_demand", False)))
 
 
 def read_config(path: str | pathlib.Path) -> dict:
@@ -82,6 +96,35 @@ def read_config(path: str | pathlib.Path) -> dict:
     return data
 
 
+def model_options(values: list[str], config: str | pathlib.Path | None, models_dir: str | None = None,
+                  models_memory: str | None = None, keep_alive: str | None = None) -> tuple[list, dict | None, dict, dict]:
+    """`kvserve serve`'s model options: the ModelSpecs of `--model` (repeatable) and `--models-config`,
+    the router and semantic-cache config, and the ServerSettings fields of the models on demand
+    (`--models-dir`, `--models-memory`, `--keep-alive`, or the config's top-level keys of those names
+    in snake case, the options winning; and the config's `model_load_timeout`, seconds)."""
+    specs = [ModelSpec.parse(v) for v in values]
+    router, cache, data = None, {}, {}
+    if config is not None:
+        data = read_config(config)
+        specs += [ModelSpec.from_dict(d) for d in data.get("models", [])]
+        router = data.get("router")
+        cache = data.get("semantic_cache") or {}
+    on_demand = {"models_dir": models_dir or data.get("models_dir"),
+                 "models_memory": models_memory or data.get("models_memory")}
+    if on_demand["models_dir"]:
+        scan_models_dir(on_demand["models_dir"])          # a missing directory fails now
+    if on_demand["models_memory"] is not None:
+        memory_budget(on_demand["models_memory"])         # so does a bad size
+    seconds = parse_keep_alive(keep_alive if keep_alive is not None else data.get("keep_alive"), "--keep-alive")
+    if seconds is not None:
+        on_demand["keep_alive_s"] = seconds
+    if data.get("model_load_timeout") is not None:   # how long a request waits for its model's load
+        on_demand["model_load_timeout_s"] = float(data["model_load_timeout"])
+    if not specs and not on_demand["models_dir"]:
+        specs = [ModelSpec(name=None, path=None)]
+    return specs, router, cache, on_demand
+
+
 @dataclass
 class ModelEntry:
     spec: ModelSpec
@@ -89,6 +132,15 @@ class ModelEntry:
     name: str | None = None           # the served name (spec.name, or the engine's once loaded)
     load_error: str | None = None
     restarts: int = 0
+    size_bytes: int = 0               # weight files + KV cache budget (the models' memory budget counts it)
+    # on demand (residency.py): requests holding it, its last use (monotonic), when it unloads if
+    # still idle (epoch s), the last request's keep_alive (s; None: the server's), the load running
+    holds: int = 0
+    last_used: float = 0.0
+    expires_at: float | None = None
+    loaded_at: float | None = None
+    keep_alive: float | None = None
+    loading: asyncio.Future | None = None
 
     @property
     def cost_per_token(self) -> float:
@@ -101,18 +153,49 @@ class ModelPool:
 
     def __init__(self, settings, specs: list[ModelSpec] | None = None, engine=None):
         self.settings = settings
+        self.models_dir = getattr(settings, "models_dir", None)
         specs = specs or list(getattr(settings, "models", None) or []) or \
-            [ModelSpec(name=settings.served_model_name, path=settings.model)]
+            ([] if self.models_dir and settings.model is None else
+             [ModelSpec(name=settings.served_model_name, path=settings.model)])
         names = [s.name for s in specs if s.name]
         if len(set(names)) != len(names):
             raise InvalidRequest(f"two models share a name: {sorted(names)}", param="model")
-        self.entries = [ModelEntry(s, name=s.name) for s in specs]
+        self._sized = bool(self.models_dir) or any(s.on_demand for s in specs)   # a memory budget applies
+        self.entries = [self._entry(s) for s in specs]
+        self.residency = Residency(self, settings)
+        if self.models_dir:
+            self.scan()
+            if not self.entries:
+                raise InvalidRequest(f"--models-dir {self.models_dir} holds no model (.gguf files, Hugging Face "
+                                     "directories) and no --model was given", param="models_dir")
         if engine is not None:             # create_app(engine, ...): a prebuilt client for the first model
             self.entries[0].engine = engine
             self.entries[0].name = self.entries[0].name or engine.model_name
         self.on_load_failed = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.lora_owners: dict[str, str] = {}   # adapter -> the key it was loaded for (absent: everyone's)
+
+    def _entry(self, spec: ModelSpec) -> ModelEntry:
+        kwargs = {**getattr(self.settings, "engine_kwargs", {}), **spec.engine}
+        return ModelEntry(spec, name=spec.name, size_bytes=model_bytes(spec.path, kwargs) if self._sized else 0)
+
+    def scan(self) -> list[ModelEntry]:
+        """Add the models of --models-dir not yet known (at start, and when a request names a model
+        the pool does not know: a file copied in since is served without a restart)."""
+        known = {e.name for e in self.entries} | {e.spec.path for e in self.entries}
+        try:
+            found = scan_models_dir(self.models_dir)
+        except InvalidRequest as ex:      # the directory went away: serve what is known
+            logger.warning("%s", ex.message)
+            return []
+        added = [self._entry(ModelSpec(name=name, path=path, on_demand=True))
+                 for name, path in found if name not in known and path not in known]
+        self.entries += added
+        return added
+
+    def pinned(self) -> list[ModelEntry]:
+        """The models loaded at start and kept for the server's life (what /health waits for)."""
+        return [e for e in self.entries if not e.spec.on_demand]
 
     # ---- lookups --------------------------------------------------------------------------
     @property
@@ -136,6 +219,8 @@ class ModelPool:
         for e in self.loaded():       # a LoRA adapter over a model's base (engine/lora.py)
             if requested in e.engine.lora_names():
                 return e
+        if self.models_dir and self.scan():
+            return self.entry(requested)
         raise self._not_found(requested)
 
     def _not_found(self, requested: str) -> ModelNotFound:
@@ -156,6 +241,13 @@ class ModelPool:
         if requested and not self.lora_visible(requested, caller) and requested not in self.names():
             raise self._not_found(requested)
         e = self.entry(requested)
+        if e.spec.on_demand:
+            e.last_used = time.monotonic()          # looked up: not the least recently used
+        if e.engine is None and e.spec.on_demand:     # a synchronous lookup: start the load, retry later
+            if self.loop is not None:
+                self.loop.call_soon_threadsafe(self.residency.start_load, e)
+            raise Overloaded(f"The model {e.name} is loading; retry in a few seconds.", retry_after=5.0,
+                             code="model_not_ready")
         if e.engine is None:
             msg = (f"The model {e.name or e.spec.path or 'default'} failed to load: {e.load_error}"
                    if e.load_error else "The model is still loading; retry in a few seconds.")
@@ -163,6 +255,40 @@ class ModelPool:
         if requested not in (None, "", e.name, e.engine.model_name) and requested in e.engine.lora_names():
             return e.engine.with_lora(requested), requested
         return e.engine, e.name
+
+    async def acquire(self, requested: str | None) -> Hold:
+        """Hold the on-demand model a request names for the request's life, loading it first (waits;
+        503 with Retry-After past the load timeout). Any other name: a no-op hold (its errors are
+        `resolve`'s, raised in their usual place)."""
+        try:
+            e = self.entry(requested)
+        except ModelNotFound:
+            return Hold()
+        return await self.residency.acquire(e)
+
+    async def preload(self, requested: str, keep_alive) -> None:
+        """Ollama's request with nothing to answer: load the model (keep_alive 0: unload it now, or
+        as soon as its requests end); a pinned model is only looked up."""
+        e = self.entry(requested)
+        if not e.spec.on_demand:
+            self.resolve(requested)
+            return
+        self.set_keep_alive(keep_alive)
+        if REQUEST_KEEP_ALIVE.get() == 0:     # unloaded now, or by the release of its last request
+            e.keep_alive = 0.0
+            await self.residency.unload(e, "request")
+            return
+        (await self.residency.acquire(e)).release()
+
+    @staticmethod
+    def set_keep_alive(keep_alive) -> None:
+        """The keep_alive of the request being handled (Ollama's field; 400 when unreadable): how long
+        the model on demand it names stays loaded after its last request; None: the server's default."""
+        REQUEST_KEEP_ALIVE.set(parse_keep_alive(keep_alive))
+
+    def statuses(self, loaded_only: bool = False) -> list[ModelStatus]:
+        """Every model's residency (`loaded_only`: the resident ones), in the pool's order."""
+        return [self.residency.status(e) for e in self.entries if e.name and (e.engine is not None or not loaded_only)]
 
     # ---- life cycle -----------------------------------------------------------------------
     def load_entry(self, e: ModelEntry) -> bool:
@@ -192,7 +318,7 @@ class ModelPool:
     def load(self) -> None:
         """Runs in a background thread: every model in turn; a failure stops the server (as with
         one model) through `on_load_failed`."""
-        for e in self.entries:
+        for e in self.pinned():
             if e.engine is None and not self.load_entry(e):
                 msg = e.load_error if len(self.entries) == 1 else f"{e.spec.name or e.spec.path}: {e.load_error}"
                 if self.on_load_failed is not None:
@@ -204,8 +330,10 @@ class ModelPool:
     async def start(self) -> None:
         for e in self.loaded():
             await e.engine.start()
+        self.residency.start()
 
     async def shutdown(self) -> None:
+        self.residency.stop()
         for e in self.loaded():
             with contextlib.suppress(Exception):
                 await e.engine.shutdown()
@@ -232,11 +360,21 @@ class ModelPool:
                 threading.Thread(target=self.load_entry, args=(e,), name="kvserve-model-reload",
                                  daemon=True).start()
 
-    def cards(self, created: int, caller: str | None = None) -> list[dict]:
-        """/v1/models entries of the loaded models (and the adapters `caller` may use)."""
-        return [{"id": e.name, "object": "model", "created": created, "owned_by": "kvserve",
-                 "max_model_len": e.engine.max_model_len, "cost_per_1k_tokens": e.spec.cost_per_1k_tokens}
-                for e in self.loaded()] + [
+    def cards(self, created: int, caller: str | None = None, unloaded: bool = False) -> list[dict]:
+        """/v1/models entries of the loaded models (and the adapters `caller` may use); with
+        `unloaded`, the on-demand models not resident too. An on-demand model's card says
+        `kvserve_state`: loaded, loading or unloaded."""
+        cards = []
+        for e in self.entries:
+            if e.engine is None and not (unloaded and e.spec.on_demand and e.name):
+                continue
+            card = {"id": e.name, "object": "model", "created": created, "owned_by": "kvserve"}
+            if e.engine is not None:
+                card |= {"max_model_len": e.engine.max_model_len, "cost_per_1k_tokens": e.spec.cost_per_1k_tokens}
+            if e.spec.on_demand:
+                card["kvserve_state"] = self.residency.status(e).state
+            cards.append(card)
+        return cards + [
                 {"id": n, "object": "model", "created": created, "owned_by": "kvserve", "parent": e.name, "root": n,
                  "max_model_len": e.engine.max_model_len} for e in self.loaded() for n in e.engine.lora_names()
                 if self.lora_visible(n, caller)]
