@@ -56,7 +56,8 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def open_gguf(path: str | os.PathLike):
-    """Open and structurally validate a GGUF file; returns a gguf.GGUFReader."""
+    """Open and structurally validate a GGUF file; returns a GGUFFile (gguf_file.py: memory-mapped,
+    tensors as views of the mapping, GGUFReader's interface)."""
     path = Path(path)
     if not path.is_file():
         raise ModelNotFound(f"model file not found: {path}")
@@ -65,11 +66,13 @@ def open_gguf(path: str | os.PathLike):
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
-    from gguf import GGML_QUANT_SIZES, GGUFReader
+    from gguf import GGML_QUANT_SIZES
+
+    from kvserve.model.gguf_file import GGUFFile
 
     check_gguf(path, {int(k): v for k, v in GGML_QUANT_SIZES.items()})   # bounds first (gguf_check.py)
     try:
-        reader = GGUFReader(path)
+        reader = GGUFFile(path)
     except Exception as e:  # noqa: BLE001 - the reader raises assorted errors on corrupt headers
         raise ModelLoadError(f"{path} is truncated or corrupt: the GGUF header cannot be read ({e})") from None
     for t in reader.tensors:
