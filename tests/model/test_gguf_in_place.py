@@ -172,3 +172,20 @@ def test_rss_after_load_is_about_the_file(tmp_path):
         r = json.loads(out.strip().splitlines()[-1])
         added = r["after"]["VmRSS"] - r["before"]["VmRSS"]
         assert added <= 1.5 * size + (64 << 20), (run, added, size, r)
+
+
+def test_cached_tokenizer_encodes_the_same(tmp_path, cache_dir):
+    from kvserve.model.loader import _gguf_tokenizer
+
+    path = resolve(None).path
+    reader = GGUFFile(path)
+    want = Tokenizer.from_gguf(reader)
+    first, again = _gguf_tokenizer(path, reader), _gguf_tokenizer(path, reader)   # builds and writes; reads
+    assert len(list(cache_dir.glob("*.tokenizer.json"))) == 1
+    text = "<|im_start|>user\nHéllo wörld 12345, naïve café 🤖 def f(x): return x**2<|im_end|>"
+    for tok in (first, again):
+        assert tok.encode(text) == want.encode(text)
+        assert tok.hf.get_vocab(with_added_tokens=True) == want.hf.get_vocab(with_added_tokens=True)
+        assert (tok.eos_token_ids, tok.bos_token_id, tok.all_special_ids) == (
+            want.eos_token_ids, want.bos_token_id, want.all_special_ids)
+        assert tok.decode(want.encode(text)) == want.decode(want.encode(text))

@@ -50,6 +50,18 @@ def _pack_session(path, reader, weight_format: str, backend: KernelBackend) -> p
         return None
 
 
+def _gguf_tokenizer(path, reader) -> Tokenizer:
+    from kvserve.tokenizer.tokenizer import gguf_field
+
+    if not pack_cache.enabled() or gguf_field(reader, "tokenizer.ggml.model") != "gpt2":
+        return Tokenizer.from_gguf(reader)       # (which says what is wrong)
+    try:
+        hf = pack_cache.load_tokenizer(Path(path), lambda: Tokenizer.bpe_from_gguf(reader))
+    except OSError:
+        hf = None
+    return Tokenizer.from_gguf(reader, hf)
+
+
 def _build(cfg: ModelConfig, weights: dict, weight_format: str, backend: KernelBackend,
            session: pack_cache.PackSession | None) -> DecoderLM:
     with torch.no_grad(), pack_cache.active(session):
@@ -78,7 +90,7 @@ def load_model(model: str | None = None, weight_format: str = "auto", *, device:
 
         reader = open_gguf(src.path)
         cfg = config_from_gguf(reader, src.name)
-        tok = Tokenizer.from_gguf(reader)
+        tok = _gguf_tokenizer(src.path, reader)
         session = _pack_session(src.path, reader, weight_format, backend)
         net = None
         if session is not None and session.hit:

@@ -46,7 +46,8 @@ ALIGN = 64
 KEEP_FILES = 16    # packed models kept in the cache; the least recently used beyond are deleted
 # The modules whose code decides which projections exist, their order and their bytes.
 _CODE = ("model/decoder.py", "model/linear.py", "model/gguf_loader.py", "model/gguf_families.py",
-         "model/gguf_file.py", "model/moe.py", "model/kernels/gguf_linear.py", "model/kernels/pack_cache.py")
+         "model/gguf_file.py", "model/moe.py", "model/kernels/gguf_linear.py", "model/kernels/pack_cache.py",
+         "tokenizer/tokenizer.py")
 
 
 class PackMismatch(RuntimeError):
@@ -86,6 +87,27 @@ def code_digest() -> str:
     return h.hexdigest()[:16]
 
 
+def file_key(gguf_path: Path, variant: str = "") -> str:
+    """The cache key of a model file's derived data: its content, this code, `variant`."""
+    return hashlib.sha256(f"{file_digest(gguf_path)}|{code_digest()}|{variant}".encode()).hexdigest()[:32]
+
+
+def load_tokenizer(gguf_path: Path, build_bpe):
+    """The file's BPE tokenizer (a `tokenizers.Tokenizer`): read from the cache's JSON, else made
+    by `build_bpe()` and written there (a 128k vocabulary and its merges take about a second to
+    build from GGUF strings, a tenth of that to read back)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = cache_root() / f"{file_key(gguf_path)}.tokenizer.json"
+    with contextlib.suppress(Exception):    # a missing or unreadable entry is rebuilt
+        return HFTokenizer.from_file(str(path))
+    hf = build_bpe()
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, hf.to_str().encode())
+    return hf
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
@@ -113,8 +135,7 @@ class PackSession:
     def open(cls, gguf_path: Path, variant: str) -> PackSession:
         """The session for `gguf_path`: a hit if a valid cache file exists, else one that records.
         `variant` names load choices that change the bytes (the weight format)."""
-        key = hashlib.sha256(f"{file_digest(gguf_path)}|{code_digest()}|{variant}".encode()).hexdigest()[:32]
-        path = cache_root() / f"{key}.kvpack"
+        path = cache_root() / f"{file_key(gguf_path, variant)}.kvpack"
         try:
             entries, mm = _map(path)
             os.utime(path)     # recently used
@@ -222,10 +243,11 @@ def _map(path: Path) -> tuple[list[dict], mmap.mmap]:
 
 
 def _prune(root: Path) -> None:
-    files = sorted(root.glob("*.kvpack"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in files[KEEP_FILES:]:
-        with contextlib.suppress(OSError):
-            old.unlink()
+    for pattern in ("*.kvpack", "*.tokenizer.json"):
+        files = sorted(root.glob(pattern), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in files[KEEP_FILES:]:
+            with contextlib.suppress(OSError):
+                old.unlink()
 
 
 _current: ContextVar[PackSession | None] = ContextVar("kvserve_pack_session", default=None)
