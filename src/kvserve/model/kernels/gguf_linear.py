@@ -7,6 +7,7 @@ packed embedding table needs no fp32 copy. Which path a call takes is the Kernel
 from __future__ import annotations
 
 import ctypes
+import mmap
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -54,6 +55,14 @@ class Bf16Weight:
 def _tensor(raw: np.ndarray) -> torch.Tensor:
     """A torch tensor of raw bytes; a read-only mapping is copied (torch tensors are writable)."""
     return torch.from_numpy(raw if raw.flags.writeable else raw.copy())
+
+
+def _mapped_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty(n) in its own anonymous mapping (unmapped when the tensor is freed)."""
+    if n == 0:
+        return torch.empty(0, dtype=dtype)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, n * itemsize), dtype=dtype, count=n)
 
 
 def unpack_q4_k(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -133,7 +142,7 @@ class GGUFQuantLinear(torch.nn.Module):
         if cached is not None:          # repacked by an earlier load (pack_cache.py)
             self.qs, self.d, self.m, sdtype = cached
         else:
-            sdtype = self._repack(raw, q4)
+            sdtype = self._repack(raw, q4, mapped=session is not None)
             if session is not None:
                 session.record(self)
         self.desc = KvsWeight(
@@ -147,17 +156,20 @@ class GGUFQuantLinear(torch.nn.Module):
             self.weight_bf16 = Bf16Weight(reference.dequantize(_tensor(raw), qtype, in_features),
                                           backend.bf16_prepack)
 
-    def _repack(self, raw: np.ndarray, q4: bool) -> int:
+    def _repack(self, raw: np.ndarray, q4: bool, mapped: bool = False) -> int:
         """The GGUF rows into the kernels' layout (self.qs, self.d, self.m); returns the scales' dtype
         code. Block scales stay float16 where GGUF stores them so (fewer bytes per decode step),
-        float32 for Q4_K's products d * sc (and a Q4_0 whose minimum -8 d does not fit a float16)."""
+        float32 for Q4_K's products d * sc (and a Q4_0 whose minimum -8 d does not fit a float16).
+        mapped: the buffers are temporary (the pack cache's file replaces them), so they are
+        anonymous mappings that go back to the system when freed, not heap that stays in RSS."""
         lib, qtype, rows, cols = self.lib, self.qtype, self.out_features, self.in_features
-        self.qs = torch.empty(lib.kvs_packed_qs_bytes(_KERNEL_QTYPE[qtype], rows, cols), dtype=torch.uint8)
+        empty = _mapped_empty if mapped else torch.empty
+        self.qs = empty(lib.kvs_packed_qs_bytes(_KERNEL_QTYPE[qtype], rows, cols), dtype=torch.uint8)
         n_scales = lib.kvs_packed_scales(rows, cols)
         for sdtype in (0,) if qtype == GGMLQuantizationType.Q4_K else (1, 0):
             dt = torch.float16 if sdtype else torch.float32
-            self.d = torch.empty(n_scales, dtype=dt)
-            self.m = torch.empty(n_scales if q4 else 0, dtype=dt)
+            self.d = empty(n_scales, dtype=dt)
+            self.m = empty(n_scales if q4 else 0, dtype=dt)
             if qtype == GGMLQuantizationType.Q4_K:
                 q, d, m = unpack_q4_k(raw, rows)
                 lib.kvs_pack_q4(rows, cols, q.ctypes.data, d.ctypes.data, m.ctypes.data,
