@@ -20,7 +20,6 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.decoder import DecoderLM
 from kvserve.model.kernels import pack_cache
 from kvserve.model.kernels.backend import KernelBackend
-from kvserve.model.kernels.pack_cache import PackMismatch
 from kvserve.model.registry import ModelSource, resolve
 from kvserve.tokenizer import Tokenizer
 
@@ -96,9 +95,9 @@ def load_model(model: str | None = None, weight_format: str = "auto", *, device:
         if session is not None and session.hit:
             try:
                 net = _build(cfg, weights_from_gguf(reader, cfg, cached=True), weight_format, backend, session)
-            except PackMismatch as e:
+            except Exception as e:  # noqa: BLE001 - build from the file instead: a real error recurs there
                 logger.warning("kvserve: packed-weight cache not used for %s (%s)", src.path, e)
-                session = pack_cache.PackSession(session.path)     # rebuild, and rewrite the entry
+                session = pack_cache.PackSession(session.path)     # records again, rewrites the entry
         if net is None:
             net = _build(cfg, weights_from_gguf(reader, cfg), weight_format, backend, session)
         del reader
