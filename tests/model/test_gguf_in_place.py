@@ -189,3 +189,19 @@ def test_cached_tokenizer_encodes_the_same(tmp_path, cache_dir):
         assert (tok.eos_token_ids, tok.bos_token_id, tok.all_special_ids) == (
             want.eos_token_ids, want.bos_token_id, want.all_special_ids)
         assert tok.decode(want.encode(text)) == want.decode(want.encode(text))
+
+
+def test_mismatched_cache_falls_back_to_the_file(tmp_path, cache_dir, monkeypatch):
+    path = tiny_random(tmp_path / "r.gguf", "Q4_K")
+    want = greedy(*old_load(path))
+    load_model(str(path))
+    real_take = pack_cache.PackSession.take
+
+    def take(self, *a):
+        if self.next == 3:
+            raise pack_cache.PackMismatch("entry 3 does not fit")
+        return real_take(self, *a)
+
+    monkeypatch.setattr(pack_cache.PackSession, "take", take)
+    loaded = load_model(str(path))
+    assert greedy(loaded.model, loaded.tokenizer) == want

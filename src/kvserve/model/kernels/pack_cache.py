@@ -185,9 +185,12 @@ class PackSession:
             reopened = PackSession(self.path, *_map(self.path))
         except (OSError, ValueError, KeyError, TypeError):
             return
-        for layer in self.recorded:
-            qs, d, m, _ = reopened.take(layer.qtype, layer.out_features, layer.in_features)
-            layer.adopt_packed(qs, d, m)
+        try:
+            for layer in self.recorded:     # each layer whole: one adopted or not is self-consistent
+                qs, d, m, _ = reopened.take(layer.qtype, layer.out_features, layer.in_features)
+                layer.adopt_packed(qs, d, m)
+        except PackMismatch as e:
+            logger.warning("kvserve: packed-weight cache written but not mapped (%s)", e)
         _prune(self.path.parent)
 
     def _write(self) -> None:
