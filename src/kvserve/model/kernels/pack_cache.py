@@ -1,4 +1,4 @@
-"""Repacked GGUF weights cached beside nothing but themselves: one file per model file, keyed by
+"""Repacked GGUF weights cached in kvserve's cache directory: one file per model file, keyed by
 its content hash, memory-mapped at the next load.
 
 The C kernels read Q4_0/Q4_1/Q4_K/Q8_0 weights in their own layout (16-row groups, scales apart
