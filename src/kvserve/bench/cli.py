@@ -73,6 +73,12 @@ def latency(
     print(f"prompt {','.join(map(str, lengths))} tokens, decode {decode_tokens} tokens, {threads} threads, best of {repeats}, "
           f"load average {os.getloadavg()[0]:.1f}\n")
     print(table)
+    fp_rows = [r.footprint for r in results if r.footprint]
+    if fp_rows:
+        from kvserve.bench.footprint import footprint_table
+
+        table += "\n\n" + footprint_table(fp_rows)
+        print("\n" + footprint_table(fp_rows))
     data = [{**r.__dict__, "prefill_tps": r.prefill_tps, "decode_tps": r.decode_tps} for r in results]
     write_outputs(out_dir, "latency", table, data)
     save_chart(results, str(out_dir / "latency.png"))

@@ -20,6 +20,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from kvserve.bench import footprint
 from kvserve.bench.common import save_bar_charts
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.kv_quant import cache_shape
@@ -49,6 +50,7 @@ class LatencyResult:
     decode_tokens: int
     prefill_s: float
     decode_s: float
+    footprint: dict | None = None     # kvserve: time to ready, RSS, bytes per token (bench/footprint.py)
 
     @property
     def prefill_tps(self) -> float:
@@ -101,6 +103,7 @@ class KvserveRunner(_Runner):
         from kvserve.model.loader import load_model
 
         torch.set_num_threads(cfg.threads)
+        t0 = time.perf_counter()
         self.loaded = load_model(cfg.model, cfg.weight_format)
         self.model = self.loaded.model
         c = self.loaded.config
@@ -114,6 +117,8 @@ class KvserveRunner(_Runner):
         self.weight_format = cfg.weight_format
         self.use(next(iter(self.caches)))
         self.block_table = list(range(n_blocks))
+        self.prefill([100])                                         # ready: the first token is out
+        self.footprint = footprint.measure(self, time.perf_counter() - t0, cfg)
 
     def use(self, kv_name: str) -> None:
         """Run on the KV cache of dtype `kv_name` (one of cfg.kv_cache_dtypes)."""
@@ -237,7 +242,10 @@ def _measure(key: str, cfg: LatencyConfig, emit: Callable[..., None]) -> list[La
             p, d = runner.run(ids, cfg.decode_tokens, lambda n: emit("advance", n=n))
             emit("advance", n=1)
             best[v][0], best[v][1] = min(best[v][0], p), min(best[v][1], d)
-    return [LatencyResult(name, detail, cfg.prompt_tokens, cfg.decode_tokens, p, d) for p, d, name, detail in best.values()]
+    fp = getattr(runner, "footprint", None)
+    return [LatencyResult(name, detail, cfg.prompt_tokens, cfg.decode_tokens, p, d,
+                          None if fp is None else {"engine": name, **fp.row(cfg.decode_tokens / d)})
+            for p, d, name, detail in best.values()]
 
 
 def _peer_main(key: str, cfg: LatencyConfig, queue) -> None:

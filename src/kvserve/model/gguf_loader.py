@@ -56,7 +56,8 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def open_gguf(path: str | os.PathLike):
-    """Open and structurally validate a GGUF file; returns a gguf.GGUFReader."""
+    """Open and structurally validate a GGUF file; returns a GGUFFile (gguf_file.py: memory-mapped,
+    tensors as views of the mapping, GGUFReader's interface)."""
     path = Path(path)
     if not path.is_file():
         raise ModelNotFound(f"model file not found: {path}")
@@ -65,11 +66,13 @@ def open_gguf(path: str | os.PathLike):
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
-    from gguf import GGML_QUANT_SIZES, GGUFReader
+    from gguf import GGML_QUANT_SIZES
+
+    from kvserve.model.gguf_file import GGUFFile
 
     check_gguf(path, {int(k): v for k, v in GGML_QUANT_SIZES.items()})   # bounds first (gguf_check.py)
     try:
-        reader = GGUFReader(path)
+        reader = GGUFFile(path)
     except Exception as e:  # noqa: BLE001 - the reader raises assorted errors on corrupt headers
         raise ModelLoadError(f"{path} is truncated or corrupt: the GGUF header cannot be read ({e})") from None
     for t in reader.tensors:
@@ -166,9 +169,16 @@ def _unpermute_order(n_rows: int, n_head: int) -> torch.Tensor:
     return idx.reshape(n_head, n_rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def weights_from_gguf(reader, cfg: ModelConfig) -> dict[str, WeightSource | torch.Tensor]:
+def weights_from_gguf(reader, cfg: ModelConfig, *, cached: bool = False) -> dict[str, WeightSource | torch.Tensor]:
+    """HF-named weights of `reader`; block quants as views of the mapped file (no copy).
+    cached: the packed layers come from the pack cache (kernels/pack_cache.py), so tensors that
+    will become packed layers are given as empty rows (shape [rows, 0]: nothing is read or
+    copied for them, not even to undo the Q/K permutation, which the cached rows already have)."""
     from gguf.quants import dequantize
 
+    from kvserve.model.kernels.gguf_linear import supports
+
+    stub = _packed_tensors(reader) if cached else set()
     out: dict[str, WeightSource | torch.Tensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
@@ -185,7 +195,8 @@ def weights_from_gguf(reader, cfg: ModelConfig) -> dict[str, WeightSource | torc
         if qt.name in ("F32", "F16"):
             src = WeightSource(shape, tensor=torch.from_numpy(np.array(t.data)).reshape(shape))
         else:
-            src = WeightSource(shape, raw=t.data, qtype=qt)
+            raw = t.data[:, :0] if t.name in stub and supports(qt) else t.data
+            src = WeightSource(shape, raw=raw, qtype=qt)
         out[name] = src
     fix_weights(cfg, out)
     _check_shapes(out, cfg)
@@ -203,6 +214,21 @@ def weights_from_gguf(reader, cfg: ModelConfig) -> dict[str, WeightSource | torc
                     order = _unpermute_order(n, heads)
                     out[key] = v[order] if isinstance(v, torch.Tensor) else v.permute_rows(order)
     return out
+
+
+def _packed_tensors(reader) -> set[str]:
+    """Names of the 2-D tensors whose projection is built packed from their rows alone: fused
+    groups (q/k/v, gate/up) only when every member has the same type (else they are concatenated
+    dequantized, which needs the bytes)."""
+    groups: dict[str, list] = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if len(t.shape) != 2:
+            continue
+        kind = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gu", "ffn_up": "gu"}.get(
+            parts[2] if len(parts) == 4 and parts[0] == "blk" else "")
+        groups.setdefault(f"{parts[1]}.{kind}" if kind else t.name, []).append(t)
+    return {t.name for g in groups.values() if len({t.tensor_type for t in g}) == 1 for t in g}
 
 
 def _check_shapes(w: dict, cfg: ModelConfig) -> None:

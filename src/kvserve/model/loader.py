@@ -1,21 +1,29 @@
 """load_model: any model source -> (model, tokenizer, config), ready for the engine.
 
 This is where the kernel backend is chosen (once per loaded model, from the CPU's features and
-the KVSERVE_* switches; see kernels/backend.py) and handed to every layer that uses it.
+the KVSERVE_* switches; see kernels/backend.py) and handed to every layer that uses it. A GGUF
+file is memory-mapped and its tensors used where they lie; the layers the C kernels need in
+their own layout are repacked once per file and cached (kernels/pack_cache.py), so a later load
+maps the packed copy instead of rewriting it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from kvserve.model.config import ModelConfig
 from kvserve.model.decoder import DecoderLM
+from kvserve.model.kernels import pack_cache
 from kvserve.model.kernels.backend import KernelBackend
 from kvserve.model.registry import ModelSource, resolve
 from kvserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -26,6 +34,40 @@ class LoadedModel:
     source: ModelSource
     load_seconds: float
     backend: KernelBackend
+
+
+def _pack_session(path, reader, weight_format: str, backend: KernelBackend) -> pack_cache.PackSession | None:
+    """A pack-cache session where the loaded layers are the C kernels' packed ones and nothing
+    else (no bf16 copies made from the file's bytes, no stacked experts): else None."""
+    if (backend.lib is None or backend.bf16_min_tokens is not None or weight_format not in ("auto", "gguf")
+            or not pack_cache.enabled() or any(len(t.shape) != 2 and len(t.shape) != 1 for t in reader.tensors)):
+        return None
+    try:
+        return pack_cache.PackSession.open(Path(path), weight_format)
+    except OSError as e:
+        logger.warning("kvserve: packed-weight cache unavailable (%s)", e)
+        return None
+
+
+def _gguf_tokenizer(path, reader) -> Tokenizer:
+    from kvserve.tokenizer.tokenizer import gguf_field
+
+    if not pack_cache.enabled() or gguf_field(reader, "tokenizer.ggml.model") != "gpt2":
+        return Tokenizer.from_gguf(reader)       # (which says what is wrong)
+    try:
+        hf = pack_cache.load_tokenizer(Path(path), lambda: Tokenizer.bpe_from_gguf(reader))
+    except OSError:
+        hf = None
+    return Tokenizer.from_gguf(reader, hf)
+
+
+def _build(cfg: ModelConfig, weights: dict, weight_format: str, backend: KernelBackend,
+           session: pack_cache.PackSession | None) -> DecoderLM:
+    with torch.no_grad(), pack_cache.active(session):
+        net = DecoderLM.from_weights(cfg, weights, weight_format, backend=backend).eval()
+    if session is not None:
+        session.finish()
+    return net
 
 
 def load_model(model: str | None = None, weight_format: str = "auto", *, device: str | torch.device = "cpu",
@@ -47,16 +89,24 @@ def load_model(model: str | None = None, weight_format: str = "auto", *, device:
 
         reader = open_gguf(src.path)
         cfg = config_from_gguf(reader, src.name)
-        tok = Tokenizer.from_gguf(reader)
-        weights = weights_from_gguf(reader, cfg)
+        tok = _gguf_tokenizer(src.path, reader)
+        session = _pack_session(src.path, reader, weight_format, backend)
+        net = None
+        if session is not None and session.hit:
+            try:
+                net = _build(cfg, weights_from_gguf(reader, cfg, cached=True), weight_format, backend, session)
+            except Exception as e:  # noqa: BLE001 - build from the file instead: a real error recurs there
+                logger.warning("kvserve: packed-weight cache not used for %s (%s)", src.path, e)
+                session = pack_cache.PackSession(session.path)     # records again, rewrites the entry
+        if net is None:
+            net = _build(cfg, weights_from_gguf(reader, cfg), weight_format, backend, session)
+        del reader
     else:
         from kvserve.model.hf_loader import config_from_dir, weights_from_dir
 
         cfg = config_from_dir(src.path)
         tok = Tokenizer.from_dir(src.path)
-        weights = weights_from_dir(src.path, cfg)
-    with torch.no_grad():
-        net = DecoderLM.from_weights(cfg, weights, weight_format, backend=backend).eval()
+        net = _build(cfg, weights_from_dir(src.path, cfg), weight_format, backend, None)
     if torch.device(backend.device).type != "cpu":
         net.to(backend.device)
     return LoadedModel(net, tok, cfg, src, time.perf_counter() - t0, backend)

@@ -73,8 +73,9 @@ class Tokenizer:
 
     # ---- constructors -------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, reader) -> Tokenizer:
-        """From the tokenizer.ggml.* metadata of a gguf.GGUFReader."""
+    def from_gguf(cls, reader, hf: HFTokenizer | None = None) -> Tokenizer:
+        """From the tokenizer.ggml.* metadata of a gguf.GGUFReader; `hf`: the BPE built from it
+        before (the model loader caches it: a 128k vocabulary's build costs about a second)."""
 
         def field(key: str, default=None):
             return gguf_field(reader, key, default)
@@ -83,6 +84,21 @@ class Tokenizer:
         if kind != "gpt2":
             raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r}: kvserve reads byte-level BPE "
                                  "('gpt2') tokenizers from GGUF; use the model's tokenizer.json instead")
+        if hf is None:
+            hf = cls.bpe_from_gguf(reader)
+        eos = field("tokenizer.ggml.eos_token_id")
+        return cls(hf, bos_token_id=field("tokenizer.ggml.bos_token_id"),
+                   eos_token_ids=[] if eos is None else [int(eos)],
+                   add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=field("tokenizer.chat_template"))
+
+    @staticmethod
+    def bpe_from_gguf(reader) -> HFTokenizer:
+        """The byte-level BPE (vocabulary, merges, pre-tokenizer, special tokens) of a GGUF file."""
+
+        def field(key: str, default=None):
+            return gguf_field(reader, key, default)
+
         tokens = field("tokenizer.ggml.tokens")
         types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
         merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges") or []]
@@ -93,11 +109,7 @@ class Tokenizer:
         special = [AddedToken(tokens[i], special=True, normalized=False)
                    for i, ty in enumerate(types) if ty in (3, 4)]   # CONTROL, USER_DEFINED
         hf.add_special_tokens(special)
-        eos = field("tokenizer.ggml.eos_token_id")
-        return cls(hf, bos_token_id=field("tokenizer.ggml.bos_token_id"),
-                   eos_token_ids=[] if eos is None else [int(eos)],
-                   add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
-                   chat_template=field("tokenizer.chat_template"))
+        return hf
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:

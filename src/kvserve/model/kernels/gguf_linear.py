@@ -7,6 +7,7 @@ packed embedding table needs no fp32 copy. Which path a call takes is the Kernel
 from __future__ import annotations
 
 import ctypes
+import mmap
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -15,7 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from kvserve.errors import ModelLoadError
-from kvserve.model.kernels import reference
+from kvserve.model.kernels import pack_cache, reference
 from kvserve.model.kernels.build import KvsWeight
 
 if TYPE_CHECKING:
@@ -49,6 +50,19 @@ class Bf16Weight:
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.w, None, "none", [], "").float()
         return torch.nn.functional.linear(x, self.w).float()
+
+
+def _tensor(raw: np.ndarray) -> torch.Tensor:
+    """A torch tensor of raw bytes; a read-only mapping is copied (torch tensors are writable)."""
+    return torch.from_numpy(raw if raw.flags.writeable else raw.copy())
+
+
+def _mapped_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty(n) in its own anonymous mapping (unmapped when the tensor is freed)."""
+    if n == 0:
+        return torch.empty(0, dtype=dtype)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, n * itemsize), dtype=dtype, count=n)
 
 
 def unpack_q4_k(raw: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -102,12 +116,13 @@ class GGUFQuantLinear(torch.nn.Module):
         block, block_bytes = GGML_QUANT_SIZES[qtype]
         if in_features % block:
             raise ModelLoadError(f"in_features={in_features} is not a multiple of the {qtype.name} block size {block}")
-        raw = np.ascontiguousarray(raw, dtype=np.uint8)
-        raw_t = torch.from_numpy(raw if raw.flags.writeable else raw.copy())  # read-only mmap from GGUFReader
+        session = pack_cache.current()
+        cached = session.take(qtype, out_features, in_features) if session is not None and session.hit else None
+        raw = np.ascontiguousarray(raw, dtype=np.uint8)     # a view of the mapped file: no copy
         expect = (out_features, in_features // block * block_bytes)
-        if tuple(raw_t.shape) != expect:
+        if cached is None and tuple(raw.shape) != expect:
             raise ModelLoadError(
-                f"GGUF {qtype.name} tensor has byte shape {tuple(raw_t.shape)}, expected {expect}"
+                f"GGUF {qtype.name} tensor has byte shape {tuple(raw.shape)}, expected {expect}"
             )
         self.qtype = qtype
         self.in_features = in_features
@@ -121,33 +136,15 @@ class GGUFQuantLinear(torch.nn.Module):
         self.weight_bf16: Bf16Weight | None = None
         self.desc: KvsWeight | None = None    # what the C kernels read; None on the PyTorch path
         if self.lib is None:
-            self.weight_f32 = reference.dequantize(raw_t, qtype, in_features)
+            self.weight_f32 = reference.dequantize(_tensor(raw), qtype, in_features)
             return
         q4 = _KERNEL_QTYPE[qtype] == 0
-        lib = self.lib
-        self.qs = torch.empty(lib.kvs_packed_qs_bytes(_KERNEL_QTYPE[qtype], out_features, in_features),
-                              dtype=torch.uint8)
-        n_scales = lib.kvs_packed_scales(out_features, in_features)
-        # Block scales stay float16 where GGUF stores them so (fewer bytes per decode step), float32
-        # for Q4_K's products d * sc (and a Q4_0 whose minimum -8 d does not fit a float16).
-        for sdtype in (0,) if qtype == GGMLQuantizationType.Q4_K else (1, 0):
-            dt = torch.float16 if sdtype else torch.float32
-            self.d = torch.empty(n_scales, dtype=dt)
-            self.m = torch.empty(n_scales if q4 else 0, dtype=dt)
-            if qtype == GGMLQuantizationType.Q4_K:
-                q, d, m = unpack_q4_k(raw, out_features)
-                lib.kvs_pack_q4(out_features, in_features, q.ctypes.data, d.ctypes.data, m.ctypes.data,
-                                self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr())
-                rc = 0
-            else:
-                rc = lib.kvs_repack(
-                    int(qtype), raw_t.data_ptr(), out_features, in_features,
-                    self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr() if q4 else None, sdtype,
-                )  # fmt: skip
-            if rc != 1:
-                break
-        if rc != 0:
-            raise ModelLoadError(f"kernel repack failed for {qtype.name}")
+        if cached is not None:          # repacked by an earlier load (pack_cache.py)
+            self.qs, self.d, self.m, sdtype = cached
+        else:
+            sdtype = self._repack(raw, q4, mapped=session is not None)
+            if session is not None:
+                session.record(self)
         self.desc = KvsWeight(
             _KERNEL_QTYPE[qtype], out_features, in_features, backend.gemm_isa, sdtype,
             self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr() if q4 else None,
@@ -156,7 +153,44 @@ class GGUFQuantLinear(torch.nn.Module):
         self._desc_ptr = ctypes.addressof(self.desc)
         self._linear = self.lib.kvs_linear
         if backend.bf16_min_tokens is not None and not lookup_only:
-            self.weight_bf16 = Bf16Weight(reference.dequantize(raw_t, qtype, in_features), backend.bf16_prepack)
+            self.weight_bf16 = Bf16Weight(reference.dequantize(_tensor(raw), qtype, in_features),
+                                          backend.bf16_prepack)
+
+    def _repack(self, raw: np.ndarray, q4: bool, mapped: bool = False) -> int:
+        """The GGUF rows into the kernels' layout (self.qs, self.d, self.m); returns the scales' dtype
+        code. Block scales stay float16 where GGUF stores them so (fewer bytes per decode step),
+        float32 for Q4_K's products d * sc (and a Q4_0 whose minimum -8 d does not fit a float16).
+        mapped: the buffers are temporary (the pack cache's file replaces them), so they are
+        anonymous mappings that go back to the system when freed, not heap that stays in RSS."""
+        lib, qtype, rows, cols = self.lib, self.qtype, self.out_features, self.in_features
+        empty = _mapped_empty if mapped else torch.empty
+        self.qs = empty(lib.kvs_packed_qs_bytes(_KERNEL_QTYPE[qtype], rows, cols), dtype=torch.uint8)
+        n_scales = lib.kvs_packed_scales(rows, cols)
+        for sdtype in (0,) if qtype == GGMLQuantizationType.Q4_K else (1, 0):
+            dt = torch.float16 if sdtype else torch.float32
+            self.d = empty(n_scales, dtype=dt)
+            self.m = empty(n_scales if q4 else 0, dtype=dt)
+            if qtype == GGMLQuantizationType.Q4_K:
+                q, d, m = unpack_q4_k(raw, rows)
+                lib.kvs_pack_q4(rows, cols, q.ctypes.data, d.ctypes.data, m.ctypes.data,
+                                self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr())
+                rc = 0
+            else:
+                rc = lib.kvs_repack(int(qtype), raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(),
+                                    self.m.data_ptr() if q4 else None, sdtype)
+            if rc != 1:
+                break
+        if rc != 0:
+            raise ModelLoadError(f"kernel repack failed for {qtype.name}")
+        return sdtype
+
+    def adopt_packed(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> None:
+        """Hold the same packed bytes from elsewhere (the pack cache's mapping); the descriptor is
+        updated in place, so C descriptors that point at it stay valid."""
+        assert qs.numel() == self.qs.numel() and d.numel() == self.d.numel() and d.dtype == self.d.dtype
+        self.qs, self.d, self.m = qs, d, m
+        self.desc.qs, self.desc.d = qs.data_ptr(), d.data_ptr()
+        self.desc.m = m.data_ptr() if m.numel() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

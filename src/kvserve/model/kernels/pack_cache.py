@@ -1,0 +1,286 @@
+"""Repacked GGUF weights cached in kvserve's cache directory: one file per model file, keyed by
+its content hash, memory-mapped at the next load.
+
+The C kernels read Q4_0/Q4_1/Q4_K/Q8_0 weights in their own layout (16-row groups, scales apart
+from the quants: cpu/kvserve_kernels.cpp), so every packed projection is rewritten once at load.
+That costs start-up time (and for Q4_K more than a copy) and, held in anonymous memory, a second
+copy of the weights per process. The first load of a file writes what it repacked into
+`<cache>/packed/<key>.kvpack`; every later load maps that file instead (copy-on-write, never
+written), so repacking is skipped, the weights are read from disk only when touched, and several
+processes serving one model share the same page-cache pages.
+
+The key covers everything the bytes depend on: the GGUF file's SHA-256 (memoized per path,
+inode, size and mtime, so it is computed once per file version), the kernel sources and the
+Python modules that decide which projections are built, in which order, from which tensors.
+Entries are consumed in build order and each is checked against the layer asking for it (type,
+rows, columns); any mismatch makes the loader build without the cache. KVSERVE_PACK_CACHE=0 turns
+it off.
+
+    file   b"KVSPACK1", u64 header length, JSON header {"entries": [...]}, then 64-byte aligned
+           blobs; an entry: qtype, rows, cols, sdtype and (offset, bytes) of qs, d and m
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import mmap
+import os
+import struct
+import tempfile
+from collections.abc import Iterator
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.model.kernels import build
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"KVSPACK1"
+ALIGN = 64
+KEEP_FILES = 16    # packed models kept in the cache; the least recently used beyond are deleted
+# The modules whose code decides which projections exist, their order and their bytes.
+_CODE = ("model/decoder.py", "model/linear.py", "model/gguf_loader.py", "model/gguf_families.py",
+         "model/gguf_file.py", "model/moe.py", "model/kernels/gguf_linear.py", "model/kernels/pack_cache.py",
+         "tokenizer/tokenizer.py")
+
+
+class PackMismatch(RuntimeError):
+    """The cached entries do not fit the layers being built: build without the cache."""
+
+
+def enabled() -> bool:
+    return os.environ.get("KVSERVE_PACK_CACHE", "1").lower() not in ("0", "off", "false", "no")
+
+
+def cache_root() -> Path:
+    return build.cache_dir().parent / "packed"
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of the file's bytes, memoized under its (path, device, inode, size, mtime)."""
+    st = path.stat()
+    ident = f"{path.resolve()}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}"
+    memo = cache_root() / "hashes" / hashlib.sha256(ident.encode()).hexdigest()[:32]
+    with contextlib.suppress(OSError):
+        text = memo.read_text().strip()
+        if len(text) == 64:
+            return text
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    with contextlib.suppress(OSError):
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(memo, digest.encode())
+    return digest
+
+
+def code_digest() -> str:
+    pkg = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256(str(build.KERNEL_VERSION).encode())
+    for path in sorted(build.source_dir().glob("*.[ch]*")) + [pkg / p for p in _CODE]:
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def file_key(gguf_path: Path, variant: str = "") -> str:
+    """The cache key of a model file's derived data: its content, this code, `variant`."""
+    return hashlib.sha256(f"{file_digest(gguf_path)}|{code_digest()}|{variant}".encode()).hexdigest()[:32]
+
+
+def load_tokenizer(gguf_path: Path, build_bpe):
+    """The file's BPE tokenizer (a `tokenizers.Tokenizer`): read from the cache's JSON, else made
+    by `build_bpe()` and written there (a 128k vocabulary and its merges take about a second to
+    build from GGUF strings, a tenth of that to read back)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = cache_root() / f"{file_key(gguf_path)}.tokenizer.json"
+    with contextlib.suppress(Exception):    # a missing or unreadable entry is rebuilt
+        return HFTokenizer.from_file(str(path))
+    hf = build_bpe()
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, hf.to_str().encode())
+    return hf
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class PackSession:
+    """One model build: serves cached entries in order (`hit`) or records the layers it repacked."""
+
+    def __init__(self, path: Path, entries: list[dict] | None = None, mm: mmap.mmap | None = None) -> None:
+        self.path = path
+        self.entries = entries
+        self.mm = mm
+        self.hit = entries is not None
+        self.next = 0
+        self.recorded: list[Any] = []
+
+    @classmethod
+    def open(cls, gguf_path: Path, variant: str) -> PackSession:
+        """The session for `gguf_path`: a hit if a valid cache file exists, else one that records.
+        `variant` names load choices that change the bytes (the weight format)."""
+        path = cache_root() / f"{file_key(gguf_path, variant)}.kvpack"
+        try:
+            entries, mm = _map(path)
+            os.utime(path)     # recently used
+            return cls(path, entries, mm)
+        except FileNotFoundError:
+            return cls(path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("kvserve: ignoring the unreadable packed-weight cache %s (%s)", path, e)
+            return cls(path)
+
+    def take(self, qtype: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The next cached entry as (qs, d, m, sdtype), views of the mapped file."""
+        if self.next >= len(self.entries):
+            raise PackMismatch("more packed layers than cached entries")
+        e = self.entries[self.next]
+        if (e["qtype"], e["rows"], e["cols"]) != (int(qtype), rows, cols):
+            raise PackMismatch(f"entry {self.next} is {e['qtype'], e['rows'], e['cols']}, the layer "
+                               f"{int(qtype), rows, cols}")
+        self.next += 1
+        dt = torch.float16 if e["sdtype"] else torch.float32
+        return self._view(e["qs"], torch.uint8), self._view(e["d"], dt), self._view(e["m"], dt), e["sdtype"]
+
+    def _view(self, span: list[int], dtype: torch.dtype) -> torch.Tensor:
+        offset, nbytes = span
+        if nbytes == 0:
+            return torch.empty(0, dtype=dtype)
+        return torch.frombuffer(self.mm, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
+
+    def record(self, layer: Any) -> None:
+        self.recorded.append(layer)
+
+    def finish(self) -> None:
+        """Hit: check every entry was used. Miss: write the cache file, then point the recorded
+        layers at its mapping (their anonymous copies are freed)."""
+        if self.hit:
+            if self.next != len(self.entries):
+                raise PackMismatch(f"{len(self.entries) - self.next} cached entries left unused")
+            return
+        if not self.recorded:
+            return
+        try:
+            self._write()
+        except OSError as e:
+            logger.warning("kvserve: packed weights not cached (%s)", e)
+            return
+        try:
+            reopened = PackSession(self.path, *_map(self.path))
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        try:
+            for layer in self.recorded:     # each layer whole: one adopted or not is self-consistent
+                qs, d, m, _ = reopened.take(layer.qtype, layer.out_features, layer.in_features)
+                layer.adopt_packed(qs, d, m)
+        except PackMismatch as e:
+            logger.warning("kvserve: packed-weight cache written but not mapped (%s)", e)
+        _prune(self.path.parent)
+
+    def _write(self) -> None:
+        entries, blobs, pos = [], [], 0
+        for layer in self.recorded:
+            e = {"qtype": int(layer.qtype), "rows": layer.out_features, "cols": layer.in_features,
+                 "sdtype": layer.desc.sdtype}
+            for name in ("qs", "d", "m"):
+                t = getattr(layer, name)
+                nbytes = t.numel() * t.element_size()
+                e[name] = [pos, nbytes]
+                blobs.append(t)
+                pos += -(-nbytes // ALIGN) * ALIGN
+            entries.append(e)
+        header = json.dumps({"entries": entries}).encode()
+        header = header.ljust(_data_start(len(header)) - 16)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(MAGIC + struct.pack("<Q", len(header)) + header)
+                for t in blobs:
+                    nbytes = t.numel() * t.element_size()
+                    if nbytes:
+                        f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
+                    f.write(b"\0" * (-(-nbytes // ALIGN) * ALIGN - nbytes))
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+
+def _data_start(header_len: int) -> int:
+    return -(-(16 + header_len) // ALIGN) * ALIGN
+
+
+POPULATE = True
+_MADV_POPULATE_READ = 22     # Linux 5.14+; Python's mmap module does not name it
+
+
+def _populate(mm: mmap.mmap) -> None:
+    """Map every page now, in one call (the weights are all read by the first forward anyway):
+    page by page on first touch costs more and lands on the first token's time."""
+    try:
+        mm.madvise(_MADV_POPULATE_READ)
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            mm.madvise(mmap.MADV_WILLNEED)      # at least read ahead
+
+
+def _map(path: Path) -> tuple[list[dict], mmap.mmap]:
+    """A cache file's entries (offsets made absolute) and its private mapping; raises on a bad file."""
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)   # private: pages shared until written
+    if POPULATE:
+        _populate(mm)
+    if mm[:8] != MAGIC:
+        raise ValueError("bad magic")
+    n = struct.unpack_from("<Q", mm, 8)[0]
+    base = _data_start(n)
+    entries = json.loads(mm[16:16 + n])["entries"]
+    for e in entries:
+        for name in ("qs", "d", "m"):
+            e[name][0] += base
+            if e[name][0] + e[name][1] > len(mm):
+                raise ValueError("truncated")
+    return entries, mm
+
+
+def _prune(root: Path) -> None:
+    for pattern in ("*.kvpack", "*.tokenizer.json"):
+        files = sorted(root.glob(pattern), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in files[KEEP_FILES:]:
+            with contextlib.suppress(OSError):
+                old.unlink()
+
+
+_current: ContextVar[PackSession | None] = ContextVar("kvserve_pack_session", default=None)
+
+
+def current() -> PackSession | None:
+    """The session of the model being built in this context (read by GGUFQuantLinear)."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def active(session: PackSession | None) -> Iterator[None]:
+    token = _current.set(session)
+    try:
+        yield
+    finally:
+        _current.reset(token)
