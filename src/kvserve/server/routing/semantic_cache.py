@@ -80,6 +80,7 @@ class CacheOptions:
     shared: bool = False            # share answers across API keys
     head: str = "default"           # the embedding head: "default", "none" (raw MiniLM), or an npz path
     verify: bool = True             # the model checks a candidate answer before it is served (docstring)
+    sampled_min_logprob: float | None = None   # sampled requests: keep stored tokens by likelihood (docstring)
 
     @classmethod
     def from_dict(cls, d: dict) -> CacheOptions:
@@ -235,6 +236,7 @@ class Hit:
     lookup_ms: float = 0.0
     trace: dict = field(default_factory=dict)
     draft: list[int] | None = None      # the token ids offered to the engine (None: served without it)
+    min_logprob: float | None = None    # a sampled request keeps them by likelihood (`sampled_min_logprob`)
 
     def trace_fields(self, now: float) -> dict:
         return {"matched_query": self.entry.query, "similarity": round(self.similarity, 4),
