@@ -8,7 +8,10 @@ and with --engine-process:
 - paraphrases of short questions still find their entry (a candidate), and the trace says what
   matched, what the model kept of it and what that cost;
 - `cache_salt` and `user` partition the cache: no hit across them, and no trace shows another
-  partition's prompt.
+  partition's prompt;
+- a sampled repeat keeps the stored answer by likelihood (`sampled_min_logprob`, the default): the
+  kept prefix is exactly the stored tokens whose raw logprob (the first request's, same prompt)
+  clears the threshold, whatever the draw.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import httpx
 import pytest
 
 from kvserve.bench.semantic_heldout import DOCUMENTS, NEAR_MISSES, PARAPHRASES, doc_message
+from kvserve.server.routing.semantic_cache import CacheOptions
 
 MAX_TOKENS = 8
 
@@ -91,3 +95,21 @@ def test_cache_salt_and_user_partition_and_traces_stay_inside(srv):
     r, body = ask(srv, secret, cache_salt="alice")
     assert r.headers.get("x-kvserve-cache") == "semantic"
     assert body["kvserve_trace"]["semantic_cache"]["matched_query"] == secret
+
+
+def test_sampled_repeat_kept_by_likelihood(srv):
+    threshold = CacheOptions().sampled_min_logprob
+    assert threshold is not None
+    for i, q in enumerate(["Explain how a rainbow forms.", "Describe the water cycle.",
+                           "Tell me about the history of Rome.", "How do airplanes fly?"]):
+        kw = {"temperature": 0.7, "cache_salt": f"sampled{i}"}
+        _, first = ask(srv, q, **kw)
+        stored = first["kvserve_trace"]["output_tokens"]
+        r, again = ask(srv, q, **kw)
+        sc = again["kvserve_trace"]["semantic_cache"]
+        assert r.headers["x-kvserve-cache"] == "semantic" and sc["matched_query"] == q
+        drafts = stored[:min(len(stored), MAX_TOKENS - 1)]     # the last of max_tokens is the model's own
+        want = next((j for j, t in enumerate(drafts) if t["logprob"] < threshold), len(drafts))
+        got = again["kvserve_trace"]["output_tokens"]
+        assert [t["id"] for t in got[:want]] == [t["id"] for t in stored[:want]], q
+        assert sum(t["drafted"] for t in got) == want, (q, want, [t["logprob"] for t in stored])

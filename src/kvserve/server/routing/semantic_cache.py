@@ -32,9 +32,12 @@ engine like a miss, with the stored answer's tokens as its draft (EngineCoreRequ
 draft_token_ids). The engine verifies them as it verifies speculative drafts, in one forward after
 the prompt's prefill: a greedy request keeps the longest prefix that is exactly its own greedy
 continuation (so a hit is token for token what a miss gives) and decodes on from there; a sampled
-request goes through the exact rejection rule (each token kept with the model's probability of
-it), so what it gets is distributed exactly as a miss's answer. A seeded sampled request takes no
-draft (its tokens must not depend on the cache). `verify: false` serves the stored text without
+request keeps the stored tokens while each is likely enough under the model (raw logprob >=
+`sampled_min_logprob`, and drawable by its own sampling), then decodes on; with
+`sampled_min_logprob` None it goes through the exact rejection rule instead (each token kept with
+the model's probability of it: distributed exactly as a miss's answer, rarely kept whole). The
+default threshold is calibrated on held-out pairs (bench/semantic_heldout.calibrate,
+docs/routing.md). A seeded sampled request takes no draft (its tokens must not depend on the cache). `verify: false` serves the stored text without
 the model (the previous behaviour: a wrong hit is a wrong answer).
 
 Storage is a `CacheBackend`: the default keeps entries in SQLite on disk (semantic_cache.db in
@@ -80,7 +83,7 @@ class CacheOptions:
     shared: bool = False            # share answers across API keys
     head: str = "default"           # the embedding head: "default", "none" (raw MiniLM), or an npz path
     verify: bool = True             # the model checks a candidate answer before it is served (docstring)
-    sampled_min_logprob: float | None = None   # sampled requests: keep stored tokens by likelihood (docstring)
+    sampled_min_logprob: float | None = -3.0   # sampled requests: keep stored tokens by likelihood (docstring)
 
     @classmethod
     def from_dict(cls, d: dict) -> CacheOptions:
