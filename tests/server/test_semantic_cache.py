@@ -347,3 +347,11 @@ def test_documented_defaults_are_the_code_defaults():
     defaults = CacheOptions()
     assert {k: getattr(defaults, k) for k in documented} == documented
     assert {"threshold", "verify", "sampled_min_logprob"} <= set(documented)
+
+    from kvserve.errors import InvalidRequest
+
+    assert CacheOptions.from_dict({"sampled_min_logprob": -2}).sampled_min_logprob == -2.0
+    assert CacheOptions.from_dict({"sampled_min_logprob": None}).sampled_min_logprob is None   # the exact rule
+    for bad in (0.5, "low", True):
+        with pytest.raises(InvalidRequest, match="sampled_min_logprob"):
+            CacheOptions.from_dict({"sampled_min_logprob": bad})

@@ -53,8 +53,14 @@ def test_shared_documents_never_get_another_questions_answer(srv):
                 assert sc["matched_query"] in questions and sc["verification"]["result"] != "verified"
 
 
+# paraphrases of our own, beside the held-out set's (tests/server/test_semantic_cache.py: keys only)
+OWN_PAIRS = [("How many hours are in a day?", "how many hours are there in a day"),
+             ("How many minutes are in an hour?", "How many minutes are there in an hour?"),
+             ("Who invented the telephone?", "Who was the inventor of the telephone?")]
+
+
 def test_greedy_hit_is_token_for_token_a_miss(srv):
-    pairs = [(a, a) for a, _ in PARAPHRASES[:2]] + PARAPHRASES[:6] + NEAR_MISSES[6:10]
+    pairs = [(a, a) for a, _ in PARAPHRASES[:2]] + PARAPHRASES[:6] + NEAR_MISSES[6:10] + OWN_PAIRS
     results = []
     for i, (first, second) in enumerate(pairs):
         salt = f"pair{i}"
@@ -67,8 +73,8 @@ def test_greedy_hit_is_token_for_token_a_miss(srv):
         assert (r.headers.get("x-kvserve-cache") == "semantic") == (sc is not None)
         results.append(sc["verification"]["result"] if sc else None)
     assert results[:2] == ["verified"] * 2                 # exact repeats: the stored answer, whole
-    hits = results[2:8]
-    assert sum(h is not None for h in hits) >= 5, hits    # paraphrases still find their entry
+    hits = results[2:8] + results[12:]
+    assert sum(h is not None for h in hits) >= 8, hits    # paraphrases still find their entry
 
 
 def test_trace_of_a_verified_hit(srv):

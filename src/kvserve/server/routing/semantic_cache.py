@@ -90,7 +90,11 @@ class CacheOptions:
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise InvalidRequest(f"semantic_cache: unknown option(s) {sorted(unknown)}", param="semantic_cache")
-        return cls(**d)
+        lp = d.get("sampled_min_logprob", cls.sampled_min_logprob)
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int | float) or not lp <= 0):
+            raise InvalidRequest("semantic_cache: sampled_min_logprob must be a logprob (a number <= 0) or null",
+                                 param="semantic_cache")
+        return cls(**{**d, "sampled_min_logprob": None if lp is None else float(lp)})
 
 
 @dataclass
