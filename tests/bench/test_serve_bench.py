@@ -117,6 +117,11 @@ def test_sample_requests_lengths_and_seed():
         assert 17 <= r.prompt_len <= 60 and 5 <= r.output_len <= 15
     with pytest.raises(InvalidRequest, match="range-ratio"):
         ServeConfig(range_ratio=1.5)
+    # a workload with repeats: the last half repeat the first half, word for word and in order
+    rep = sample_requests(tok, ServeConfig(num_prompts=6, input_len=40, output_len=10, seed=3, repeat_ratio=0.5))
+    assert [r.prompt for r in rep[3:]] == [r.prompt for r in rep[:3]] and len({r.prompt for r in rep}) == 3
+    with pytest.raises(InvalidRequest, match="repeat-ratio"):
+        ServeConfig(repeat_ratio=1.0)
 
 
 def test_profile_delta_and_table():

@@ -272,3 +272,86 @@ def test_verification_result():
     assert hit.verification([1, 2, 9, 4], "stop") == {"result": "partial", "draft_tokens": 3, "accepted_tokens": 2}
     assert hit.verification([7], "stop")["result"] == "rejected"
     assert hit.verification([1, 2, 3, 4], "length")["result"] == "partial"
+
+
+# Documents of other kinds than the held-out set's, each asked questions that differ by one word or
+# one reference (the wording of a question about a document is close by construction), and short
+# standalone paraphrases of our own: keys only (the model's verification is test_semantic_verify.py).
+OWN_DOCUMENTS = [
+    ('{"server": {"host": "10.0.0.7", "port": 8443, "workers": 4}, "log": {"level": "debug"}}',
+     ["What is the port in this config?", "What is the host in this config?", "How many workers does it set?",
+      "What is the log level?"]),
+    (("From: Ana\nTo: Ben\nCan we move the review to Thursday?\n\nFrom: Ben\nTo: Ana\nThursday is full; "
+     "Friday at 10 works.\n\nFrom: Ana\nTo: Ben\nFriday it is."),
+     ["Who sent the first email?", "Who sent the last email?", "What day was the review moved to?",
+      "What time is the review?"]),
+    ("region,q1,q2,q3\nnorth,120,135,150\nsouth,90,80,70\nwest,200,210,190",
+     ["Which region grew every quarter?", "Which region shrank every quarter?", "What was west's q2?",
+      "What was south's q2?"]),
+    (("Traceback (most recent call last):\n  File \"app.py\", line 12, in <module>\n    main()\n"
+     "  File \"app.py\", line 8, in main\n    total = sum(values) / len(values)\nZeroDivisionError: division by zero"),
+     ["What error is raised here?", "On which line does the error happen?", "How do I fix this error?",
+      "Which function was called first?"]),
+]
+OWN_PARAPHRASES = [("How many hours are in a day?", "how many hours are there in a day"),
+                   ("What is the capital of Japan?", "What's the capital of Japan?"),
+                   ("What is the chemical formula of water?", "What's the chemical formula for water?"),
+                   ("How many minutes are in an hour?", "How many minutes are there in an hour?"),
+                   ("Who invented the telephone?", "Who was the inventor of the telephone?"),
+                   ("How far is the Moon from Earth?", "What is the distance from Earth to the Moon?"),
+                   # below 0.95 through the head (0.949, 0.919 when written): misses, counted as such
+                   ("What is the boiling point of water?", "At what temperature does water boil?"),
+                   ("What does DNA stand for?", "What is DNA short for?")]
+
+
+def test_own_documents_never_offer_another_questions_entry_and_paraphrases_hit(tmp_path):
+    from kvserve.bench.semantic_heldout import doc_message
+    from kvserve.server.routing.embedder import Embedder
+    from kvserve.server.routing.semantic_cache import SemanticCache
+
+    cache = SemanticCache(SQLiteBackend(tmp_path / "c.db"), Embedder(), CacheOptions())
+
+    def plan(text: str):
+        return make_plan(chat(text, temperature=0), "m", "k", cache.options)
+
+    wrong = []
+    for doc, questions in OWN_DOCUMENTS:
+        for q in questions:
+            p = plan(doc_message(doc, q))
+            hit = asyncio.run(cache.lookup(p))
+            if hit is not None:
+                wrong.append((q, hit.entry.query, round(hit.similarity, 3)))
+            cache.store(p, f"answer to {q}", "stop", 10, 2)
+    assert not wrong, wrong
+    found = []
+    for first, second in OWN_PARAPHRASES:
+        p = plan(first)
+        assert asyncio.run(cache.lookup(p)) is None        # (the lookup embeds it: stored with its vector)
+        cache.store(p, f"answer to {first}", "stop", 10, 2)
+        hit = asyncio.run(cache.lookup(plan(second)))
+        assert hit is None or hit.entry.query == p.query
+        found.append(hit is not None)
+    assert all(found[:6]) and sum(found) >= 6, found
+    cache.close()
+
+
+def test_documented_defaults_are_the_code_defaults():
+    """docs/routing.md states the cache's defaults (chosen from BENCHMARKS.md, issue 47): they are the code's."""
+    import json
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "routing.md").read_text()
+    block = re.search(r'"semantic_cache": (\{.*?\})\}', text, re.DOTALL).group(1)
+    documented = json.loads(block)
+    defaults = CacheOptions()
+    assert {k: getattr(defaults, k) for k in documented} == documented
+    assert {"threshold", "verify", "sampled_min_logprob"} <= set(documented)
+
+    from kvserve.errors import InvalidRequest
+
+    assert CacheOptions.from_dict({"sampled_min_logprob": -2}).sampled_min_logprob == -2.0
+    assert CacheOptions.from_dict({"sampled_min_logprob": None}).sampled_min_logprob is None   # the exact rule
+    for bad in (0.5, "low", True):
+        with pytest.raises(InvalidRequest, match="sampled_min_logprob"):
+            CacheOptions.from_dict({"sampled_min_logprob": bad})

@@ -10,6 +10,16 @@
 run so earlier entries do not count) and reports, per set, how many requests came from the cache
 (`x-kvserve-cache`), how many of those the model verified whole, and the *false hits*: answers
 that differ from the model's own answer to the same request with `"cache": false`.
+
+`calibrate(llm, ...)` chooses the sampled requests' likelihood threshold (the cache's
+`sampled_min_logprob`, spec_decode/rejection.py): offline, with the model, it samples a stored answer
+for each question and scores, token by token, how likely the model finds a stored answer under
+another request's prompt (raw logprobs, one prefill each). Pairs are *other* (a question about the
+same document given another question's answer; the second of a near miss given the first's) or
+*same* (a paraphrase given the first wording's answer; a question given another sample of its own
+answer). The keys never let an *other* pair become a candidate; the threshold is measured as if they
+had, a second guard. A stored answer is served whole at threshold t when its least likely token's
+logprob is >= t.
 """
 
 from __future__ import annotations
@@ -131,9 +141,107 @@ def run(base_url: str, max_tokens: int = 48, limit: int = 100) -> dict:
     return report
 
 
+THRESHOLDS = (-0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -5.0, -6.0, -8.0, -10.0)
+
+
+def _pairs() -> tuple[list[str], list[tuple[int, int, str]]]:
+    """Every question once, and (asker, owner of the stored answer, "other"|"same") index pairs."""
+    questions: list[str] = []
+    pairs: list[tuple[int, int, str]] = []
+    for doc, qs in DOCUMENTS:
+        ids = list(range(len(questions), len(questions) + len(qs)))
+        questions += [doc_message(doc, q) for q in qs]
+        pairs += [(a, b, "other") for a in ids for b in ids if a != b]
+    for first, second in NEAR_MISSES:
+        questions += [first, second]
+        pairs.append((len(questions) - 1, len(questions) - 2, "other"))
+    for first, second in PARAPHRASES:
+        questions += [first, second]
+        pairs += [(len(questions) - 1, len(questions) - 2, "same"), (len(questions) - 2, len(questions) - 2, "same")]
+    return questions, pairs
+
+
+def _score(llm, seqs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+    """The raw logprob of each answer token after its prompt, as the cache's check computes it: the
+    answer rides as the request's own draft, every token kept (threshold -1e9), one forward each
+    (prompt logprobs would put every prompt position through the lm head). A token whose
+    probability underflows is not kept: it and the rest score -100."""
+    import time as _time
+
+    from kvserve import SamplingParams
+    from kvserve.engine.messages import EngineCoreRequest
+
+    core = llm.engine.core
+    got: dict[str, list] = {}
+    for i, (prompt, ans) in enumerate(seqs):
+        params = SamplingParams(temperature=1.0, max_tokens=len(ans) + 1, logprobs=0, ignore_eos=True)
+        core.add_request(EngineCoreRequest(request_id=f"score{i}", prompt_token_ids=prompt, sampling_params=params,
+                                           arrival_time=_time.monotonic(), draft_token_ids=ans,
+                                           draft_min_logprob=-1e9))
+        got[f"score{i}"] = []
+    left = set(got)
+    while left:
+        for o in core.step().outputs:
+            got[o.request_id] += list(zip(o.new_token_ids, o.new_logprobs or []))
+            if o.finish_reason:
+                left.discard(o.request_id)
+    out = []
+    for i, (_, ans) in enumerate(seqs):
+        row = []
+        for j, t in enumerate(ans):
+            tok, lp = got[f"score{i}"][j] if j < len(got[f"score{i}"]) else (None, None)
+            if tok != t:
+                row += [-100.0] * (len(ans) - j)
+                break
+            row.append(lp.logprob)
+        out.append(row)
+    return out
+
+
+def calibrate(llm, temperature: float = 0.7, max_tokens: int = 32, seed: int = 0) -> dict:
+    """Per threshold: the share of *other* and *same* pairs whose stored answer would be served whole,
+    and the mean share of the answer's tokens kept. Also each pair's least likely token (module docstring)."""
+    from kvserve import SamplingParams
+
+    tok = llm.get_tokenizer()
+    questions, pairs = _pairs()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True) for q in questions]
+    sample = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i) for i in range(len(prompts))]
+    stored = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sample,
+                                                            use_tqdm=False)]
+    # a second sample of each question's own answer (seeded apart): the "same" pair (a, a) scores it
+    again = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=10_000 + seed + i)
+             for i in range(len(prompts))]
+    second = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], again,
+                                                            use_tqdm=False)]
+    seqs = [(prompts[a], list(second[a] if a == b else stored[b])) for a, b, _ in pairs]
+    lps = _score(llm, seqs)
+    report: dict = {"temperature": temperature, "max_tokens": max_tokens, "pairs": {}, "thresholds": {}}
+    for kind in ("other", "same"):
+        mine = [lp for lp, (_, _, k) in zip(lps, pairs) if k == kind and lp]
+        report["pairs"][kind] = {"n": len(mine), "min_logprob_p50": round(statistics.median(min(x) for x in mine), 2),
+                                 "mean_logprob_p50": round(statistics.median(sum(x) / len(x) for x in mine), 2)}
+        for t in THRESHOLDS:
+            kept = [next((j for j, v in enumerate(x) if v < t), len(x)) / len(x) for x in mine]
+            report["thresholds"].setdefault(str(t), {})[kind] = {
+                "served_whole": round(sum(k == 1.0 for k in kept) / len(mine), 3),
+                "tokens_kept": round(sum(kept) / len(mine), 3)}
+    report["records"] = [{"asker": questions[a][-60:], "answer_of": questions[b][-60:], "kind": k,
+                          "answer": tok.decode(ans), "min_logprob": round(min(x), 2) if x else None}
+                         for (a, b, k), (_, ans), x in zip(pairs, seqs, lps)]
+    return report
+
+
 if __name__ == "__main__":
     import json
     import sys
 
     # python -m kvserve.bench.semantic_heldout URL [max_tokens] [limit]
-    print(json.dumps(run(sys.argv[1], *(int(a) for a in sys.argv[2:])), indent=1))
+    # python -m kvserve.bench.semantic_heldout --calibrate [temperature] [max_tokens]
+    if sys.argv[1] == "--calibrate":
+        from kvserve import LLM
+
+        print(json.dumps(calibrate(LLM(), *(float(a) for a in sys.argv[2:3]), *(int(a) for a in sys.argv[3:4])),
+                         indent=1))
+    else:
+        print(json.dumps(run(sys.argv[1], *(int(a) for a in sys.argv[2:])), indent=1))

@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import cycle, islice
 
 import httpx
 import numpy as np
@@ -54,12 +55,15 @@ class ServeConfig:
     conversation_writers: int = 0          # loops appending to saved conversations during the load
     response_format: dict | None = None    # sent with every request (structured output)
     new_schema_per_request: bool = False   # a distinct json_schema each time (compile not cached)
+    repeat_ratio: float = 0.0              # this share of the requests (the last ones) repeat earlier prompts
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("chat", "completions"):
             raise InvalidRequest("endpoint must be chat or completions", param="endpoint")
         if not 0.0 <= self.range_ratio < 1.0:
             raise InvalidRequest("--range-ratio must be in [0, 1)", param="range_ratio")
+        if not 0.0 <= self.repeat_ratio < 1.0:
+            raise InvalidRequest("--repeat-ratio must be in [0, 1)", param="repeat_ratio")
         if self.request_rate <= 0:
             raise InvalidRequest("--request-rate must be > 0 (inf sends all at once)", param="request_rate")
         for k in self.goodput:
@@ -172,7 +176,9 @@ def calculate_metrics(results: list[RequestResult], duration_s: float, goodput: 
 
 def sample_requests(tokenizer, cfg: ServeConfig) -> list[BenchRequest]:
     """Prompts of the requested token lengths, cut at seeded random offsets of the held-out corpus
-    (different text per request, so no two prompts share a cacheable prefix)."""
+    (different text per request, so no two prompts share a cacheable prefix). With `repeat_ratio`
+    the last round(ratio * n) requests repeat the first ones in order, word for word (a workload
+    with repeats: the semantic cache's; each repeat is sent after its original)."""
     from kvserve.train.data import load_corpus, split_documents
 
     text = "\n\n".join(split_documents(load_corpus())[1])
@@ -197,6 +203,10 @@ def sample_requests(tokenizer, cfg: ServeConfig) -> list[BenchRequest]:
             piece = piece[:-1]
             prompt = tokenizer.decode(piece)
         out.append(BenchRequest(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), n_out))
+    repeats = round(cfg.repeat_ratio * cfg.num_prompts)
+    if repeats:
+        first = out[:cfg.num_prompts - repeats]
+        out = first + [BenchRequest(r.prompt, r.prompt_len, r.output_len) for r in islice(cycle(first), repeats)]
     return out
 
 

@@ -34,6 +34,8 @@ def serve_command(
     input_len: int = typer.Option(128, "--input-len", min=1, help="Prompt tokens."),
     output_len: int = typer.Option(128, "--output-len", min=1, help="Output tokens (EOS ignored where supported)."),
     range_ratio: float = typer.Option(0.0, help="Draw lengths uniformly from len*[1-r, 1+r] (0: fixed)."),
+    repeat_ratio: float = typer.Option(0.0, help="This share of the requests (the last) repeat earlier prompts word "
+                                       "for word: a workload for the semantic cache (use a small --concurrency)."),
     seed: int = typer.Option(0),
     goodput: Annotated[list[str] | None, typer.Option(help="SLOs in ms for goodput: ttft:500 tpot:100 e2el:20000.")] = None,
     threads: int = typer.Option(2, min=1, help="CPU threads for launched servers."),
@@ -71,6 +73,7 @@ def serve_command(
         cfg = ServeConfig(num_prompts=num_prompts, concurrency=concurrency, request_rate=request_rate,
                           burstiness=burstiness, input_len=input_len, output_len=output_len,
                           range_ratio=range_ratio, endpoint=endpoint, seed=seed, goodput=parse_goodput(goodput),
+                          repeat_ratio=repeat_ratio,
                           conversation_writers=conversation_writers,
                           response_format=json.loads(Path(response_format[1:]).read_text() if response_format
                                                      and response_format.startswith("@") else response_format)

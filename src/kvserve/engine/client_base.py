@@ -64,9 +64,11 @@ class EngineClient(EngineInfoView):
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None, cache_salt_from: int = 0,
                        prompt: str | None = None, lora_name: str | None = None,
-                       draft_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+                       draft_token_ids: list[int] | None = None,
+                       draft_min_logprob: float | None = None) -> AsyncIterator[RequestOutput]:
         """`draft_token_ids`: a continuation to verify as draft tokens (EngineCoreRequest.draft_token_ids;
-        one sequence only, ids inside the vocabulary)."""
+        one sequence only, ids inside the vocabulary); `draft_min_logprob`: a sampled request keeps
+        them by likelihood (EngineCoreRequest.draft_min_logprob)."""
         self.health()
         if request_id in self.outputs.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
@@ -78,6 +80,7 @@ class EngineClient(EngineInfoView):
         vocab = self.inputs.info.vocab_size
         if draft_token_ids and len(reqs) == 1 and all(0 <= t < vocab for t in draft_token_ids):
             reqs[0].draft_token_ids = list(draft_token_ids[:params.max_tokens or None])
+            reqs[0].draft_min_logprob = draft_min_logprob
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         self.outputs.add(request_id, prompt, reqs)

@@ -51,6 +51,9 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True):
     # A continuation the caller expects (a semantic-cache answer): scheduled behind the prompt's last
     # chunk as draft tokens and verified by the rejection sampler; the output is the model's own.
     draft_token_ids: list[int] | None = None
+    # With draft_token_ids, a sampled request keeps a draft token while the model's raw logprob of it
+    # is >= this (spec_decode/rejection.py); None: the exact rejection rule.
+    draft_min_logprob: float | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

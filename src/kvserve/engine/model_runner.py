@@ -262,8 +262,9 @@ class ModelRunner:
     def _verify(self, logits: torch.Tensor, spec: list[tuple[Request, list[int], int]],
                 out: ModelRunnerOutput) -> None:
         """Speculating requests: accepted drafts plus one token each (spec_decode/rejection.py)."""
-        rows = [SpecRow(SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator), d, first)
-                for r, d, first in spec]
+        rows = [SpecRow(SamplingRequest(r.params, r.prompt_token_ids, r.output_token_ids, r.generator), d, first,
+                        min_logprob=r.draft_min_logprob if r.supplied_draft is not None else None)
+                for r, d, first in spec]     # (a request with its own draft pending has no proposer's: own_draft.py)
         grammar = {i: self.grammar.draft_bitmask(r.grammar, d) for i, (r, d, _) in enumerate(spec)
                    if r.grammar_active}
         tokens, lps = verify(self.sampler, logits, rows, [r.params.logprobs or 0 for r, _, _ in spec], grammar)

@@ -54,6 +54,7 @@ class Request:
     step_logprobs: list = field(default_factory=list)   # this step's TokenLogprobs (update_from_output)
     lora: Any = None                            # model.lora.LoRAAdapter this request runs under (None: base)
     supplied_draft: list[int] | None = None     # the expected continuation (draft_token_ids), until it diverges
+    draft_min_logprob: float | None = None      # ... verified by likelihood when sampled (rejection.py)
 
     @property
     def grammar_active(self) -> bool:
@@ -69,7 +70,8 @@ class Request:
                    req.cache_salt, make_generator(req.seed, device), req.wait_for, req.want_prompt_logprobs,
                    room if p.max_tokens is None else min(room, p.max_tokens),
                    cache_salt_from=req.cache_salt_from,
-                   supplied_draft=list(req.draft_token_ids) if req.draft_token_ids else None)
+                   supplied_draft=list(req.draft_token_ids) if req.draft_token_ids else None,
+                   draft_min_logprob=req.draft_min_logprob)
 
     def supplied_drafts(self) -> list[int]:
         """The rest of the supplied continuation while the output still follows it (each verified

@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvserve.engine import own_draft
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.messages import (
     EngineCoreOutput,
@@ -121,8 +122,7 @@ class Scheduler:
         self.waiting.sort(key=lambda r: r.sort_key)
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         decodes = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
-        drafts = (self.spec.propose(decodes, self.cost) if self.spec is not None and self.spec.step_on(len(decodes))
-                  else None)
+        drafts = own_draft.propose(self.spec, decodes, self.cost)
         for i, req in enumerate(decodes):
             self._schedule_running(out, budget, req, req.num_tokens - req.num_computed_tokens,
                                    drafts[i] if drafts else ())
@@ -202,14 +202,11 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: StepBudget, req: Request, n: int,
                           drafts: Sequence[int] = ()) -> None:
         """n tokens of req (plus its draft tokens, speculative decoding, as far as the budget goes;
-        the request's own draft_token_ids take the proposer's place: `_own_drafts`)."""
+        the request's own draft_token_ids take the proposer's place: own_draft.py)."""
         n = min(n, budget.tokens)
         if n <= 0 or req.status != Status.RUNNING:     # (preempted earlier in this step)
             return
-        own = self._own_drafts(req, req.num_computed_tokens, n)
-        supplied = bool(own)
-        drafts = own or drafts
-        drafts = list(drafts[:budget.tokens - n])
+        drafts, supplied = own_draft.place(req, req.num_computed_tokens, n, drafts, budget.tokens - n)
         while not self.kv.allocate_slots(req, n + len(drafts)):
             if drafts:                                  # drafts never preempt anyone
                 drafts = []
@@ -222,14 +219,6 @@ class Scheduler:
         entry.supplied_draft = supplied and bool(drafts)
         out.scheduled.append(entry)
         budget.tokens -= n + len(drafts)
-
-    @staticmethod
-    def _own_drafts(req: Request, start: int, n: int) -> list[int]:
-        """A request's own draft (a semantic-cache answer) rides on the step that computes its last
-        known token, the prompt's last chunk included: the drafts are verified in the same forward."""
-        if req.supplied_draft is None or start + n != req.num_tokens:
-            return []
-        return req.supplied_drafts()
 
     def _entry(self, req: Request, n: int, out: SchedulerOutput, drafts: list[int] | None = None) -> ScheduledRequest:
         entry = ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id), drafts or [],
@@ -289,7 +278,7 @@ class Scheduler:
                     break
             else:
                 n = min(left, budget.tokens)
-            drafts = self._own_drafts(req, req.num_computed_tokens + cached, n)[:budget.tokens - n]
+            drafts, _ = own_draft.place(req, req.num_computed_tokens + cached, n, (), budget.tokens - n)
             if drafts and not self.kv.allocate_slots(req, n + len(drafts), computed):
                 drafts = []                             # drafts never take the pool's last blocks
             if not drafts and not self.kv.allocate_slots(req, n, computed):

@@ -15,9 +15,11 @@ distribution.
 
 A request may also bring its own draft (`EngineCoreRequest.draft_token_ids`: the semantic cache's
 stored answer, docs/routing.md): the scheduler puts it behind the step that computes the request's
-last known token, its prompt's last chunk included (`ScheduledRequest.supplied_draft`), in place of
-any proposer's, and the same `verify` keeps what the target agrees with. It needs no proposer, is
-not counted in the proposer's rates, and is dropped at the first token that differs.
+last known token, its prompt's last chunk included (`ScheduledRequest.supplied_draft`; the placement
+is engine/own_draft.py), in place of any proposer's, and the same `verify` keeps what the target
+agrees with (a sampled request by likelihood when it brings `draft_min_logprob`). It needs no
+proposer, is not counted in the proposer's rates, and is dropped at the first token that differs;
+while it is pending the proposer is not asked for that request.
 
 Modules: `config.py` (what the user asked for, checked at startup), `proposer.py` (the `Proposer`
 interface and the n-gram prompt-lookup proposer), `draft.py` (the draft-model proposer, its own

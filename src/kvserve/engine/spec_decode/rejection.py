@@ -14,6 +14,14 @@ penalties and min_tokens see the drafts before it as output), so:
   n-gram proposer's q_j is a point mass on d_j, so d_j is accepted with probability p_j(d_j), and
   on rejection the replacement is drawn from (p_j - q_j)+ normalised, i.e. p_j without d_j. Each
   emitted token is then distributed exactly as p_j. A draft model's q passes through `draft_probs`.
+- sampled, with a likelihood threshold (`SpecRow.min_logprob`: only a request's own draft, the
+  semantic cache's `sampled_min_logprob`): d_j is kept while the model's raw log-probability of it
+  (the logprob reported to clients, before temperature) is >= the threshold *and* the request's
+  own sampling could draw it (p_j(d_j) > 0: inside top_k/top_p/min_p, allowed by a grammar); the
+  first token that fails is replaced by a plain draw from p_j and decoding goes on. Deterministic
+  given the logits: a stored answer whose every token the model finds likely is served whole. The
+  answer is then a likely one, not one distributed exactly as a miss's (the exact rule above is
+  what `min_logprob` None keeps).
 
 Logprobs are always the target's raw ones (log_softmax of the unprocessed row), as without drafts.
 """
@@ -37,6 +45,7 @@ class SpecRow:
     drafts: list[int]
     first_row: int
     draft_probs: torch.Tensor | None = None     # [k, V] a draft model's q (None: point masses)
+    min_logprob: float | None = None            # sampled: keep drafts by likelihood, not by chance (docstring)
 
 
 def _draw(probs: torch.Tensor, u: float) -> int:
@@ -55,9 +64,23 @@ def _accept(drafts: list[int], best: list[int]) -> list[int]:
     return drafts + [best[len(drafts)]]
 
 
-def _reject_sample(probs: torch.Tensor, row: SpecRow, u: list[list[float]]) -> list[int]:
+def _likely(probs: torch.Tensor, drafts: list[int], draft_lps: list[float], min_logprob: float,
+            u: list[list[float]]) -> list[int]:
+    """Sampled, threshold mode: drafts while their raw logprob clears `min_logprob` and the request's
+    sampling could draw them, then a plain draw from that row (the bonus draw after them all)."""
+    for j, d in enumerate(drafts):
+        if draft_lps[j] < min_logprob or float(probs[j][d]) <= 0.0:
+            return drafts[:j] + [_draw(probs[j], u[j][1])]
+    return drafts + [_draw(probs[len(drafts)], u[len(drafts)][1])]
+
+
+def _reject_sample(probs: torch.Tensor, row: SpecRow, u: list[list[float]],
+                   draft_lps: list[float] | None = None) -> list[int]:
     """Sampled: p_j(d)/q_j(d) acceptance, the residual draw on the first rejection, else the bonus draw.
-    `u`: two uniforms per row (acceptance, draw)."""
+    `u`: two uniforms per row (acceptance, draw). With `row.min_logprob` (and `draft_lps`, the raw
+    logprob of each draft) the threshold rule instead (`_likely`)."""
+    if row.min_logprob is not None and draft_lps is not None:
+        return _likely(probs, row.drafts, draft_lps, row.min_logprob, u)
     out: list[int] = []
     for j, d in enumerate(row.drafts):
         pj = probs[j]
@@ -91,6 +114,15 @@ def _uniforms(rows: list[SpecRow], dev: torch.device) -> list[list[list[float]]]
         out.append(shared[i:i + m] if g is None else torch.rand(m, 2, generator=g, device=g.device).tolist())
         i += m
     return out
+
+
+def _draft_logprobs(raw: torch.Tensor, start: int, row: SpecRow) -> list[float] | None:
+    """The model's raw log-probability of each draft (rows start.. of `raw`), for the threshold rule."""
+    if row.min_logprob is None or not row.drafts:
+        return None
+    k = len(row.drafts)
+    ids = torch.tensor(row.drafts, device=raw.device).view(k, 1)
+    return torch.log_softmax(raw[start:start + k], dim=-1).gather(1, ids).view(k).tolist()
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SpecRow], num_top: list[int],
@@ -131,7 +163,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SpecRow], num_top:
         if row.sreq.params.greedy:
             toks = _accept(row.drafts, best[start:start + m])
         else:
-            toks = _reject_sample(probs[start:start + m], row, u[iu])
+            toks = _reject_sample(probs[start:start + m], row, u[iu], _draft_logprobs(raw, start, row))
             iu += 1
         tokens.append(toks)
         want = row.sreq.params.logprobs is not None

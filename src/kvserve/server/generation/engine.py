@@ -54,9 +54,11 @@ class ModelHandle:
 
     def generate(self, token_ids: list[int], params: SamplingParams, request_id: str, *, priority: int,
                  cache_salt: str | None, prompt: str | None, cache_salt_from: int,
-                 draft_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+                 draft_token_ids: list[int] | None = None,
+                 draft_min_logprob: float | None = None) -> AsyncIterator[RequestOutput]:
         return self.client.generate(token_ids, params, request_id, priority=priority, cache_salt=cache_salt,
-                                    prompt=prompt, cache_salt_from=cache_salt_from, draft_token_ids=draft_token_ids)
+                                    prompt=prompt, cache_salt_from=cache_salt_from, draft_token_ids=draft_token_ids,
+                                    draft_min_logprob=draft_min_logprob)
 
     async def abort(self, request_id: str) -> None:
         await self.client.abort(request_id)

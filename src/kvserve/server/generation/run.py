@@ -106,11 +106,12 @@ async def _engine_outputs(gen: Generation, lease: Lease) -> AsyncIterator[tuple[
     model, salt = plan.model, plan.cache_scope
     assert plan.params is not None
     draft = plan.candidate.draft if plan.candidate is not None else None
+    min_lp = plan.candidate.min_logprob if plan.candidate is not None else None
     lease.streams = [model.generate(ps.prompt.token_ids, plan.params, ps.request_id, priority=plan.priority,
                                     cache_salt=salt.salt, prompt=ps.prompt.text,
                                     cache_salt_from=scope.shared_prefix(model.tokenizer, ps.prompt.token_ids,
                                                                         salt.client_salt),
-                                    draft_token_ids=draft if i == 0 else None)
+                                    draft_token_ids=draft if i == 0 else None, draft_min_logprob=min_lp)
                      for i, ps in enumerate(gen.prompts)]
     lease.started = True
     if len(lease.streams) == 1:

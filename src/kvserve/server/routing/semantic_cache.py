@@ -32,9 +32,12 @@ engine like a miss, with the stored answer's tokens as its draft (EngineCoreRequ
 draft_token_ids). The engine verifies them as it verifies speculative drafts, in one forward after
 the prompt's prefill: a greedy request keeps the longest prefix that is exactly its own greedy
 continuation (so a hit is token for token what a miss gives) and decodes on from there; a sampled
-request goes through the exact rejection rule (each token kept with the model's probability of
-it), so what it gets is distributed exactly as a miss's answer. A seeded sampled request takes no
-draft (its tokens must not depend on the cache). `verify: false` serves the stored text without
+request keeps the stored tokens while each is likely enough under the model (raw logprob >=
+`sampled_min_logprob`, and drawable by its own sampling), then decodes on; with
+`sampled_min_logprob` None it goes through the exact rejection rule instead (each token kept with
+the model's probability of it: distributed exactly as a miss's answer, rarely kept whole). The
+default threshold is calibrated on held-out pairs (bench/semantic_heldout.calibrate,
+docs/routing.md). A seeded sampled request takes no draft (its tokens must not depend on the cache). `verify: false` serves the stored text without
 the model (the previous behaviour: a wrong hit is a wrong answer).
 
 Storage is a `CacheBackend`: the default keeps entries in SQLite on disk (semantic_cache.db in
@@ -80,13 +83,18 @@ class CacheOptions:
     shared: bool = False            # share answers across API keys
     head: str = "default"           # the embedding head: "default", "none" (raw MiniLM), or an npz path
     verify: bool = True             # the model checks a candidate answer before it is served (docstring)
+    sampled_min_logprob: float | None = -3.0   # sampled requests: keep stored tokens by likelihood (docstring)
 
     @classmethod
     def from_dict(cls, d: dict) -> CacheOptions:
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise InvalidRequest(f"semantic_cache: unknown option(s) {sorted(unknown)}", param="semantic_cache")
-        return cls(**d)
+        lp = d.get("sampled_min_logprob", cls.sampled_min_logprob)
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int | float) or not lp <= 0):
+            raise InvalidRequest("semantic_cache: sampled_min_logprob must be a logprob (a number <= 0) or null",
+                                 param="semantic_cache")
+        return cls(**{**d, "sampled_min_logprob": None if lp is None else float(lp)})
 
 
 @dataclass
@@ -235,6 +243,7 @@ class Hit:
     lookup_ms: float = 0.0
     trace: dict = field(default_factory=dict)
     draft: list[int] | None = None      # the token ids offered to the engine (None: served without it)
+    min_logprob: float | None = None    # a sampled request keeps them by likelihood (`sampled_min_logprob`)
 
     def trace_fields(self, now: float) -> dict:
         return {"matched_query": self.entry.query, "similarity": round(self.similarity, 4),

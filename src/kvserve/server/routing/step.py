@@ -156,6 +156,7 @@ class RoutingStep:
             return None, plan
         self.cache_queries.labels(model_name, "hit").inc()
         self.cache_hits.labels(model_name).inc()
+        hit.min_logprob = options.sampled_min_logprob
         return hit, (plan if options.verify else None)
 
     def store(self, gen: Generation, plan: CachePlan | None, status: int) -> None:
