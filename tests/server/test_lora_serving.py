@@ -193,13 +193,13 @@ def test_another_keys_adapter_cannot_be_used_or_probed_by_name(lora_server):
         return httpx.request(method, url + path.format(model=model), headers={"Authorization": f"Bearer {key}"},
                              json=None if body is None else {**body, field: model}, timeout=120)
 
-    with adapter_of(lora_server, "carol") as carol:
+    with adapter_of(lora_server, "dave") as dave:
         for method, path, probe in PROBES:
             theirs, missing = ask(method, path, probe, "late", USER), ask(method, path, probe, "gone", USER)
             assert theirs.status_code == missing.status_code and theirs.status_code >= 400, (path, theirs.text)
             assert same_but_ids(theirs.text.replace("late", "gone"), missing.text), (path, theirs.text, missing.text)
         for probe in PROBES:
             if probe[1] in ("/tokenize", "/detokenize"):
-                mine = ask(*probe, "late", carol)
+                mine = ask(*probe, "late", dave)
                 assert mine.status_code == 200, mine.text
                 assert mine.json().get("model", "late") == "late"
