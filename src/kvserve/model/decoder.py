@@ -26,6 +26,8 @@ steps the C code does not handle).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,6 +41,8 @@ from kvserve.model.lora import LoRABatch
 from kvserve.model.moe import build_moe
 from kvserve.model.ops import Step, TorchOps
 from kvserve.model.rope import RotaryEmbedding, rope_inv_freq  # noqa: F401 - rope_inv_freq: re-exported
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -274,7 +278,7 @@ class DecoderLM(nn.Module):
             bias = None
             if bias_names and all(b in w for b in bias_names):
                 bias = torch.cat([w[b].float() for b in bias_names])
-            return make_linear(src, bias, weight_format, backend=backend)
+            return _noted(make_linear(src, bias, weight_format, backend=backend), src)
 
         def norm(name: str) -> RMSNorm:   # Gemma's norms scale by (1 + w): fold the 1 in once
             if name not in w:
@@ -321,10 +325,11 @@ class DecoderLM(nn.Module):
                 lm_head = embed
             else:
                 head_src = emb_src if isinstance(emb_src, WeightSource) else WeightSource(tuple(embed.shape), embed)
-                lm_head = make_linear(head_src, None, weight_format, backend=backend)
+                lm_head = _noted(make_linear(head_src, None, weight_format, backend=backend), head_src)
         else:
-            lm_head = make_linear(head_src, None, weight_format, backend=backend)
+            lm_head = _noted(make_linear(head_src, None, weight_format, backend=backend), head_src)
         model = cls(cfg, embed, layers, norm("model.norm.weight"), lm_head, backend)
+        logger.info("%s", backend.describe_model(model))
         if isinstance(lm_head, DenseLinear) and lm_head.weight.dtype == torch.float32 and (
                 cfg.tie_word_embeddings or "lm_head.weight" not in w):
             model.lm_head.weight = model.embed_tokens   # tied: one parameter, not a copy
@@ -357,6 +362,15 @@ class DecoderLM(nn.Module):
         if not cfg.tie_word_embeddings:
             sd["lm_head.weight"] = self.lm_head.weight.detach()
         return {k: t.float().contiguous() for k, t in sd.items()}
+
+
+def _noted(lin: Linear, src: WeightSource | torch.Tensor) -> Linear:
+    """A dense projection remembers its weights' file format, for the start-up line's "why"
+    (KernelBackend.slow_paths): "Q6_K" (a GGUF type without a packed variant) or a dtype."""
+    if isinstance(lin, DenseLinear):
+        raw = getattr(src, "raw", None) is not None
+        lin.source_format = src.qtype.name if raw else str(getattr(src, "tensor", src).dtype).replace("torch.", "")
+    return lin
 
 
 def random_hf_weights(cfg: ModelConfig, g: torch.Generator, std: float = 0.02) -> dict:
