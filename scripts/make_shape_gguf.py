@@ -28,7 +28,8 @@ def vocab(n: int) -> list[str]:
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     alphabet = sorted(ByteLevel.alphabet())
-    return specials + alphabet + [f"x{i}" for i in range(n - len(specials) - len(alphabet))]
+    tokens = specials + alphabet + ["Ġt", "he"]
+    return tokens + [f"x{i}" for i in range(n - len(tokens))]
 
 
 def write(path: str, shape: str, qtype: str = "Q4_1", n_vocab: int = VOCAB, seed: int = 0) -> None:
