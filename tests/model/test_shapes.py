@@ -193,3 +193,21 @@ def test_gguf_rope_metadata_becomes_the_hf_scaling(tmp_path, rope, expect):
         assert cfg.rope_scaling["rope_type"] == "freq_factors" and len(cfg.rope_scaling["factors"]) == 64
     else:
         assert cfg.rope_scaling == expect
+
+
+# ---- sampling over a large vocabulary ----------------------------------------------------------
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 20.0])   # flat (past 4,096 candidates), medium, peaked
+def test_top_p_over_a_128k_vocabulary_matches_a_full_sort(scale):
+    """top_p widens its candidates (256, then 4,096, then the full sort) only as far as needed, and
+    keeps exactly the tokens a full sort of the vocabulary keeps."""
+    from kvserve.engine.sampler import _top_p
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 128256, generator=g) * scale
+    top_p = [0.95, 0.5, 0.999]
+    vals = logits.sort(dim=-1, descending=True).values
+    probs = (vals - logits.logsumexp(dim=-1, keepdim=True)).exp()
+    keep = ((probs.cumsum(dim=-1) - probs) < torch.tensor(top_p)[:, None]).sum(dim=-1, keepdim=True)
+    expect = logits.masked_fill(logits < vals.gather(1, keep - 1), float("-inf"))
+    assert torch.equal(_top_p(logits, top_p), expect)
