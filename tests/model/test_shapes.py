@@ -44,16 +44,16 @@ def model(request, tmp_path_factory):
     return load_model(str(path), backend=BACKEND).model
 
 
-def _greedy(model, backend: KernelBackend, prompt: list[int], n: int, chunks: list[int] | None = None
-            ) -> tuple[list[int], list[torch.Tensor]]:
+def _greedy(model, backend: KernelBackend, prompt: list[int], n: int, chunks: list[int] | None = None,
+            kv_dtype: torch.dtype = torch.float16) -> tuple[list[int], list[torch.Tensor]]:
     """Prefill `prompt` (in `chunks`, default one) then decode greedily: the argmax at every prompt
     position (one chunk only) and the n decoded tokens, and every decode step's logits row. The
     fp16 KV cache is the engine's default."""
     cfg = model.config
     blocks = (len(prompt) + n) // BLOCK + 1
     table = list(range(blocks))[::-1]   # blocks out of order, as the engine's pool hands them
-    kv = [torch.zeros(cache_shape(blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim, torch.float16),
-                      dtype=torch.float16) for _ in range(cfg.num_hidden_layers)]
+    kv = [torch.zeros(cache_shape(blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim, kv_dtype),
+                      dtype=kv_dtype) for _ in range(cfg.num_hidden_layers)]
     base = model.backend
     model.backend = backend
     tokens, logits, done = [], [], 0
@@ -103,13 +103,14 @@ def test_greedy_matches_the_reference_path(model):
 
 
 @needs_kernels
-def test_chunked_prompt_gives_the_same_bits(model):
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.int8])
+def test_chunked_prompt_gives_the_same_bits(model, kv_dtype):
     """Batch invariance on these shapes: a prompt in chunks (tiles of the head size's vector
     attention beside lone queries) gives the one-chunk logits bit for bit."""
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, model.config.vocab_size, (37,), generator=g).tolist()
-    whole, whole_logits = _greedy(model, BACKEND, prompt, 4)
-    parts, parts_logits = _greedy(model, BACKEND, prompt, 4, chunks=[3, 17, 1, 16])
+    whole, whole_logits = _greedy(model, BACKEND, prompt, 4, kv_dtype=kv_dtype)
+    parts, parts_logits = _greedy(model, BACKEND, prompt, 4, chunks=[3, 17, 1, 16], kv_dtype=kv_dtype)
     assert whole[-4:] == parts
     assert all(torch.equal(a, b) for a, b in zip(whole_logits, parts_logits))
 

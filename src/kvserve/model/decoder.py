@@ -329,7 +329,9 @@ class DecoderLM(nn.Module):
         else:
             lm_head = _noted(make_linear(head_src, None, weight_format, backend=backend), head_src)
         model = cls(cfg, embed, layers, norm("model.norm.weight"), lm_head, backend)
-        logger.info("%s", backend.describe_model(model))
+        # a model the kernels could run but that is partly off their fast path says so louder (kvserve run shows warnings)
+        slow = backend.lib is not None and bool(backend.slow_paths(model))
+        logger.log(logging.WARNING if slow else logging.INFO, "%s", backend.describe_model(model))
         if isinstance(lm_head, DenseLinear) and lm_head.weight.dtype == torch.float32 and (
                 cfg.tie_word_embeddings or "lm_head.weight" not in w):
             model.lm_head.weight = model.embed_tokens   # tied: one parameter, not a copy
