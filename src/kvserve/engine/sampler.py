@@ -285,9 +285,13 @@ class Sampler:
         return torch.searchsorted(cdf, target, right=True).view(B).clamp_(max=V - 1)
 
 
-# top_p looks at the largest few hundred tokens first; only if their mass stays below p (a flat
-# distribution) does a row pay for a full sort of the vocabulary.
+# top_p looks at the largest few hundred tokens first, then at 16 times as many (a flat
+# distribution: high temperature); only if their mass still stays below p does a row pay for a
+# full sort of the vocabulary (28 ms for 128k logits on a loaded core, against 1.5 ms for the
+# top 4,096 and 0.3 ms for the top 256: a 128k or 256k vocabulary made that sort the longest part
+# of a sampled decode step).
 _TOP_P_CANDIDATES = 256
+_TOP_P_WIDEN = 16
 
 
 def _top_p(logits: torch.Tensor, top_p: list[float], num_candidates: int = _TOP_P_CANDIDATES) -> torch.Tensor:
@@ -297,13 +301,14 @@ def _top_p(logits: torch.Tensor, top_p: list[float], num_candidates: int = _TOP_
     p = torch.tensor(top_p, device=dev).unsqueeze(1)
     lse = logits.logsumexp(dim=-1, keepdim=True)
     kk = min(V, num_candidates)  # after top_k, the top k already hold all the mass
-    vals = logits.topk(kk, dim=-1).values  # descending
-    probs = (vals - lse).exp()
-    cum = probs.cumsum(dim=-1)
-    num_keep = ((cum - probs) < p).sum(dim=-1, keepdim=True)  # >= 1 since p > 0
-    if kk < V and bool((cum[:, -1:] < p).any()):  # the cutoff may lie past the candidates
-        vals = logits.sort(dim=-1, descending=True).values
+    while True:
+        # descending; the top kk of a full sort, so their prefix sums are the full sort's too
+        vals = logits.topk(kk, dim=-1).values if kk < V else logits.sort(dim=-1, descending=True).values
         probs = (vals - lse).exp()
-        num_keep = ((probs.cumsum(dim=-1) - probs) < p).sum(dim=-1, keepdim=True)
+        cum = probs.cumsum(dim=-1)
+        if kk == V or not bool((cum[:, -1:] < p).any()):   # else the cutoff may lie past the candidates
+            break
+        kk = kk * _TOP_P_WIDEN if kk == num_candidates and kk * _TOP_P_WIDEN * 8 <= V else V
+    num_keep = ((cum - probs) < p).sum(dim=-1, keepdim=True)  # >= 1 since p > 0
     cutoff = vals.gather(1, num_keep - 1)
     return logits.masked_fill(logits < cutoff, _NEG_INF)

@@ -26,10 +26,8 @@ steps the C code does not handle).
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
+import logging
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,6 +40,9 @@ from kvserve.model.linear import PACKED_FORMATS, DenseLinear, Linear, WeightSour
 from kvserve.model.lora import LoRABatch
 from kvserve.model.moe import build_moe
 from kvserve.model.ops import Step, TorchOps
+from kvserve.model.rope import RotaryEmbedding, rope_inv_freq  # noqa: F401 - rope_inv_freq: re-exported
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -66,54 +67,6 @@ class FeatureNorm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), None, self.eps)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    rs = cfg.rope_scaling
-    if not rs:
-        return inv_freq
-    kind = rs.get("rope_type", rs.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "freq_factors":   # GGUF's precomputed `rope_freqs.weight` (Llama 3.x)
-        return inv_freq / torch.tensor(rs["factors"], dtype=torch.float32)
-    if kind == "linear":
-        return inv_freq / rs["factor"]
-    if kind == "llama3":
-        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-        old = rs["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old / lo, inv_freq / factor, inv_freq)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
-        return torch.where(medium, smoothed, scaled)
-    raise ModelLoadError(f"unsupported rope scaling {kind!r}: kvserve supports default, linear and llama3")
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to the context length (HF's rotate-half layout).
-
-    The angles are HF's float32 products; their cos and sin are computed in float64 by numpy and
-    rounded once, so each entry is the float32 nearest the true value, whatever the process is
-    doing. torch's CPU cos/sin go through MKL's VML, and a VML call that races another thread's
-    first use of MKL (the sentence encoder loading beside the model) can run at VML's EP accuracy,
-    11 bits: one load in a few gave a table off by up to 1.5e-4 for its whole life, so every greedy
-    answer of that process differed (issue 53, BENCHMARKS.md)."""
-
-    def __init__(self, cfg: ModelConfig, theta: float | None = None):
-        super().__init__()
-        inv_freq = rope_inv_freq(cfg if theta is None else replace(cfg, rope_theta=theta, rope_scaling=None))
-        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)
-        angles = torch.cat([freqs, freqs], dim=-1).numpy().astype(np.float64)
-        self.register_buffer("cos", torch.from_numpy(np.cos(angles).astype(np.float32)), persistent=False)
-        self.register_buffer("sin", torch.from_numpy(np.sin(angles).astype(np.float32)), persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions], self.sin[positions]
 
 
 class DecoderLayer(nn.Module):
@@ -325,7 +278,7 @@ class DecoderLM(nn.Module):
             bias = None
             if bias_names and all(b in w for b in bias_names):
                 bias = torch.cat([w[b].float() for b in bias_names])
-            return make_linear(src, bias, weight_format, backend=backend)
+            return _noted(make_linear(src, bias, weight_format, backend=backend), src)
 
         def norm(name: str) -> RMSNorm:   # Gemma's norms scale by (1 + w): fold the 1 in once
             if name not in w:
@@ -372,10 +325,13 @@ class DecoderLM(nn.Module):
                 lm_head = embed
             else:
                 head_src = emb_src if isinstance(emb_src, WeightSource) else WeightSource(tuple(embed.shape), embed)
-                lm_head = make_linear(head_src, None, weight_format, backend=backend)
+                lm_head = _noted(make_linear(head_src, None, weight_format, backend=backend), head_src)
         else:
-            lm_head = make_linear(head_src, None, weight_format, backend=backend)
+            lm_head = _noted(make_linear(head_src, None, weight_format, backend=backend), head_src)
         model = cls(cfg, embed, layers, norm("model.norm.weight"), lm_head, backend)
+        # a model the kernels could run but that is partly off their fast path says so louder (kvserve run shows warnings)
+        slow = backend.lib is not None and bool(backend.slow_paths(model))
+        logger.log(logging.WARNING if slow else logging.INFO, "%s", backend.describe_model(model))
         if isinstance(lm_head, DenseLinear) and lm_head.weight.dtype == torch.float32 and (
                 cfg.tie_word_embeddings or "lm_head.weight" not in w):
             model.lm_head.weight = model.embed_tokens   # tied: one parameter, not a copy
@@ -408,6 +364,15 @@ class DecoderLM(nn.Module):
         if not cfg.tie_word_embeddings:
             sd["lm_head.weight"] = self.lm_head.weight.detach()
         return {k: t.float().contiguous() for k, t in sd.items()}
+
+
+def _noted(lin: Linear, src: WeightSource | torch.Tensor) -> Linear:
+    """A dense projection remembers its weights' file format, for the start-up line's "why"
+    (KernelBackend.slow_paths): "Q6_K" (a GGUF type without a packed variant) or a dtype."""
+    if isinstance(lin, DenseLinear):
+        raw = getattr(src, "raw", None) is not None
+        lin.source_format = src.qtype.name if raw else str(getattr(src, "tensor", src).dtype).replace("torch.", "")
+    return lin
 
 
 def random_hf_weights(cfg: ModelConfig, g: torch.Generator, std: float = 0.02) -> dict:

@@ -25,6 +25,7 @@ from kvserve.model.gguf_families import (
     gguf_family_fields,
 )
 from kvserve.model.linear import WeightSource
+from kvserve.model.rope import rope_scaling_from_gguf
 from kvserve.tokenizer.tokenizer import gguf_field as field
 
 GGUF_MAGIC = b"GGUF"
@@ -104,9 +105,7 @@ def config_from_gguf(reader, name: str = "") -> ModelConfig:
     n_head = int(req("attention.head_count"))
     hidden = int(req("embedding_length"))
     names = {t.name for t in reader.tensors}
-    rope_scaling = None
-    if field(reader, f"{arch}.rope.scaling.type") == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(field(reader, f"{arch}.rope.scaling.factor"))}
+    rope_scaling = rope_scaling_from_gguf(lambda k, d=None: field(reader, f"{arch}.{k}", d))
     eos = field(reader, "tokenizer.ggml.eos_token_id")
     n_layers = int(req("block_count"))
     family = gguf_family_fields(arch, lambda k, d=None: field(reader, f"{arch}.{k}", d), names, n_layers)

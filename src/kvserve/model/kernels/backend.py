@@ -248,6 +248,60 @@ class KernelBackend:
         mode = "batch-invariant" if self.batch_invariant else "batch-dependent numerics"
         return f"{head}, {mode}: {paths}, {attn}{fused}"
 
+    def slow_paths(self, model: torch.nn.Module) -> list[str]:
+        """What of `model` runs off the fast path on this backend, and why, one phrase each (e.g.
+        "layer 3 MLP down on the reference path: Q6_K weights are not packed"); empty when every
+        layer runs the whole-stack C forward and the LM head the int8 kernels."""
+        cfg = model.config
+        if self.lib is None:
+            return [f"every layer on the PyTorch path: {self.reason}"]
+        if not cfg.llama_attention:
+            return [f"every layer on the reference path: {_family_features(cfg)}"]
+        if not self.fused_forward:
+            return ["every layer on the reference path: the C forward is off (KVSERVE_FUSED_FORWARD=0)"]
+        from kvserve.model.kernels.cpu_ops import CpuOps, is_int8
+
+        first, n = model.layers[0], len(model.layers)
+        if not CpuOps.suits(model):
+            why = (f"head_dim {first.head_dim} is odd" if first.head_dim % 2 else
+                   f"{first.num_heads} heads are not a multiple of {first.num_kv_heads} KV heads")
+            return [f"every layer on the reference path: {why}"]
+        out: list[str] = []
+        groups: dict[str, list[int]] = {}
+        for i, layer in enumerate(model.layers):
+            if layer.mlp is not None:
+                groups.setdefault(f"MLP in PyTorch: {cfg.num_experts} experts", []).append(i)
+            for attr, what in _PROJECTIONS.items():
+                lin = getattr(layer, attr)
+                if lin is not None and not is_int8(lin):
+                    groups.setdefault(f"{what} on the reference path: {_unpacked(lin)}", []).append(i)
+        out += [f"{_layer_list(idx, n)} {what}" for what, idx in groups.items()]
+        if groups:
+            out.append("so every step runs layer by layer (C glue between projections), not as one C call")
+        if first.head_dim not in VECTOR_HEAD_DIMS:
+            out.append(f"every layer's attention on the generic C loop: head_dim {first.head_dim} has no vector kernel")
+        if not is_int8(model.lm_head):
+            out.append(f"LM head on the reference path: {_unpacked(model.lm_head)}")
+        return out
+
+    def describe_model(self, model: torch.nn.Module) -> str:
+        """The start-up line of a loaded model: its shape, and the fast path or what is off it."""
+        cfg = model.config
+        first = model.layers[0] if len(model.layers) else None
+        shape = [f"{len(model.layers)} layers", f"vocab {cfg.vocab_size}",
+                 "tied head" if cfg.tie_word_embeddings else "untied head"]
+        if first is not None:
+            shape.insert(1, f"head_dim {first.head_dim}")
+        if cfg.attention_bias:
+            shape.append("q/k/v bias")
+        if cfg.rope_scaling:
+            shape.append(f"rope {cfg.rope_scaling.get('rope_type', cfg.rope_scaling.get('type'))}")
+        head = f"kvserve model {cfg.name or cfg.architecture} ({', '.join(shape)})"
+        slow = self.slow_paths(model) if first is not None else ["no layers"]
+        if not slow:
+            return f"{head}: every layer and the LM head on the fast path (whole-stack C forward, int8 kernels)"
+        return f"{head}: " + "; ".join(slow)
+
     @contextmanager
     def f32_scratch(self, n: int) -> Iterator[torch.Tensor]:
         """This backend's reused fp32 buffer of n elements, held under its lock for the block."""
@@ -274,3 +328,40 @@ class KernelBackend:
             if CpuOps.suits(model):
                 return CpuOps(model, self)
         return TorchOps(model.rotary, self)
+
+
+# Head sizes cpu/kvserve_attention.cpp has vector code for (attend_rows / tile_rows: D / 8 lanes).
+VECTOR_HEAD_DIMS = (32, 64, 80, 96, 128)
+_PROJECTIONS = {"qkv_proj": "attention QKV", "o_proj": "attention output", "gate_up_proj": "MLP gate/up",
+                "down_proj": "MLP down"}
+
+
+def _unpacked(lin: torch.nn.Module) -> str:
+    """Why a projection is not on the int8 kernels: its weights' format (model.decoder records it)."""
+    return f"{getattr(lin, 'source_format', 'dense')} weights are not packed (fp32 matmul)"
+
+
+def _layer_list(idx: list[int], n: int) -> str:
+    if len(idx) == n:
+        return "every layer's"
+    if len(idx) == 1:
+        return f"layer {idx[0]}"
+    runs: list[str] = []
+    start = prev = idx[0]
+    for i in [*idx[1:], None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return "layers " + ", ".join(runs)
+
+
+def _family_features(cfg) -> str:
+    """The family feature(s) that keep a model off the C layer ops (config.llama_attention)."""
+    feats = [name for name, on in (
+        ("q/k norm", cfg.qk_norm), ("Gemma norms", cfg.gemma_norms), ("sliding-window layers",
+         "sliding_attention" in cfg.layer_types), ("attention soft-capping", cfg.attn_logit_softcapping),
+        ("final soft-capping", cfg.final_logit_softcapping), ("query_pre_attn_scalar", cfg.query_pre_attn_scalar)) if on]
+    return ", ".join(feats) or f"the {cfg.architecture} architecture"

@@ -69,7 +69,8 @@ class CpuStep(Step):
     long_seqs: tuple[tuple[int, int, int], ...] = ()
 
 
-def _int8(lin: torch.nn.Module) -> bool:
+def is_int8(lin: torch.nn.Module | None) -> bool:
+    """The projection runs the int8 kernels (packed GGUF weights with a C descriptor)."""
     return isinstance(lin, GGUFQuantLinear) and lin.desc is not None
 
 
@@ -91,7 +92,7 @@ class CpuOps(TorchOps):
         self.lib = backend.lib
         first = model.layers[0]
         # Every projection on the int8 kernels: the one-call forward is available.
-        self.packed = all(_int8(lin) for layer in model.layers for lin in _projections(layer))
+        self.packed = all(is_int8(lin) for layer in model.layers for lin in _projections(layer))
         self.max_tokens = backend.max_fused_tokens if self.packed else 0
         self.q_size, self.num_heads, self.head_dim = first.q_size, first.num_heads, first.head_dim
         self.scale = first.scale
@@ -168,7 +169,7 @@ class CpuOps(TorchOps):
         where that path must run (weights not on the int8 kernels, a cache the C code does not read,
         too many rows)."""
         T, n = len(tokens), len(last)
-        if (not self.packed or T > self.max_tokens or not all(_int8(w) for w in (embed, fc, head))
+        if (not self.packed or T > self.max_tokens or not all(is_int8(w) for w in (embed, fc, head))
                 or kv_caches[0].dtype not in KV_DTYPE_CODES or not self._bind(kv_caches)
                 or max(positions) >= self.max_positions):
             return None

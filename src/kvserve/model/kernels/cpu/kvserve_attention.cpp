@@ -92,6 +92,10 @@ inline __m256 hsum8(const __m256 *a) {
 }
 
 // sg[0..L) <- exp(sg - max), returning their sum (vectorised by 8, the tail in scalar code).
+// Lanes of 8 outputs per V pass: a divisor of ND (the passes cover the head exactly), at most 4
+// (with up to 3 heads per pass, 12 accumulators and the loads fit the 16 ymm registers).
+constexpr int pass_lanes(int nd) { return nd % 4 == 0 ? 4 : nd % 3 == 0 ? 3 : nd % 2 == 0 ? 2 : 1; }
+
 inline float softmax_row(float *sg, int L) {
     __m256 vmx = _mm256_set1_ps(-INFINITY);
     int i = 0;
@@ -144,7 +148,8 @@ inline void pv_rows(const float *const *sg, const KV *V, const size_t *off, int 
 // or bf16 widened as loaded)
 // at K + off[t], V + off[t]. Each K row serves the whole group; scores for 8 tokens at a time are
 // reduced by one hadd tree; exp is vectorised; each head's output stays in ND registers while V
-// streams past. ND = D / 8 is a compile-time constant (0: other head sizes, plain loops).
+// streams past. ND = D / 8 is a compile-time constant for head_dim 32, 64, 80, 96 and 128 (0: other
+// head sizes, plain loops).
 template <typename KV, int ND>
 void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, int L, int D, int G,
                  float scale, float *s, float *out, const float *ksc = nullptr, const float *vsc = nullptr,
@@ -207,7 +212,7 @@ void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, in
     inv.resize(G);
     for (int g = 0; g < G; g++) inv[g] = 1.0f / softmax_row(s + (size_t)g * L, L);
     // V: up to 3 heads x 4 lanes of 8 per pass share each V load (see pv_block): the same chains.
-    constexpr int NC = nd < 4 ? nd : 4;
+    constexpr int NC = pass_lanes(nd);
     for (int g0 = 0; g0 < G; g0 += 3) {
         const int nr = G - g0 < 3 ? G - g0 : 3;
         const float *sg[3];
@@ -295,7 +300,7 @@ void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf
     }
     // V: rows of one query (its G heads, up to 3 at a time) x 4 lanes of 8 share each V load, so
     // 12 independent FMA chains run side by side; each output's chain is still key by key in order.
-    constexpr int NC = ND < 4 ? ND : 4;
+    constexpr int NC = pass_lanes(ND);
     for (int b0 = 0; b0 < Lmax; b0 += 32) {
         for (int i = 0; i < NQ; i++) {
             const int L = L0 + i, b1 = b0 + 32 < L ? b0 + 32 : L;
@@ -375,6 +380,8 @@ void attend_heads(const float *q, const void *K, const void *V, int kv_dtype, si
     switch (D % 8 ? 0 : D / 8) {                                                                               \
         case 4: attend_rows<KV, 4>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf); break; \
         case 8: attend_rows<KV, 8>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf); break; \
+        case 10: attend_rows<KV, 10>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf); break; \
+        case 12: attend_rows<KV, 12>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf); break; \
         case 16: attend_rows<KV, 16>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf); break; \
         default: attend_rows<KV, 0>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf); break; \
     }
@@ -406,7 +413,7 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
     // the loops turned so that a block of keys serves all the tile's queries while it is in L1.
     const int Lmax = L0 + NQ - 1;
     const bool q8 = kv_dtype == KV_INT8;
-    if (q8 && (D % 8 || (D != 32 && D != 64 && D != 128))) {   // no tile code for this head size:
+    if (q8 && (D % 8 || (D != 32 && D != 64 && D != 80 && D != 96 && D != 128))) {   // no tile code for this D:
         for (int i = 0; i < NQ; i++) {                        // each query alone (the same arithmetic)
             thread_local std::vector<float> sc1;
             sc1.resize((size_t)(L0 + i) * G);
@@ -510,6 +517,8 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
     switch (D % 8 ? 0 : D / 8) {
         case 4: tile_rows<4>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
         case 8: tile_rows<8>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
+        case 10: tile_rows<10>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
+        case 12: tile_rows<12>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
         case 16: tile_rows<16>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
         default: break;
     }
