@@ -137,6 +137,11 @@ def serve(
     kv_cache_dtype: str = typer.Option("fp16", "--kv-cache-dtype", help="KV cache element type: auto (fp16), "
                                        "fp16, bf16, fp32, or int8 (per-row scales: ~1.9x the tokens in the same "
                                        "memory)."),
+    kv_offload_dir: str = typer.Option(None, "--kv-offload-dir", help="A second KV tier on local disk: full "
+                                       "blocks are kept in this directory (shared by replicas and restarts of the "
+                                       "same model) and read back instead of recomputed (off by default)."),
+    kv_offload_size: str = typer.Option("20GiB", "--kv-offload-size", help="Most bytes the disk tier keeps "
+                                        "(least recently used blocks out first)."),
     engine_process: bool = typer.Option(False, "--engine-process",
                                         help="Run the engine in its own process (msgpack over a local ZMQ "
                                              "socket), so the HTTP process stays responsive while the model "
@@ -202,6 +207,8 @@ def serve(
                                              ("max_step_ms", max_step_ms),
                                              ("max_decode_slowdown", max_decode_slowdown),
                                              ("kv_cache_dtype", kv_cache_dtype)] if v is not None}
+    if kv_offload_dir:
+        engine_kwargs.update(kv_offload_dir=kv_offload_dir, kv_offload_size=kv_offload_size)
     engine_kwargs.update({k: v for k, v in [("replicas", replicas), ("ray_address", ray_address),
                                             ("prefill_replicas", prefill_replicas),
                                             ("decode_replicas", decode_replicas),
