@@ -36,3 +36,6 @@ def test_a_system_prompt_comes_back_from_disk_and_after_a_restart(tmp_path, mode
     assert cached2 >= 320
     assert answer2 == answer
     assert "KV disk tier:" in again.log_path.read_text()
+    metrics = httpx.get(again.base_url + "/metrics", timeout=30).text
+    hits = [ln for ln in metrics.splitlines() if ln.startswith("kvserve:kv_offload_hit_blocks")]
+    assert hits and float(hits[0].split()[-1]) >= 20
