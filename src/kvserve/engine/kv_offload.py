@@ -152,12 +152,14 @@ class KVOffload:
 
 
 def attach_offload(config, model, kv, runner) -> KVOffload | None:
-    """The disk tier of an engine whose config names `kv_offload_dir` (None without one, and for a
-    KV pool per layer type, which it does not serve)."""
+    """The disk tier of an engine whose config names `kv_offload_dir` (None without one, and where
+    it does not serve: sliding-window pools, tensor-parallel ranks)."""
     if not config.kv_offload_dir:
         return None
-    if not hasattr(kv, "cached") or kv.sliding_window is not None:
-        logger.warning("KV disk tier: not used with sliding-window KV pools; the KV cache stays RAM-only")
+    if not hasattr(kv, "cached") or kv.sliding_window is not None or config.tensor_parallel_size > 1:
+        # (each rank holds its own heads' KV; a pool per layer type hashes blocks the tier does not read)
+        logger.warning("KV disk tier: not used with sliding-window KV pools or tensor parallelism; the KV cache "
+                       "stays RAM-only")
         return None
     cfg, c = model.config, runner.kv_caches[0]
     header = StoreHeader(model_hash=model_fingerprint(model), kv_dtype=runner.kv_dtype_name,
