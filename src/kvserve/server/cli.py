@@ -208,6 +208,9 @@ def serve(
                                              ("max_decode_slowdown", max_decode_slowdown),
                                              ("kv_cache_dtype", kv_cache_dtype)] if v is not None}
     if kv_offload_dir:
+        from kvserve.engine.config import parse_bytes
+        with _user_errors(2):
+            parse_bytes(kv_offload_size, param="kv_offload_size")    # fail now, not after loading
         engine_kwargs.update(kv_offload_dir=kv_offload_dir, kv_offload_size=kv_offload_size)
     engine_kwargs.update({k: v for k, v in [("replicas", replicas), ("ray_address", ray_address),
                                             ("prefill_replicas", prefill_replicas),
