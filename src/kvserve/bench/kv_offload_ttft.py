@@ -3,11 +3,12 @@
     python -m kvserve.bench.kv_offload_ttft [--shared 6000] [--kv-cache-dtype fp16] [--dir DIR]
 
 One process, the default model, a KV pool just big enough for one long prompt: for each KV dtype,
-(1) cold: the shared prompt + question 1 on an engine without the disk tier (RAM only), and on one
-with it (what writing every block costs when cold); (2) evicted: a filler prompt as long evicts the
-shared blocks from RAM, then the shared prompt + question 2 (from disk); (3) restart: a new engine
-on the same directory, question 2 again (its own last blocks were written too: one or two more). Each TTFT is one request's time to its first token (max_tokens=1,
-greedy, the step-time target of `kvserve serve`), and the answers of (2) and (3) are checked against cold runs of the same prompts.
+(1) cold: the shared prompt + question 0 on an engine with the tier (writing every block);
+(2) restart: a new engine on the same directory, the shared prompt + question 1 (from disk);
+(3) evicted: a filler prompt as long evicts the shared blocks from RAM, then question 0 again
+(from disk, its answer checked against (1)); (4) cold on an engine without the tier (RAM only),
+question 1 (its answer checked against (2)). Each TTFT is one request's time to its first token
+(max_tokens=1, greedy, the step-time target of `kvserve serve`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def _ttft(llm: LLM, prompt: list[int], max_tokens: int = 1) -> tuple[float, list
     return time.perf_counter() - t, out.outputs[0].token_ids, out.num_cached_tokens
 
 
-def run(shared: int, dtype: str, root: str) -> dict:
+def run(shared: int, dtype: str, root: str) -> None:
+    """Prints one JSON line per measurement as it is made (a slow machine may be stopped early)."""
     lm = load_model(None)
     ids = lm.tokenizer.encode(load_corpus(max_chars=(2 * shared + 400) * 6))
     base, filler = ids[:shared], ids[shared:2 * shared]
@@ -43,27 +45,27 @@ def run(shared: int, dtype: str, root: str) -> dict:
     kw = {"tokenizer": lm.tokenizer, "kv_cache_memory": pool * per_block, "kv_cache_dtype": dtype,
           "max_model_len": 8192, "max_step_ms": DEFAULT_MAX_STEP_MS}        # as `kvserve serve` runs
     d = tempfile.mkdtemp(dir=root)
-    res: dict = {"dtype": dtype, "shared_tokens": shared, "pool_blocks": pool}
-    ram = LLM(lm.model, **kw, enable_prefix_caching=False)
-    res["cold_ram_only_s"], cold2, _ = _ttft(ram, base + qs[1])
-    del ram
+    head = {"dtype": dtype, "shared_tokens": shared, "pool_blocks": pool}
+
+    def say(**kv) -> None:
+        print(json.dumps(head | kv), flush=True)
+
     llm = LLM(lm.model, **kw, kv_offload_dir=d)
-    res["cold_with_tier_s"], _, _ = _ttft(llm, base + qs[0])
-    _ttft(llm, filler)                                       # evicts the shared prompt's blocks
-    llm.engine.core.offload.store.flush()
-    res["evicted_s"], out2, res["evicted_cached_tokens"] = _ttft(llm, base + qs[1])
-    res["evicted_same_answer"] = out2 == cold2
-    res["tier"] = llm.engine.core.offload.stats()
+    s, cold0, _ = _ttft(llm, base + qs[0])
+    say(step="cold prefill, every block written to the tier", ttft_s=s)
     llm.engine.core.offload.store.close()
-    del llm
-    again = LLM(lm.model, **kw, kv_offload_dir=d)
-    res["restart_s"], out3, res["restart_cached_tokens"] = _ttft(again, base + qs[1])
-    res["restart_same_answer"] = out3 == cold2
-    res["evicted_vs_cold"] = res["evicted_s"] / res["cold_ram_only_s"]
-    res["restart_vs_cold"] = res["restart_s"] / res["cold_ram_only_s"]
+    again = LLM(lm.model, **kw, kv_offload_dir=d)                    # a restart on the same directory
+    s, out, cached = _ttft(again, base + qs[1])
+    say(step="restart: from disk", ttft_s=s, cached_tokens=cached, tier=again.engine.core.offload.stats())
+    _ttft(again, filler)                                             # evicts the shared prompt's blocks
+    again.engine.core.offload.store.flush()
+    s, out2, cached = _ttft(again, base + qs[0])
+    say(step="evicted: from disk", ttft_s=s, cached_tokens=cached, same_answer_as_cold=out2 == cold0)
     again.engine.core.offload.store.close()
+    ram = LLM(lm.model, **kw, enable_prefix_caching=False)
+    s, out3, _ = _ttft(ram, base + qs[1])
+    say(step="cold prefill, RAM only", ttft_s=s, restart_answer_same=out3 == out)
     shutil.rmtree(d, ignore_errors=True)
-    return res
 
 
 def main() -> None:
@@ -73,7 +75,7 @@ def main() -> None:
     ap.add_argument("--dir", default=tempfile.gettempdir())
     a = ap.parse_args()
     for dtype in a.kv_cache_dtype or ["fp16", "int8"]:
-        print(json.dumps(run(a.shared, dtype, a.dir)), flush=True)
+        run(a.shared, dtype, a.dir)
 
 
 if __name__ == "__main__":
