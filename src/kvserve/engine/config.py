@@ -51,6 +51,13 @@ class EngineConfig:
     # adapters stay in memory at once (least recently used out first; reloaded from disk on demand).
     lora_modules: dict[str, str] | None = None
     max_loras: int = 8
+    # A second KV tier on local disk (engine/kv_offload.py): full blocks are written under their chained
+    # hash to this directory (None: off), at most kv_offload_size bytes (least recently used out first),
+    # every full block as it is computed (kv_offload_write_through: a restart starts warm) or only those
+    # evicted from the pool; a prompt's blocks missing from RAM are read back instead of computed.
+    kv_offload_dir: str | None = None
+    kv_offload_size: int | str = "20GiB"
+    kv_offload_write_through: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_num_partial_prefills",
@@ -73,6 +80,9 @@ class EngineConfig:
             self.num_threads = max(1, len(os.sched_getaffinity(0)) // self.tensor_parallel_size)
         from kvserve.engine.spec_decode.config import SpeculativeConfig
         self.spec_config = SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
+        if self.kv_offload_dir is not None:
+            self.kv_offload_dir = os.fspath(self.kv_offload_dir)
+            self.kv_offload_bytes()
         if self.kv_cache_dtype not in _DTYPES:
             raise InvalidRequest(f"kv_cache_dtype must be one of auto, fp16, bf16, fp32, int8; got {self.kv_cache_dtype!r}",
                                  param="kv_cache_dtype")
@@ -101,7 +111,17 @@ class EngineConfig:
                              f"'2GiB', got {v!r}", param="kv_cache_memory")
 
 
-def parse_bytes(s: str) -> int:
+    def kv_offload_bytes(self) -> int:
+        v = self.kv_offload_size
+        if isinstance(v, str):
+            return parse_bytes(v, param="kv_offload_size")
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+        raise InvalidRequest(f"kv_offload_size must be bytes or a size like '20GiB', got {v!r}",
+                             param="kv_offload_size")
+
+
+def parse_bytes(s: str, param: str = "kv_cache_memory") -> int:
     units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
              "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
     t = s.strip().lower().replace(" ", "")
@@ -111,4 +131,4 @@ def parse_bytes(s: str) -> int:
             return int(float(num) * units[t[len(num):]])
     except ValueError:
         pass
-    raise InvalidRequest(f"cannot read {s!r} as a size: use e.g. 512MiB or 2GiB", param="kv_cache_memory")
+    raise InvalidRequest(f"cannot read {s!r} as a size: use e.g. 512MiB or 2GiB", param=param)

@@ -30,6 +30,7 @@ import torch
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.kv_hybrid import HybridKVCacheManager, local_pool_blocks
+from kvserve.engine.kv_offload import attach_offload
 from kvserve.engine.lora import LoRAManager, parse_lora_modules
 from kvserve.engine.messages import (
     AbortRequests,
@@ -93,6 +94,7 @@ class EngineCore:
                                   device=config.device, clock=self.clock, num_local_blocks=num_local,
                                   grammar=self.grammar,
                                   hidden_sink=spec.proposer.hidden_sink if spec is not None else None)
+        self.offload = attach_offload(config, model, self.kv, self.runner)    # the disk tier, if configured
         self.kv_bytes_per_token = per_block // config.block_size
         logger.info("KV cache: %s, %d bytes per token, %d tokens fit (%d blocks of %d)", self.kv_dtype_name,
                     self.kv_bytes_per_token, num_blocks * config.block_size, num_blocks, config.block_size)
@@ -158,6 +160,8 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         clock = self.clock
         clock.start()
+        if self.offload is not None:
+            self.offload.begin_step()
         sched = self.scheduler.schedule()
         clock.lap("schedule")
         if not sched:
@@ -224,6 +228,8 @@ class EngineCore:
             immediate: list[EngineCoreOutput] = []
             for msg in msgs:
                 if isinstance(msg, Shutdown):
+                    if self.offload is not None:
+                        self.offload.store.close()
                     return
                 immediate += self.handle(msg)
             if immediate or (msgs and not self.has_unfinished_requests()):
@@ -273,4 +279,5 @@ class EngineCore:
             "moe_expert_tokens": self.runner.model.expert_token_counts(),   # [layer][expert]; [] if dense
             **(s.spec.stats() if s.spec is not None else {}),
             **self.lora.stats(),
+            **(self.offload.stats() if self.offload is not None else {}),
         }

@@ -24,6 +24,10 @@ prompt with the same prefix still hits them while they are not evicted.
 
 The manager owns request -> blocks (`block_ids(request_id)`) and the requests' block hashes; it
 reads a request's tokens and computed count and never writes request state.
+
+With a disk tier (`offload`, engine/kv_offload.py) the manager notes the full blocks to write
+(`offload_pending`: every one as it is hashed, or each one as it is evicted) and, where a prompt's
+RAM hit ends, asks the tier for the blocks that follow; they land in free blocks as cached ones.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ class KVCacheManager:
         self.req_hashes: dict[str, list[bytes]] = {}        # request id -> hashes of its full blocks
         self.prefix_cache_queries = 0                       # prompt tokens looked up
         self.prefix_cache_hits = 0                          # prompt tokens found
+        self.offload = None                                 # the disk tier (engine/kv_offload.py)
+        self.offload_pending: list[tuple[bytes, int]] = []  # (hash, block) to write before the next forward
+        self._offloadable = [False] * num_blocks            # (evict-only mode) hashed outside an adapter
 
     # ---- accounting -------------------------------------------------------------------
     @property
@@ -125,6 +132,8 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
+        if self.offload is not None and len(hits) < max_blocks and req.lora is None:
+            return self.offload.extend_hit(self, hashes[:max_blocks], hits)
         return hits
 
     def record_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
@@ -162,13 +171,48 @@ class KVCacheManager:
         total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         for _ in range(max(0, -(-total // self.block_size) - len(table))):
             b, _ = self.free_queue.popitem(last=False)
-            if self.block_hash[b] is not None:            # evict its old contents from the cache
-                if self.cached.get(self.block_hash[b]) == b:
-                    del self.cached[self.block_hash[b]]
-                self.block_hash[b] = None
+            self._evict(b)
             self.ref_cnt[b] = 1
             table.append(b)
         return True
+
+    def _evict(self, b: int) -> None:
+        """Forget free block b's cached contents (noted for the disk tier first, in evict-only mode)."""
+        h = self.block_hash[b]
+        if h is None:
+            return
+        if self.cached.get(h) == b:
+            del self.cached[h]
+            if self._offloadable[b] and not self.offload.write_through:
+                self.offload_pending.append((h, b))
+        self.block_hash[b] = None
+        self._offloadable[b] = False
+
+    def take_free_blocks(self, n: int, keep: set[int]) -> list[int]:
+        """Up to n free blocks not in keep, least recently freed first, their contents forgotten (the
+        disk tier overwrites them; `return_free_blocks` gives back those it did not use)."""
+        out: list[int] = []
+        for b in self.free_queue:
+            if len(out) == n:
+                break
+            if b not in keep:
+                out.append(b)
+        for b in out:
+            del self.free_queue[b]
+            self._evict(b)
+        return out
+
+    def return_free_blocks(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.free_queue[b] = None
+            self.free_queue.move_to_end(b, last=False)
+
+    def register_cached(self, b: int, h: bytes) -> None:
+        """Free block b now holds the contents of hash h (landed from the disk tier): cached, most
+        recently used."""
+        self.block_hash[b] = h
+        self.cached[h] = b
+        self.free_queue[b] = None
 
     def trim(self, req: Request, num_tokens: int) -> None:
         """Release req's blocks wholly past its first num_tokens slots (rejected draft tokens)."""
@@ -193,6 +237,11 @@ class KVCacheManager:
             h = hashes[i]
             self.block_hash[b] = h
             self.cached.setdefault(h, b)
+            if self.offload is not None and req.lora is None:   # (an adapter's salt names a load, not a file)
+                if self.offload.write_through:
+                    self.offload_pending.append((h, b))
+                else:
+                    self._offloadable[b] = True
 
     def free(self, request_id: str, *, forget_hashes: bool = True) -> None:
         """Release the request's blocks (tail first); forget_hashes=False keeps its block hashes
@@ -206,3 +255,4 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
+        self._offloadable = [False] * self.num_blocks

@@ -32,6 +32,10 @@ The step's LoRA rows reach the model as the forward's `lora=` argument.
 The runner reads request state (tokens, sampling params, the seeded generator, the grammar
 matcher) and never writes it: what it produced goes back to the scheduler as a ModelRunnerOutput.
 
+With a disk tier (`offload`, engine/kv_offload.py), the blocks it noted are copied out at the top
+of `execute`, before the forward may overwrite them; `read_blocks` and `write_blocks` move whole
+blocks of every layer between the KV tensors and the CPU.
+
 A model with sliding layers beside full ones (engine/kv_hybrid.py) gets `num_local_blocks`: its
 sliding layers' caches are a pool of that many blocks, read through each request's second block
 table (the step's `meta.local`).
@@ -132,6 +136,22 @@ class ModelRunner:
         self.grammar = grammar
         # every step's final hidden states (and its `layers`' rows) go to hidden_sink.observe; None: not kept
         self.hidden_sink = hidden_sink
+        self.offload = None                 # the disk tier (engine/kv_offload.py): saves before each forward
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return str(self.kv_caches[0].dtype).removeprefix("torch.")
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of these blocks of every layer, on the CPU: [n, layers, 2, block_size, heads, width]."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([c.index_select(1, idx) for c in self.kv_caches], dim=1).transpose(0, 2).cpu().contiguous()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Overwrite these blocks of every layer with `data` (as `read_blocks` returns it)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer, c in enumerate(self.kv_caches):
+            c.index_copy_(1, idx, data[:, layer].transpose(0, 1).to(c.device))
 
     @staticmethod
     def bytes_per_block(model: DecoderLM, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -145,6 +165,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         clock = self.clock
+        if self.offload is not None:
+            self.offload.save()
         inputs = self.prepare_inputs(sched)
         clock.lap("prepare")
         hidden = self.forward(inputs)

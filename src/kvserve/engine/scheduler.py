@@ -265,6 +265,8 @@ class Scheduler:
             if not self._grammar_ready(req):
                 continue
             computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
+            if getattr(computed, "loading", False):
+                continue                                # its prefix is landing from disk (kv_offload.py)
             cached = len(computed) * self.kv.block_size
             left = req.num_tokens - req.num_computed_tokens - cached
             if (left > threshold) != long:

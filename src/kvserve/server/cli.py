@@ -145,6 +145,11 @@ def serve(
     kv_cache_dtype: str = typer.Option("fp16", "--kv-cache-dtype", help="KV cache element type: auto (fp16), "
                                        "fp16, bf16, fp32, or int8 (per-row scales: ~1.9x the tokens in the same "
                                        "memory)."),
+    kv_offload_dir: str = typer.Option(None, "--kv-offload-dir", help="A second KV tier on local disk: full "
+                                       "blocks are kept in this directory (shared by replicas and restarts of the "
+                                       "same model) and read back instead of recomputed (off by default)."),
+    kv_offload_size: str = typer.Option("20GiB", "--kv-offload-size", help="Most bytes the disk tier keeps "
+                                        "(least recently used blocks out first)."),
     engine_process: bool = typer.Option(False, "--engine-process",
                                         help="Run the engine in its own process (msgpack over a local ZMQ "
                                              "socket), so the HTTP process stays responsive while the model "
@@ -224,6 +229,11 @@ def serve(
         engine_kwargs.update(replicas=replicas, replica_idle_seconds=replica_idle_seconds)
         if target_ttft_ms is not None:
             engine_kwargs["target_ttft_ms"] = target_ttft_ms
+    if kv_offload_dir:
+        from kvserve.engine.config import parse_bytes
+        with _user_errors(2):
+            parse_bytes(kv_offload_size, param="kv_offload_size")    # fail now, not after loading
+        engine_kwargs.update(kv_offload_dir=kv_offload_dir, kv_offload_size=kv_offload_size)
     engine_kwargs.update({k: v for k, v in [("ray_address", ray_address),
                                             ("prefill_replicas", prefill_replicas),
                                             ("decode_replicas", decode_replicas),

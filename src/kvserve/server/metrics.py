@@ -46,6 +46,12 @@ ENGINE_STATS = {
     "num_steps": ("engine_steps", "counter", "Engine steps that ran the model."),
     "num_batched_tokens": ("batched_tokens", "counter", "Tokens in the engine steps' forward passes, summed."),
     "num_batched_requests": ("batched_requests", "counter", "Requests in the engine steps' batches, summed."),
+    # the KV disk tier (--kv-offload-dir; 0 without it)
+    "kv_offload_hit_blocks": ("kv_offload_hit_blocks", "counter", "KV blocks read back from the disk tier."),
+    "kv_offload_written_blocks": ("kv_offload_written_blocks", "counter", "KV blocks written to the disk tier."),
+    "kv_offload_dropped_blocks": ("kv_offload_dropped_blocks", "counter",
+                                  "KV blocks not written: the disk tier's writer was behind."),
+    "kv_offload_bytes": ("kv_offload_bytes", "gauge", "Bytes the disk tier holds."),
 }
 # speculative decoding (only when the engine speculates): vLLM's names
 SPEC_STATS = {

@@ -1,0 +1,283 @@
+"""DiskKVStore: the KV disk tier's files (engine/kv_offload.py says what the tier does).
+
+    DIR/kv-<fingerprint>/header.json            the StoreHeader the fingerprint hashes
+    DIR/kv-<fingerprint>/<h[:2]>/<h>.kvb         one block: MAGIC, a 4-byte header length, a msgpack
+                                                 BlockHeader (hash, fingerprint, dtype, shape,
+                                                 checksum), the block's raw bytes [layers, 2,
+                                                 block_size, kv_heads, row width]
+
+The index (hash -> size, least recently used first) is rebuilt from the files' mtimes at start.
+Lookups and reads run on the core's thread; writes on the store's own thread, through a bounded
+queue; both take one lock around the index.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import msgspec
+import torch
+
+logger = logging.getLogger("kvserve.engine")
+
+MAGIC = b"KVB1"
+try:
+    import xxhash
+
+    def _checksum(data) -> tuple[str, int]:
+        return "xxh3_64", xxhash.xxh3_64_intdigest(data)
+except ImportError:   # pragma: no cover - xxhash comes with the venv
+    import zlib
+
+    def _checksum(data) -> tuple[str, int]:
+        return "crc32", zlib.crc32(data)
+
+
+class StoreHeader(msgspec.Struct, kw_only=True, frozen=True):
+    """What a store's blocks depend on: another value of any field is another store."""
+
+    version: int = 1
+    model_hash: str
+    kv_dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    row_width: int
+
+    def fingerprint(self) -> str:
+        return hashlib.blake2b(msgspec.json.encode(self), digest_size=8).hexdigest()
+
+
+class BlockHeader(msgspec.Struct, kw_only=True):
+    hash: bytes
+    fingerprint: str
+    dtype: str
+    shape: list[int]
+    checksum_kind: str
+    checksum: int
+
+
+_block_encoder = msgspec.msgpack.Encoder()
+_block_decoder = msgspec.msgpack.Decoder(BlockHeader)
+
+
+class DiskKVStore:
+    """Block files under `root/kv-<fingerprint>/`, an LRU index of them, and the writer thread."""
+
+    def __init__(self, root: str | os.PathLike, header: StoreHeader, max_bytes: int, queue_blocks: int = 64):
+        self.header = header
+        self.fingerprint = header.fingerprint()
+        self.dir = Path(root) / f"kv-{self.fingerprint}"
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()     # hash -> file size, least recent first
+        self._queued: set[bytes] = set()
+        self.bytes = 0
+        self.writable = True
+        self.written_blocks = self.dropped_blocks = self.read_blocks = self.bad_blocks = 0
+        self._open(root)
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_blocks)
+        self._writer = threading.Thread(target=self._write_loop, name="kv-offload-writer", daemon=True)
+        self._writer.start()
+        atexit.register(self.flush, 10.0)          # an offline run's last blocks reach the disk
+
+    def _open(self, root: str | os.PathLike) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        hfile = self.dir / "header.json"
+        if not hfile.exists():
+            hfile.write_bytes(msgspec.json.encode(self.header))
+        others = [p.name for p in Path(root).glob("kv-*") if p.is_dir() and p != self.dir]
+        if others:
+            logger.info("KV disk tier: ignoring %d store(s) in %s of another model or KV format (%s)",
+                        len(others), root, ", ".join(sorted(others)[:4]))
+        files = []
+        for p in self.dir.glob("*/*.kvb"):
+            try:
+                st = p.stat()
+                files.append((st.st_mtime_ns, bytes.fromhex(p.stem), st.st_size))
+            except (OSError, ValueError):
+                continue
+        for _, h, size in sorted(files):
+            self._index[h] = size
+            self.bytes += size
+        self._evict_to(self.max_bytes)
+        if self._index:
+            logger.info("KV disk tier: %d blocks (%.1f MiB) found in %s", len(self._index), self.bytes / 2**20,
+                        self.dir)
+
+    def path(self, h: bytes) -> Path:
+        x = h.hex()
+        return self.dir / x[:2] / f"{x}.kvb"
+
+    # ---- lookups (the core's thread) ------------------------------------------------------------
+    def has(self, h: bytes) -> bool:
+        with self._lock:
+            if h in self._index:
+                return True
+        try:   # written by another replica sharing the directory
+            size = self.path(h).stat().st_size
+        except OSError:
+            return False
+        with self._lock:
+            if h not in self._index:
+                self._index[h] = size
+                self.bytes += size
+        return True
+
+    def read(self, h: bytes, shape: list[int], dtype: str) -> bytes | None:
+        """The block's verified bytes, or None (missing, truncated, corrupt or foreign: deleted)."""
+        p = self.path(h)
+        try:
+            raw = p.read_bytes()
+        except OSError:
+            self._forget(h)
+            return None
+        data = self._verify(raw, h, shape, dtype)
+        if data is None:
+            self.bad_blocks += 1
+            logger.warning("KV disk tier: %s is truncated, corrupt or foreign: deleted", p.name)
+            self._forget(h, unlink=True)
+            return None
+        with self._lock:
+            if h in self._index:
+                self._index.move_to_end(h)
+        try:
+            os.utime(p)                              # the LRU order a restart rebuilds from mtimes
+        except OSError:
+            pass
+        self.read_blocks += 1
+        return data
+
+    def _verify(self, raw: bytes, h: bytes, shape: list[int], dtype: str) -> memoryview | None:
+        if len(raw) < 8 or raw[:4] != MAGIC:
+            return None
+        (n,) = struct.unpack_from("<I", raw, 4)
+        try:
+            head = _block_decoder.decode(raw[8:8 + n])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        data = memoryview(raw)[8 + n:]
+        want = torch.Size(shape).numel() * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        if (head.hash != h or head.fingerprint != self.fingerprint or head.shape != shape or head.dtype != dtype
+                or len(data) != want or _checksum(data) != (head.checksum_kind, head.checksum)):
+            return None
+        return data
+
+    def _forget(self, h: bytes, unlink: bool = False) -> None:
+        with self._lock:
+            size = self._index.pop(h, None)
+            if size is not None:
+                self.bytes -= size
+        if unlink:
+            try:
+                self.path(h).unlink()
+            except OSError:
+                pass
+
+    # ---- writes -----------------------------------------------------------------------------
+    def wants(self, h: bytes) -> bool:
+        """Not on disk nor queued, and the store still takes writes."""
+        with self._lock:
+            return self.writable and h not in self._index and h not in self._queued
+
+    def room(self) -> int:
+        return self._queue.maxsize - self._queue.qsize()
+
+    def put(self, h: bytes, block: torch.Tensor) -> bool:
+        """Queue one block ([layers, 2, block_size, heads, width], on the CPU) for writing; False
+        (dropped) when the writer is behind."""
+        with self._lock:
+            self._queued.add(h)
+        try:
+            self._queue.put_nowait((h, block))
+            return True
+        except queue.Full:
+            with self._lock:
+                self._queued.discard(h)
+            self.dropped_blocks += 1
+            return False
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                h, block = item
+                if self.writable:
+                    self._write(h, block)
+                with self._lock:
+                    self._queued.discard(h)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, h: bytes, block: torch.Tensor) -> None:
+        data = memoryview(block.contiguous().view(torch.uint8).reshape(-1).numpy())
+        kind, value = _checksum(data)
+        head = _block_encoder.encode(BlockHeader(hash=h, fingerprint=self.fingerprint,
+                                                 dtype=str(block.dtype).removeprefix("torch."),
+                                                 shape=list(block.shape), checksum_kind=kind, checksum=value))
+        size = 8 + len(head) + len(data)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            self._evict_to(self.max_bytes - size)
+        p = self.path(h)
+        try:
+            self._write_file(p, [MAGIC, struct.pack("<I", len(head)), head, data])
+        except OSError as e:
+            self.writable = False
+            logger.warning("KV disk tier: cannot write %s (%s): writes stop, the KV cache is RAM-only now", p, e)
+            return
+        with self._lock:
+            self._index[h] = size
+            self.bytes += size
+        self.written_blocks += 1
+
+    @staticmethod
+    def _write_file(p: Path, parts: list) -> None:
+        """Write to a temporary name and rename: a reader sees a whole file or none."""
+        p.parent.mkdir(exist_ok=True)
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.writelines(parts)
+            os.replace(tmp, p)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _evict_to(self, limit: int) -> None:
+        """(under the lock) Delete least recently used files until the store holds <= limit bytes."""
+        while self._index and self.bytes > limit:
+            h, size = self._index.popitem(last=False)
+            self.bytes -= size
+            try:
+                self.path(h).unlink()
+            except OSError:
+                pass
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until the queued blocks are written (tests, shutdown)."""
+        end = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < end:
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._writer.join(timeout=5)
+
+    def stats(self) -> dict:
+        return {"kv_offload_blocks": len(self._index), "kv_offload_bytes": self.bytes,
+                "kv_offload_written_blocks": self.written_blocks, "kv_offload_read_blocks": self.read_blocks,
+                "kv_offload_dropped_blocks": self.dropped_blocks, "kv_offload_bad_blocks": self.bad_blocks}
