@@ -94,11 +94,12 @@ def _sha256(path: pathlib.Path) -> str:
 
 
 def _gguf(path: pathlib.Path) -> ModelFacts:
-    from gguf import GGUFReader, LlamaFileType
+    from gguf import LlamaFileType
 
+    from kvserve.model.gguf_loader import open_gguf
     from kvserve.tokenizer.tokenizer import gguf_field
 
-    reader = GGUFReader(path)
+    reader = open_gguf(path)      # checked for truncation and absurd counts; one pass over a memory map
     params = sum(int(t.n_elements) for t in reader.tensors)
     info: dict[str, Any] = {}
     for key in reader.fields:
@@ -187,8 +188,8 @@ def model_facts(source: str | None) -> ModelFacts:
 
     try:
         return file_facts(resolve(source).path)
-    except Exception:   # the listing answers without a file it cannot read
-        logger.warning("cannot describe the model file of %r for /api/tags", source, exc_info=True)
+    except Exception as e:   # noqa: BLE001 - the listing answers without a file it cannot read
+        logger.warning("cannot describe the model file of %r for /api/tags: %s", source, e)
         return ModelFacts()
 
 
@@ -198,8 +199,8 @@ def encoder_facts() -> ModelFacts:
 
     try:
         return file_facts(minilm_zip())
-    except Exception:   # as model_facts
-        logger.warning("cannot describe the sentence encoder's file for /api/tags", exc_info=True)
+    except Exception as e:   # noqa: BLE001 - as model_facts
+        logger.warning("cannot describe the sentence encoder's file for /api/tags: %s", e)
         return ModelFacts()
 
 
