@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
@@ -52,6 +52,7 @@ from kvserve.engine.messages import (
 from kvserve.engine.processing import EngineInfo
 from kvserve.engine.ray_cluster import HEAD_THREAD_DONE, reclaim_signals, start_local_cluster
 from kvserve.engine.replica_router import PrefixAffinityRouter
+from kvserve.engine.replica_supervisor import Replica, ReplicaSupervisor
 from kvserve.errors import ModelLoadError
 from kvserve.sampling_params import SamplingParams
 
@@ -61,18 +62,6 @@ _local_cluster = False     # this process started the Ray cluster it is connecte
 
 RESTARTING = "no engine replica is serving right now (one is restarting): send the request again"
 _GAUGES = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_total", "kv_blocks_free")
-
-
-@dataclass
-class Replica:
-    index: int
-    actor: object
-    role: str               # "serve", "prefill" or "decode"
-    pid: int = 0
-    alive: bool = True      # its outputs count: serving or draining
-    state: str = "serving"  # starting | serving | draining | stopped | dead (replica_supervisor.py)
-    stats: dict = field(default_factory=dict)
-    reader: threading.Thread | None = None
 
 
 @dataclass
@@ -121,7 +110,6 @@ class RayClient(EngineClient):
         import ray
 
         from kvserve.engine.ray_replica import EngineReplica
-        from kvserve.engine.replica_supervisor import ReplicaSupervisor
 
         roles = (["prefill"] * prefill_replicas + ["decode"] * decode_replicas if prefill_replicas or decode_replicas
                  else ["serve"] * replicas)

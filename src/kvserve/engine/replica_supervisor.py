@@ -32,12 +32,28 @@ import asyncio
 import contextlib
 import logging
 import statistics
+import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import msgspec
 
 logger = logging.getLogger("kvserve.engine")
+
+
+@dataclass
+class Replica:
+    """One incarnation of a replica slot of engine/ray_client.py's RayClient."""
+
+    index: int
+    actor: object
+    role: str               # "serve", "prefill" or "decode"
+    pid: int = 0
+    alive: bool = True      # its outputs count: serving or draining
+    state: str = "serving"  # starting | serving | draining | stopped | dead
+    stats: dict = field(default_factory=dict)
+    reader: threading.Thread | None = None
 
 
 class ReplicaSupervisor:
@@ -113,8 +129,6 @@ class ReplicaSupervisor:
 
     async def _bring_up(self, index: int, role: str) -> bool:
         """Start a replica in slot `index` (new or reused) and put it in rotation once it has loaded."""
-        from kvserve.engine.ray_client import Replica
-
         client = self.client
         placeholder = Replica(index, None, role, alive=False, state="starting")
         client.router.slot(index)
