@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvserve.server")
 NEVER_EXPIRES = "2318-01-01T00:00:00Z"   # /api/ps: a pinned (--model) model, or keep_alive < 0, stays loaded
 
-_CHUNK = 1 << 20
 _LIST_MAX = 16      # longer metadata lists (the vocabulary) stay out of model_info, as Ollama's non-verbose show
 _TORCH_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
@@ -86,11 +85,10 @@ def human_number(n: int) -> str:
 
 
 def _sha256(path: pathlib.Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+    """The file's SHA-256, memoized on disk by the pack cache (the loader hashes the same file)."""
+    from kvserve.model.kernels.pack_cache import file_digest
+
+    return file_digest(path)
 
 
 def _gguf(path: pathlib.Path) -> ModelFacts:
