@@ -2,9 +2,11 @@
 (vocabularies of 128k-256k, untied heads, head_dim 64/80/96/128, q/k/v biases, rope scaling from
 GGUF metadata or rope_freqs.weight) decode greedily to the same tokens on the whole-stack C forward
 as on the PyTorch reference path (KVSERVE_FUSED_FORWARD=0), with nothing left on a slow path.
-`make test-avx2` runs this file again as on an AVX2-only CPU; natively it covers AVX-512 and AMX.
+`make test-avx2` runs this file again as on an AVX2-only CPU; natively it covers AMX, and on an AMX
+CPU the AVX-512 kernels too (test_greedy_matches_the_reference_path_on_avx512).
 RoPE scaling is checked against transformers' own formulas for the same config."""
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -100,6 +102,25 @@ def test_greedy_matches_the_reference_path(model):
     for a, b in zip(fast_logits, ref_logits):
         assert ((a - b).norm() / b.norm()).item() < 3e-2
     assert len(fast) == 40 + 16 and len(set(fast)) > 3   # the model does not say one thing only
+
+
+# On an AMX CPU the default run covers AMX; this covers the AVX-512 kernels the same CPU also has
+# (an AVX-512 CPU without AMX, like AMD Zen 4/5, runs those). `make test-avx2` sets KVSERVE_ISA.
+AVX512_TOO = BACKEND.isa == "amx" and not os.environ.get("KVSERVE_ISA")
+
+
+@pytest.mark.skipif(not AVX512_TOO, reason="needs an AMX CPU and no KVSERVE_ISA (AVX-512 is then the default)")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_greedy_matches_the_reference_path_on_avx512(shape, tmp_path):
+    backend = KernelBackend.detect(isa="avx512")
+    assert backend.isa == "avx512"
+    model = load_model(str(write_shape(tmp_path / f"{shape.name}.gguf", shape)), backend=backend).model
+    assert backend.slow_paths(model) == []
+    g = torch.Generator().manual_seed(7)     # the prompt of the test above (random models have near ties)
+    prompt = torch.randint(3, model.config.vocab_size, (40,), generator=g).tolist()
+    fast, _ = _greedy(model, backend, prompt, 16)
+    ref, _ = _greedy(model, replace(backend, fused_forward=False), prompt, 16)
+    assert fast == ref and len(set(fast)) > 3
 
 
 @needs_kernels
