@@ -182,7 +182,9 @@ class PackSession:
             logger.warning("kvserve: packed weights not cached (%s)", e)
             return
         try:
-            reopened = PackSession(self.path, *_map(self.path))
+            # mapped lazily: each layer's anonymous copy is freed as it adopts its view, and only
+            # then are the pages brought in (populating first held both copies: 3x the file at peak)
+            reopened = PackSession(self.path, *_map(self.path, populate=False))
         except (OSError, ValueError, KeyError, TypeError):
             return
         try:
@@ -191,6 +193,8 @@ class PackSession:
                 layer.adopt_packed(qs, d, m)
         except PackMismatch as e:
             logger.warning("kvserve: packed-weight cache written but not mapped (%s)", e)
+        if POPULATE:
+            _populate(reopened.mm)
         _prune(self.path.parent)
 
     def _write(self) -> None:
@@ -242,11 +246,11 @@ def _populate(mm: mmap.mmap) -> None:
             mm.madvise(mmap.MADV_WILLNEED)      # at least read ahead
 
 
-def _map(path: Path) -> tuple[list[dict], mmap.mmap]:
+def _map(path: Path, populate: bool = True) -> tuple[list[dict], mmap.mmap]:
     """A cache file's entries (offsets made absolute) and its private mapping; raises on a bad file."""
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)   # private: pages shared until written
-    if POPULATE:
+    if POPULATE and populate:
         _populate(mm)
     if mm[:8] != MAGIC:
         raise ValueError("bad magic")
