@@ -30,7 +30,7 @@ AVX2_TESTS := tests/model tests/engine tests/test_sampling_params.py \
 
 test: setup
 	bash scripts/test-deps.sh
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=30
 	$(MAKE) --no-print-directory test-avx2
 
 test-avx2: setup
