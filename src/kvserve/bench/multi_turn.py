@@ -154,9 +154,10 @@ async def _turn(client: httpx.AsyncClient, url: str, body: dict, out: Turn) -> N
                     out.error = str(msg["error"])[:300]
                     return
                 text = ((msg.get("choices") or [{}])[0].get("delta") or {}).get("content") or ""
-                if text and not parts:
-                    out.ttft_s = time.perf_counter() - t0
-                parts.append(text)
+                if text:
+                    if not parts:
+                        out.ttft_s = time.perf_counter() - t0
+                    parts.append(text)
                 if usage := msg.get("usage"):
                     out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     details = usage.get("prompt_tokens_details") or {}
