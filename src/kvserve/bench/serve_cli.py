@@ -1,6 +1,6 @@
 """`kvserve bench serve`: the command line of the serving benchmark (bench/serve.py is the load
 generator and its metrics, bench/serve_launch.py starts the servers under test, bench/scenario.py
-the long-prompt scenario)."""
+the long-prompt scenario, bench/batch.py the batch one, bench/multi_turn.py the multi-turn one)."""
 
 from __future__ import annotations
 
@@ -28,11 +28,13 @@ def serve_command(
     model: str = typer.Option(None, help="Model for prompts' tokenizer and launched servers (default: SmolLM2)."),
     endpoint: str = typer.Option("chat", help="chat (/v1/chat/completions) or completions (/v1/completions)."),
     num_prompts: int = typer.Option(64, "--num-prompts", min=1),
-    concurrency: int = typer.Option(None, "--concurrency", min=1, help="Most requests in flight (default: no cap)."),
+    concurrency: int = typer.Option(None, "--concurrency", min=1, help="Most requests in flight (default: no cap; "
+                                    "multi-turn scenario 1)."),
     request_rate: float = typer.Option(math.inf, "--request-rate", help="Requests/s, Poisson arrivals (inf: all at once)."),
     burstiness: float = typer.Option(1.0, help="Gamma shape of arrival gaps (1.0: Poisson)."),
     input_len: int = typer.Option(128, "--input-len", min=1, help="Prompt tokens."),
-    output_len: int = typer.Option(128, "--output-len", min=1, help="Output tokens (EOS ignored where supported)."),
+    output_len: int = typer.Option(None, "--output-len", min=1, help="Output tokens (EOS ignored where supported; "
+                                   "default 128, multi-turn scenario 32)."),
     range_ratio: float = typer.Option(0.0, help="Draw lengths uniformly from len*[1-r, 1+r] (0: fixed)."),
     repeat_ratio: float = typer.Option(0.0, help="This share of the requests (the last) repeat earlier prompts word "
                                        "for word: a workload for the semantic cache (use a small --concurrency)."),
@@ -45,8 +47,18 @@ def serve_command(
                                  "(schedule, forward, sample, detokenize, HTTP/SSE, ...) during the load."),
     scenario: str = typer.Option("default", help="default, or long-prompt: short probes' TTFT and streams' ITL "
                                  "alone, under load, and while long prompts prefill (bench/scenario.py); or batch: a "
-                                 "stream's ITL beside a Batch API job of --num-prompts lines (bench/batch.py)."),
+                                 "stream's ITL beside a Batch API job of --num-prompts lines (bench/batch.py); or "
+                                 "multi-turn: conversations coming back after their prefix was evicted and after a "
+                                 "restart, RAM only against the disk tier (bench/multi_turn.py)."),
     long_len: int = typer.Option(7000, "--long-len", min=1, help="long-prompt scenario: the long prompts' tokens."),
+    conversations: int = typer.Option(8, "--conversations", min=1, help="multi-turn scenario: conversations, each "
+                                      "with a document of its own as the system message."),
+    turns: int = typer.Option(3, "--turns", min=1, help="multi-turn scenario: turns per conversation before the "
+                              "restart (each re-sends the whole history)."),
+    system_len: int = typer.Option(1500, "--system-len", min=1, help="multi-turn scenario: each document's tokens."),
+    user_len: int = typer.Option(48, "--user-len", min=1, help="multi-turn scenario: each question's tokens."),
+    kv_tiers: str = typer.Option("ram,disk", "--kv-tiers", help="multi-turn scenario, launched kvserve: one run "
+                                 "per tier, side by side: ram (RAM only), disk (--kv-offload-dir in a temp dir)."),
     server_arg: Annotated[list[str] | None, typer.Option(
         "--server-arg", help="Extra argument for a launched kvserve (repeatable): --server-arg=--max-step-ms=100")] = None,
     conversation_writers: int = typer.Option(0, "--conversation-writers", min=0,
@@ -70,6 +82,8 @@ def serve_command(
             raise InvalidRequest(f"--backend must be one of {', '.join(BACKENDS)}", param="backend")
         if not targets:
             raise InvalidRequest("give --base-url URL or --launch kvserve / --launch llama-cpp")
+        if output_len is None:
+            output_len = 32 if scenario == "multi-turn" else 128
         cfg = ServeConfig(num_prompts=num_prompts, concurrency=concurrency, request_rate=request_rate,
                           burstiness=burstiness, input_len=input_len, output_len=output_len,
                           range_ratio=range_ratio, endpoint=endpoint, seed=seed, goodput=parse_goodput(goodput),
@@ -95,8 +109,16 @@ def serve_command(
 
             return batch_command(targets, model, threads, api_key, out_dir, server_arg, plan_server,
                                  BatchScenario(lines=num_prompts, stream_len=output_len))
+        if scenario == "multi-turn":
+            from kvserve.bench.multi_turn import MultiTurnConfig, multi_turn_command
+
+            mt = MultiTurnConfig(conversations=conversations, turns=turns, system_len=system_len, user_len=user_len,
+                                 output_len=output_len, concurrency=concurrency or 1, seed=seed)
+            return multi_turn_command(targets, tokenizer, model, threads, api_key, out_dir, server_arg, plan_server,
+                                      mt, kv_tiers)
         if scenario != "default":
-            raise InvalidRequest(f"--scenario {scenario!r}: choose default, long-prompt or batch", param="scenario")
+            raise InvalidRequest(f"--scenario {scenario!r}: choose default, long-prompt or batch (single requests), "
+                                 "or multi-turn (conversations)", param="scenario")
         requests = sample_requests(tokenizer, cfg)
         if lora_adapters:
             server_arg = list(server_arg or []) + _lora_adapters(model, lora_adapters, lora_rank, out_dir)
