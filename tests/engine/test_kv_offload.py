@@ -182,3 +182,22 @@ def test_a_tiny_size_writes_nothing(loaded, prompts, cold, tmp_path):
     run(llm, first)
     assert flushed(llm)["kv_offload_bytes"] == 0
     assert run(llm, second).outputs[0].token_ids == cold["fp16"]
+
+
+def test_close_writes_what_the_last_step_noted(loaded, ids, tmp_path):
+    """The blocks filled by a request's last step are written at the next step's start: with no
+    next step (a server stopping), closing the engine writes them."""
+    llm = make(loaded, tmp_path)
+    core = llm.engine.core
+    for n in range(330, 346):      # a length whose last decode step fills a block
+        run(llm, ids[7000:7000 + n])
+        if core.kv.offload_pending:
+            break
+    pending = len(core.kv.offload_pending)
+    assert pending > 0
+    store = core.offload.store
+    before = flushed(llm)["kv_offload_written_blocks"]
+    core.close()
+    assert store.written_blocks == before + pending
+    assert core.offload is None and core.kv.offload is None and core.runner.offload is None
+    core.close()                   # idempotent

@@ -20,9 +20,11 @@ requests, so `kvserve bench serve --profile` and /metrics can divide them.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -95,6 +97,9 @@ class EngineCore:
                                   grammar=self.grammar,
                                   hidden_sink=spec.proposer.hidden_sink if spec is not None else None)
         self.offload = attach_offload(config, model, self.kv, self.runner)    # the disk tier, if configured
+        if self.offload is not None:        # LLM(...) has no close: the tier is flushed at exit too
+            ref = weakref.ref(self)
+            atexit.register(lambda: (core := ref()) is not None and core.close())
         self.kv_bytes_per_token = per_block // config.block_size
         logger.info("KV cache: %s, %d bytes per token, %d tokens fit (%d blocks of %d)", self.kv_dtype_name,
                     self.kv_bytes_per_token, num_blocks * config.block_size, num_blocks, config.block_size)
@@ -228,8 +233,7 @@ class EngineCore:
             immediate: list[EngineCoreOutput] = []
             for msg in msgs:
                 if isinstance(msg, Shutdown):
-                    if self.offload is not None:
-                        self.offload.store.close()
+                    self.close()
                     return
                 immediate += self.handle(msg)
             if immediate or (msgs and not self.has_unfinished_requests()):
@@ -253,6 +257,15 @@ class EngineCore:
     @property
     def kv_dtype_name(self) -> str:
         return str(self.config.torch_kv_dtype).removeprefix("torch.")
+
+    def close(self) -> None:
+        """Flush the disk tier: the blocks noted since the last step (copied out of the KV tensors
+        now, as a step would), then the writer's queue. Idempotent."""
+        offload, self.offload = self.offload, None
+        if offload is not None:
+            offload.save()
+            self.kv.offload = self.runner.offload = None     # a closed tier is never read or written again
+            offload.store.close()
 
     def stats(self) -> dict:
         kv, s = self.kv, self.scheduler
