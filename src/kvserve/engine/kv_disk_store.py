@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import itertools
 import logging
 import os
 import queue
@@ -182,6 +183,12 @@ class DiskKVStore:
                 self.path(h).unlink()
             except OSError:
                 pass
+
+    def recent_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` hashes the store holds, most recently used first (read only: a replica's
+        summary for the gateway's router)."""
+        with self._lock:
+            return list(itertools.islice(reversed(self._index), limit))
 
     # ---- writes -----------------------------------------------------------------------------
     def wants(self, h: bytes) -> bool:

@@ -9,8 +9,12 @@ thread by default. The client does the text work on the event loop as every Engi
 what crosses Ray is msgpack bytes only. Per request:
 
 * routing: PrefixAffinityRouter (engine/replica_router.py) picks the replica holding the longest prefix of
-  the prompt, balanced against load (requests in flight, waiting, KV usage the replica reports);
-  the children of an n > 1 request go together (they share the prompt's blocks);
+  the prompt in RAM or in its disk tier (replicas on one node sharing `kv_offload_dir` hold each
+  other's disk blocks; each reports its tiers in its first stats), balanced against load (requests
+  in flight, waiting, KV usage the replica reports); the children of an n > 1 request go together
+  (they share the prompt's blocks). When another replica, sharing no disk store with the chosen
+  one, holds a longer prefix, the chosen one receives those blocks from it with the request
+  (engine/ray_kv_handover.py);
 * outputs: one reader thread per replica long-polls `outputs()` and hands each EngineCoreOutputs
   to the loop, as MPClient's reader does;
 * a replica that dies (its poll raises) leaves the rotation; its requests that had streamed
@@ -51,10 +55,10 @@ from kvserve.engine.messages import (
 )
 from kvserve.engine.processing import EngineInfo
 from kvserve.engine.ray_cluster import HEAD_THREAD_DONE, reclaim_signals, start_local_cluster
+from kvserve.engine.ray_kv_handover import KVHandover
 from kvserve.engine.replica_router import PrefixAffinityRouter
 from kvserve.engine.replica_supervisor import Replica, ReplicaSupervisor
 from kvserve.errors import ModelLoadError
-from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -72,7 +76,7 @@ class PoolTimes:
     itl_count: int = 0
 
 
-class RayClient(EngineClient):
+class RayClient(KVHandover, EngineClient):
     kind = "ray"
 
     def __init__(self, ready: EngineReady, actors: list, roles: list[str], pids: list[int], owns_cluster: bool):
@@ -84,6 +88,7 @@ class RayClient(EngineClient):
         self.replicas = [Replica(i, a, r, p) for i, (a, r, p) in enumerate(zip(actors, roles, pids))]
         self.router = PrefixAffinityRouter(len(actors), ready.block_size)
         self.disaggregated = "prefill" in roles
+        self._prefix_caching = ready.enable_prefix_caching
         self._owns_cluster = owns_cluster
         self._where: dict[str, int] = {}                 # core request id -> replica index
         self._reqs: dict[str, EngineCoreRequest] = {}    # core request id -> the request (to resend)
@@ -126,8 +131,8 @@ class RayClient(EngineClient):
         # On the local cluster this process started, the cores are known and each replica's thread
         # count is set: claiming none lets a second model's replicas start beside the first's.
         cpus = 0 if _local_cluster and not ray_address else 1
-        actor_cls = ray.remote(num_cpus=cpus, max_restarts=0, concurrency_groups={"poll": 1, "prefill": 32, "kv": 1})(
-            EngineReplica)
+        groups = {"poll": 1, "prefill": 32, "kv": 1, "export": 4}
+        actor_cls = ray.remote(num_cpus=cpus, max_restarts=0, concurrency_groups=groups)(EngineReplica)
 
         def spawn(index: int, role: str):
             return actor_cls.remote(msgspec.json.encode({"model": model, "weight_format": weight_format,
@@ -150,12 +155,21 @@ class RayClient(EngineClient):
             raise ModelLoadError(f"an engine replica could not start: {last}") from None
         client = cls(readies[0], actors, roles, pids, owns)
         for rep, stats in zip(client.replicas, first_stats):
+            client.note_tier(rep.index, stats)
             rep.stats = stats
         client.spawn = spawn
         client.supervisor = ReplicaSupervisor(client, min_replicas=len(roles),
                                               max_replicas=max(max_replicas or 0, len(roles)),
                                               target_ttft_ms=target_ttft_ms, idle_down=replica_idle_seconds)
         return client
+
+    def note_tier(self, index: int, stats: dict) -> None:
+        """A (re)started replica's first stats carry its tiers (engine/ray_replica.py's
+        replica_tier): the router counts its disk store for it."""
+        tier = stats.pop("replica_tier", None)
+        if tier:
+            self.router.set_tier(index, tier.get("ram_blocks", 0), tier.get("disk"), tier.get("disk_blocks", 0),
+                                 tier.get("held") or [])
 
     async def start(self) -> None:
         await super().start()
@@ -330,13 +344,16 @@ class RayClient(EngineClient):
         first = group[0]
         others = frozenset(r.index for r in self.replicas if r.role == "prefill")
         try:
-            index = self.router.route(first.prompt_token_ids, first.cache_salt, first.cache_salt_from, exclude=others)
+            route = self.router.decide(first.prompt_token_ids, first.cache_salt, first.cache_salt_from, exclude=others,
+                                       fetch=not self.disaggregated and self._prefix_caching
+                                       and first.lora_name is None, to_disk=first.lora_name is None)
         except LookupError:
             if self.supervisor is not None and self.supervisor.healing():
                 self._fail_request(self.outputs.parent_of.get(first.request_id, first.request_id), RESTARTING)
             else:
                 self._fail_all("every engine replica is gone")
             return
+        index = route.index
         self.router.replicas[index].in_flight += len(group) - 1     # counted per core request
         now = time.monotonic()
         for r in group:
@@ -346,48 +363,10 @@ class RayClient(EngineClient):
         data = [encode(r) for r in group]
         if self.disaggregated and self._prefill(first, index, data, [r.request_id for r in group]):
             return
-        self.replicas[index].actor.submit.remote(data)
-
-    def _prefill(self, first: EngineCoreRequest, decode_index: int, data: list[bytes], ids: list[str]) -> bool:
-        """Disaggregated: run the prompt on a prefill replica; when its KV payload is ready, hand
-        it (an object-store reference: the bytes go replica to replica) to the decode replica."""
-        decoders = frozenset(r.index for r in self.replicas if r.role != "prefill")
-        try:
-            p = self.router.route(first.prompt_token_ids, first.cache_salt, first.cache_salt_from, exclude=decoders)
-        except LookupError:
-            return False           # no prefill replica left: the decode replica computes the prompt
-        pre = msgspec.structs.replace(first, request_id=first.request_id + "@prefill", wait_for=None,
-                                      sampling_params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
-                                      want_prompt_logprobs=False, structured_output=None, reasoning_end_ids=None)
-        t0 = time.monotonic()
-        status, ref = self.replicas[p].actor.prefill.options(concurrency_group="prefill", num_returns=2).remote(
-            encode(pre))
-        status.future().add_done_callback(lambda fut: self._call_soon(self._prefilled, p, decode_index, ref, fut,
-                                                                   data, ids, t0))
-        return True
-
-    def _prefilled(self, p: int, d: int, ref, fut, data: list[bytes], ids: list[str], t0: float) -> None:
-        """On the event loop, once the prefill replica answered (or died)."""
-        core_id = ids[0]
-        self.router.done(p)
-        if self._where.get(core_id) != d or not self.replicas[d].alive:
-            return                  # its decode replica died meanwhile and it moved on
-        if core_id not in self.outputs.parent_of:   # the client gave up while it prefilled
-            for cid in ids:
-                if self._where.pop(cid, None) is not None:
-                    self._reqs.pop(cid, None)
-                    self.router.done(d)
+        if route.donor is not None:
+            self._fetch(first, index, route.donor, data, [r.request_id for r in group])
             return
-        now = time.monotonic()
-        if fut.exception() is None:
-            pool = self.pools["prefill"]
-            pool.requests += 1
-            pool.ttft_seconds_sum += now - t0
-            self._decode_start[core_id] = now
-            self.replicas[d].actor.submit_with_kv.options(concurrency_group="kv").remote(ref, data)
-        else:
-            logger.warning("prefill of %s failed (%s): the decode replica computes it", core_id, fut.exception())
-            self.replicas[d].actor.submit.remote(data)
+        self.replicas[index].actor.submit.remote(data)
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
@@ -422,6 +401,7 @@ class RayClient(EngineClient):
         if self.supervisor is not None:
             out.update(self.supervisor.stats())
         out["requests_retried"] = self.num_retried
+        out["kv_prefix_fetches"] = self.num_kv_fetches
         if self.disaggregated:
             out["pools"] = {k: vars(v).copy() for k, v in self.pools.items()}
         return out

@@ -150,6 +150,7 @@ class ReplicaSupervisor:
         rep = Replica(index, actor, role, pid, stats=stats)
         client.replicas[index] = rep
         client.router.revive(index)
+        client.note_tier(index, stats)
         client.start_reader(rep)
         logger.info("engine replica %d (pid %d) is serving", index, pid)
         return True
