@@ -90,6 +90,13 @@ def _wait_health(base_url: str, want: dict, timeout: float) -> dict:
         time.sleep(0.5)
 
 
+def _restarts(base_url: str) -> float:
+    for line in httpx.get(base_url + "/metrics").text.splitlines():
+        if line.startswith("kvserve:replica_restarts_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_killed_replica_heals_under_load(tmp_path, model_server):
     """SIGKILL one of two replicas while requests stream: the ones it had not started are answered
     by the other, the ones it was streaming end with an error event, it is started again (the issue
@@ -122,6 +129,9 @@ def test_killed_replica_heals_under_load(tmp_path, model_server):
         results = [f.result() for f in futures]
     print(results)
     assert set(results) <= {"ok", "error event"}, results       # none lost: answered or told mid-stream
+    deadline = time.monotonic() + 120        # /health counts 2 serving until the death is noticed
+    while time.monotonic() < deadline and not _restarts(server.base_url):
+        time.sleep(0.5)
     health = _wait_health(server.base_url, {"serving": 2}, 120)
     print(f"healed {time.monotonic() - killed_at:.1f} s after the kill: {health}")
     assert health["status"] == "ok" and health["replicas"]["serving"] == 2, health
