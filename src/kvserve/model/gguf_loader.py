@@ -217,8 +217,11 @@ def weights_from_gguf(reader, cfg: ModelConfig, *, cached: bool = False) -> dict
 
 def _packed_tensors(reader) -> set[str]:
     """Names of the 2-D tensors whose projection is built packed from their rows alone: fused
-    groups (q/k/v, gate/up) only when every member has the same type (else they are concatenated
-    dequantized, which needs the bytes)."""
+    groups (q/k/v, gate/up) only when every member has the same type or every member's type is
+    packed (then they are requantized together, gguf_linear.concat_q8_0); else they are
+    concatenated dequantized, which needs the bytes."""
+    from kvserve.model.kernels.gguf_linear import supports
+
     groups: dict[str, list] = {}
     for t in reader.tensors:
         parts = t.name.split(".")
@@ -227,7 +230,8 @@ def _packed_tensors(reader) -> set[str]:
         kind = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gu", "ffn_up": "gu"}.get(
             parts[2] if len(parts) == 4 and parts[0] == "blk" else "")
         groups.setdefault(f"{parts[1]}.{kind}" if kind else t.name, []).append(t)
-    return {t.name for g in groups.values() if len({t.tensor_type for t in g}) == 1 for t in g}
+    return {t.name for g in groups.values()
+            if len({t.tensor_type for t in g}) == 1 or all(supports(t.tensor_type) for t in g) for t in g}
 
 
 def _check_shapes(w: dict, cfg: ModelConfig) -> None:
