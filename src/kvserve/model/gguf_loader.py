@@ -16,7 +16,6 @@ import torch
 
 from kvserve.errors import ModelLoadError, ModelNotFound
 from kvserve.model.config import ModelConfig
-from kvserve.model.gguf_check import check_gguf
 from kvserve.model.gguf_families import (
     ARCHITECTURES,
     LAYER_NAMES,
@@ -67,14 +66,13 @@ def open_gguf(path: str | os.PathLike):
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
-    from gguf import GGML_QUANT_SIZES
-
     from kvserve.model.gguf_file import GGUFFile
 
-    check_gguf(path, {int(k): v for k, v in GGML_QUANT_SIZES.items()})   # bounds first (gguf_check.py)
     try:
-        reader = GGUFFile(path)
-    except Exception as e:  # noqa: BLE001 - the reader raises assorted errors on corrupt headers
+        reader = GGUFFile(path)      # one bounds-checked pass over the header (gguf_check.py)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - what the checks leave (a key that is not UTF-8) is corrupt too
         raise ModelLoadError(f"{path} is truncated or corrupt: the GGUF header cannot be read ({e})") from None
     for t in reader.tensors:
         if t.tensor_type.name not in SUPPORTED_TYPES:
