@@ -3,6 +3,10 @@ checkouts (PYTHONPATH=<checkout>/src) can be compared in the same minutes.
 
     python scripts/bench_issue52_shapes.py model FILE.gguf     # prefill 128 + 16 greedy decodes
     python scripts/bench_issue52_shapes.py attention           # C decode attention, head_dim 64-128
+
+FILE: a random-weight file of a real shape, e.g. `python -m kvserve.bench.gguf_random FILE.gguf
+--shape qwen2-3b --type Q4_K_M` (shapes llama-1b, llama-3b, qwen2-3b; types Q4_0 Q4_1 Q4_K Q5_K Q6_K
+Q8_0 and the Q4_K_M / Q5_K_M mixes).
 """
 
 from __future__ import annotations

@@ -1,28 +1,49 @@
 """Random-weight GGUF files of real model shapes, for start-up, memory and speed measurements.
 
 `python -m kvserve.bench.gguf_random OUT.gguf --shape llama-1b --type Q4_1` writes a Llama-family
-file the way llama.cpp's converter lays one out (architecture "llama", byte-level BPE tokenizer
-metadata, untied output head, norms in F32), with block-quantized tensors whose payload bytes are
-random and whose block scales are small finite float16s, so every kernel runs on it and the
-numbers are those of a real file of that shape. The tokenizer is synthetic but of the real size
-(its tokens are byte pairs grown by merges up to the vocabulary), so building it costs what a
-real one costs. The outputs are meaningless: use it for speed and memory, never for quality.
+file the way llama.cpp's converter lays one out (architecture "llama" or "qwen2", byte-level BPE
+tokenizer metadata, untied output head, norms in F32, q/k/v biases for Qwen2), with
+block-quantized tensors whose payload bytes are random and whose block scales are small finite
+float16s (values of mean about zero, so a random model does not say one token only): every kernel
+runs on it and the numbers are those of a real file of that shape, written in seconds (no
+quantization pass). The tokenizer is synthetic but of the real size (its tokens are byte pairs
+grown by merges up to the vocabulary), so building it costs what a real one costs. The outputs
+are meaningless: use it for speed and memory, never for quality.
+
+Types: one block type for every matrix (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0), or the mixes llama.cpp's
+`Q4_K_M` / `Q5_K_M` write: Q6_K output head, Q6_K attn_v and ffn_down in the layers llama.cpp's
+`use_more_bits` picks (the first and last eighth, every third between), Q4_K / Q5_K elsewhere.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-# name -> hidden, intermediate, layers, heads, kv heads, vocab (all untied, head_dim = hidden / heads)
-SHAPES = {
-    "tiny": (256, 512, 2, 4, 2, 4096),
-    "llama-1b": (2048, 5632, 22, 32, 4, 128256),       # TinyLlama-1.1B's body, Llama 3's vocabulary
-    "llama-3b": (3072, 8192, 28, 24, 8, 128256),       # Llama-3.2-3B
+
+class Shape(NamedTuple):
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    arch: str = "llama"
+    bias: bool = False        # q/k/v biases (Qwen2)
+
+
+# name -> Shape (untied head, head_dim = hidden / heads); a plain 6-tuple is a llama Shape
+SHAPES: dict[str, tuple] = {
+    "tiny": Shape(256, 512, 2, 4, 2, 4096),
+    "llama-1b": Shape(2048, 5632, 22, 32, 4, 128256),       # TinyLlama-1.1B's body, Llama 3's vocabulary
+    "llama-3b": Shape(3072, 8192, 28, 24, 8, 128256),       # Llama-3.2-3B
+    "qwen2-3b": Shape(2048, 11008, 36, 16, 2, 128256, "qwen2", True),   # Qwen2.5-3B's body: head_dim 128, biases
 }
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
+TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_K_M", "Q5_K_M")
+_MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
 
 
 def synthetic_vocab(n: int) -> tuple[list[str], list[str]]:
@@ -44,73 +65,126 @@ def synthetic_vocab(n: int) -> tuple[list[str], list[str]]:
     return tokens + specials, merges
 
 
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).view(np.uint8).reshape(*x.shape, 2)
+
+
+def _pack_k_scales(sc: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K's 12 scale bytes for 6-bit scales sc [..., 8] with each block's min equal to its scale."""
+    out = np.empty((*sc.shape[:-1], 12), dtype=np.uint8)
+    out[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+    out[..., 4:8] = out[..., 0:4]
+    out[..., 8:12] = (sc[..., 4:8] & 0x0F) * 0x11
+    return out
+
+
 def random_blocks(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.ndarray:
-    """uint8 [rows, bytes_per_row]: random quants, float16 scales of about 1/sqrt(cols)."""
+    """uint8 [rows, bytes_per_row]: random quants and per-block float16 scales that give values of
+    mean about zero and a standard deviation of about 0.6 / sqrt(cols) (a unit-RMS input gives
+    outputs of about 0.6)."""
     import gguf
 
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    d = np.float16(1.0 / np.sqrt(cols) / 4).reshape(1).view(np.uint8)
+    nb = cols // block
+    raw = rng.integers(0, 256, size=(rows, nb, size), dtype=np.uint8)
+    std = 0.6 / np.sqrt(cols) * rng.uniform(0.5, 1.5, size=(rows, nb)).astype(np.float32)
     name = qtype.name
-    if name == "Q4_K":
-        raw[:, :, 0:2] = d
-        raw[:, :, 2:4] = np.float16(0.0).reshape(1).view(np.uint8)
+    if name == "Q4_0":      # nibbles 1..15: (q - 8) d has mean zero
+        lo, hi = (rng.integers(1, 16, size=(rows, nb, size - 2), dtype=np.uint8) for _ in range(2))
+        raw[:, :, 2:] = lo | (hi << 4)
+        raw[:, :, 0:2] = _f16_bytes(std / 4.32)
+    elif name == "Q4_1":    # minimum -7.5 d
+        d = std / 4.61
+        raw[:, :, 0:2], raw[:, :, 2:4] = _f16_bytes(d), _f16_bytes(-7.5 * d)
+    elif name == "Q8_0":
+        raw[:, :, 0:2] = _f16_bytes(std / 73.9)
+    elif name in ("Q4_K", "Q5_K"):   # 6-bit scale = min per block, dmin = 7.5 d (15.5 d): d sc (q - 7.5)
+        sc = rng.integers(16, 64, size=(rows, nb, 8), dtype=np.uint8)
+        d = std / (40 * (4.61 if name == "Q4_K" else 9.23))
+        raw[:, :, 0:2], raw[:, :, 2:4] = _f16_bytes(d), _f16_bytes(d * (7.5 if name == "Q4_K" else 15.5))
+        raw[:, :, 4:16] = _pack_k_scales(sc)
+    elif name == "Q6_K":    # int8 scales of either sign, d at the end: d sc (q - 32)
+        sc = rng.integers(16, 64, size=(rows, nb, 16)) * rng.choice([-1, 1], size=(rows, nb, 16))
+        raw[:, :, 192:208] = sc.astype(np.int8).view(np.uint8)
+        raw[:, :, 208:210] = _f16_bytes(std / (40 * 18.5))
     else:
-        raw[:, :, 0:2] = d
-        if name == "Q4_1":      # minimum -8 d: values centred on zero
-            raw[:, :, 2:4] = np.float16(-8 / np.sqrt(cols) / 4).reshape(1).view(np.uint8)
+        raise ValueError(f"no random blocks for {name}")
     return raw.reshape(rows, -1)
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down get Q6_K in a *_K_M file."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensor_type(name: str, qtype: str, n_layers: int) -> str:
+    """The block type of tensor `name` in a file of type `qtype` (a single type, or a *_K_M mix)."""
+    if qtype not in _MIXES:
+        return qtype
+    if name == "output.weight":
+        return "Q6_K"
+    parts = name.split(".")
+    if parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") and use_more_bits(int(parts[1]), n_layers):
+        return "Q6_K"
+    return _MIXES[qtype]
 
 
 def write(path: str | Path, shape: str = "llama-1b", qtype: str = "Q4_1", seed: int = 0) -> Path:
     """Write the random-weight file; returns its path."""
     import gguf
 
-    hidden, inter, layers, heads, kv_heads, vocab = SHAPES[shape]
-    qt = gguf.GGMLQuantizationType[qtype]
+    s = Shape(*SHAPES[shape])
+    if qtype not in TYPES:
+        raise ValueError(f"type {qtype!r} is not one of {', '.join(TYPES)}")
     rng = np.random.default_rng(seed)
     path = Path(path)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), s.arch)
     w.add_name(f"random-{shape}-{qtype}")
-    w.add_block_count(layers)
+    w.add_block_count(s.layers)
     w.add_context_length(8192)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(inter)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(500000.0)
-    w.add_vocab_size(vocab)
-    tokens, merges = synthetic_vocab(vocab)
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.inter)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_layer_norm_rms_eps(1e-5 if s.arch == "llama" else 1e-6)
+    w.add_rope_freq_base(500000.0 if s.arch == "llama" else 1000000.0)
+    w.add_vocab_size(s.vocab)
+    tokens, merges = synthetic_vocab(s.vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("llama-bpe")
     w.add_token_list(tokens)
-    w.add_token_types([1] * (vocab - 3) + [3, 3, 3])
+    w.add_token_types([1] * (s.vocab - 3) + [3, 3, 3])
     w.add_token_merges(merges)
-    w.add_bos_token_id(vocab - 3)
-    w.add_eos_token_id(vocab - 1)
+    w.add_bos_token_id(s.vocab - 3)
+    w.add_eos_token_id(s.vocab - 1)
 
     def mat(name: str, rows: int, cols: int) -> None:
+        qt = gguf.GGMLQuantizationType[tensor_type(name, qtype, s.layers)]
         w.add_tensor(name, random_blocks(rows, cols, qt, rng), raw_dtype=qt)
 
-    def ones(name: str, n: int) -> None:
-        w.add_tensor(name, np.ones(n, dtype=np.float32))
+    def vec(name: str, n: int, base: float, spread: float) -> None:
+        w.add_tensor(name, (base + spread * rng.standard_normal(n)).astype(np.float32))
 
-    head_dim = hidden // heads
-    mat("token_embd.weight", vocab, hidden)
-    for i in range(layers):
+    head_dim = s.hidden // s.heads
+    q, kv = s.heads * head_dim, s.kv_heads * head_dim
+    mat("token_embd.weight", s.vocab, s.hidden)
+    for i in range(s.layers):
         p = f"blk.{i}."
-        ones(p + "attn_norm.weight", hidden)
-        mat(p + "attn_q.weight", heads * head_dim, hidden)
-        mat(p + "attn_k.weight", kv_heads * head_dim, hidden)
-        mat(p + "attn_v.weight", kv_heads * head_dim, hidden)
-        mat(p + "attn_output.weight", hidden, heads * head_dim)
-        ones(p + "ffn_norm.weight", hidden)
-        mat(p + "ffn_gate.weight", inter, hidden)
-        mat(p + "ffn_up.weight", inter, hidden)
-        mat(p + "ffn_down.weight", hidden, inter)
-    ones("output_norm.weight", hidden)
-    mat("output.weight", vocab, hidden)
+        vec(p + "attn_norm.weight", s.hidden, 1.0, 0.0)
+        mat(p + "attn_q.weight", q, s.hidden)
+        mat(p + "attn_k.weight", kv, s.hidden)
+        mat(p + "attn_v.weight", kv, s.hidden)
+        if s.bias:
+            vec(p + "attn_q.bias", q, 0.0, 0.1)
+            vec(p + "attn_k.bias", kv, 0.0, 0.1)
+            vec(p + "attn_v.bias", kv, 0.0, 0.1)
+        mat(p + "attn_output.weight", s.hidden, q)
+        vec(p + "ffn_norm.weight", s.hidden, 1.0, 0.0)
+        mat(p + "ffn_gate.weight", s.inter, s.hidden)
+        mat(p + "ffn_up.weight", s.inter, s.hidden)
+        mat(p + "ffn_down.weight", s.hidden, s.inter)
+    vec("output_norm.weight", s.hidden, 1.0, 0.0)
+    mat("output.weight", s.vocab, s.hidden)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -9,14 +9,16 @@ The object keeps the subset of GGUFReader's interface kvserve uses (`fields[key]
 `.types`, `len(.data)`; `tensors[i].name/.shape/.tensor_type/.data/.data_offset/.n_bytes`), so
 code written against either works with both.
 
-Bounds are checked before this runs (gguf_check.py); any decoding failure left is reported by
-the caller as a corrupt header.
+The walk is bounds-checked as it goes (gguf_check.py's cursor and checks): a corrupt header ends
+in a `ModelLoadError` that says what is wrong and where, after at most one pass over it, never in
+a loop over a length of 2**63 or an allocation beyond the file. A failure left to decode (a key
+that is not UTF-8) is reported by the caller (gguf_loader.open_gguf) as a corrupt header.
 """
 
 from __future__ import annotations
 
 import mmap
-import struct
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +26,18 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
-               12: "<d"}
+from kvserve.errors import ModelLoadError
+from kvserve.model.gguf_check import (
+    ARRAY,
+    SCALARS,
+    STRING,
+    Cursor,
+    check_alignment,
+    check_counts,
+    check_layout,
+    tensor_info,
+)
+
 _NP_DTYPE = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
              7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _DENSE = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
@@ -75,62 +87,50 @@ class GGUFFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         with open(self.path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                raise ModelLoadError(f"{self.path} is empty")
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.data = np.frombuffer(self._mm, dtype=np.uint8)
         self.fields: dict[str, Field] = {}
         self.tensors: list[Tensor] = []
-        self._pos = 0
-        self._parse()
+        self._parse(Cursor(self._mm, self.path))
 
     # ---- header walk ------------------------------------------------------------------------
-    def _unpack(self, fmt: str) -> Any:
-        v = struct.unpack_from(fmt, self._mm, self._pos)[0]
-        self._pos += struct.calcsize(fmt)
-        return v
-
-    def _string_span(self) -> tuple[int, int]:
-        n = self._unpack("<Q")
-        start = self._pos
-        self._pos += n
-        if self._pos > len(self._mm):
-            raise ValueError("string runs past the end of the file")
-        return start, n
-
-    def _parse(self) -> None:
+    def _parse(self, c: Cursor) -> None:
         mm = self._mm
-        if mm[:4] != b"GGUF":
-            raise ValueError("not a GGUF file")
-        self._pos = 4
-        version = self._unpack("<I")
+        magic = c.take(4, "the magic")
+        if magic != b"GGUF":
+            raise ModelLoadError(f"{self.path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
+        version = c.u32("the version")
         if version not in (2, 3):
-            raise ValueError(f"GGUF version {version}")
-        n_tensors, n_kv = self._unpack("<Q"), self._unpack("<Q")
+            c.fail(f"GGUF version {version} is not supported (2 or 3)")
+        n_tensors, n_kv = c.u64("the tensor count"), c.u64("the metadata count")
+        check_counts(c, n_kv, n_tensors)
         for key, value, vt in (("GGUF.version", version, GGUFValueType.UINT32),   # as GGUFReader lists them
                                ("GGUF.tensor_count", n_tensors, GGUFValueType.UINT64),
                                ("GGUF.kv_count", n_kv, GGUFValueType.UINT64)):
             self.fields[key] = Field(key, [vt], mm, _value=value)
-        for _ in range(n_kv):
-            s, n = self._string_span()
-            key = mm[s:s + n].decode("utf-8")
-            self.fields[key] = self._field(key, self._unpack("<I"))
-        infos = []
-        for _ in range(n_tensors):
-            s, n = self._string_span()
-            name = mm[s:s + n].decode("utf-8")
-            n_dims = self._unpack("<I")
-            dims = [self._unpack("<Q") for _ in range(n_dims)]
-            infos.append((name, dims, self._unpack("<I"), self._unpack("<Q")))
-        alignment = self.fields["general.alignment"].contents() if "general.alignment" in self.fields else 32
-        start = -(-self._pos // alignment) * alignment
+        alignment = 32
+        for i in range(n_kv):
+            raw_key = c.string(f"metadata key {i}")
+            vtype = c.u32(f"the type of metadata {raw_key!r}")
+            key = raw_key.decode("utf-8")
+            f = self.fields[key] = self._field(c, key, vtype, f"metadata {raw_key[:80]!r}")
+            if key == "general.alignment":
+                v = f._value
+                alignment = check_alignment(c, vtype, v if isinstance(v, int) and not isinstance(v, bool) else None)
+        known = {int(k): v for k, v in GGML_QUANT_SIZES.items()}
+        infos = [tensor_info(c, i, known) for i in range(n_tensors)]
+        start = check_layout(c, [(offset, nbytes, name) for name, _, _, offset, nbytes in infos], alignment)
         seen = set()
-        for name, dims, raw_type, offset in infos:
+        for raw_name, dims, raw_type, offset, n_bytes in infos:
+            name = raw_name.decode("utf-8")
             if name in seen:
                 raise ValueError(f"duplicated tensor {name}")
             seen.add(name)
             qtype = GGMLQuantizationType(raw_type)
             block, type_size = GGML_QUANT_SIZES[qtype]
             n_elems = int(np.prod(dims))
-            n_bytes = n_elems * type_size // block
             at = start + offset
             np_dims = tuple(reversed(dims))
             if qtype in _DENSE:
@@ -139,29 +139,21 @@ class GGUFFile:
                 data = self.data[at:at + n_bytes].reshape(*np_dims[:-1], np_dims[-1] // block * type_size)
             self.tensors.append(Tensor(name, qtype, np.array(dims, dtype=np.uint64), n_elems, n_bytes, at, data))
 
-    def _field(self, key: str, vtype: int) -> Field:
-        t = GGUFValueType(vtype)
-        if t == GGUFValueType.STRING:
-            return Field(key, [t], self._mm, _spans=[self._string_span()])
-        if t != GGUFValueType.ARRAY:
-            return Field(key, [t], self._mm, _value=self._unpack(_SCALAR_FMT[vtype]))
-        item, count = self._unpack("<I"), self._unpack("<Q")
-        sub = GGUFValueType(item)
-        if sub == GGUFValueType.STRING:
-            spans, pos, mm, unpack = [], self._pos, self._mm, struct.Struct("<Q").unpack_from
+    def _field(self, c: Cursor, key: str, vtype: int, what: str, depth: int = 0) -> Field:
+        if vtype in SCALARS:
+            return Field(key, [GGUFValueType(vtype)], self._mm, _value=c.scalar(vtype, what))
+        if vtype == STRING:
+            return Field(key, [GGUFValueType.STRING], self._mm, _spans=[c.string_span(what)])
+        if vtype != ARRAY:
+            c.fail(f"{what} has unknown value type {vtype}")
+        item, count = c.array_header(what, depth)
+        types = [GGUFValueType.ARRAY, GGUFValueType(item)]
+        if item == STRING:
+            return Field(key, types, self._mm, _spans=c.string_spans(count, what), data=range(count))
+        if item == ARRAY:     # nested arrays: walk over them, nothing reads them
             for _ in range(count):
-                n = unpack(mm, pos)[0]
-                spans.append((pos + 8, n))
-                pos += 8 + n
-            if pos > len(mm):
-                raise ValueError(f"{key} runs past the end of the file")
-            self._pos = pos
-            return Field(key, [t, sub], self._mm, _spans=spans, data=range(count))
-        if sub == GGUFValueType.ARRAY:     # nested arrays: walk over them, nothing reads them
-            for _ in range(count):
-                self._field(key, item)
-            return Field(key, [t, sub], self._mm, data=range(count))
+                self._field(c, key, item, what, depth + 1)
+            return Field(key, types, self._mm, data=range(count))
         dtype = np.dtype(_NP_DTYPE[item]).newbyteorder("<")
-        arr = np.frombuffer(self._mm, dtype=dtype, count=count, offset=self._pos)
-        self._pos += count * dtype.itemsize
-        return Field(key, [t, sub], self._mm, _array=arr, data=range(count))
+        arr = np.frombuffer(self._mm, dtype=dtype, count=count, offset=c.skip(count * dtype.itemsize, what))
+        return Field(key, types, self._mm, _array=arr, data=range(count))

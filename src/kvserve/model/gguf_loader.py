@@ -16,7 +16,6 @@ import torch
 
 from kvserve.errors import ModelLoadError, ModelNotFound
 from kvserve.model.config import ModelConfig
-from kvserve.model.gguf_check import check_gguf
 from kvserve.model.gguf_families import (
     ARCHITECTURES,
     LAYER_NAMES,
@@ -67,14 +66,13 @@ def open_gguf(path: str | os.PathLike):
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
-    from gguf import GGML_QUANT_SIZES
-
     from kvserve.model.gguf_file import GGUFFile
 
-    check_gguf(path, {int(k): v for k, v in GGML_QUANT_SIZES.items()})   # bounds first (gguf_check.py)
     try:
-        reader = GGUFFile(path)
-    except Exception as e:  # noqa: BLE001 - the reader raises assorted errors on corrupt headers
+        reader = GGUFFile(path)      # one bounds-checked pass over the header (gguf_check.py)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - what the checks leave (a key that is not UTF-8) is corrupt too
         raise ModelLoadError(f"{path} is truncated or corrupt: the GGUF header cannot be read ({e})") from None
     for t in reader.tensors:
         if t.tensor_type.name not in SUPPORTED_TYPES:
@@ -217,8 +215,11 @@ def weights_from_gguf(reader, cfg: ModelConfig, *, cached: bool = False) -> dict
 
 def _packed_tensors(reader) -> set[str]:
     """Names of the 2-D tensors whose projection is built packed from their rows alone: fused
-    groups (q/k/v, gate/up) only when every member has the same type (else they are concatenated
-    dequantized, which needs the bytes)."""
+    groups (q/k/v, gate/up) only when every member has the same type or every member's type is
+    packed (then they are requantized together, gguf_linear.concat_q8_0); else they are
+    concatenated dequantized, which needs the bytes."""
+    from kvserve.model.kernels.gguf_linear import supports
+
     groups: dict[str, list] = {}
     for t in reader.tensors:
         parts = t.name.split(".")
@@ -227,7 +228,8 @@ def _packed_tensors(reader) -> set[str]:
         kind = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gu", "ffn_up": "gu"}.get(
             parts[2] if len(parts) == 4 and parts[0] == "blk" else "")
         groups.setdefault(f"{parts[1]}.{kind}" if kind else t.name, []).append(t)
-    return {t.name for g in groups.values() if len({t.tensor_type for t in g}) == 1 for t in g}
+    return {t.name for g in groups.values()
+            if len({t.tensor_type for t in g}) == 1 or all(supports(t.tensor_type) for t in g) for t in g}
 
 
 def _check_shapes(w: dict, cfg: ModelConfig) -> None:

@@ -21,7 +21,7 @@ from torch import nn
 
 from kvserve.errors import InvalidRequest
 from kvserve.model.kernels.backend import KernelBackend
-from kvserve.model.kernels.gguf_linear import GGUFQuantLinear, supports
+from kvserve.model.kernels.gguf_linear import Q8_0, GGUFQuantLinear, concat_q8_0, supports
 
 WEIGHT_FORMATS = ("auto", "fp32", "bf16", "fp16", "gguf", "q8_0", "q4_1")
 PACKED_FORMATS = ("q8_0", "q4_1")     # dense weights are packed into these GGUF block types at load
@@ -33,11 +33,14 @@ class WeightSource:
     tensor: torch.Tensor | None = None     # dense weight, any float dtype
     raw: np.ndarray | None = None          # GGUF packed rows: uint8 [out_features, bytes_per_row]
     qtype: object | None = None            # gguf.GGMLQuantizationType of `raw`
+    parts: list[WeightSource] | None = None   # a mixed-type concat's members (its exact values)
 
     def dequantize(self) -> torch.Tensor:
         """The weight as fp32 [out, in]."""
         if self.tensor is not None:
             return self.tensor.float()
+        if self.parts is not None:
+            return torch.cat([p.dequantize() for p in self.parts])
         from gguf.quants import dequantize
 
         w = dequantize(self.raw, self.qtype)
@@ -57,6 +60,8 @@ class WeightSource:
         shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
         if all(p.raw is not None for p in parts) and len({p.qtype for p in parts}) == 1:
             return WeightSource(shape, raw=np.concatenate([p.raw for p in parts]), qtype=parts[0].qtype)
+        if all(p.raw is not None and supports(p.qtype) for p in parts):
+            return WeightSource(shape, raw=concat_q8_0(parts), qtype=Q8_0, parts=parts)   # Q4_K beside Q6_K
         if all(p.tensor is not None for p in parts) and len({p.tensor.dtype for p in parts}) == 1:
             return WeightSource(shape, tensor=torch.cat([p.tensor for p in parts]))
         return WeightSource(shape, tensor=torch.cat([p.dequantize() for p in parts]))

@@ -250,7 +250,7 @@ class KernelBackend:
 
     def slow_paths(self, model: torch.nn.Module) -> list[str]:
         """What of `model` runs off the fast path on this backend, and why, one phrase each (e.g.
-        "layer 3 MLP down on the reference path: Q6_K weights are not packed"); empty when every
+        "layer 3 MLP down on the reference path: Q5_0 weights are not packed"); empty when every
         layer runs the whole-stack C forward and the LM head the int8 kernels."""
         cfg = model.config
         if self.lib is None:

@@ -1,4 +1,5 @@
-"""Linear layers over GGUF block-quantized weights, kept packed (Q4_0, Q4_1, Q4_K, Q8_0).
+"""Linear layers over GGUF block-quantized weights, kept packed (Q4_0, Q4_1, Q4_K, Q8_0; Q6_K and
+Q5_K requantized into Q8_0 blocks at load, kquants.py).
 
 GGUFQuantLinear follows model/linear.py's Linear protocol and adds row lookups (`rows`), so a
 packed embedding table needs no fp32 copy. Which path a call takes is the KernelBackend's choice.
@@ -16,7 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from kvserve.errors import ModelLoadError
-from kvserve.model.kernels import pack_cache, reference
+from kvserve.model.kernels import kquants, pack_cache, reference
 from kvserve.model.kernels.build import KvsWeight
 
 if TYPE_CHECKING:
@@ -27,12 +28,27 @@ _KERNEL_QTYPE = {
     GGMLQuantizationType.Q4_1: 0,
     GGMLQuantizationType.Q8_0: 1,
     GGMLQuantizationType.Q4_K: 0,   # repacked losslessly into the Q4 layout: scale d*sc, min -dmin*m
+    GGMLQuantizationType.Q6_K: 1,   # decoded and requantized into Q8_0 blocks (kquants.py)
+    GGMLQuantizationType.Q5_K: 1,
 }
+
+
+Q8_0 = GGMLQuantizationType.Q8_0
 
 
 def supports(qtype: GGMLQuantizationType) -> bool:
     """True if GGUFQuantLinear can hold weights of this type packed."""
     return qtype in _KERNEL_QTYPE
+
+
+def concat_q8_0(parts: list) -> np.ndarray:
+    """Q8_0 rows of a fused projection whose parts (WeightSources, packed types) differ in type,
+    e.g. a Q4_K_M file's Q4_K q/k beside its Q6_K v: one projection needs one layout, and Q8_0 is
+    the one every part requantizes into (kquants.py). Parts given as empty rows (a pack-cache hit:
+    nothing is read) give empty rows."""
+    if any(p.raw.shape[1] == 0 for p in parts):
+        return np.zeros((sum(p.shape[0] for p in parts), 0), dtype=np.uint8)
+    return np.concatenate([kquants.q8_0_rows(p.raw, p.qtype, p.shape[1]) for p in parts])
 
 
 class Bf16Weight:
@@ -163,6 +179,9 @@ class GGUFQuantLinear(torch.nn.Module):
         mapped: the buffers are temporary (the pack cache's file replaces them), so they are
         anonymous mappings that go back to the system when freed, not heap that stays in RSS."""
         lib, qtype, rows, cols = self.lib, self.qtype, self.out_features, self.in_features
+        ggml_type = int(qtype)
+        if qtype in kquants.REQUANTIZED:
+            raw, ggml_type = kquants.q8_0_rows(raw, qtype, cols), int(GGMLQuantizationType.Q8_0)
         empty = _mapped_empty if mapped else torch.empty
         self.qs = empty(lib.kvs_packed_qs_bytes(_KERNEL_QTYPE[qtype], rows, cols), dtype=torch.uint8)
         n_scales = lib.kvs_packed_scales(rows, cols)
@@ -176,7 +195,7 @@ class GGUFQuantLinear(torch.nn.Module):
                                 self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr())
                 rc = 0
             else:
-                rc = lib.kvs_repack(int(qtype), raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(),
+                rc = lib.kvs_repack(ggml_type, raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(),
                                     self.m.data_ptr() if q4 else None, sdtype)
             if rc != 1:
                 break
@@ -241,6 +260,8 @@ class GGUFQuantLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         path = "torch-fallback" if self.lib is None else ("avx512-vnni-int8" if self.desc.isa else "avx2-int8")
+        if self.lib is not None and self.qtype in kquants.REQUANTIZED:
+            path += ", requantized to Q8_0"
         if self.weight_bf16 is not None:
             path += f", bf16 for T>={self.backend.bf16_min_tokens}"
         elif self.backend.f32_min_tokens is not None and self.lib is not None:

@@ -1,8 +1,9 @@
 """Repacked GGUF weights cached in kvserve's cache directory: one file per model file, keyed by
 its content hash, memory-mapped at the next load.
 
-The C kernels read Q4_0/Q4_1/Q4_K/Q8_0 weights in their own layout (16-row groups, scales apart
-from the quants: cpu/kvserve_kernels.cpp), so every packed projection is rewritten once at load.
+The C kernels read Q4_0/Q4_1/Q4_K/Q8_0 weights (Q6_K/Q5_K requantized into Q8_0) in their own
+layout (16-row groups, scales apart from the quants: cpu/kvserve_kernels.cpp), so every packed
+projection is rewritten once at load.
 That costs start-up time (and for Q4_K more than a copy) and, held in anonymous memory, a second
 copy of the weights per process. The first load of a file writes what it repacked into
 `<cache>/packed/<key>.kvpack`; every later load maps that file instead (copy-on-write, never
@@ -46,7 +47,8 @@ ALIGN = 64
 KEEP_FILES = 16    # packed models kept in the cache; the least recently used beyond are deleted
 # The modules whose code decides which projections exist, their order and their bytes.
 _CODE = ("model/decoder.py", "model/linear.py", "model/gguf_loader.py", "model/gguf_families.py",
-         "model/gguf_file.py", "model/moe.py", "model/kernels/gguf_linear.py", "model/kernels/pack_cache.py",
+         "model/gguf_file.py", "model/moe.py", "model/kernels/gguf_linear.py", "model/kernels/kquants.py",
+         "model/kernels/pack_cache.py",
          "tokenizer/tokenizer.py")
 
 
