@@ -9,6 +9,7 @@ cache uses (cache salt included, so keys stay isolated), every full block as it 
         the blocks noted since step N are copied out of the KV tensors (one index_select)
         and queued to the writer thread; a full queue drops them (a step never waits on disk)
     writer thread:  checksum, write to a temporary file, rename; LRU files out past the size cap
+                    (the directory's as a whole, whichever process or model wrote them)
     a waiting request's RAM prefix-cache hit stops at block k:
         blocks k, k+1, ... are looked up on disk, read, verified and written into free blocks,
         registered in the prefix cache as if computed here; the request is then admitted with a
@@ -23,7 +24,8 @@ fingerprint, shape, dtype and a checksum: a truncated, corrupt or foreign file i
 deleted, never loaded. A write that fails (a full disk) stops the writes with one warning: the
 engine goes on RAM-only. Blocks under a LoRA adapter are never written (an adapter's salt names a
 load in this process only). Replicas on one machine can share DIR: a hash missing from this
-process's index is looked for on disk.
+process's index is looked for on disk, and the size cap holds for DIR as a whole
+(engine/kv_disk_quota.py).
 """
 
 from __future__ import annotations
