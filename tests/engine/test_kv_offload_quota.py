@@ -7,18 +7,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
-
 from kvserve.engine.kv_disk_quota import LOCK_NAME, DirQuota
 from kvserve.engine.kv_disk_store import DiskKVStore, StoreHeader
+from tests.engine.test_kv_offload_store import HEADER, SHAPE, block, file_size
 
-HEADER = StoreHeader(model_hash="m", kv_dtype="float16", block_size=2, num_layers=1, num_kv_heads=1, row_width=4)
 OTHER = StoreHeader(model_hash="n", kv_dtype="float16", block_size=2, num_layers=1, num_kv_heads=1, row_width=4)
-SHAPE = [1, 2, 2, 1, 4]
-
-
-def block(i: int) -> torch.Tensor:
-    return torch.full(SHAPE, float(i), dtype=torch.float16)
 
 
 def h(i: int) -> bytes:
@@ -27,13 +20,6 @@ def h(i: int) -> bytes:
 
 def on_disk(root: Path) -> int:
     return sum(p.stat().st_size for p in root.glob("kv-*/*/*.kvb"))
-
-
-def file_size(tmp_path: Path) -> int:
-    s = DiskKVStore(tmp_path / "probe", HEADER, 1 << 20)
-    s.put(h(0), block(0))
-    s.flush()
-    return s.bytes
 
 
 def test_two_replicas_on_one_directory_keep_its_cap_and_evict_the_oldest_of_either(tmp_path):
