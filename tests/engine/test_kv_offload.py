@@ -182,3 +182,14 @@ def test_a_tiny_size_writes_nothing(loaded, prompts, cold, tmp_path):
     run(llm, first)
     assert flushed(llm)["kv_offload_bytes"] == 0
     assert run(llm, second).outputs[0].token_ids == cold["fp16"]
+
+
+def test_the_last_steps_blocks_reach_the_disk_when_the_store_closes(loaded, prompts, tmp_path):
+    """A prompt answered in one step: its blocks, noted for the next step's save, are written when
+    the engine stops (a warm restart would otherwise miss the end of the last prompt)."""
+    first, _, _ = prompts
+    llm = make(loaded, tmp_path)
+    llm.generate([{"prompt_token_ids": first}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    store = llm.engine.core.offload.store
+    store.close()
+    assert store.written_blocks == len(first) // 16

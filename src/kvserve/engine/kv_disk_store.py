@@ -24,6 +24,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -89,6 +90,7 @@ class DiskKVStore:
         self.writable = True
         self.written_blocks = self.dropped_blocks = self.read_blocks = self.bad_blocks = 0
         self.quota = DirQuota(root, max_bytes)
+        self.before_close: Callable[[], None] | None = None   # the engine's blocks noted but not queued yet
         self._open(root)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_blocks)
         self._writer = threading.Thread(target=self._write_loop, name="kv-offload-writer", daemon=True)
@@ -289,6 +291,9 @@ class DiskKVStore:
             time.sleep(0.005)
 
     def close(self) -> None:
+        hook, self.before_close = self.before_close, None
+        if hook is not None:
+            hook()
         self.flush()
         self._queue.put(None)
         self._writer.join(timeout=5)

@@ -82,6 +82,9 @@ class KVOffload:
         self._spent = 0.0
         h = store.header
         self.shape = [h.num_layers, 2, h.block_size, h.num_kv_heads, h.row_width]
+        # the last step's blocks are noted for the next step's save: an engine stopping (a restart)
+        # saves them as its store closes, or a warm restart would miss the end of the last prompt
+        store.before_close = self.save
 
     def begin_step(self) -> None:
         self._spent = 0.0
