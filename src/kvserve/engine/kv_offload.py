@@ -7,7 +7,8 @@ cache uses (cache salt included, so keys stay isolated), every full block as it 
 
     step N+1, after schedule and before the forward (ModelRunner.execute's hook):
         the blocks noted since step N are copied out of the KV tensors (one index_select)
-        and queued to the writer thread; a full queue drops them (a step never waits on disk)
+        and queued to the writer thread; a full queue drops them (a step never waits on disk);
+        the last step's, when the store closes
     writer thread:  checksum, write to a temporary file, rename; LRU files out past the size cap
                     (the directory's as a whole, whichever process or model wrote them)
     a waiting request's RAM prefix-cache hit stops at block k:
