@@ -201,3 +201,13 @@ def test_close_writes_what_the_last_step_noted(loaded, ids, tmp_path):
     assert store.written_blocks == before + pending
     assert core.offload is None and core.kv.offload is None and core.runner.offload is None
     core.close()                   # idempotent
+
+def test_the_last_steps_blocks_reach_the_disk_when_the_store_closes(loaded, prompts, tmp_path):
+    """A prompt answered in one step: its blocks, noted for the next step's save, are written when
+    the engine stops (a warm restart would otherwise miss the end of the last prompt)."""
+    first, _, _ = prompts
+    llm = make(loaded, tmp_path)
+    llm.generate([{"prompt_token_ids": first}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    store = llm.engine.core.offload.store
+    store.close()
+    assert store.written_blocks == len(first) // 16

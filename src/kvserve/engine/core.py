@@ -259,11 +259,10 @@ class EngineCore:
         return str(self.config.torch_kv_dtype).removeprefix("torch.")
 
     def close(self) -> None:
-        """Flush the disk tier: the blocks noted since the last step (copied out of the KV tensors
-        now, as a step would), then the writer's queue. Idempotent."""
+        """Flush the disk tier (its store's close saves the blocks the last step noted, then drains
+        the writer's queue) and detach it. Idempotent."""
         offload, self.offload = self.offload, None
         if offload is not None:
-            offload.save()
             self.kv.offload = self.runner.offload = None     # a closed tier is never read or written again
             offload.store.close()
 

@@ -8,7 +8,9 @@
 
 The index (hash -> size, least recently used first) is rebuilt from the files' mtimes at start.
 Lookups and reads run on the core's thread; writes on the store's own thread, through a bounded
-queue; both take one lock around the index.
+queue; both take one lock around the index. The size cap is the whole directory's, shared with
+every process (replica) and store writing under it (engine/kv_disk_quota.py): each write makes
+room by deleting the directory's least recently used block files first.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 import torch
+
+from kvserve.engine.kv_disk_quota import DirQuota
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -85,6 +90,8 @@ class DiskKVStore:
         self.bytes = 0
         self.writable = True
         self.written_blocks = self.dropped_blocks = self.read_blocks = self.bad_blocks = 0
+        self.quota = DirQuota(root, max_bytes)
+        self.before_close: Callable[[], None] | None = None   # the engine's blocks noted but not queued yet
         self._open(root)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_blocks)
         self._writer = threading.Thread(target=self._write_loop, name="kv-offload-writer", daemon=True)
@@ -110,7 +117,7 @@ class DiskKVStore:
         for _, h, size in sorted(files):
             self._index[h] = size
             self.bytes += size
-        self._evict_to(self.max_bytes)
+        self._dropped(self.quota.write(0, lambda: None))     # a directory over the cap (a smaller one now)
         if self._index:
             logger.info("KV disk tier: %d blocks (%.1f MiB) found in %s", len(self._index), self.bytes / 2**20,
                         self.dir)
@@ -130,8 +137,7 @@ class DiskKVStore:
             return False
         with self._lock:
             if h not in self._index:
-                self._index[h] = size
-                self.bytes += size
+                self._note(h, size)
         return True
 
     def read(self, h: bytes, shape: list[int], dtype: str) -> bytes | None:
@@ -236,19 +242,41 @@ class DiskKVStore:
         size = 8 + len(head) + len(data)
         if size > self.max_bytes:
             return
-        with self._lock:
-            self._evict_to(self.max_bytes - size)
-        p = self.path(h)
+        p, parts = self.path(h), [MAGIC, struct.pack("<I", len(head)), head, data]
         try:
-            self._write_file(p, [MAGIC, struct.pack("<I", len(head)), head, data])
+            removed = self.quota.write(size, lambda: self._write_file(p, parts))
         except OSError as e:
             self.writable = False
             logger.warning("KV disk tier: cannot write %s (%s): writes stop, the KV cache is RAM-only now", p, e)
             return
+        self._dropped(removed)
         with self._lock:
-            self._index[h] = size
-            self.bytes += size
+            self._note(h, size)
         self.written_blocks += 1
+
+    def _note(self, h: bytes, size: int) -> None:
+        """(under the lock) Index a file on disk as the most recent. Another process's writes may have
+        deleted files still indexed here (a read of one is a miss): past the cap, the oldest entries
+        are certainly stale or soon evicted, and are forgotten (their files stay)."""
+        self.bytes += size - self._index.pop(h, 0)
+        self._index[h] = size
+        while self.bytes > self.max_bytes and len(self._index) > 1:
+            self.bytes -= self._index.popitem(last=False)[1]
+
+    def _dropped(self, paths: list[Path]) -> None:
+        """Forget the files the directory's cap deleted (this store's; another's are not indexed here)."""
+        if not paths:
+            return
+        with self._lock:
+            for p in paths:
+                if p.parent.parent != self.dir:
+                    continue
+                try:
+                    size = self._index.pop(bytes.fromhex(p.stem), None)
+                except ValueError:
+                    continue
+                if size is not None:
+                    self.bytes -= size
 
     @staticmethod
     def _write_file(p: Path, parts: list) -> None:
@@ -263,16 +291,6 @@ class DiskKVStore:
             tmp.unlink(missing_ok=True)
             raise
 
-    def _evict_to(self, limit: int) -> None:
-        """(under the lock) Delete least recently used files until the store holds <= limit bytes."""
-        while self._index and self.bytes > limit:
-            h, size = self._index.popitem(last=False)
-            self.bytes -= size
-            try:
-                self.path(h).unlink()
-            except OSError:
-                pass
-
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until the queued blocks are written (tests, shutdown)."""
         end = time.monotonic() + timeout
@@ -280,9 +298,13 @@ class DiskKVStore:
             time.sleep(0.005)
 
     def close(self) -> None:
+        hook, self.before_close = self.before_close, None
+        if hook is not None:
+            hook()
         self.flush()
         self._queue.put(None)
         self._writer.join(timeout=5)
+        self.quota.close()
 
     def stats(self) -> dict:
         return {"kv_offload_blocks": len(self._index), "kv_offload_bytes": self.bytes,

@@ -7,8 +7,10 @@ cache uses (cache salt included, so keys stay isolated), every full block as it 
 
     step N+1, after schedule and before the forward (ModelRunner.execute's hook):
         the blocks noted since step N are copied out of the KV tensors (one index_select)
-        and queued to the writer thread; a full queue drops them (a step never waits on disk)
+        and queued to the writer thread; a full queue drops them (a step never waits on disk);
+        the last step's, when the store closes
     writer thread:  checksum, write to a temporary file, rename; LRU files out past the size cap
+                    (the directory's as a whole, whichever process or model wrote them)
     a waiting request's RAM prefix-cache hit stops at block k:
         blocks k, k+1, ... are looked up on disk, read, verified and written into free blocks,
         registered in the prefix cache as if computed here; the request is then admitted with a
@@ -23,15 +25,19 @@ fingerprint, shape, dtype and a checksum: a truncated, corrupt or foreign file i
 deleted, never loaded. A write that fails (a full disk) stops the writes with one warning: the
 engine goes on RAM-only. Blocks under a LoRA adapter are never written (an adapter's salt names a
 load in this process only). Replicas on one machine can share DIR: a hash missing from this
-process's index is looked for on disk.
+process's index is looked for on disk, and the size cap holds for DIR as a whole
+(engine/kv_disk_quota.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
+from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from kvserve.engine.kv_disk_store import DiskKVStore, StoreHeader
@@ -39,6 +45,23 @@ from kvserve.engine.kv_disk_store import DiskKVStore, StoreHeader
 logger = logging.getLogger("kvserve.engine")
 
 __all__ = ["DiskHit", "DiskKVStore", "KVOffload", "StoreHeader", "attach_offload", "model_fingerprint"]
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch's copies of blocks on the calling thread alone. They are memory-bound, and where other
+    processes share the cores a team of two threads waits at each barrier for a descheduled one:
+    at load ~4 on 2 cores, stacking 125 int8 blocks took 800 ms on two threads and 14 ms on one,
+    their 30 layers' index_copy_ 215 ms and 14 ms (BENCHMARKS.md, issue 51)."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -80,6 +103,9 @@ class KVOffload:
         self._spent = 0.0
         h = store.header
         self.shape = [h.num_layers, 2, h.block_size, h.num_kv_heads, h.row_width]
+        # the last step's blocks are noted for the next step's save: an engine stopping (a restart)
+        # saves them as its store closes, or a warm restart would miss the end of the last prompt
+        store.before_close = self.save
 
     def begin_step(self) -> None:
         self._spent = 0.0
@@ -97,7 +123,8 @@ class KVOffload:
             todo = todo[:room]
         if not todo:
             return
-        data = self.runner.read_blocks([b for _, b in todo])
+        with one_thread():
+            data = self.runner.read_blocks([b for _, b in todo])
         for j, (h, _) in enumerate(todo):
             store.put(h, data[j])
 
@@ -125,16 +152,21 @@ class KVOffload:
         t0 = time.perf_counter()
         victims = kv.take_free_blocks(n, keep)
         self.save()                                 # the victims' old contents first, if noted
-        blocks, landed = [], []
+        landed: list[tuple[int, bytes]] = []
+        buf = None
         for b, h in zip(victims, hashes[k:k + n]):
             data = store.read(h, self.shape, self.runner.kv_dtype_name)
             if data is None:
                 break
-            blocks.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            if buf is None:
+                buf = np.empty((n, len(data)), dtype=np.uint8)
+            buf[len(landed)] = np.frombuffer(data, dtype=np.uint8)      # the one copy of the file's bytes
             landed.append((b, h))
-        if blocks:
+        if landed:
             dtype = self.runner.kv_caches[0].dtype
-            self.runner.write_blocks([b for b, _ in landed], torch.stack(blocks).view(dtype).view(-1, *self.shape))
+            with one_thread():
+                self.runner.write_blocks([b for b, _ in landed],
+                                         torch.from_numpy(buf[:len(landed)]).view(dtype).view(-1, *self.shape))
         kv.return_free_blocks(victims[len(landed):])
         for b, h in landed:
             kv.register_cached(b, h)

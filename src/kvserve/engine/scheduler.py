@@ -21,9 +21,11 @@ catching up with `num_tokens` (prompt + generated). Each step hands out a token 
    then prefills a few tokens a step, or one token every second or third step when one token costs
    more than a step lends (the loan grows until it fits, so the prompt always advances). A step
    without decodes may take `max_step_ms`, or twice its time without the long chunks where that is
-   more (a new request waits at most about one such step), and the first long prompt in line then
-   gets at least a block. A long prompt's chunk at most doubles from one step to the next (or is one
-   block), so a prediction far outside the sizes just measured cannot make a huge step.
+   more (four times for a prompt alone in the engine, so a fixed cost per step as large as a loaded
+   machine's is at most a quarter of its steps; a new request waits at most about one such step),
+   and the first long prompt in line then gets at least a block. A long prompt's chunk at most
+   doubles from one step to the next (or is one block), so a prediction far outside the sizes just
+   measured cannot make a huge step.
 
 Waiting requests may find part of their prompt in the prefix cache. When the block pool runs dry,
 the running request that comes last in (priority, arrival) order is preempted: its blocks are
@@ -131,9 +133,7 @@ class Scheduler:
                 self._schedule_running(out, budget, req, req.num_tokens - req.num_computed_tokens)
         if not budget.preempted:
             self._admit_waiting(out, budget, long=False)
-        # Long prompts' chunks: in a step with decodes, the time the streams lend them (below); in
-        # any other step, up to the time target, or to twice what the step costs without them where
-        # that is more (a machine too slow for the target still gets on).
+        # Long prompts' chunks: the time the streams lend them (below), else the target or 2x (alone: 4x)
         budget.with_decodes = bool(decodes) and self.max_decode_slowdown > 0 and self.max_step_s is not None
         if self.max_step_s is not None:
             base = self.cost.predict([(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
@@ -153,7 +153,8 @@ class Scheduler:
                 budget.step_limit = base + max(0.0, self._credit)
             else:
                 self._credit = 0.0
-                budget.step_limit = max(self.max_step_s, 2 * base)
+                alone = not out.scheduled and len(self.running) + len(self.waiting) == 1
+                budget.step_limit = max(self.max_step_s, (4 if alone else 2) * base)
         first_long, wanted = True, False
         for req in prefilling:                                     # long prompts already running
             if req.status == Status.RUNNING and self._is_long(req):
@@ -174,8 +175,7 @@ class Scheduler:
         return out
 
     def _is_long(self, req: Request) -> bool:
-        """Long: more prompt tokens to compute than the threshold when it was admitted (it stays long
-        until its prompt is done)."""
+        """More prompt tokens to compute than the threshold when admitted (long until its prompt is done)."""
         return req.num_prompt_tokens - max(req.num_cached_tokens, 0) > self.long_prefill_token_threshold
 
     def _long_chunk(self, out: SchedulerOutput, budget: StepBudget, req: Request, first: bool, start: int) -> int:

@@ -123,8 +123,13 @@ class StepCostModel:
     def max_new_tokens(self, chunks: list[tuple[int, int]], context: int, limit: float, cap: int) -> int:
         """Most new tokens (<= cap) a prompt at `context` may add to a step holding `chunks` so the
         predicted step time stays under `limit` seconds (0 if even one token does not fit)."""
-        c0, c_tok, c_row, c_att = self.coef
-        spare = limit - self.predict(chunks) - (c_row if chunks else c0 + c_row)
+        _, c_tok, c_row, c_att = self.coef
+        # predict() of the rows already in the step includes the step's fixed cost c0 (an empty
+        # step's is c0 alone): the prompt adds a row and its tokens. (Counting c0 again for an
+        # empty step left a lone prompt no time at all once c0 reached half the limit: a loaded
+        # machine's steps then held one block each, 351 steps for 6,000 tokens, BENCHMARKS.md
+        # issue 51.)
+        spare = limit - self.predict(chunks) - c_row
         if spare <= 0:
             return 0
         # c_tok·n + c_att·n·(context + n/2) <= spare: the positive root of a quadratic in n

@@ -1,0 +1,147 @@
+"""DirQuota: one size cap for a KV offload directory, whatever number of processes write under it.
+
+Replicas on one machine share `--kv-offload-dir` (and a server with several models has one store per
+model under it), so a cap kept by each store alone would let the directory grow to the sum of
+them. The cap is the directory's instead: every block file written or deleted under DIR goes
+through one lock file, `DIR/.kv-offload.lock` (an exclusive `flock`), which also holds the bytes
+of block files the directory holds:
+
+    write:   lock; used + size over the cap? scan DIR/kv-*/*/*.kvb (any process's, any model's),
+             delete the least recently used (mtime: a read touches its file) until it fits, with a
+             little headroom so the next writes do not scan again; write the file and rename it;
+             used += size; unlock
+    delete:  lock; unlink; used -= size; unlock
+
+The count is exact or over (a file removed by hand, a process killed after counting): an over-count
+only brings the next scan sooner, and each scan counts again from the files. The writers serialize
+on the lock (one block file, ~0.4 MB into the page cache, per hold) on their own threads: a step
+never waits for it. The scan is O(files): at the 20 GiB default (~55k blocks of the default model)
+a fraction of a second, once per `1/32` of the cap written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import struct
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+logger = logging.getLogger("kvserve.engine")
+
+LOCK_NAME = ".kv-offload.lock"
+_HEADROOM = 32          # a scan frees 1/_HEADROOM of the cap beyond what the write needs
+_STALE_TMP_S = 3600.0   # a temporary file older than this is a killed writer's: deleted by a scan
+
+
+class DirQuota:
+    """The size cap of `root` as a whole (module docstring). Thread-safe within a process as well
+    (each instance holds its own open file, and flock excludes across open files)."""
+
+    def __init__(self, root: str | os.PathLike, max_bytes: int):
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        self.scans = 0
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _used(self) -> int | None:
+        raw = os.pread(self._fd, 8, 0)
+        return struct.unpack("<q", raw)[0] if len(raw) == 8 else None
+
+    def _set_used(self, n: int) -> None:
+        os.pwrite(self._fd, struct.pack("<q", max(0, n)), 0)
+
+    def used(self) -> int | None:
+        """The bytes of block files the directory holds, as counted (None: not counted yet)."""
+        with self._locked():
+            return self._used()
+
+    def write(self, size: int, write: Callable[[], None]) -> list[Path]:
+        """Make room for `size` bytes, then call `write` (which lands one file of that size, or
+        raises: nothing is counted then). Returns the block files deleted to make room."""
+        with self._locked():
+            used = self._used()
+            removed: list[Path] = []
+            if used is None or used + size > self.max_bytes:
+                # whole blocks of headroom (none under a cap of a few dozen blocks: exact LRU there)
+                headroom = (self.max_bytes // _HEADROOM) // size * size if size else 0
+                used, removed = self._scan_and_evict(self.max_bytes - size - headroom)
+                self._set_used(used)
+            if size:
+                write()
+                self._set_used(used + size)
+            return removed
+
+    def remove(self, path: Path) -> bool:
+        """Delete one block file and uncount it (False: it was already gone)."""
+        with self._locked():
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except OSError:
+                return False
+            used = self._used()
+            if used is not None:
+                self._set_used(used - size)
+            return True
+
+    def _scan_and_evict(self, limit: int) -> tuple[int, list[Path]]:
+        """(under the lock) Count every block file under root; delete the least recently used until
+        they hold at most `limit` bytes. Returns (bytes left, files deleted)."""
+        self.scans += 1
+        files: list[tuple[int, int, str]] = []
+        now = time.time()
+        for store in _subdirs(self.root, "kv-"):
+            for sub in _subdirs(Path(store), ""):
+                with contextlib.suppress(OSError), os.scandir(sub) as it:
+                    for e in it:
+                        try:
+                            st = e.stat(follow_symlinks=False)
+                        except OSError:
+                            continue
+                        if e.name.endswith(".kvb"):
+                            files.append((st.st_mtime_ns, st.st_size, e.path))
+                        elif e.name.endswith(".tmp") and now - st.st_mtime > _STALE_TMP_S:
+                            with contextlib.suppress(OSError):
+                                os.unlink(e.path)
+        files.sort()
+        total = sum(size for _, size, _ in files)
+        removed = []
+        for _, size, path in files:
+            if total <= limit:
+                break
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                logger.warning("KV disk tier: cannot delete %s (%s)", path, e)
+                continue
+            total -= size
+            removed.append(Path(path))
+        return total, removed
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _subdirs(root: Path, prefix: str) -> list[str]:
+    try:
+        with os.scandir(root) as it:
+            return [e.path for e in it if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
