@@ -52,7 +52,8 @@ class EngineConfig:
     lora_modules: dict[str, str] | None = None
     max_loras: int = 8
     # A second KV tier on local disk (engine/kv_offload.py): full blocks are written under their chained
-    # hash to this directory (None: off), at most kv_offload_size bytes (least recently used out first),
+    # hash to this directory (None: off), at most kv_offload_size bytes in the directory as a whole, every
+    # process and model writing there counted (engine/kv_disk_quota.py; least recently used out first),
     # every full block as it is computed (kv_offload_write_through: a restart starts warm) or only those
     # evicted from the pool; a prompt's blocks missing from RAM are read back instead of computed.
     kv_offload_dir: str | None = None

@@ -148,8 +148,9 @@ def serve(
     kv_offload_dir: str = typer.Option(None, "--kv-offload-dir", help="A second KV tier on local disk: full "
                                        "blocks are kept in this directory (shared by replicas and restarts of the "
                                        "same model) and read back instead of recomputed (off by default)."),
-    kv_offload_size: str = typer.Option("20GiB", "--kv-offload-size", help="Most bytes the disk tier keeps "
-                                        "(least recently used blocks out first)."),
+    kv_offload_size: str = typer.Option("20GiB", "--kv-offload-size", help="Most bytes in --kv-offload-dir "
+                                        "as a whole, whichever replica or model wrote them (least recently "
+                                        "used blocks out first)."),
     engine_process: bool = typer.Option(False, "--engine-process",
                                         help="Run the engine in its own process (msgpack over a local ZMQ "
                                              "socket), so the HTTP process stays responsive while the model "
