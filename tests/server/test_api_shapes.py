@@ -1,5 +1,5 @@
 """Each API's error shape and the `x-api-key` header, on a gateway without a model (fast): the
-mapping of api/error_shapes.py, then the gateway's own answers (503 while loading, 404, 400,
+mapping of error_shapes.py, then the gateway's own answers (503 while loading, 404, 400,
 401) in OpenAI's, Anthropic's and Ollama's shapes over real HTTP."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import httpx
 import pytest
 from conftest import InProcessServer
 
-from kvserve.server.api.error_shapes import api_of, shape_error
+from kvserve.server.error_shapes import api_of, shape_error
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stores.keys import KeyStore
 

@@ -1,11 +1,11 @@
-"""The batch runner's share of the engine (server/generation/batch_runner.py): its full
+"""The batch runner's share of the engine (server/api/batch_runner.py): its full
 concurrency on an idle server, one line while interactive requests are admitted."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvserve.server.generation.batch_runner import BUSY_CONCURRENCY, BatchRunner
+from kvserve.server.api.batch_runner import BUSY_CONCURRENCY, BatchRunner
 
 
 def runner(running: int, waiting: int, admitting: int) -> BatchRunner:

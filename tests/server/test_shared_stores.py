@@ -167,8 +167,7 @@ def test_redis_cache_expires_old_entries(redis_server):
 def _routing(settings: ServerSettings):
     from kvserve.server.routing.step import RoutingStep
 
-    state = types.SimpleNamespace(settings=settings, metrics=types.SimpleNamespace(registry=CollectorRegistry()))
-    return RoutingStep.create(state)
+    return RoutingStep.create(settings, pool=None, admission=None, registry=CollectorRegistry())
 
 
 def test_two_servers_share_the_semantic_cache_in_redis(redis_server, tmp_path):

@@ -17,7 +17,7 @@ writes the `message` or its event stream:
              {"type": "adaptive"} -> reasoning_effort (output_config.effort)
     output_config.format {"type": "json_schema", schema} -> response_format json_schema
 
-Errors leave in Anthropic's shape (api/error_shapes.py). Images, documents and server tools are
+Errors leave in Anthropic's shape (error_shapes.py). Images, documents and server tools are
 refused with a 400 that says so.
 """
 
@@ -32,13 +32,12 @@ from pydantic import Field
 
 from kvserve.errors import InvalidRequest
 from kvserve.server.api.anthropic_wire import MessageRenderer
-from kvserve.server.api.openai import deliver, start
-from kvserve.server.api.shared import count_prompt_tokens, under_lease
+from kvserve.server.api.shared import count_prompt_tokens, deliver, start, under_lease
 from kvserve.server.generation import run_generation
 from kvserve.server.protocol import ChatCompletionRequest, _Strict, read_request, validate_body
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
+    from kvserve.server.state import ServerState
 
 
 class Metadata(_Strict):

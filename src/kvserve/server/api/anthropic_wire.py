@@ -29,7 +29,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvserve.server.api.error_shapes import anthropic_error
+from kvserve.server.error_shapes import anthropic_error
 from kvserve.server.generation import ChoiceEvent, Generation
 from kvserve.server.generation.state import ended_with_calls
 from kvserve.server.stages.tools import ParsedCall

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest
@@ -39,9 +39,8 @@ from kvserve.server.stores.arena import ArenaStore, BattleNotFound
 from kvserve.server.stores.arena_ratings import leaderboard
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
 
-    from kvserve.server.app import ServerState
+    from kvserve.server.state import ServerState
 
 MAX_PROMPT_CHARS = 8000
 DONE = OpenAIRenderer.done()
@@ -115,12 +114,10 @@ def arena_router(gw: ServerState, store: ArenaStore, contestants: tuple[Contesta
         if contestant is None:
             raise BattleNotFound("This battle's contestant is no longer configured; start a new one.", param="id")
         req = validate_body(contestant.chat_body(battle["prompt"]), ChatCompletionRequest)
-        response = await answer(gw, request, req, "chat", model_alias=f"arena-{side}")
-        if isinstance(response, StreamingResponse):   # the side counts as answered once its stream ended
-            response.body_iterator = _then(response.body_iterator, store.answered, battle_id, side)
-        elif response.status_code == 200:
+        async def answered() -> None:   # the side counts as answered once its answer succeeded
             await run_in_threadpool(store.answered, battle_id, side)
-        return response
+
+        return await answer(gw, request, req, "chat", model_alias=f"arena-{side}", on_answered=answered)
 
     @router.post("/battles/{battle_id}/vote")
     async def vote(battle_id: str, request: Request) -> dict:
@@ -138,17 +135,6 @@ def arena_router(gw: ServerState, store: ArenaStore, contestants: tuple[Contesta
                 "contestants": [asdict(c) for c in contestants]}
 
     return router
-
-
-async def _then(body: AsyncIterator, done: Callable[..., None], *args: object) -> AsyncIterator:
-    """`body`'s chunks, with `done(*args)` run (in a thread) before its final `[DONE]` when no error
-    came first: a client that votes as soon as it has read the stream finds the side answered."""
-    errored = False
-    async for chunk in body:
-        errored = errored or (isinstance(chunk, str) and chunk.startswith('data: {"error"'))
-        if chunk == DONE and not errored:
-            await run_in_threadpool(done, *args)
-        yield chunk
 
 
 def mount_arena(app: FastAPI, gw: ServerState, contestants_file: str | None = None,

@@ -1,4 +1,4 @@
-"""OpenAI's Batch API over the server's generation path (the runner: generation/batch_runner.py;
+"""OpenAI's Batch API over the server's generation path (the runner: api/batch_runner.py;
 the batches and their lines: stores/batches.py).
 
     POST /v1/batches                  {"input_file_id", "endpoint", "completion_window": "24h", "metadata"}
@@ -24,7 +24,7 @@ from kvserve.server.api.files import BATCH_URLS, owner_of, page
 from kvserve.server.protocol import _Strict, read_request
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
+    from kvserve.server.state import ServerState
 
 WINDOWS = {"24h": 24 * 3600.0}
 

@@ -33,7 +33,7 @@ from kvserve.server.protocol import _Strict, read_request
 from kvserve.server.routing.embedder import Embedder
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
+    from kvserve.server.state import ServerState
 
 MAX_INPUT_CHARS = 100_000
 

@@ -30,7 +30,7 @@ from kvserve.server.gates.limits import read_body
 from kvserve.server.stores.files import UPLOAD_PURPOSES, FileStore
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
+    from kvserve.server.state import ServerState
 
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_BATCH_LINES = 50_000

@@ -27,7 +27,6 @@ from pydantic import BaseModel, ConfigDict
 from kvserve.errors import AuthenticationError, KVServeError
 from kvserve.server.protocol import read_request
 
-ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 ADMIN_FAILURES_PER_MINUTE = 10
 ADMIN_BUCKET = "admin:failed-keys"   # not a key name `kvserve keys` can create (no ':')
 

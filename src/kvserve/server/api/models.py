@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
+    from kvserve.server.state import ServerState
 
 
 def mount_models(app: FastAPI, state: ServerState) -> None:

@@ -17,7 +17,7 @@ from kvserve.errors import InvalidRequest
 from kvserve.server.gates.limits import read_json
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
+    from kvserve.server.state import ServerState
 
 MODEL = "kvserve-moderation-1"
 MAX_INPUTS = 64       # entries of one /v1/moderations request

@@ -25,7 +25,7 @@ or one object.
 
 `/api/tags`, `/api/show` and `/api/ps` describe the models from their files (api/ollama_models.py);
 `/api/embed` is `/v1/embeddings` (api/embeddings.py) in Ollama's shape. Errors are
-`{"error": "..."}` (api/error_shapes.py).
+`{"error": "..."}` (error_shapes.py).
 """
 
 from __future__ import annotations
@@ -44,8 +44,7 @@ from kvserve.server.api.embeddings import EmbeddingRequest, embed_texts
 from kvserve.server.api.ollama_fim import fim_prompt
 from kvserve.server.api.ollama_models import mount_ollama_models, served_name
 from kvserve.server.api.ollama_wire import OllamaRenderer, line, now
-from kvserve.server.api.openai import deliver, start
-from kvserve.server.api.shared import count_prompt_tokens, under_lease
+from kvserve.server.api.shared import count_prompt_tokens, deliver, start, under_lease
 from kvserve.server.generation import ModelHandle, run_generation
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -56,7 +55,7 @@ from kvserve.server.protocol import (
 )
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
+    from kvserve.server.state import ServerState
 
 OLLAMA_VERSION = "0.12.0"     # the Ollama API version whose routes and fields this module speaks
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "min_p": "min_p", "seed": "seed", "stop": "stop",

@@ -45,7 +45,7 @@ from kvserve.server.generation import ModelHandle
 from kvserve.server.protocol import _Strict, read_request
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
+    from kvserve.server.state import ServerState
 
 logger = logging.getLogger("kvserve.server")
 NEVER_EXPIRES = "2318-01-01T00:00:00Z"   # /api/ps: a pinned (--model) model, or keep_alive < 0, stays loaded

@@ -21,10 +21,10 @@ import kvserve
 from kvserve.server.api.anthropic import CountTokensRequest, MessagesRequest
 from kvserve.server.api.batches import BatchRequest
 from kvserve.server.api.embeddings import EmbeddingRequest
-from kvserve.server.api.error_shapes import api_of
 from kvserve.server.api.ollama import ChatBody, EmbedBody, GenerateBody
 from kvserve.server.api.ollama_models import ShowBody
 from kvserve.server.api.rerank import RerankRequest, ScoreRequest
+from kvserve.server.error_shapes import api_of
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -282,7 +282,7 @@ def openapi(app: FastAPI) -> dict:
         return {"$ref": f"#/components/schemas/{m.__name__}"}
 
     for path, ops in doc.get("paths", {}).items():
-        api = api_of(path)      # each API's own error body (api/error_shapes.py)
+        api = api_of(path)      # each API's own error body (error_shapes.py)
         error = {"description": f"An error in {api}'s shape", "content": {"application/json": {
             "schema": ref(ERRORS[api])}}}
         for method, op in ops.items():

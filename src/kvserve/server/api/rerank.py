@@ -28,7 +28,7 @@ from kvserve.server.gates.encoder_usage import charged_encode
 from kvserve.server.protocol import _Strict, read_request
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
+    from kvserve.server.state import ServerState
 
 MAX_DOCUMENTS = 1000
 MAX_TEXT_CHARS = 100_000

@@ -24,9 +24,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from kvserve.errors import InvalidRequest, KVServeError
-from kvserve.server.api.openai import deliver, start
 from kvserve.server.api.openai_wire import INTERNAL_ERROR
 from kvserve.server.api.responses_wire import ResponseRenderer
+from kvserve.server.api.shared import deliver, start
 from kvserve.server.gates.limits import read_json
 from kvserve.server.generation import Generation, Lease, run_generation
 from kvserve.server.generation.context import conversation
@@ -35,7 +35,7 @@ from kvserve.server.protocol import ChatCompletionRequest, validate_body
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
 
-    from kvserve.server.app import ServerState
+    from kvserve.server.state import ServerState
 
 logger = logging.getLogger("kvserve.server")
 FIELDS = {"model", "input", "instructions", "previous_response_id", "store", "stream", "tools", "tool_choice",

@@ -1,4 +1,8 @@
-"""What the APIs that convert into a chat request share (Anthropic's, Ollama's):
+"""What the generation APIs share (OpenAI's, Responses, Anthropic's, Ollama's):
+
+    start                the plan (the gates) and its lease
+    deliver              SSE (or NDJSON) when the plan streams; else the run to its end under the
+                         lease and one body
 
     under_lease          a rendered stream under its lease, for renderers that make the whole
                          event sequence (Anthropic's events, Ollama's NDJSON lines): the lease is
@@ -13,18 +17,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from kvserve.errors import KVServeError
 from kvserve.server.api.openai_wire import INTERNAL_ERROR
-from kvserve.server.generation import Generation, Lease, ModelHandle
+from kvserve.server.generation import ClientGone, Generation, Kind, Lease, ModelHandle, build_plan, run_to_end
 from kvserve.server.generation.context import build_chat_prompt
-from kvserve.server.protocol import ChatCompletionRequest, check_caps
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, check_caps
 from kvserve.server.stages.tools import make_plan
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
+    from kvserve.server.state import ServerState
 
 logger = logging.getLogger("kvserve.server")
 
@@ -58,3 +66,28 @@ async def count_prompt_tokens(gw: ServerState, chat: ChatCompletionRequest, call
                                      max_tokens=None, truncate=None, tools=tools,
                                      think=chat.reasoning_budget is not None or chat.reasoning_effort is not None)
     return len(prompt.token_ids)
+
+
+async def start(gw: ServerState, request: Request, req: ChatCompletionRequest | CompletionRequest,
+                kind: Kind) -> tuple[Generation, Lease]:
+    """The plan (the gates, generation/plan.py) and its lease: token reservation (429), then an
+    admission slot (waits; 503 when the queue is full)."""
+    record = request.state.record
+    gen = Generation.start(await build_plan(gw, record, req, kind))
+    return gen, await Lease.acquire(gw, gen, record, request.receive)
+
+
+async def deliver(gw: ServerState, request: Request, gen: Generation, lease: Lease,
+                  events: Callable[[], AsyncIterator[str]], whole: Callable[[], Awaitable[Response]],
+                  media_type: str = "text/event-stream") -> Response:
+    """`events()` as an SSE response (`media_type`: Ollama's NDJSON) when the plan streams (the lease
+    is released with 499 if the body never starts); else the run to its end under the lease, then
+    `whole()`, or 499 when the client hangs up first."""
+    if gen.plan.stream:
+        return StreamingResponse(events(), media_type=media_type, headers=gen.plan.headers,
+                                 background=BackgroundTask(lease.release, 499))
+    try:
+        await run_to_end(gw, gen, lease, request.receive)
+    except ClientGone:
+        return Response(status_code=499)
+    return await whole()

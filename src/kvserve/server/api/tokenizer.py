@@ -24,7 +24,7 @@ from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest, read_req
 from kvserve.server.stages.tools import make_plan
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
+    from kvserve.server.state import ServerState
 
 
 def mount_tokenizer(app: FastAPI, state: ServerState) -> None:

@@ -33,8 +33,7 @@ import time
 import uuid
 
 from kvserve.errors import AuthenticationError, KVServeError, RateLimitError
-from kvserve.server.api.error_shapes import shape_error
-from kvserve.server.api.lora_admin import ADMIN_PATHS
+from kvserve.server.error_shapes import shape_error
 from kvserve.server.gates.ratelimit import RateLimiter
 from kvserve.server.records import RequestRecord
 from kvserve.server.stores.counters import CounterBackend
@@ -47,6 +46,9 @@ PUBLIC_PREFIXES = ("/static/",)
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 LEGACY_DB_CLI_NAME = "db:api-key"   # a database key named api-key from before the name was reserved
 METRICS_PATH = "/metrics"
+
+# Routes that check the admin key themselves (api/lora_admin.py): the gateway lets them through.
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 def is_public(path: str) -> bool:

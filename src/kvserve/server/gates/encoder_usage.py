@@ -7,7 +7,7 @@ allowed, and the encoder's thread is free between slices), reserved from the key
 
 Every caller of the encoder on a key's behalf goes through `charged_encode`: /v1/embeddings and
 Ollama's /api/embed (api/embeddings.py), /v1/rerank and /v1/score (api/rerank.py), and the Batch
-API's embedding lines (generation/batch_runner.py).
+API's embedding lines (api/batch_runner.py).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from kvserve.errors import InvalidRequest, KVServeError, Overloaded
 from kvserve.server.generation.lease import Reservation
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
     from kvserve.server.records import RequestRecord
     from kvserve.server.routing.embedder import Embedder
+    from kvserve.server.state import ServerState
 
 COUNT_SLICE_CHARS = 16_384   # about 4,000 tokens: one slice is a few tens of milliseconds of counting
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from kvserve.errors import ContentPolicyViolation, InvalidRequest, KVServeError
+from kvserve.errors import ContentPolicyViolation, InvalidRequest
 from kvserve.safety import pii
 from kvserve.safety.moderator import ModerationConfig, Moderator, Verdict
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -39,7 +39,6 @@ from kvserve.server.stages.output_moderation import OutputModerationStage
 from kvserve.server.stores.moderation_policies import PolicyStore
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
     from kvserve.tokenizer.tokenizer import Tokenizer
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest
@@ -223,17 +222,6 @@ def input_texts(req: GenerationRequest, tokenizer: Tokenizer | None = None) -> l
             ids = [t for t in p if isinstance(t, int) and 0 <= t < tokenizer.vocab_size]
             out.append(("prompt", tokenizer.decode(ids, skip_special_tokens=False), True))
     return out
-
-
-def prompt_tokenizer(server: ServerState, req: GenerationRequest) -> Tokenizer | None:
-    """The tokenizer that decodes a request's token-id prompts: its model's (the default model's
-    for "auto"); None when there are none or the model cannot serve (the request fails later)."""
-    if not has_token_prompts(req):
-        return None
-    try:
-        return server.require_engine(None if req.model == "auto" else req.model)[0].tokenizer
-    except KVServeError:
-        return None
 
 
 def redact_input(req: GenerationRequest) -> None:

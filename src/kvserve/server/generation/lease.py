@@ -25,10 +25,11 @@ from kvserve.errors import KVServeError
 from kvserve.outputs import RequestOutput
 from kvserve.server.gates.admission import Ticket
 from kvserve.server.generation.state import Generation
+from kvserve.server.routing.step import CachedAnswer
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
     from kvserve.server.records import RequestRecord
+    from kvserve.server.state import ServerState
 
 logger = logging.getLogger("kvserve.server")
 T = TypeVar("T")
@@ -167,10 +168,25 @@ class Lease:
             return
         if gen.plan.cached is not None:
             return
+        answer = _cacheable(gen) if status == 200 else None
+        if answer is None:
+            return
         try:
-            await asyncio.to_thread(gw.routing.store, gen, gen.plan.cache_key, status)
+            await asyncio.to_thread(gw.routing.store, gen.plan.cache_key, gen.plan.candidate, gen.plan.model.name,
+                                    answer)
         except Exception:
             logger.exception("semantic cache write failed")
+
+
+def _cacheable(gen: Generation) -> CachedAnswer | None:
+    """The answer the semantic cache may store: one prompt, one choice, no tool calls or reasoning."""
+    if len(gen.prompts) != 1 or len(gen.prompts[0].choices) != 1:
+        return None
+    ch = gen.prompts[0].choices[0]
+    if ch.calls or ch.reasoning:
+        return None
+    prompt, completion, _ = gen.usage_counts()
+    return CachedAnswer(ch.content, ch.token_ids, ch.finish_reason, prompt, completion)
 
 
 async def until_disconnected(receive: Receive, aw: Awaitable[T]) -> T:

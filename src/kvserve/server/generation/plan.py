@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvserve.errors import InvalidRequest
+from kvserve.errors import InvalidRequest, KVServeError
 from kvserve.safety.moderator import ModerationConfig
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.server.gates.admission import engine_priority
-from kvserve.server.gates.moderation import annotation_header, prompt_tokenizer
+from kvserve.server.gates.moderation import annotation_header, has_token_prompts
 from kvserve.server.generation.context import Prompt, build_prompts, reasoning_budget, token_texts
 from kvserve.server.generation.engine import ModelHandle
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, check_caps, to_sampling_params
@@ -36,8 +36,9 @@ from kvserve.server.stages.structured import for_request
 from kvserve.server.stages.tools import ToolPlan, make_plan
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
     from kvserve.server.records import RequestRecord
+    from kvserve.server.state import ServerState
+    from kvserve.tokenizer.tokenizer import Tokenizer
 
 Kind = Literal["chat", "completion"]
 CAP_HEADER = "x-kvserve-max-tokens-capped"
@@ -204,3 +205,14 @@ def check_kv_budget(model: ModelHandle, prompts: list[Prompt], max_tokens: int, 
     if need > capacity:
         raise InvalidRequest(f"This request needs room for {need} tokens (prompts + n x max_tokens) but the "
                              f"KV cache holds {capacity}; lower n, best_of or max_tokens.", param="max_tokens")
+
+
+def prompt_tokenizer(server: ServerState, req: ChatCompletionRequest | CompletionRequest) -> Tokenizer | None:
+    """The tokenizer that decodes a request's token-id prompts: its model's (the default model's
+    for "auto"); None when there are none or the model cannot serve (the request fails later)."""
+    if not has_token_prompts(req):
+        return None
+    try:
+        return server.require_engine(None if req.model == "auto" else req.model)[0].tokenizer
+    except KVServeError:
+        return None

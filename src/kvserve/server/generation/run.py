@@ -9,7 +9,7 @@ A semantic-cache candidate runs like any request, its stored tokens sent as the 
 draft (verified there). With the cache's `verify` off, a cached answer is a source of its own: its text in a few pieces and a
 last delta with the stored finish reason, no engine request, no stages. The run's time per
 engine output (stages, and the consumer's rendering and write while it holds the event) is
-added to `gw.http_ns`, the `http` phase of the profile (app.ServerState.engine_stats).
+added to `gw.http_ns`, the `http` phase of the profile (state.ServerState.engine_stats).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kvserve.server.generation.state import Generation, PromptState
 from kvserve.server.stages import ChoiceDelta, run_stages
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
+    from kvserve.server.state import ServerState
 
 CACHED_WORDS_PER_PIECE = 16
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter
@@ -43,21 +45,24 @@ from kvserve.server.routing.semantic_cache import (
 from kvserve.server.stores.redis_cache import RedisCacheBackend
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
-    from kvserve.server.generation.state import Generation
+    from prometheus_client import CollectorRegistry
+
+    from kvserve.server.gates.admission import Admission
+    from kvserve.server.routing.pool import ModelPool
+    from kvserve.server.settings import ServerSettings
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest
 logger = logging.getLogger("kvserve.server")
 
 
 class RoutingStep:
-    def __init__(self, state: ServerState, embedder: Embedder, cache: SemanticCache | None,
-                 router: ModelRouter | None = None):
-        self.state = state
+    def __init__(self, admission: Admission, registry: CollectorRegistry, embedder: Embedder,
+                 cache: SemanticCache | None, router: ModelRouter | None = None):
+        self.admission = admission
         self.embedder = embedder
         self.cache = cache
         self.router = router
-        r = state.metrics.registry
+        r = registry
         self.cache_queries = Counter("kvserve:semantic_cache_queries", "Chat requests looked up in the semantic "
                                      "cache, by result (hit, miss, or the bypass reason).", ["model_name", "result"],
                                      registry=r)
@@ -70,9 +75,9 @@ class RoutingStep:
                                         ["router", "model_name", "reason"], registry=r)
 
     @classmethod
-    def create(cls, state: ServerState) -> RoutingStep:
-        s = state.settings
-        embedder = Embedder(state.metrics.registry)
+    def create(cls, s: ServerSettings, pool: ModelPool, admission: Admission,
+               registry: CollectorRegistry) -> RoutingStep:
+        embedder = Embedder(registry)
         cache = None
         if s.semantic_cache and s.load_model:
             options = CacheOptions.from_dict(s.semantic_cache_options or {})
@@ -81,8 +86,8 @@ class RoutingStep:
             else:
                 backend = SQLiteBackend(s.data_dir / "semantic_cache.db", options.max_entries)
             cache = SemanticCache(backend, embedder, options)
-        router = ModelRouter.from_config(s.router, state.pool, embedder) if s.router else None
-        step = cls(state, embedder, cache, router)
+        router = ModelRouter.from_config(s.router, pool, embedder) if s.router else None
+        step = cls(admission, registry, embedder, cache, router)
         if (cache is not None or router is not None) and s.load_model:   # load the encoder in the background
             threading.Thread(target=step._warm, name="kvserve-encoder-load", daemon=True).start()
         return step
@@ -117,7 +122,7 @@ class RoutingStep:
         # the router's forward runs the whole depth and hands the embedding on (one forward).
         full_later = self.cache is not None and bypass_reason(req, self.cache.options) is None
         query = QueryEmbedding(self.router.query_text(req, kind), full_later=full_later)
-        decision = await self.router.choose(req, kind, overloaded=self.state.admission.prefers_cheaper(tier),
+        decision = await self.router.choose(req, kind, overloaded=self.admission.prefers_cheaper(tier),
                                             query=query)
         if decision["model"] is None:
             raise Overloaded("The models are still loading; retry in a few seconds.", retry_after=5.0,
@@ -159,19 +164,27 @@ class RoutingStep:
         hit.min_logprob = options.sampled_min_logprob
         return hit, (plan if options.verify else None)
 
-    def store(self, gen: Generation, plan: CachePlan | None, status: int) -> None:
-        """After a complete answer: store it under the request's plan (one choice, no tool calls),
-        unless it is a candidate the model verified whole (the stored answer is this one)."""
-        if self.cache is None or plan is None or status != 200 or len(gen.prompts) != 1:
+    def store(self, plan: CachePlan | None, candidate: Hit | None, model_name: str, answer: CachedAnswer) -> None:
+        """After a complete answer (one choice, no tool calls, no reasoning; the lease picks it):
+        store it under the request's plan, unless it is a candidate the model verified whole (the
+        stored answer is this one)."""
+        if self.cache is None or plan is None:
             return
-        ch = gen.prompts[0].choices
-        if len(ch) != 1 or ch[0].calls or ch[0].reasoning:
-            return
-        hit = gen.plan.candidate
-        if hit is not None:
-            result = hit.verification(ch[0].token_ids, ch[0].finish_reason)["result"]
-            self.cache_verified.labels(gen.plan.model.name, result).inc()
+        if candidate is not None:
+            result = candidate.verification(answer.token_ids, answer.finish_reason)["result"]
+            self.cache_verified.labels(model_name, result).inc()
             if result == "verified":
                 return
-        prompt, completion, _ = gen.usage_counts()
-        self.cache.store(plan, ch[0].content, ch[0].finish_reason or "", prompt, completion, list(ch[0].token_ids))
+        self.cache.store(plan, answer.content, answer.finish_reason or "", answer.prompt_tokens,
+                         answer.completion_tokens, list(answer.token_ids))
+
+
+@dataclass(frozen=True)
+class CachedAnswer:
+    """The one choice of a finished answer, as the semantic cache stores it."""
+
+    content: str
+    token_ids: Sequence[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int

@@ -12,20 +12,23 @@ schema: a mask would break it (the trace records `pii_output` skipped instead).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvserve.safety import pii
-from kvserve.safety.moderator import ModerationConfig, Moderator
+from kvserve.safety.moderator import ModerationConfig, Moderator, Verdict
 from kvserve.server.stages.delta import ChoiceDelta, Stage
 
-if TYPE_CHECKING:
-    from kvserve.server.gates.moderation import ModerationService
+
+class VerdictSink(Protocol):
+    """Where the stage reports its verdicts: gates/moderation.py's `ModerationService` (its metrics)."""
+
+    def observe(self, stage: str, verdict: Verdict, action: str = "block") -> None: ...
 
 
 class OutputModerationStage:
     """The last stage of a choice: redact personal data, check a window every N tokens, cut on a flag."""
 
-    def __init__(self, moderator: Moderator | None, config: ModerationConfig, service: ModerationService,
+    def __init__(self, moderator: Moderator | None, config: ModerationConfig, service: VerdictSink,
                  redact: bool | None = None, skipped_redaction: bool = False):
         self.moderator = moderator
         self.config = config

@@ -149,7 +149,7 @@ class BatchStore(SQLStore):
         out["metadata"] = json.loads(row["metadata"]) if row["metadata"] else None
         return out
 
-    # ---- the runner's calls (generation/batch_runner.py) -----------------------------------------
+    # ---- the runner's calls (api/batch_runner.py) -----------------------------------------
 
     def active(self) -> list[dict[str, Any]]:
         """The batches a runner has work on, oldest first (raw rows)."""

@@ -54,7 +54,7 @@ from kvserve.server.records import RequestRecord
 from kvserve.server.stores.keys import ApiKey
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerState
+    from kvserve.server.state import ServerState
     from kvserve.server.stores.batches import BatchStore
     from kvserve.server.stores.files import FileStore
 
