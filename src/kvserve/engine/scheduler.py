@@ -44,13 +44,12 @@ whose text hit one.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from kvserve.engine import own_draft
 from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.long_prefill import LongPrefillPacer, StepBudget
 from kvserve.engine.messages import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -63,17 +62,6 @@ from kvserve.engine.spec_decode.decoder import SpecDecoder
 from kvserve.engine.step_cost import StepCostModel
 from kvserve.engine.stop import check_stop
 from kvserve.structured.backend import GrammarBackend
-
-
-@dataclass(slots=True)
-class StepBudget:
-    """What one `schedule()` call has left and has learned so far (made there, dropped after)."""
-
-    tokens: int                       # of max_num_batched_tokens, not yet handed out
-    preempted: bool = False           # a running request lost its blocks this step
-    pool_short: bool = False          # an admission found the block pool short
-    with_decodes: bool = False        # long chunks are paid by the streams' loan (module docstring)
-    step_limit: float = math.inf      # predicted seconds the step may take (with max_step_ms)
 
 
 class Scheduler:
@@ -94,11 +82,9 @@ class Scheduler:
         self.max_num_partial_prefills = max_num_partial_prefills
         self.max_step_s = max_step_ms / 1000 if max_step_ms else None
         self.max_decode_slowdown = max_decode_slowdown
-        self._last_chunk: dict[str, int] = {}           # long prompts' previous chunk (the growth cap)
-        self._credit = 0.0                                # seconds the streams' steps lend long prompts
-        self._one_token = 0.0                             # ... and what the first one's next token costs
-        self._loan: tuple[float, float] | None = None    # this step's (time without long chunks, cap)
         self.cost = StepCostModel()
+        self.pacer = LongPrefillPacer(self.cost, kv.block_size, self.long_prefill_token_threshold, self.max_step_s,
+                                      max_decode_slowdown)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -133,28 +119,8 @@ class Scheduler:
                 self._schedule_running(out, budget, req, req.num_tokens - req.num_computed_tokens)
         if not budget.preempted:
             self._admit_waiting(out, budget, long=False)
-        # Long prompts' chunks: the time the streams lend them (below), else the target or 2x (alone: 4x)
-        budget.with_decodes = bool(decodes) and self.max_decode_slowdown > 0 and self.max_step_s is not None
-        if self.max_step_s is not None:
-            base = self.cost.predict([(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled])
-            if budget.with_decodes:
-                # Each step with decodes lends the long prompts (max_decode_slowdown - 1) x its
-                # predicted time; the step then pays back what it really took beyond that prediction
-                # (observe_step), so a misjudged chunk is paid for by the next ones. A chunk too dear
-                # for one step (one token deep in a long context) waits a step or two while the loan
-                # grows: the streams' steps average at most max_decode_slowdown x their time, and the
-                # long prompt always moves.
-                # (lent on the decodes' share only: a step that also prefills a new short prompt
-                # lends no more, so that request's first token does not wait for a long chunk)
-                mine = {id(r) for r in decodes}
-                earn = (self.max_decode_slowdown - 1) * self.cost.predict(
-                    [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled if id(s.request) in mine])
-                self._credit += earn
-                budget.step_limit = base + max(0.0, self._credit)
-            else:
-                self._credit = 0.0
-                alone = not out.scheduled and len(self.running) + len(self.waiting) == 1
-                budget.step_limit = max(self.max_step_s, (4 if alone else 2) * base)
+        # Long prompts' chunks: the time the streams lend them, else the target or 2x (alone: 4x)
+        self.pacer.open_step(budget, out.scheduled, decodes, self._alone(out))
         first_long, wanted = True, False
         for req in prefilling:                                     # long prompts already running
             if req.status == Status.RUNNING and self._is_long(req):
@@ -164,40 +130,19 @@ class Scheduler:
                     self._schedule_running(out, budget, req, n)
         if not (budget.preempted or budget.pool_short):
             wanted |= self._admit_waiting(out, budget, long=True)
-        self._loan = None
-        if budget.with_decodes:
-            # kept only while a long prompt waits for it, and never more than its next token needs
-            # (or a few steps' worth): a prompt held back for other reasons gets no burst later
-            cap = max(4 * earn, self._one_token + earn)
-            self._credit = min(cap, self._credit) if wanted else 0.0
-            if wanted:
-                self._loan = (base, cap)
+        self.pacer.close_step(budget, wanted)
         return out
 
     def _is_long(self, req: Request) -> bool:
         """More prompt tokens to compute than the threshold when admitted (long until its prompt is done)."""
         return req.num_prompt_tokens - max(req.num_cached_tokens, 0) > self.long_prefill_token_threshold
 
+    def _alone(self, out: SchedulerOutput) -> bool:
+        """Nothing else scheduled this step and nothing else in the engine."""
+        return not out.scheduled and len(self.running) + len(self.waiting) == 1
+
     def _long_chunk(self, out: SchedulerOutput, budget: StepBudget, req: Request, first: bool, start: int) -> int:
-        """Tokens of a long prompt for this step from position `start` (past its prefix-cache hit
-        when admitted): its share of the budget, cut to the step-time target."""
-        n = min(req.num_prompt_tokens - start, budget.tokens)
-        alone = not out.scheduled and len(self.running) + len(self.waiting) == 1
-        if not alone:                                  # a share of the step, so others get in beside it
-            n = min(n, self.long_prefill_token_threshold)
-        if self.max_step_s is not None and n > 0:
-            chunks = [(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]
-            fit = self.cost.max_new_tokens(chunks, start, budget.step_limit, n)
-            if first and budget.with_decodes:           # what the next token costs (the loan's cap)
-                self._one_token = self.cost.predict(chunks + [(start, 1)]) - self.cost.predict(chunks)
-            last = self._last_chunk.get(req.request_id)
-            if last is not None:                        # grow by at most 2x a step (or one block)
-                fit = min(fit, max(2 * last, self.kv.block_size))
-            floor = 0 if budget.with_decodes else self.kv.block_size    # (with decodes: the loan grows)
-            n = max(fit, min(n, floor) if first else 0)
-            if n > 0:
-                self._last_chunk[req.request_id] = n
-        return n
+        return self.pacer.chunk(budget, out.scheduled, req, first, start, self._alone(out))
 
     def _schedule_running(self, out: SchedulerOutput, budget: StepBudget, req: Request, n: int,
                           drafts: Sequence[int] = ()) -> None:
@@ -310,10 +255,7 @@ class Scheduler:
         """The step `out` took `seconds` in the model: teach the step-time model (and pay back the
         streams' loan to long prompts: the time beyond the step's predicted time without them)."""
         self.cost.observe([(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled], seconds)
-        if self._loan is not None and math.isfinite(seconds):
-            base, cap = self._loan
-            self._credit = max(-cap, self._credit - (seconds - base))
-            self._loan = None
+        self.pacer.observe(seconds)
 
     def _preempt(self, req: Request, out: SchedulerOutput, budget: StepBudget) -> None:
         self.running.remove(req)
@@ -447,4 +389,4 @@ class Scheduler:
         req.status = Status.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         self.requests.pop(req.request_id, None)
-        self._last_chunk.pop(req.request_id, None)
+        self.pacer.forget(req.request_id)
