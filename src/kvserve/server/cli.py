@@ -1,44 +1,20 @@
-"""`kvserve serve` and `kvserve keys ...` (mounted by the top-level kvserve.cli)."""
+"""`kvserve serve` (mounted by the top-level kvserve.cli); `kvserve keys ...` is in keys_cli.py."""
 
 from __future__ import annotations
 
 import logging
 import pathlib
 import sys
-from collections.abc import Iterator
-from contextlib import closing, contextmanager
-from typing import Annotated
 
 import typer
 
 from kvserve.engine.spec_decode.config import NUM_SPEC_HELP, SPECULATIVE_HELP
 from kvserve.engine.step_cost import DEFAULT_MAX_STEP_MS
 from kvserve.errors import KVServeError
+from kvserve.server.cli_common import DatabaseUrl, DataDir, RedisUrl, user_errors
+from kvserve.server.keys_cli import keys_app
 from kvserve.server.settings import ServerSettings, default_data_dir
-from kvserve.server.stores.common import DATABASE_SCHEMES, check_url, redact
-from kvserve.server.stores.factory import open_key_backend
-
-DATA_DIR_HELP = "Directory for the keys/usage database (default $KVSERVE_DATA_DIR or ~/.kvserve)."
-DataDir = Annotated[pathlib.Path | None, typer.Option(help=DATA_DIR_HELP)]
-DatabaseUrl = Annotated[str | None, typer.Option(
-    "--database-url", envvar="KVSERVE_DATABASE_URL",
-    help="PostgreSQL for keys, usage and conversations, shared by several servers "
-         "(postgresql://user:pass@host:5432/db; default: the SQLite file in --data-dir).")]
-RedisUrl = Annotated[str | None, typer.Option(
-    "--redis-url", envvar="KVSERVE_REDIS_URL",
-    help="Redis for rate limits, the key-lookup cache and live counters, shared by several servers "
-         "(redis://host:6379/0; default: this process's memory).")]
-
-
-@contextmanager
-def _user_errors(exit_code: int = 1) -> Iterator[None]:
-    """A KVServeError in the block printed as `error: <message>` on stderr, then exit `exit_code`
-    (2: an option is wrong, before anything started; 1: the command failed)."""
-    try:
-        yield
-    except KVServeError as e:
-        typer.echo(f"error: {e.message}", err=True)
-        raise typer.Exit(exit_code) from None
+from kvserve.server.stores.common import redact
 
 
 def _secret(value: str | None, file: pathlib.Path | None, option: str) -> str | None:
@@ -215,7 +191,7 @@ def serve(
         shared.append(text)
     from kvserve.server.stores.moderation_policies import load_options
 
-    with _user_errors(2):
+    with user_errors(2):
         moderation_options = load_options(moderation, moderation_config)
     engine_kwargs: dict = {k: v for k, v in [("max_model_len", max_model_len),
                                              ("long_prefill_token_threshold", long_prefill_token_threshold),
@@ -225,14 +201,14 @@ def serve(
                                              ("kv_cache_dtype", kv_cache_dtype)] if v is not None}
     if replicas != "1":
         from kvserve.engine.ray_cluster import parse_replicas
-        with _user_errors(2):
+        with user_errors(2):
             parse_replicas(replicas)
         engine_kwargs.update(replicas=replicas, replica_idle_seconds=replica_idle_seconds)
         if target_ttft_ms is not None:
             engine_kwargs["target_ttft_ms"] = target_ttft_ms
     if kv_offload_dir:
         from kvserve.engine.config import parse_bytes
-        with _user_errors(2):
+        with user_errors(2):
             parse_bytes(kv_offload_size, param="kv_offload_size")    # fail now, not after loading
         engine_kwargs.update(kv_offload_dir=kv_offload_dir, kv_offload_size=kv_offload_size)
     engine_kwargs.update({k: v for k, v in [("ray_address", ray_address),
@@ -243,12 +219,12 @@ def serve(
         del engine_kwargs["tensor_parallel_size"]
     if speculative or num_speculative_tokens is not None:
         from kvserve.engine.spec_decode.config import SpeculativeConfig
-        with _user_errors(2):
+        with user_errors(2):
             SpeculativeConfig.parse(speculative, num_speculative_tokens)     # fail now, not after loading
         engine_kwargs.update(speculative=speculative, num_speculative_tokens=num_speculative_tokens)
     if lora:
         from kvserve.engine.lora import parse_lora_modules
-        with _user_errors(2):
+        with user_errors(2):
             engine_kwargs["lora_modules"] = parse_lora_modules(lora)
             from kvserve.model.lora import read_config
             for path in engine_kwargs["lora_modules"].values():   # files exist and are LoRA: fail before the load
@@ -260,7 +236,7 @@ def serve(
                                             else kv_cache_memory)
     from kvserve.server.routing.pool import model_options
 
-    with _user_errors(2):
+    with user_errors(2):
         models, router, cache_options, on_demand = model_options(model or [], models_config, models_dir,
                                                                  models_memory, keep_alive)
         router_name = router_opt
@@ -272,7 +248,7 @@ def serve(
     single = models[0] if len(models) == 1 and not models_config and not on_demand["models_dir"] else None
     from kvserve.server.stores.quota import quota_options
 
-    with _user_errors(2):
+    with user_errors(2):
         quotas = quota_options(quota or [])
     settings = ServerSettings(
         model=single.path if single else None, models=[] if single else models, router=router,
@@ -289,7 +265,7 @@ def serve(
         conversation_quota_bytes=conversation_quota_bytes, batch_concurrency=batch_concurrency, header_timeout_s=header_timeout,
         body_timeout_s=body_timeout, arena_contestants=arena_contestants, database_url=database_url,
         redis_url=redis_url, moderation=moderation, moderation_options=moderation_options, **on_demand)
-    with _user_errors(2):
+    with user_errors(2):
         sock = serving.bind(host, port)
     try:
         app = create_app(None, settings)
@@ -303,117 +279,6 @@ def serve(
     if code:
         typer.echo(f"error: the model could not be loaded: {app.state.server.load_error}", err=True)
         raise typer.Exit(code)
-
-
-keys_app = typer.Typer(help="Create, list and revoke API keys; show usage.", no_args_is_help=True)
-
-
-def _store(data_dir: pathlib.Path | None, database_url: str | None = None, redis_url: str | None = None):
-    """The key store the server uses: the SQLite file in the data dir, or --database-url (with
-    --redis-url, the servers' key cache sees the change at once)."""
-    with _user_errors():
-        return open_key_backend(ServerSettings(load_model=False, data_dir=data_dir or default_data_dir()).db_path,
-                                database_url, redis_url)
-
-
-def _run(store, method: str, *args, **kwargs):
-    """One store call, the store closed after, a store error printed on one line (exit 1)."""
-    with _user_errors(), closing(store):
-        return getattr(store, method)(*args, **kwargs)
-
-
-@keys_app.command("create")
-def keys_create(
-    name: str = typer.Option(..., "--name", help="A name for the key (letters, digits, - _ .)."),
-    rpm: int = typer.Option(None, "--rpm", help="Requests per minute (default: unlimited)."),
-    tpm: int = typer.Option(None, "--tpm", help="Tokens per minute, prompt + max_tokens (default: unlimited)."),
-    tier: str = typer.Option("paid", "--tier", help="paid or free (paid is served first under load)."),
-    data_dir: DataDir = None,
-    database_url: DatabaseUrl = None,
-    redis_url: RedisUrl = None,
-) -> None:
-    """Create a key and print it. It is shown only this once: only its hash is stored."""
-    key = _run(_store(data_dir, database_url, redis_url), "create", name, tier=tier, rpm=rpm, tpm=tpm)
-    typer.echo(key)
-    typer.echo(f"created key {name!r} (tier {tier}); store it now, it cannot be shown again", err=True)
-
-
-@keys_app.command("list")
-def keys_list(data_dir: DataDir = None, database_url: DatabaseUrl = None, redis_url: RedisUrl = None) -> None:
-    """List keys (names, prefixes, limits; never the keys themselves)."""
-    keys = _run(_store(data_dir, database_url, redis_url), "list")
-    if not keys:
-        typer.echo("no keys (the server is open until the first key is created)")
-        return
-    typer.echo(f"{'name':<20} {'prefix':<10} {'tier':<5} {'rpm':>7} {'tpm':>9}  status")
-    for k in keys:
-        status = "revoked" if k.revoked_at else "active"
-        typer.echo(f"{k.name:<20} {k.prefix:<10} {k.tier:<5} {k.rpm or '-':>7} {k.tpm or '-':>9}  {status}")
-
-
-@keys_app.command("revoke")
-def keys_revoke(name: str = typer.Argument(..., help="The key's name."),
-                data_dir: DataDir = None, database_url: DatabaseUrl = None, redis_url: RedisUrl = None) -> None:
-    """Revoke a key; requests with it get 401 from then on."""
-    if not _run(_store(data_dir, database_url, redis_url), "revoke", name):
-        typer.echo(f"error: no active key named {name!r} (see `kvserve keys list`)", err=True)
-        raise typer.Exit(1)
-    typer.echo(f"revoked {name!r}")
-
-
-@keys_app.command("moderation")
-def keys_moderation(
-    subject: str = typer.Argument(None, help="A key's name or tier:free / tier:paid; none lists the policies."),
-    mode: str = typer.Option(None, help="input,output | input | output | off."),
-    threshold: list[str] = typer.Option(None, help="CATEGORY=SCORE that flags (e.g. violence=0.3). Repeatable."),  # noqa: B008
-    block: list[str] = typer.Option(None, help="CATEGORY=PHRASE to block (a category of your own is fine). "  # noqa: B008
-                                               "Repeatable."),
-    regex: list[str] = typer.Option(None, help="CATEGORY=REGEX to block. Repeatable."),  # noqa: B008
-    pii_input: str = typer.Option(None, help="off | flag | redact."),
-    pii_output: str = typer.Option(None, help="off | redact."),
-    check_every: int = typer.Option(None, help="Output: check a window every this many tokens."),
-    action: str = typer.Option(None, help="block | annotate (verdicts logged and traced, nothing blocked)."),
-    request_overrides: bool = typer.Option(None, "--request-overrides/--no-request-overrides",
-                                           help="Whether a request's kvserve_moderation may set action and pii_output."),
-    clear: bool = typer.Option(False, "--clear", help="Remove the subject's policy."),
-    data_dir: DataDir = None,
-    database_url: DatabaseUrl = None,
-) -> None:
-    """Set, show or clear the moderation policy of a key or tier (on top of `serve --moderation`)."""
-    import json
-
-    from kvserve.server.stores.moderation_policies import PolicyStore, policy_from_options
-
-    with _user_errors():   # with --database-url, the servers started with the same URL apply it within a second
-        where = check_url(database_url, "--database-url", DATABASE_SCHEMES) if database_url else \
-            ServerSettings(load_model=False, data_dir=data_dir or default_data_dir()).db_path
-        store = PolicyStore(where)
-    with _user_errors(), closing(store):
-        if subject is None:
-            for name, policy in sorted(store.all().items()):
-                typer.echo(f"{name:<20} {json.dumps(policy)}")
-            return
-        if clear:
-            typer.echo(f"{'removed' if store.delete(subject) else 'no policy for'} {subject}")
-            return
-        policy = policy_from_options(mode, threshold, block, regex, pii_input, pii_output, check_every,
-                                     action, request_overrides)
-        store.set(subject, {**store.all().get(subject, {}), **policy})
-        typer.echo(f"{subject}: {json.dumps(store.all()[subject])}")
-
-
-@keys_app.command("usage")
-def keys_usage(name: str = typer.Argument(None, help="Only this key."),
-               data_dir: DataDir = None, database_url: DatabaseUrl = None, redis_url: RedisUrl = None) -> None:
-    """Tokens used per key per day (UTC)."""
-    rows = _run(_store(data_dir, database_url, redis_url), "usage", name)
-    if not rows:
-        typer.echo("no usage recorded")
-        return
-    typer.echo(f"{'day':<11} {'key':<20} {'requests':>8} {'prompt':>10} {'completion':>10} {'cached':>10}")
-    for r in rows:
-        typer.echo(f"{r['day']:<11} {r['key_name']:<20} {r['requests']:>8} {r['prompt_tokens']:>10} "
-                   f"{r['completion_tokens']:>10} {r['cached_tokens']:>10}")
 
 
 def main() -> None:
