@@ -18,10 +18,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
-from kvserve.errors import InvalidRequest, KVServeError
-from kvserve.server.stores.sql import SQLStore, Steps
+from kvserve.errors import InvalidRequest, KVServeError, RetryLater
+from kvserve.server.stores.quota import DEFAULT_QUOTAS, QuotaExceeded, QuotaLimits
+from kvserve.server.stores.sql import Database, SQLStore, Steps
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("completed", "failed", "cancelled", "expired")
@@ -29,6 +31,14 @@ FINAL = ("completed", "failed", "cancelled", "expired")
 
 class BatchNotFound(KVServeError, status=404, code="not_found"):
     """No batch with this id for this caller (HTTP 404)."""
+
+
+class TooManyBatches(RetryLater, status=429, type="rate_limit_error", code="too_many_active_batches"):
+    """The owner already runs its cap of batches (HTTP 429, x-ratelimit-*-batches)."""
+
+    def __init__(self, message: str, *, headers: dict[str, str], **kw):
+        super().__init__(message, **kw)
+        self.headers = headers
 
 
 STEPS: Steps = [
@@ -80,15 +90,60 @@ def _int(v: float | None) -> int | None:
 
 
 class BatchStore(SQLStore):
+    """Batches and their lines. `limits` (`--quota batches:items=N,ttl=D,active=N,lines=N`):
+    batches an owner keeps (413 past it), how long a finished batch is kept (purged after),
+    batches running at once (429 with `x-ratelimit-*-batches`) and lines not yet answered (a
+    batch past it fails validation with `lines_quota_exceeded`)."""
+
     component, steps = "batches", STEPS
 
+    def __init__(self, db: Database | str | Any, limits: QuotaLimits | None = None):
+        super().__init__(db)
+        self.limits = limits or DEFAULT_QUOTAS["batches"]
+
     # ---- the API's calls (per owner) ----------------------------------------------------------
+
+    def _admit(self, conn: Any, owner: str, now: float) -> None:
+        """In create's transaction: the owner locked, their expired finished batches purged, and
+        the caps on batches kept and running checked."""
+        lim = self.limits
+        self.db.lock_owner(conn, "batches", owner)
+        if lim.ttl_s is not None:
+            self._purge(conn, now - lim.ttl_s, owner)
+        row = conn.execute("SELECT COUNT(*) AS n, COALESCE(SUM(CASE WHEN status IN ('validating', 'in_progress', "
+                           "'finalizing', 'cancelling') THEN 1 ELSE 0 END), 0) AS active FROM batches WHERE owner = ?",
+                           (owner,)).fetchone()
+        if lim.max_items is not None and int(row["n"]) + 1 > lim.max_items:
+            raise QuotaExceeded(f"This key keeps {row['n']} batches, the maximum; finished batches are purged "
+                                f"{(lim.ttl_s or 0) / 86400:g} days after they end.", param="input_file_id")
+        if lim.max_active is not None and int(row["active"]) + 1 > lim.max_active:
+            raise TooManyBatches(f"This key already runs {row['active']} batches (at most {lim.max_active} at "
+                                 "once); wait for one to finish or cancel one.", retry_after=60.0,
+                                 headers={"x-ratelimit-limit-batches": str(lim.max_active),
+                                          "x-ratelimit-remaining-batches": "0"})
+
+    def _purge(self, conn: Any, before: float, owner: str | None = None) -> int:
+        """Finished batches that ended before `before` deleted (their lines with them: ON DELETE CASCADE)."""
+        ended = "COALESCE(completed_at, failed_at, cancelled_at, expired_at, created_at)"
+        sql = f"DELETE FROM batches WHERE status IN ('completed', 'failed', 'cancelled', 'expired') AND {ended} < ?"
+        args: list[Any] = [before]
+        if owner is not None:
+            sql, args = sql + " AND owner = ?", [*args, owner]
+        return conn.execute(sql, args).rowcount
+
+    def purge(self, now: float | None = None) -> int:
+        """Every owner's finished batches past the keep time deleted; how many."""
+        if self.limits.ttl_s is None:
+            return 0
+        with self.db.transaction() as conn:
+            return self._purge(conn, (time.time() if now is None else now) - self.limits.ttl_s)
 
     def create(self, owner: str, endpoint: str, input_file_id: str, completion_window: str, window_s: float,
                metadata: dict[str, str] | None) -> dict[str, Any]:
         now = time.time()
         batch_id = f"batch_{uuid.uuid4().hex}"
-        with self.db.connection() as conn:
+        with self.db.transaction() as conn:
+            self._admit(conn, owner, now)
             conn.execute("INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, "
                          "created_at, expires_at, metadata) VALUES (?, ?, ?, ?, ?, 'validating', ?, ?, ?)",
                          (batch_id, owner, endpoint, input_file_id, completion_window, now, now + window_s,
@@ -161,17 +216,29 @@ class BatchStore(SQLStore):
         with self.db.connection() as conn:
             return conn.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
 
-    def start(self, batch_id: str, lines: list[tuple[str, str]]) -> bool:
-        """The checked lines (custom_id, body JSON) stored and the batch in_progress, in one
-        transaction; False when the batch is no longer validating (cancelled meanwhile)."""
+    def start(self, batch_id: str, lines: Iterable[tuple[str, str]]) -> bool:
+        """The checked lines (custom_id, body JSON; an iterable, consumed once, never listed) stored
+        and the batch in_progress, in one transaction; False when the batch is no longer validating
+        (cancelled meanwhile). An error the iterable raises, or the owner's lines past the `lines`
+        quota, rolls everything back (QuotaExceeded for the quota)."""
         with self.db.transaction() as conn:
-            row = conn.execute("SELECT status FROM batches WHERE id = ?" + self.db.for_update, (batch_id,)).fetchone()
+            row = conn.execute("SELECT status, owner FROM batches WHERE id = ?" + self.db.for_update,
+                               (batch_id,)).fetchone()
             if row is None or row["status"] != "validating":
                 return False
             conn.execute("DELETE FROM batch_lines WHERE batch_id = ?", (batch_id,))
-            for i, (custom_id, body) in enumerate(lines):
+            n = 0
+            for n, (custom_id, body) in enumerate(lines, start=1):
                 conn.execute("INSERT INTO batch_lines (batch_id, line, custom_id, body, state) "
-                             "VALUES (?, ?, ?, ?, 'pending')", (batch_id, i, custom_id, body))
+                             "VALUES (?, ?, ?, ?, 'pending')", (batch_id, n - 1, custom_id, body))
+            if self.limits.max_lines is not None:
+                busy = int(conn.execute("SELECT COUNT(*) AS n FROM batch_lines l JOIN batches b ON b.id = l.batch_id "
+                                        "WHERE b.owner = ? AND b.id <> ? AND l.state = 'pending'",
+                                        (row["owner"], batch_id)).fetchone()["n"])
+                if busy + n > self.limits.max_lines:
+                    raise QuotaExceeded(f"This batch's {n} requests and the {busy} this key's other batches have "
+                                        f"not run yet pass its quota of {self.limits.max_lines} requests waiting; "
+                                        "create it again when those are done.", code="lines_quota_exceeded")
             conn.execute("UPDATE batches SET status = 'in_progress', in_progress_at = ? WHERE id = ?",
                          (time.time(), batch_id))
         return True
