@@ -70,6 +70,7 @@ HEARTBEAT_S = 15.0
 POLL_S = 1.0
 MAX_RETRY_WAIT_S = 30.0
 PURGE_S = 300.0                 # expired files and finished batches purged this often
+STATS_S = 5.0                   # the stored-bytes gauges refreshed this often
 
 
 class _Backoff(Exception):
@@ -104,6 +105,7 @@ class BatchRunner:
         self._beat: asyncio.Task | None = None
         self.not_before: dict[str, float] = {}   # owner → when its lines may start again (after a 429)
         self._turn = 0                            # the round-robin's place among owners
+        self.paid: set[tuple[str, int]] = set()   # lines that took their request token (one per line)
 
     # ---- life ----------------------------------------------------------------------------------
 
@@ -125,12 +127,15 @@ class BatchRunner:
             await asyncio.to_thread(self.store.release, self.name)
 
     async def _loop(self) -> None:
-        purged = 0.0
+        purged = counted = 0.0
         while True:
             try:
                 if time.monotonic() - purged > PURGE_S:
                     purged = time.monotonic()
                     await asyncio.to_thread(self._purge)
+                if time.monotonic() - counted > STATS_S:
+                    counted = time.monotonic()
+                    await asyncio.to_thread(self._count_stored)
                 rows = await asyncio.to_thread(self.store.active)
                 for row in rows:
                     if row["status"] != "in_progress" or time.time() > row["expires_at"]:
@@ -156,6 +161,15 @@ class BatchRunner:
                     await asyncio.to_thread(self.store.heartbeat, self.name, list(self.running))
                 except Exception:
                     logger.exception("batch runner heartbeat failed")
+
+    def _count_stored(self) -> None:
+        metrics = getattr(self.gw, "metrics", None)
+        if metrics is None:
+            return
+        n, size = self.files.stored()
+        metrics.files_stored.set(n)
+        metrics.files_stored_bytes.set(size)
+        metrics.batch_lines_stored.set(self.store.stored_lines())
 
     def _purge(self) -> None:
         files, batches = self.files.purge(), self.store.purge()
@@ -303,20 +317,28 @@ class BatchRunner:
     async def _answer_line(self, row: dict[str, Any], line: dict[str, Any]) -> None:
         record = RequestRecord(request_id=f"{row['id']}-{line['line']}", t0=time.monotonic(), method="POST",
                                path=row["endpoint"])
-        status, body = await self._answer(row, record, json.loads(line["body"]))
+        status, body = await self._answer(row, record, json.loads(line["body"]), (row["id"], line["line"]))
         record.status = status
         result = line_result(line["custom_id"], record.request_id, status, body)
+        self.paid.discard((row["id"], line["line"]))
         if not await asyncio.to_thread(self.store.finish_line, row["id"], line["line"], self.name, status == 200,
                                        result):
             logger.warning("batch %s line %d was answered elsewhere; this answer is dropped", row["id"], line["line"])
         access_log.info(record.access_log_line())
 
-    async def _answer(self, row: dict[str, Any], record: RequestRecord, body: dict[str, Any]) -> tuple[int, dict]:
+    async def _answer(self, row: dict[str, Any], record: RequestRecord, body: dict[str, Any],
+                      key: tuple[str, int] = ("", -1)) -> tuple[int, dict]:
         """(status, body) of one line; a 429 or 503 a later attempt can pass raises _Backoff (the
         line is tried again later, holding no slot meanwhile)."""
         try:
-            await asyncio.to_thread(self._caller, row["owner"], record, True)
-            return 200, await self._run(row["endpoint"], record, body)
+            await asyncio.to_thread(self._caller, row["owner"], record, key not in self.paid)
+            self.paid.add(key)
+            try:
+                return 200, await self._run(row["endpoint"], record, body)
+            except KVServeError as e:
+                if e.status not in (429, 503):
+                    self.paid.discard(key)
+                raise
         except KVServeError as e:
             wait = getattr(e, "retry_after", None)
             if e.status in (429, 503) and wait is not None and getattr(e, "should_retry", True) is not False:

@@ -212,6 +212,11 @@ class BatchStore(SQLStore):
             return conn.execute("SELECT * FROM batches WHERE status IN ('validating', 'in_progress', 'finalizing', "
                                 "'cancelling') ORDER BY created_at").fetchall()
 
+    def stored_lines(self) -> int:
+        """Batch lines stored, all batches (the /metrics gauge)."""
+        with self.db.connection() as conn:
+            return int(conn.execute("SELECT COUNT(*) AS n FROM batch_lines").fetchone()["n"])
+
     def row(self, batch_id: str) -> dict[str, Any] | None:
         with self.db.connection() as conn:
             return conn.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()

@@ -150,10 +150,11 @@ class FileStore(SQLStore):
                 conn.execute("DELETE FROM file_expiry WHERE id = ?", (i,))
         return len(ids)
 
-    def stored_bytes(self) -> int:
-        """The bytes of every stored file (the /metrics gauge)."""
+    def stored(self) -> tuple[int, int]:
+        """(files, bytes) of every stored file (the /metrics gauges)."""
         with self.db.connection() as conn:
-            return int(conn.execute("SELECT COALESCE(SUM(bytes), 0) AS b FROM files").fetchone()["b"])
+            row = conn.execute("SELECT COUNT(*) AS n, COALESCE(SUM(bytes), 0) AS b FROM files").fetchone()
+        return int(row["n"]), int(row["b"])
 
     def _row(self, owner: str, file_id: str, columns: str) -> dict[str, Any]:
         with self.db.connection() as conn:
