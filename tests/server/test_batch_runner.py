@@ -1,11 +1,26 @@
-"""The batch runner's share of the engine (server/generation/batch_runner.py): its full
-concurrency on an idle server, one line while interactive requests are admitted."""
+"""The batch runner (server/generation/batch_runner.py): its full concurrency on an idle server,
+one line while interactive requests are admitted; and (issue 60, on real SQLite and PostgreSQL
+stores) slots round-robin between owners, heartbeats on their own task, a stale self-claim, one
+request token per line and the --api-key owner."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 from types import SimpleNamespace
 
+import pytest
+
+from kvserve.errors import Overloaded
+from kvserve.server.gates.ratelimit import RateLimiter
+from kvserve.server.generation import batch_runner as br
 from kvserve.server.generation.batch_runner import BUSY_CONCURRENCY, BatchRunner
+from kvserve.server.records import RequestRecord
+from kvserve.server.settings import ServerSettings
+from kvserve.server.stores.batches import BatchStore
+from kvserve.server.stores.files import FileStore
+from kvserve.server.stores.keys import KeyStore
 
 
 def runner(running: int, waiting: int, admitting: int) -> BatchRunner:
@@ -25,20 +40,6 @@ def test_room_shrinks_while_interactive_requests_are_admitted():
 
 # ---- issue 60: fairness, heartbeats, claims, rpm, the --api-key owner (real stores) ----------
 
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-
-import pytest  # noqa: E402
-
-from kvserve.errors import Overloaded  # noqa: E402
-from kvserve.server.gates.ratelimit import RateLimiter  # noqa: E402
-from kvserve.server.generation import batch_runner as br  # noqa: E402
-from kvserve.server.records import RequestRecord  # noqa: E402
-from kvserve.server.settings import ServerSettings  # noqa: E402
-from kvserve.server.stores.batches import BatchStore  # noqa: E402
-from kvserve.server.stores.files import FileStore  # noqa: E402
-from kvserve.server.stores.keys import KeyStore  # noqa: E402
 
 
 @pytest.fixture(params=("sqlite", "postgres"))
