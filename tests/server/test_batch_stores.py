@@ -126,3 +126,35 @@ def test_expired_files_and_finished_batches_are_purged(target):
     finally:
         files.close()
         batches.close()
+
+
+def test_waiting_lines_are_capped_in_bytes_and_answered_lines_drop_their_bodies(target):
+    """Issue 60: 1,000 batches of one 64 MiB file no longer make 64 GB. The bytes of a key's
+    unanswered lines are capped (the batch past it is refused as it starts, nothing stored), an
+    answered line keeps no body, and a finished batch's lines keep neither body nor result."""
+    from kvserve.server.stores.quota import QuotaExceeded, QuotaLimits
+
+    store = BatchStore(target, QuotaLimits(max_bytes=1000))
+    try:
+        body = json.dumps({"x": "y" * 290})            # ~300 bytes
+        first = store.create("key:a", "/v1/chat/completions", "file-1", "24h", 86400.0, None)
+        assert store.start(first["id"], [(f"r{i}", body) for i in range(3)])
+        second = store.create("key:a", "/v1/chat/completions", "file-1", "24h", 86400.0, None)
+        with pytest.raises(QuotaExceeded) as e:
+            store.start(second["id"], [("r0", body)])
+        assert e.value.code == "lines_quota_exceeded" and store.counts(second["id"])["total"] == 0
+        line = store.claim(first["id"], "runner-1", 1)[0]
+        assert store.finish_line(first["id"], line["line"], "runner-1", True, {"ok": 1})
+        assert store.start(second["id"], [("r0", body)])   # one answered: room for one more
+        with store.db.connection() as conn:
+            held = conn.execute("SELECT body, result FROM batch_lines WHERE batch_id = ? AND line = ?",
+                                (first["id"], line["line"])).fetchone()
+        assert held["body"] == "" and held["result"]
+        store.set_status(first["id"], "cancelling")
+        store.set_status(first["id"], "cancelled", when=("cancelling",))
+        with store.db.connection() as conn:
+            kept = conn.execute("SELECT body, result FROM batch_lines WHERE batch_id = ?", (first["id"],)).fetchall()
+        assert kept and all(r["body"] == "" and r["result"] is None for r in kept)
+        assert store.get("key:a", first["id"])["request_counts"]["completed"] == 1
+    finally:
+        store.close()

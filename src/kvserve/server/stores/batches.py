@@ -92,8 +92,9 @@ def _int(v: float | None) -> int | None:
 class BatchStore(SQLStore):
     """Batches and their lines. `limits` (`--quota batches:items=N,ttl=D,active=N,lines=N`):
     batches an owner keeps (413 past it), how long a finished batch is kept (purged after),
-    batches running at once (429 with `x-ratelimit-*-batches`) and lines not yet answered (a
-    batch past it fails validation with `lines_quota_exceeded`)."""
+    batches running at once (429 with `x-ratelimit-*-batches`) and lines not yet answered, in count
+    and in bytes (a batch past either fails validation with `lines_quota_exceeded`). A line's body
+    is dropped once it is answered, and its result once the batch's files are written."""
 
     component, steps = "batches", STEPS
 
@@ -232,30 +233,41 @@ class BatchStore(SQLStore):
             if row is None or row["status"] != "validating":
                 return False
             conn.execute("DELETE FROM batch_lines WHERE batch_id = ?", (batch_id,))
-            n = 0
+            n = size = 0
             for n, (custom_id, body) in enumerate(lines, start=1):
+                size += len(body.encode())
                 conn.execute("INSERT INTO batch_lines (batch_id, line, custom_id, body, state) "
                              "VALUES (?, ?, ?, ?, 'pending')", (batch_id, n - 1, custom_id, body))
-            if self.limits.max_lines is not None:
-                busy = int(conn.execute("SELECT COUNT(*) AS n FROM batch_lines l JOIN batches b ON b.id = l.batch_id "
-                                        "WHERE b.owner = ? AND b.id <> ? AND l.state = 'pending'",
-                                        (row["owner"], batch_id)).fetchone()["n"])
-                if busy + n > self.limits.max_lines:
-                    raise QuotaExceeded(f"This batch's {n} requests and the {busy} this key's other batches have "
-                                        f"not run yet pass its quota of {self.limits.max_lines} requests waiting; "
+            lim = self.limits
+            if lim.max_lines is not None or lim.max_bytes is not None:
+                busy = conn.execute(f"SELECT COUNT(*) AS n, COALESCE(SUM({self.db.octets('l.body')}), 0) AS b "
+                                    "FROM batch_lines l JOIN batches b ON b.id = l.batch_id WHERE b.owner = ? "
+                                    "AND b.id <> ? AND l.state = 'pending'", (row["owner"], batch_id)).fetchone()
+                if lim.max_lines is not None and int(busy["n"]) + n > lim.max_lines:
+                    raise QuotaExceeded(f"This batch's {n} requests and the {busy['n']} this key's other batches "
+                                        f"have not run yet pass its quota of {lim.max_lines} requests waiting; "
                                         "create it again when those are done.", code="lines_quota_exceeded")
+                if lim.max_bytes is not None and int(busy["b"]) + size > lim.max_bytes:
+                    raise QuotaExceeded(f"This batch's requests ({size} bytes) and those this key's other batches "
+                                        f"have not run yet ({busy['b']} bytes) pass its quota of {lim.max_bytes} "
+                                        "bytes waiting; create it again when those are done.",
+                                        code="lines_quota_exceeded")
             conn.execute("UPDATE batches SET status = 'in_progress', in_progress_at = ? WHERE id = ?",
                          (time.time(), batch_id))
         return True
 
     def set_status(self, batch_id: str, status: str, *, when: tuple[str, ...] = ACTIVE, **fields: Any) -> bool:
-        """Move the batch to `status` (stamping `<status>_at`) if it is in one of `when`."""
+        """Move the batch to `status` (stamping `<status>_at`) if it is in one of `when`. A final
+        status drops what the lines still hold (their bodies and results: the output and error
+        files have them now), keeping each line's state for `request_counts`."""
         sets = {f"{status}_at": time.time(), **fields}
         cols = ", ".join(f"{k} = ?" for k in sets)
         marks = ", ".join("?" for _ in when)
-        with self.db.connection() as conn:
+        with self.db.transaction() as conn:
             cur = conn.execute(f"UPDATE batches SET status = ?, {cols} WHERE id = ? AND status IN ({marks})",
                                (status, *sets.values(), batch_id, *when))
+            if cur.rowcount > 0 and status in FINAL:
+                conn.execute("UPDATE batch_lines SET body = '', result = NULL WHERE batch_id = ?", (batch_id,))
         return cur.rowcount > 0
 
     def fail(self, batch_id: str, errors: list[dict[str, Any]]) -> bool:
@@ -296,7 +308,8 @@ class BatchStore(SQLStore):
         """The line's result written and the line marked done (or failed), atomically, if it is
         still pending and held by `runner`; False when it is not (someone else answered it)."""
         with self.db.connection() as conn:
-            cur = conn.execute("UPDATE batch_lines SET state = ?, result = ?, claimed_by = NULL WHERE batch_id = ? "
+            cur = conn.execute("UPDATE batch_lines SET state = ?, result = ?, body = '', claimed_by = NULL "
+                               "WHERE batch_id = ? "
                                "AND line = ? AND state = 'pending' AND claimed_by = ?",
                                ("done" if ok else "failed", json.dumps(result), batch_id, line, runner))
         return cur.rowcount > 0
@@ -307,7 +320,7 @@ class BatchStore(SQLStore):
             rows = conn.execute("SELECT line, custom_id FROM batch_lines WHERE batch_id = ? AND state = 'pending'",
                                 (batch_id,)).fetchall()
             for r in rows:
-                conn.execute("UPDATE batch_lines SET state = 'failed', result = ?, claimed_by = NULL "
+                conn.execute("UPDATE batch_lines SET state = 'failed', result = ?, body = '', claimed_by = NULL "
                              "WHERE batch_id = ? AND line = ?", (json.dumps(result_for(r["custom_id"])), batch_id,
                                                                  r["line"]))
 

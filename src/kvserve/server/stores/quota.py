@@ -84,7 +84,8 @@ DEFAULT_QUOTAS = {   # per owner; a store a key can write adds its line (and tak
     "conversations": QuotaLimits(max_items=2_000, max_bytes=64 << 20),
     "arena": QuotaLimits(max_items=100, max_bytes=4 << 20, ttl_s=86400),   # open (unvoted) battles
     # batches kept (a finished one is purged `ttl` after it ends), running at once, lines unanswered
-    "batches": QuotaLimits(max_items=1000, ttl_s=30 * 86400, max_active=20, max_lines=100_000),
+    "batches": QuotaLimits(max_items=1000, ttl_s=30 * 86400, max_active=20, max_lines=100_000,
+                           max_bytes=1 << 30),   # bytes: of the lines waiting
 }
 
 
