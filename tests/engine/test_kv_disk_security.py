@@ -99,3 +99,16 @@ def test_a_block_not_signed_with_this_directorys_key_is_a_miss(tmp_path):
     assert a.read(H, SHAPE, "float16") is None
     a.close()
     b.close()
+
+
+def test_a_block_name_planted_as_a_symlink_or_fifo_is_a_miss_not_followed(tmp_path):
+    s = DiskKVStore(tmp_path / "kv", HEADER, 1 << 20)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"x" * 64)
+    for i, plant in enumerate((lambda p: p.symlink_to(secret), lambda p: os.mkfifo(p))):
+        h = bytes([i + 1]) * 16
+        s.path(h).parent.mkdir(mode=0o700, exist_ok=True)
+        plant(s.path(h))
+        assert s.has(h) and s.read(h, SHAPE, "float16") is None   # a FIFO would block a plain read
+    assert secret.read_bytes() == b"x" * 64
+    s.close()

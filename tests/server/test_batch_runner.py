@@ -126,7 +126,7 @@ def test_a_stale_self_claim_neither_runs_a_line_twice_nor_untracks_it(stores, mo
         row = store.row(batch_id)
         assert await r._start_one(row)
         first = r.running[(batch_id, 0)]
-        assert await r._start_one(row)            # our own line again: no second task
+        assert not await r._start_one(row)        # our own line again: no second task
         same = r.running[(batch_id, 0)] is first and len(r.running) == 1
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)

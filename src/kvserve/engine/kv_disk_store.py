@@ -27,6 +27,7 @@ import itertools
 import logging
 import os
 import queue
+import stat
 import struct
 import threading
 import time
@@ -77,6 +78,15 @@ def block_mac(key: bytes, h: bytes, fingerprint: str, dtype: str, shape: list[in
 
 _block_encoder = msgspec.msgpack.Encoder()
 _block_decoder = msgspec.msgpack.Decoder(BlockHeader)
+
+
+def _read_regular(p: Path) -> bytes:
+    """A block file's bytes: never through a symlink, never a FIFO or device (OSError instead)."""
+    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{p} is not a regular file")
+        return f.read()
 
 
 class DiskKVStore:
@@ -150,7 +160,7 @@ class DiskKVStore:
         """The block's verified bytes, or None (missing, truncated, corrupt or foreign: deleted)."""
         p = self.path(h)
         try:
-            raw = p.read_bytes()
+            raw = _read_regular(p)
         except OSError:
             self._forget(h)
             return None

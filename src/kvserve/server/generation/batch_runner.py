@@ -262,7 +262,7 @@ class BatchRunner:
         line = claimed[0]
         key = (batch_id, line["line"])
         if key in self.running:   # our own claim, gone stale while the line runs: it keeps running once
-            return True
+            return False
         task = asyncio.get_running_loop().create_task(self._line(row, line))
         self.running[key] = task
         task.add_done_callback(lambda t, k=key: self._done(k, t))
@@ -284,6 +284,7 @@ class BatchRunner:
     async def _stop_lines(self, batch_id: str) -> None:
         """Cancel the batch's running lines (their leases abort the engine requests) and wait for them."""
         tasks = [t for (b, _), t in self.running.items() if b == batch_id]
+        self.paid = {k for k in self.paid if k[0] != batch_id}
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
