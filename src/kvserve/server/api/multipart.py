@@ -23,7 +23,7 @@ from kvserve.server.gates.limits import BodyTimeout, BodyTooLarge
 
 _BOUNDARY = re.compile(r'boundary="?([^";]{1,200})"?', re.IGNORECASE)
 _DISPOSITION = re.compile(rb'content-disposition:[^\r\n]*', re.IGNORECASE)
-_PARAM = re.compile(rb';\s*(name|filename)="([^"\r\n]*)"', re.IGNORECASE)
+_PARAM = re.compile(rb';\s*(name|filename)=(?:"([^"\r\n]*)"|([^";\s]+))', re.IGNORECASE)
 
 
 @dataclass
@@ -100,7 +100,7 @@ class FormParser:
         head = bytes(buf[:end])
         del buf[:end + 4]
         disp = _DISPOSITION.search(head)
-        params = {k.lower(): v for k, v in _PARAM.findall(disp[0])} if disp else {}
+        params = {k.lower(): q or bare for k, q, bare in _PARAM.findall(disp[0])} if disp else {}
         name = params.get(b"name")
         self.name = name.decode("utf-8", "replace") if name is not None else None
         fn = params.get(b"filename")
