@@ -4,28 +4,30 @@ of its key, in the engine's spare capacity, resumable after a restart.
 One `BatchRunner` per server (started and stopped with the app). Its loop takes the active
 batches from the store (stores/batches.py) and moves each along:
 
-    validating   the input file read and checked line by line; the lines stored and the batch
-                 in_progress in one transaction (or failed, with the errors)
+    validating   the input file read, each line checked (gates/limits.py's body checks, one line
+                 held at a time) and stored in the same pass, the batch in_progress, in one
+                 transaction (or failed with the first error: a bad line, another endpoint's
+                 line, the key's lines quota)
     in_progress  lines claimed one at a time while fewer than `room()` run (`concurrency` on an
-                 idle server, one while interactive requests are admitted); each line is a
-                 chat or completions request parsed as the route parses it, then build_plan (caps,
-                 moderation, routing, the key's tier) → Lease.acquire (the key's token bucket, an
-                 admission slot) → run_to_end → OpenAIRenderer.body(), with the plan's priority
-                 pushed below every interactive request (`BATCH_PRIORITY`), so the admission queue
-                 and the engine's scheduler serve interactive requests first; an embeddings line
-                 goes to the encoder, charged the same way. The result (or the error, in OpenAI's
-                 output-line shape) is written and the line marked done in one UPDATE.
+                 idle server, one while interactive requests are admitted), round-robin between
+                 the owners with lines waiting; each line takes one token of its key's rpm, then
+                 runs as the route would (build_plan → Lease.acquire → run_to_end → renderer), at
+                 `BATCH_PRIORITY` below every interactive request; an embeddings line goes to the
+                 encoder, charged the same way. The result is written and the line marked done in
+                 one UPDATE.
     finalizing   no line pending: the output and error files written (ids derived from the batch,
                  so writing them again after a crash finds them), then completed
     cancelling   the batch's running lines stopped (their leases abort the engine requests), the
                  files of what was done written, then cancelled
     expired      past expires_at: pending lines failed as `batch_expired`, files written
 
-A 429 or 503 a line meets (the key's token bucket, a full queue, the model loading) waits
-Retry-After and tries again instead of failing the line. The runner's claims are refreshed while
-lines run and released on shutdown (a SIGTERM), so a restarted server, or another replica on the
-same PostgreSQL, resumes with exactly the lines no one answered; a killed server's claims are
-free again after `CLAIM_STALE_S`.
+A 429 or 503 a line meets (the key's buckets, a full queue, the model loading) gives the line's
+claim and slot back, and its owner's lines wait Retry-After (`not_before`). The claims of the
+running lines are refreshed by a task of their own every HEARTBEAT_S and released on shutdown, so
+a restarted server, or another replica on the same PostgreSQL, resumes with exactly the lines no
+one answered and never claims a running one; a killed server's claims are free again after
+`CLAIM_STALE_S`. Every PURGE_S the runner deletes expired files and finished batches past their
+keep time, and every STATS_S it sets the stored-bytes gauges of /metrics.
 """
 
 from __future__ import annotations
