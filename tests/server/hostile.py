@@ -190,6 +190,56 @@ def growing_secret_output(client: httpx.Client, base_url: str, headers: dict) ->
         "logit_bias": {str(i): 100 for i in ids}, "kvserve_moderation": {"pii_output": "redact"}})
 
 
+# ---- issue 60: uploads and batches (the files engineer's kinds; keep_alive/load kinds are separate) ----
+
+_BOUNDARY = "hostileboundary60"
+
+
+def _form(file: bytes, purpose: str = "batch") -> bytes:
+    return (f"--{_BOUNDARY}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n{purpose}\r\n"
+            f"--{_BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n\r\n"
+            ).encode() + file + f"\r\n--{_BOUNDARY}--\r\n".encode()
+
+
+def _upload(client: httpx.Client, base_url: str, headers: dict, body: bytes) -> httpx.Response:
+    return client.post(base_url + "/v1/files", content=body, timeout=600,
+                       headers={**headers, "content-type": f"multipart/form-data; boundary={_BOUNDARY}"})
+
+
+_MANY_PARTS = f"--{_BOUNDARY}\r\n\r\n\r\n".encode() * 200_000 + f"--{_BOUNDARY}--\r\n".encode()
+
+
+def many_parts_upload(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """200,000 empty multipart parts, 5.8 MB (issue 60: refused at the part cap, not parsed; 400)."""
+    return _upload(client, base_url, headers, _MANY_PARTS)
+
+
+def bad_batch_lines(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """A batch file whose line holds a lone surrogate, then one nested 50,000 deep (issue 60: each
+    a 400 naming the line, as the interactive route answers the same body; never a 500)."""
+    head = '{"custom_id": "r0", "method": "POST", "url": "/v1/chat/completions", "body": '
+    _upload(client, base_url, headers, _form((head + '{"messages": [{"role": "user", "content": "\\ud800"}]}}\n')
+                                             .encode()))
+    return _upload(client, base_url, headers, _form((head + "[" * 50_000 + "]" * 50_000 + "}\n").encode()))
+
+
+def upload_and_batch(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """A 20-line batch file uploaded and a batch made of it, again and again (issue 60: the key's
+    quotas refuse them, 413/429, and the runner's lines stay below interactive requests)."""
+    lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {"messages": [{"role": "user", "content": f"Say {i}"}], "max_tokens": 2}})
+                    + "\n" for i in range(20))
+    r = _upload(client, base_url, headers, _form(lines.encode()))
+    if r.status_code != 200:
+        return r
+    return client.post(base_url + "/v1/batches", headers=headers, timeout=600,
+                       json={"input_file_id": r.json()["id"], "endpoint": "/v1/chat/completions",
+                             "completion_window": "24h"})
+
+
+UPLOAD_KINDS = [("many_parts_upload", many_parts_upload), ("bad_batch_lines", bad_batch_lines),
+                ("upload_and_batch", upload_and_batch)]
+
 Send = Callable[[httpx.Client, str, dict], httpx.Response]
 
 HOSTILE: list[tuple[str, Send]] = [
@@ -207,6 +257,7 @@ HOSTILE: list[tuple[str, Send]] = [
     ("secret_shaped_output", secret_shaped_output),
     ("truncate_many_turns", truncate_many_turns),
     ("pii_heavy_input", pii_heavy_input),
+    *UPLOAD_KINDS,
 ]
 
 # Kinds the bystander check sends but the soak's mix does not (yet): each takes seconds of decoding,

@@ -88,3 +88,73 @@ def test_a_batch_line_is_answered_once(target):
         assert [x["id"] for x in store.list("key:a", limit=1, after=c["id"])] == [b["id"]]
     finally:
         store.close()
+
+
+def test_expired_files_and_finished_batches_are_purged(target):
+    """Issue 60: a batch's output file expires 30 days after it is written (OpenAI's default), an
+    upload after its `expires_after`; a finished batch is purged `ttl` after it ends (its lines
+    with it); an active batch and a file without expiry stay. Expired files count against no one."""
+    import time
+
+    from kvserve.server.stores.files import OUTPUT_TTL_S
+    from kvserve.server.stores.quota import QuotaLimits
+
+    files = FileStore(target, FileLimits(max_owner_files=2))
+    batches = BatchStore(target, QuotaLimits(max_items=10, ttl_s=86400.0))
+    try:
+        out = files.put("key:a", "batch_output", "out.jsonl", "o", quota=False)
+        assert out["expires_at"] == out["created_at"] + OUTPUT_TTL_S
+        short = files.put("key:a", "batch", "in.jsonl", "x", expires_s=3600)
+        keep = files.put("key:b", "batch", "in.jsonl", "y")
+        assert keep["expires_at"] is None
+        later = time.time() + 3601
+        assert files.purge(now=later) == 1                      # the upload; the output has 30 days
+        with pytest.raises(FileNotFound):
+            files.get("key:a", short["id"])
+        assert files.purge(now=time.time() + OUTPUT_TTL_S + 1) == 1
+        assert files.get("key:b", keep["id"])["id"] == keep["id"]
+
+        done = batches.create("key:a", "/v1/chat/completions", "file-1", "24h", 86400.0, None)
+        assert batches.start(done["id"], [("r0", json.dumps({}))])
+        assert batches.set_status(done["id"], "finalizing") and batches.set_status(done["id"], "completed")
+        running = batches.create("key:a", "/v1/chat/completions", "file-1", "24h", 86400.0, None)
+        assert batches.purge(now=time.time() + 86401) == 1
+        with pytest.raises(BatchNotFound):
+            batches.get("key:a", done["id"])
+        assert batches.get("key:a", running["id"])["status"] == "validating"
+        assert batches.stored_lines() == 0
+    finally:
+        files.close()
+        batches.close()
+
+
+def test_waiting_lines_are_capped_in_bytes_and_answered_lines_drop_their_bodies(target):
+    """Issue 60: 1,000 batches of one 64 MiB file no longer make 64 GB. The bytes of a key's
+    unanswered lines are capped (the batch past it is refused as it starts, nothing stored), an
+    answered line keeps no body, and a finished batch's lines keep neither body nor result."""
+    from kvserve.server.stores.quota import QuotaExceeded, QuotaLimits
+
+    store = BatchStore(target, QuotaLimits(max_bytes=1000))
+    try:
+        body = json.dumps({"x": "y" * 290})            # ~300 bytes
+        first = store.create("key:a", "/v1/chat/completions", "file-1", "24h", 86400.0, None)
+        assert store.start(first["id"], [(f"r{i}", body) for i in range(3)])
+        second = store.create("key:a", "/v1/chat/completions", "file-1", "24h", 86400.0, None)
+        with pytest.raises(QuotaExceeded) as e:
+            store.start(second["id"], [("r0", body)])
+        assert e.value.code == "lines_quota_exceeded" and store.counts(second["id"])["total"] == 0
+        line = store.claim(first["id"], "runner-1", 1)[0]
+        assert store.finish_line(first["id"], line["line"], "runner-1", True, {"ok": 1})
+        assert store.start(second["id"], [("r0", body)])   # one answered: room for one more
+        with store.db.connection() as conn:
+            held = conn.execute("SELECT body, result FROM batch_lines WHERE batch_id = ? AND line = ?",
+                                (first["id"], line["line"])).fetchone()
+        assert held["body"] == "" and held["result"]
+        store.set_status(first["id"], "cancelling")
+        store.set_status(first["id"], "cancelled", when=("cancelling",))
+        with store.db.connection() as conn:
+            kept = conn.execute("SELECT body, result FROM batch_lines WHERE batch_id = ?", (first["id"],)).fetchall()
+        assert kept and all(r["body"] == "" and r["result"] is None for r in kept)
+        assert store.get("key:a", first["id"])["request_counts"]["completed"] == 1
+    finally:
+        store.close()

@@ -9,7 +9,8 @@ at least `warmup` seconds. After it, RSS may not trend up: the peak of the secon
 samples stays within 5% (plus 64 MiB) of the first half's peak, since one large request can lift
 RSS for a moment in either half but a leak lifts the later half. No sample may exceed the
 post-warm-up RSS by more than 25% (plus 128 MiB). Open file descriptors stay within 16 of the
-post-warm-up count and threads within 4.
+post-warm-up count and threads within 4. Issue 60's kinds (uploads and batches) run under
+`--quota batches:active=2,lines=100`: the key's batches are refused past it, 429, never a 5xx.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def run_hostile_soak(tmp_path: pathlib.Path, model_server, duration: float, warm
     store.close()
     srv = model_server(tmp_path, "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--semantic-cache", "on",
                        "--admin-key", "soak-admin-key", "--quota", "responses:items=20",
-                       "--quota", "arena:items=5")
+                       "--quota", "arena:items=5", "--quota", "batches:active=2,lines=100")
     headers = {"Authorization": f"Bearer {key}"}
     stop = threading.Event()
     statuses: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)

@@ -2,9 +2,14 @@
 
     DIR/kv-<fingerprint>/header.json            the StoreHeader the fingerprint hashes
     DIR/kv-<fingerprint>/<h[:2]>/<h>.kvb         one block: MAGIC, a 4-byte header length, a msgpack
-                                                 BlockHeader (hash, fingerprint, dtype, shape,
-                                                 checksum), the block's raw bytes [layers, 2,
-                                                 block_size, kv_heads, row width]
+                                                 BlockHeader (hash, fingerprint, dtype, shape, mac),
+                                                 the block's raw bytes [layers, 2, block_size,
+                                                 kv_heads, row width]
+
+`mac` is an HMAC-SHA256, under the directory's secret key (DIR/.kv-key, kv_disk_quota.py), of the
+header's fields and the bytes: a block edited, swapped or planted by anyone without the key fails
+it and is a miss (deleted), never loaded. Directories are 0700, files 0600, created with
+O_EXCL|O_NOFOLLOW (kv_disk_quota.py's `private_dir`, `write_new`).
 
 The index (hash -> size, least recently used first) is rebuilt from the files' mtimes at start.
 Lookups and reads run on the core's thread; writes on the store's own thread, through a bounded
@@ -17,10 +22,12 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import hmac
 import itertools
 import logging
 import os
 import queue
+import stat
 import struct
 import threading
 import time
@@ -31,27 +38,17 @@ from pathlib import Path
 import msgspec
 import torch
 
-from kvserve.engine.kv_disk_quota import DirQuota
+from kvserve.engine.kv_disk_quota import DirQuota, directory_key, private_dir, write_new
 
 logger = logging.getLogger("kvserve.engine")
 
-MAGIC = b"KVB1"
-try:
-    import xxhash
-
-    def _checksum(data) -> tuple[str, int]:
-        return "xxh3_64", xxhash.xxh3_64_intdigest(data)
-except ImportError:   # pragma: no cover - xxhash comes with the venv
-    import zlib
-
-    def _checksum(data) -> tuple[str, int]:
-        return "crc32", zlib.crc32(data)
+MAGIC = b"KVB2"
 
 
 class StoreHeader(msgspec.Struct, kw_only=True, frozen=True):
     """What a store's blocks depend on: another value of any field is another store."""
 
-    version: int = 1
+    version: int = 2           # 2: blocks carry an HMAC, not a checksum
     model_hash: str
     kv_dtype: str
     block_size: int
@@ -68,12 +65,28 @@ class BlockHeader(msgspec.Struct, kw_only=True):
     fingerprint: str
     dtype: str
     shape: list[int]
-    checksum_kind: str
-    checksum: int
+    mac: bytes
+
+
+def block_mac(key: bytes, h: bytes, fingerprint: str, dtype: str, shape: list[int], data) -> bytes:
+    """HMAC-SHA256 of a block's identity and bytes under the directory's key."""
+    m = hmac.new(key, digestmod=hashlib.sha256)
+    m.update(msgspec.msgpack.encode([h, fingerprint, dtype, shape]))
+    m.update(data)
+    return m.digest()
 
 
 _block_encoder = msgspec.msgpack.Encoder()
 _block_decoder = msgspec.msgpack.Decoder(BlockHeader)
+
+
+def _read_regular(p: Path) -> bytes:
+    """A block file's bytes: never through a symlink, never a FIFO or device (OSError instead)."""
+    fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{p} is not a regular file")
+        return f.read()
 
 
 class DiskKVStore:
@@ -90,7 +103,8 @@ class DiskKVStore:
         self.bytes = 0
         self.writable = True
         self.written_blocks = self.dropped_blocks = self.read_blocks = self.bad_blocks = 0
-        self.quota = DirQuota(root, max_bytes)
+        self.quota = DirQuota(root, max_bytes)       # makes and checks the private root
+        self.key = directory_key(self.quota.root)
         self.before_close: Callable[[], None] | None = None   # the engine's blocks noted but not queued yet
         self._open(root)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_blocks)
@@ -99,10 +113,12 @@ class DiskKVStore:
         atexit.register(self.flush, 10.0)          # an offline run's last blocks reach the disk
 
     def _open(self, root: str | os.PathLike) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.dir)
         hfile = self.dir / "header.json"
-        if not hfile.exists():
-            hfile.write_bytes(msgspec.json.encode(self.header))
+        try:
+            write_new(hfile, [msgspec.json.encode(self.header)])
+        except FileExistsError:
+            pass
         others = [p.name for p in Path(root).glob("kv-*") if p.is_dir() and p != self.dir]
         if others:
             logger.info("KV disk tier: ignoring %d store(s) in %s of another model or KV format (%s)",
@@ -144,7 +160,7 @@ class DiskKVStore:
         """The block's verified bytes, or None (missing, truncated, corrupt or foreign: deleted)."""
         p = self.path(h)
         try:
-            raw = p.read_bytes()
+            raw = _read_regular(p)
         except OSError:
             self._forget(h)
             return None
@@ -175,7 +191,8 @@ class DiskKVStore:
         data = memoryview(raw)[8 + n:]
         want = torch.Size(shape).numel() * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
         if (head.hash != h or head.fingerprint != self.fingerprint or head.shape != shape or head.dtype != dtype
-                or len(data) != want or _checksum(data) != (head.checksum_kind, head.checksum)):
+                or len(data) != want or not hmac.compare_digest(
+                    head.mac, block_mac(self.key, h, self.fingerprint, dtype, shape, data))):
             return None
         return data
 
@@ -235,10 +252,9 @@ class DiskKVStore:
 
     def _write(self, h: bytes, block: torch.Tensor) -> None:
         data = memoryview(block.contiguous().view(torch.uint8).reshape(-1).numpy())
-        kind, value = _checksum(data)
-        head = _block_encoder.encode(BlockHeader(hash=h, fingerprint=self.fingerprint,
-                                                 dtype=str(block.dtype).removeprefix("torch."),
-                                                 shape=list(block.shape), checksum_kind=kind, checksum=value))
+        dtype, shape = str(block.dtype).removeprefix("torch."), list(block.shape)
+        head = _block_encoder.encode(BlockHeader(hash=h, fingerprint=self.fingerprint, dtype=dtype, shape=shape,
+                                                 mac=block_mac(self.key, h, self.fingerprint, dtype, shape, data)))
         size = 8 + len(head) + len(data)
         if size > self.max_bytes:
             return
@@ -280,12 +296,13 @@ class DiskKVStore:
 
     @staticmethod
     def _write_file(p: Path, parts: list) -> None:
-        """Write to a temporary name and rename: a reader sees a whole file or none."""
-        p.parent.mkdir(exist_ok=True)
+        """Write to a temporary name (0600, O_EXCL|O_NOFOLLOW) and rename: a reader sees a whole
+        file or none."""
+        private_dir(p.parent)
         tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.unlink(missing_ok=True)   # a killed writer's (this pid and thread again)
         try:
-            with open(tmp, "wb") as f:
-                f.writelines(parts)
+            write_new(tmp, parts)
             os.replace(tmp, p)
         except BaseException:
             tmp.unlink(missing_ok=True)

@@ -48,6 +48,7 @@ def _error_response(err: KVServeError, path: str) -> JSONResponse:
     if retry_after is not None:
         headers["Retry-After"] = str(max(1, int(retry_after + 0.999)))
         headers["x-should-retry"] = "false" if getattr(err, "should_retry", True) is False else "true"
+    headers.update(getattr(err, "headers", None) or {})   # a quota's x-ratelimit-* (api/files.py)
     return _shaped(path, err.status, err.to_dict(), headers)
 
 

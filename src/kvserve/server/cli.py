@@ -95,7 +95,8 @@ def serve(
     max_embedding_tokens: int = typer.Option(65_536, min=1, help="Tokens of one /v1/embeddings request."),
     quota: list[str] = typer.Option(None, "--quota",  # noqa: B008 - typer's idiom
                                     help="A store's per-key quota, STORE:items=N,bytes=SIZE,ttl=DURATION (stores: "
-                                         "responses, conversations, arena; e.g. responses:items=1000,ttl=7d). "
+                                         "responses, conversations, arena, batches (also active=N,lines=N); e.g. "
+                                         "responses:items=1000,ttl=7d). "
                                          "Repeatable."),
     max_running: int = typer.Option(32, help="Requests handed to the engine at once."),
     max_waiting: int = typer.Option(128, help="Requests that may wait for a slot; beyond it, 503."),

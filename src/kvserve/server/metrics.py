@@ -209,6 +209,12 @@ class ServerMetrics:
                                lab + ["finished_reason"], registry=r)
         self.gateway_waiting = Gauge(P + "gateway_requests_waiting",
                                      "Requests waiting in the gateway's admission queue.", registry=r)
+        # the Files and Batches stores (set by the batch runner every few seconds, off the event loop)
+        self.files_stored_bytes = Gauge(P + "files_stored_bytes", "Bytes of every stored file (uploads and "
+                                        "batch outputs, all keys).", registry=r)
+        self.files_stored = Gauge(P + "files_stored", "Stored files, all keys.", registry=r)
+        self.batch_lines_stored = Gauge(P + "batch_lines_stored", "Stored batch lines (requests and results), "
+                                        "all batches.", registry=r)
         r.register(_EngineCollector(stats, model_name, per_model))
 
     def observe_request(self, m: RequestMetrics | None, finish_reason: str | None, *,

@@ -11,22 +11,26 @@ the server's per-file cap (413 `file_too_large`), the key's quota is checked in 
 `storage_quota_exceeded`), and a `batch` file is checked line by line before it is stored (400
 naming the line): each line a JSON object with `custom_id`, `method: "POST"`, a `url` the Batch
 API serves and a `body` object, custom_ids unique, at most `MAX_BATCH_LINES` lines. The form is
-parsed with the standard library's MIME parser (no multipart dependency).
+parsed as it arrives (api/multipart.py: at most a few parts, each field capped), uploads at once
+are capped per key and per server (429 with Retry-After and `x-ratelimit-*-uploads`), and a batch
+file's lines are checked one at a time (split on "\n" only, each under the interactive route's
+body checks and at most `MAX_LINE_BYTES`), never all held at once. `expires_after` (OpenAI's
+`anchor`/`seconds`) sets when an upload expires; expired files are gone at once and purged.
 """
 
 from __future__ import annotations
 
-import email.parser
-import email.policy
-import json
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from kvserve.errors import InvalidRequest
-from kvserve.server.gates.limits import read_body
+from kvserve.errors import InvalidRequest, RetryLater
+from kvserve.server.api.multipart import FormLimits, read_form
+from kvserve.server.gates.limits import load_json
 from kvserve.server.stores.files import UPLOAD_PURPOSES, FileStore
 
 if TYPE_CHECKING:
@@ -35,6 +39,18 @@ if TYPE_CHECKING:
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_BATCH_LINES = 50_000
 FORM_OVERHEAD = 64 << 10     # the multipart form's own bytes around the file
+MAX_LINE_BYTES = 1 << 20     # one line of a batch file (the interactive body cap's default)
+MAX_CUSTOM_ID = 512
+UPLOADS_PER_KEY, UPLOADS_TOTAL = 2, 8
+EXPIRES_MIN_S, EXPIRES_MAX_S = 3600, 30 * 86400     # OpenAI's bounds on expires_after.seconds
+
+
+class UploadsBusy(RetryLater, status=429, type="rate_limit_error", code="too_many_uploads"):
+    """Too many uploads in progress for this key or this server (HTTP 429)."""
+
+    def __init__(self, message: str, *, headers: dict[str, str], **kw):
+        super().__init__(message, **kw)
+        self.headers = headers
 
 
 def owner_of(request: Request) -> str:
@@ -50,44 +66,39 @@ def page(rows: list[dict[str, Any]], limit: int) -> dict[str, Any]:
             "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
 
 
-def parse_form(body: bytes, content_type: str) -> dict[str, tuple[str | None, bytes]]:
-    """{field: (filename, bytes)} of a multipart/form-data body."""
-    if not content_type.lower().startswith("multipart/form-data"):
-        raise InvalidRequest("Upload a file as multipart/form-data with the fields `file` and `purpose`.",
-                             param="file")
-    unreadable = InvalidRequest("The multipart body could not be read; send `file` and `purpose` fields.",
-                                param="file")
-    try:
-        head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode("latin-1")
-        msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + body)
-        if not msg.is_multipart():
-            raise unreadable
-        out: dict[str, tuple[str | None, bytes]] = {}
-        for part in msg.iter_parts():
-            name = part.get_param("name", header="content-disposition")
-            if name:
-                out[str(name)] = (part.get_filename(), part.get_payload(decode=True) or b"")
-    except (ValueError, TypeError, LookupError, UnicodeError):   # what a malformed form can make the parser raise
-        raise unreadable from None
-    return out
+def iter_lines(text: str) -> Iterator[tuple[int, str]]:
+    """(number, line) of JSONL split on "\n" only: U+2028, U+0085 and the other characters
+    `str.splitlines` breaks on are valid inside a JSON string. A trailing "\r" is JSON whitespace."""
+    start, n, size = 0, 1, len(text)
+    while start < size:
+        end = text.find("\n", start)
+        end = size if end < 0 else end
+        yield n, text[start:end]
+        start, n = end + 1, n + 1
 
 
-def check_batch_lines(text: str) -> list[tuple[str, dict[str, Any]]]:
-    """The (custom_id, request) of each line of a batch input file; 400 naming the first bad line."""
-    out: list[tuple[str, dict[str, Any]]] = []
+def batch_lines(text: str, max_line_bytes: int = MAX_LINE_BYTES, max_depth: int = 64,
+                ) -> Iterator[tuple[int, str, str, dict[str, Any]]]:
+    """(line number, custom_id, url, body) of each request of a batch input file, checked as it
+    goes (one parsed line held at a time, each line through the interactive body checks of
+    gates/limits.py: depth, lone surrogates); 400 naming the first bad line."""
     seen: set[str] = set()
-    for i, line in enumerate(text.splitlines(), start=1):
+    count = 0
+    for i, line in iter_lines(text):
         if not line.strip():
             continue
+        if len(line) > max_line_bytes or len(line.encode()) > max_line_bytes:
+            raise InvalidRequest(f"Line {i} is longer than {max_line_bytes} bytes, the cap of one request's body.",
+                                 param="file")
         try:
-            obj = json.loads(line)
-        except ValueError:
-            raise InvalidRequest(f"Line {i} of the file is not valid JSON.", param="file") from None
-        if not isinstance(obj, dict):
-            raise InvalidRequest(f"Line {i} is not a JSON object.", param="file")
+            obj = load_json(line.encode(), max_depth + 1)
+        except InvalidRequest as e:
+            raise InvalidRequest(f"Line {i}: {e.message}", param="file") from None
         custom_id, url, body = obj.get("custom_id"), obj.get("url"), obj.get("body")
         if not isinstance(custom_id, str) or not custom_id:
             raise InvalidRequest(f"Line {i} has no `custom_id` string.", param="file")
+        if len(custom_id) > MAX_CUSTOM_ID:
+            raise InvalidRequest(f"Line {i}: `custom_id` is longer than {MAX_CUSTOM_ID} characters.", param="file")
         if custom_id in seen:
             raise InvalidRequest(f"Line {i} repeats custom_id {custom_id!r}; each line needs its own.", param="file")
         if obj.get("method", "POST") != "POST":
@@ -100,35 +111,90 @@ def check_batch_lines(text: str) -> list[tuple[str, dict[str, Any]]]:
         if extra:
             raise InvalidRequest(f"Line {i} has unknown fields: {', '.join(sorted(extra))}.", param="file")
         seen.add(custom_id)
-        out.append((custom_id, obj))
-        if len(out) > MAX_BATCH_LINES:
+        count += 1
+        if count > MAX_BATCH_LINES:
             raise InvalidRequest(f"A batch file holds at most {MAX_BATCH_LINES} requests.", param="file")
-    if not out:
+        yield i, custom_id, url, body
+    if not count:
         raise InvalidRequest("The batch file holds no requests.", param="file")
-    return out
+
+
+def check_batch_lines(text: str, max_line_bytes: int = MAX_LINE_BYTES, max_depth: int = 64) -> int:
+    """How many requests a batch input file holds; 400 naming the first bad line (nothing kept)."""
+    return sum(1 for _ in batch_lines(text, max_line_bytes, max_depth))
+
+
+def expiry_of(form: dict[str, tuple[str | None, bytes]]) -> float | None:
+    """`expires_after[seconds]` (with `expires_after[anchor]` "created_at"), as OpenAI takes it."""
+    anchor = form.get("expires_after[anchor]", (None, b""))[1].decode("utf-8", "replace").strip()
+    raw = form.get("expires_after[seconds]", (None, b""))[1].decode("utf-8", "replace").strip()
+    if not anchor and not raw:
+        return None
+    if anchor != "created_at" or not raw.isdigit() or not EXPIRES_MIN_S <= int(raw) <= EXPIRES_MAX_S:
+        raise InvalidRequest(f"`expires_after` needs anchor \"created_at\" and seconds between {EXPIRES_MIN_S} and "
+                             f"{EXPIRES_MAX_S}.", param="expires_after")
+    return float(raw)
+
+
+class UploadSlots:
+    """Uploads parsed at once, per key and in all (429 past either, with Retry-After)."""
+
+    def __init__(self, per_key: int = UPLOADS_PER_KEY, total: int = UPLOADS_TOTAL):
+        self.per_key, self.total = per_key, total
+        self.by_key: dict[str, int] = {}
+        self.n = 0
+
+    @contextlib.contextmanager
+    def take(self, owner: str) -> Iterator[None]:
+        if self.n >= self.total or self.by_key.get(owner, 0) >= self.per_key:
+            mine = self.by_key.get(owner, 0) >= self.per_key
+            raise UploadsBusy(f"{'This key already has' if mine else 'The server already has'} "
+                              f"{self.per_key if mine else self.total} uploads in progress; retry when one ends.",
+                              retry_after=1.0, headers={"x-ratelimit-limit-uploads": str(
+                                  self.per_key if mine else self.total), "x-ratelimit-remaining-uploads": "0"})
+        self.n += 1
+        self.by_key[owner] = self.by_key.get(owner, 0) + 1
+        try:
+            yield
+        finally:
+            self.n -= 1
+            self.by_key[owner] -= 1
+            if not self.by_key[owner]:
+                del self.by_key[owner]
 
 
 def mount_files(app: FastAPI, gw: ServerState) -> None:
     store: FileStore = gw.backends.files
 
+    slots = UploadSlots()
+    line_cap = max(MAX_LINE_BYTES, gw.settings.max_body_bytes)
+
     @app.post("/v1/files")
     async def upload(request: Request) -> dict:
-        raw = await read_body(request, store.limits.max_file_bytes + FORM_OVERHEAD, gw.settings.body_timeout_s)
-        form = await run_in_threadpool(parse_form, raw, request.headers.get("content-type", ""))
-        purpose = form.get("purpose", (None, b""))[1].decode("utf-8", "replace").strip()
-        if purpose not in UPLOAD_PURPOSES:
-            raise InvalidRequest(f"`purpose` must be one of {', '.join(UPLOAD_PURPOSES)}.", param="purpose")
-        if "file" not in form:
-            raise InvalidRequest("The form has no `file` field.", param="file")
-        filename, data = form["file"]
-        store.check_size(len(data))
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidRequest("The file is not UTF-8 text; upload JSONL.", param="file") from None
-        if purpose == "batch":
-            await run_in_threadpool(check_batch_lines, text)
-        return await run_in_threadpool(store.put, owner_of(request), purpose, filename or "upload.jsonl", text)
+        owner = owner_of(request)
+        limits = FormLimits(fields={"file": store.limits.max_file_bytes, "purpose": 64, "expires_after[anchor]": 64,
+                                    "expires_after[seconds]": 64}, timeout_s=gw.settings.body_timeout_s,
+                            too_large=lambda name, n: store.size_error(n) if name == "file" else
+                            InvalidRequest(f"The form field `{name}` is too long.", param=name))
+        with slots.take(owner):
+            form = await read_form(request, limits, store.limits.max_file_bytes + FORM_OVERHEAD)
+            purpose = form.get("purpose", (None, b""))[1].decode("utf-8", "replace").strip()
+            if purpose not in UPLOAD_PURPOSES:
+                raise InvalidRequest(f"`purpose` must be one of {', '.join(UPLOAD_PURPOSES)}.", param="purpose")
+            if "file" not in form:
+                raise InvalidRequest("The form has no `file` field.", param="file")
+            expires_s = expiry_of(form)
+            filename, data = form.pop("file")
+            store.check_size(len(data))
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InvalidRequest("The file is not UTF-8 text; upload JSONL.", param="file") from None
+            del data
+            if purpose == "batch":
+                await run_in_threadpool(check_batch_lines, text, line_cap, gw.settings.max_json_depth)
+            return await run_in_threadpool(lambda: store.put(owner, purpose, filename or "upload.jsonl", text,
+                                                             expires_s=expires_s))
 
     @app.get("/v1/files")
     async def list_files(request: Request, purpose: str | None = None, limit: int = 10_000,

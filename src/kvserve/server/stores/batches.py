@@ -18,10 +18,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
-from kvserve.errors import InvalidRequest, KVServeError
-from kvserve.server.stores.sql import SQLStore, Steps
+from kvserve.errors import InvalidRequest, KVServeError, RetryLater
+from kvserve.server.stores.quota import DEFAULT_QUOTAS, QuotaExceeded, QuotaLimits
+from kvserve.server.stores.sql import Database, SQLStore, Steps
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("completed", "failed", "cancelled", "expired")
@@ -29,6 +31,14 @@ FINAL = ("completed", "failed", "cancelled", "expired")
 
 class BatchNotFound(KVServeError, status=404, code="not_found"):
     """No batch with this id for this caller (HTTP 404)."""
+
+
+class TooManyBatches(RetryLater, status=429, type="rate_limit_error", code="too_many_active_batches"):
+    """The owner already runs its cap of batches (HTTP 429, x-ratelimit-*-batches)."""
+
+    def __init__(self, message: str, *, headers: dict[str, str], **kw):
+        super().__init__(message, **kw)
+        self.headers = headers
 
 
 STEPS: Steps = [
@@ -80,15 +90,61 @@ def _int(v: float | None) -> int | None:
 
 
 class BatchStore(SQLStore):
+    """Batches and their lines. `limits` (`--quota batches:items=N,ttl=D,active=N,lines=N`):
+    batches an owner keeps (413 past it), how long a finished batch is kept (purged after),
+    batches running at once (429 with `x-ratelimit-*-batches`) and lines not yet answered, in count
+    and in bytes (a batch past either fails validation with `lines_quota_exceeded`). A line's body
+    is dropped once it is answered, and its result once the batch's files are written."""
+
     component, steps = "batches", STEPS
 
+    def __init__(self, db: Database | str | Any, limits: QuotaLimits | None = None):
+        super().__init__(db)
+        self.limits = limits or DEFAULT_QUOTAS["batches"]
+
     # ---- the API's calls (per owner) ----------------------------------------------------------
+
+    def _admit(self, conn: Any, owner: str, now: float) -> None:
+        """In create's transaction: the owner locked, their expired finished batches purged, and
+        the caps on batches kept and running checked."""
+        lim = self.limits
+        self.db.lock_owner(conn, "batches", owner)
+        if lim.ttl_s is not None:
+            self._purge(conn, now - lim.ttl_s, owner)
+        row = conn.execute("SELECT COUNT(*) AS n, COALESCE(SUM(CASE WHEN status IN ('validating', 'in_progress', "
+                           "'finalizing', 'cancelling') THEN 1 ELSE 0 END), 0) AS active FROM batches WHERE owner = ?",
+                           (owner,)).fetchone()
+        if lim.max_items is not None and int(row["n"]) + 1 > lim.max_items:
+            raise QuotaExceeded(f"This key keeps {row['n']} batches, the maximum; finished batches are purged "
+                                f"{(lim.ttl_s or 0) / 86400:g} days after they end.", param="input_file_id")
+        if lim.max_active is not None and int(row["active"]) + 1 > lim.max_active:
+            raise TooManyBatches(f"This key already runs {row['active']} batches (at most {lim.max_active} at "
+                                 "once); wait for one to finish or cancel one.", retry_after=60.0,
+                                 headers={"x-ratelimit-limit-batches": str(lim.max_active),
+                                          "x-ratelimit-remaining-batches": "0"})
+
+    def _purge(self, conn: Any, before: float, owner: str | None = None) -> int:
+        """Finished batches that ended before `before` deleted (their lines with them: ON DELETE CASCADE)."""
+        ended = "COALESCE(completed_at, failed_at, cancelled_at, expired_at, created_at)"
+        sql = f"DELETE FROM batches WHERE status IN ('completed', 'failed', 'cancelled', 'expired') AND {ended} < ?"
+        args: list[Any] = [before]
+        if owner is not None:
+            sql, args = sql + " AND owner = ?", [*args, owner]
+        return conn.execute(sql, args).rowcount
+
+    def purge(self, now: float | None = None) -> int:
+        """Every owner's finished batches past the keep time deleted; how many."""
+        if self.limits.ttl_s is None:
+            return 0
+        with self.db.transaction() as conn:
+            return self._purge(conn, (time.time() if now is None else now) - self.limits.ttl_s)
 
     def create(self, owner: str, endpoint: str, input_file_id: str, completion_window: str, window_s: float,
                metadata: dict[str, str] | None) -> dict[str, Any]:
         now = time.time()
         batch_id = f"batch_{uuid.uuid4().hex}"
-        with self.db.connection() as conn:
+        with self.db.transaction() as conn:
+            self._admit(conn, owner, now)
             conn.execute("INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, "
                          "created_at, expires_at, metadata) VALUES (?, ?, ?, ?, ?, 'validating', ?, ?, ?)",
                          (batch_id, owner, endpoint, input_file_id, completion_window, now, now + window_s,
@@ -157,33 +213,61 @@ class BatchStore(SQLStore):
             return conn.execute("SELECT * FROM batches WHERE status IN ('validating', 'in_progress', 'finalizing', "
                                 "'cancelling') ORDER BY created_at").fetchall()
 
+    def stored_lines(self) -> int:
+        """Batch lines stored, all batches (the /metrics gauge)."""
+        with self.db.connection() as conn:
+            return int(conn.execute("SELECT COUNT(*) AS n FROM batch_lines").fetchone()["n"])
+
     def row(self, batch_id: str) -> dict[str, Any] | None:
         with self.db.connection() as conn:
             return conn.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
 
-    def start(self, batch_id: str, lines: list[tuple[str, str]]) -> bool:
-        """The checked lines (custom_id, body JSON) stored and the batch in_progress, in one
-        transaction; False when the batch is no longer validating (cancelled meanwhile)."""
+    def start(self, batch_id: str, lines: Iterable[tuple[str, str]]) -> bool:
+        """The checked lines (custom_id, body JSON; an iterable, consumed once, never listed) stored
+        and the batch in_progress, in one transaction; False when the batch is no longer validating
+        (cancelled meanwhile). An error the iterable raises, or the owner's lines past the `lines`
+        quota, rolls everything back (QuotaExceeded for the quota)."""
         with self.db.transaction() as conn:
-            row = conn.execute("SELECT status FROM batches WHERE id = ?" + self.db.for_update, (batch_id,)).fetchone()
+            row = conn.execute("SELECT status, owner FROM batches WHERE id = ?" + self.db.for_update,
+                               (batch_id,)).fetchone()
             if row is None or row["status"] != "validating":
                 return False
             conn.execute("DELETE FROM batch_lines WHERE batch_id = ?", (batch_id,))
-            for i, (custom_id, body) in enumerate(lines):
+            n = size = 0
+            for n, (custom_id, body) in enumerate(lines, start=1):
+                size += len(body.encode())
                 conn.execute("INSERT INTO batch_lines (batch_id, line, custom_id, body, state) "
-                             "VALUES (?, ?, ?, ?, 'pending')", (batch_id, i, custom_id, body))
+                             "VALUES (?, ?, ?, ?, 'pending')", (batch_id, n - 1, custom_id, body))
+            lim = self.limits
+            if lim.max_lines is not None or lim.max_bytes is not None:
+                busy = conn.execute(f"SELECT COUNT(*) AS n, COALESCE(SUM({self.db.octets('l.body')}), 0) AS b "
+                                    "FROM batch_lines l JOIN batches b ON b.id = l.batch_id WHERE b.owner = ? "
+                                    "AND b.id <> ? AND l.state = 'pending'", (row["owner"], batch_id)).fetchone()
+                if lim.max_lines is not None and int(busy["n"]) + n > lim.max_lines:
+                    raise QuotaExceeded(f"This batch's {n} requests and the {busy['n']} this key's other batches "
+                                        f"have not run yet pass its quota of {lim.max_lines} requests waiting; "
+                                        "create it again when those are done.", code="lines_quota_exceeded")
+                if lim.max_bytes is not None and int(busy["b"]) + size > lim.max_bytes:
+                    raise QuotaExceeded(f"This batch's requests ({size} bytes) and those this key's other batches "
+                                        f"have not run yet ({busy['b']} bytes) pass its quota of {lim.max_bytes} "
+                                        "bytes waiting; create it again when those are done.",
+                                        code="lines_quota_exceeded")
             conn.execute("UPDATE batches SET status = 'in_progress', in_progress_at = ? WHERE id = ?",
                          (time.time(), batch_id))
         return True
 
     def set_status(self, batch_id: str, status: str, *, when: tuple[str, ...] = ACTIVE, **fields: Any) -> bool:
-        """Move the batch to `status` (stamping `<status>_at`) if it is in one of `when`."""
+        """Move the batch to `status` (stamping `<status>_at`) if it is in one of `when`. A final
+        status drops what the lines still hold (their bodies and results: the output and error
+        files have them now), keeping each line's state for `request_counts`."""
         sets = {f"{status}_at": time.time(), **fields}
         cols = ", ".join(f"{k} = ?" for k in sets)
         marks = ", ".join("?" for _ in when)
-        with self.db.connection() as conn:
+        with self.db.transaction() as conn:
             cur = conn.execute(f"UPDATE batches SET status = ?, {cols} WHERE id = ? AND status IN ({marks})",
                                (status, *sets.values(), batch_id, *when))
+            if cur.rowcount > 0 and status in FINAL:
+                conn.execute("UPDATE batch_lines SET body = '', result = NULL WHERE batch_id = ?", (batch_id,))
         return cur.rowcount > 0
 
     def fail(self, batch_id: str, errors: list[dict[str, Any]]) -> bool:
@@ -224,7 +308,8 @@ class BatchStore(SQLStore):
         """The line's result written and the line marked done (or failed), atomically, if it is
         still pending and held by `runner`; False when it is not (someone else answered it)."""
         with self.db.connection() as conn:
-            cur = conn.execute("UPDATE batch_lines SET state = ?, result = ?, claimed_by = NULL WHERE batch_id = ? "
+            cur = conn.execute("UPDATE batch_lines SET state = ?, result = ?, body = '', claimed_by = NULL "
+                               "WHERE batch_id = ? "
                                "AND line = ? AND state = 'pending' AND claimed_by = ?",
                                ("done" if ok else "failed", json.dumps(result), batch_id, line, runner))
         return cur.rowcount > 0
@@ -235,7 +320,7 @@ class BatchStore(SQLStore):
             rows = conn.execute("SELECT line, custom_id FROM batch_lines WHERE batch_id = ? AND state = 'pending'",
                                 (batch_id,)).fetchall()
             for r in rows:
-                conn.execute("UPDATE batch_lines SET state = 'failed', result = ?, claimed_by = NULL "
+                conn.execute("UPDATE batch_lines SET state = 'failed', result = ?, body = '', claimed_by = NULL "
                              "WHERE batch_id = ? AND line = ?", (json.dumps(result_for(r["custom_id"])), batch_id,
                                                                  r["line"]))
 

@@ -128,7 +128,7 @@ def open_backends(settings: ServerSettings, *, page_stores: bool = True) -> Stat
         responses = opened(ResponseStore(where, settings.quota("responses")))
         policies = opened(PolicyStore(where))
         files = opened(FileStore(where, settings.file_limits()))
-        batches = opened(BatchStore(where))
+        batches = opened(BatchStore(where, settings.quota("batches")))
     except BaseException:
         _close_all(closers)
         raise

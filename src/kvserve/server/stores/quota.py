@@ -46,6 +46,8 @@ class QuotaLimits:
     max_items: int | None = None
     max_bytes: int | None = None
     ttl_s: float | None = None
+    max_active: int | None = None      # batches: running at once per owner
+    max_lines: int | None = None       # batches: lines not yet answered, per owner
 
     @classmethod
     def parse(cls, text: str, base: QuotaLimits | None = None) -> QuotaLimits:
@@ -58,7 +60,7 @@ class QuotaLimits:
             try:
                 if value == "none":
                     parsed = None
-                elif name == "items":
+                elif name in ("items", "active", "lines"):
                     parsed = int(value)
                 elif name == "bytes":
                     m = re.fullmatch(r"(\d+)\s*([kmg]i?b|b)?", value)
@@ -69,9 +71,11 @@ class QuotaLimits:
                 else:
                     raise ValueError(name)
             except (ValueError, TypeError):
-                raise InvalidRequest(f"quota {text!r}: expected items=N, bytes=SIZE (e.g. 64MiB) and "
-                                     "ttl=DURATION (e.g. 30d), each optional or `none`.", param="quota") from None
-            fields[{"items": "max_items", "bytes": "max_bytes", "ttl": "ttl_s"}[name]] = parsed
+                raise InvalidRequest(f"quota {text!r}: expected items=N, bytes=SIZE (e.g. 64MiB), "
+                                     "ttl=DURATION (e.g. 30d) and for batches active=N, lines=N, each optional "
+                                     "or `none`.", param="quota") from None
+            fields[{"items": "max_items", "bytes": "max_bytes", "ttl": "ttl_s", "active": "max_active",
+                    "lines": "max_lines"}[name]] = parsed
         return cls(**fields)
 
 
@@ -79,6 +83,9 @@ DEFAULT_QUOTAS = {   # per owner; a store a key can write adds its line (and tak
     "responses": QuotaLimits(max_items=10_000, max_bytes=100 << 20, ttl_s=30 * 86400),   # OpenAI: 30 days
     "conversations": QuotaLimits(max_items=2_000, max_bytes=64 << 20),
     "arena": QuotaLimits(max_items=100, max_bytes=4 << 20, ttl_s=86400),   # open (unvoted) battles
+    # batches kept (a finished one is purged `ttl` after it ends), running at once, lines unanswered
+    "batches": QuotaLimits(max_items=1000, ttl_s=30 * 86400, max_active=20, max_lines=100_000,
+                           max_bytes=1 << 30),   # bytes: of the lines waiting
 }
 
 
