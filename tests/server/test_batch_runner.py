@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from kvserve.errors import Overloaded
-from kvserve.server.gates.ratelimit import RateLimiter
 from kvserve.server.api import batch_runner as br
 from kvserve.server.api.batch_runner import BUSY_CONCURRENCY, BatchRunner
+from kvserve.server.gates.ratelimit import RateLimiter
 from kvserve.server.records import RequestRecord
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stores.batches import BatchStore
