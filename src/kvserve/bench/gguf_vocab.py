@@ -75,12 +75,14 @@ def add_sentencepiece_vocab(writer, model_path: str | Path, *, add_bos: bool = T
     return len(v["tokens"])
 
 
-def write_vocab_only(path: str | Path, model_path: str | Path, *, arch: str = "llama", **kwargs) -> Path:
-    """A GGUF holding only a SentencePiece vocabulary (what `Llama(..., vocab_only=True)` reads)."""
+def write_vocab_only(path: str | Path, model_path: str | Path, *, arch: str = "llama", name: str = "vocab-only",
+                     **kwargs) -> Path:
+    """A GGUF holding only a SentencePiece vocabulary (what `Llama(..., vocab_only=True)` reads);
+    `name`: general.name (llama.cpp strips whitespace after special tokens for a "phi-3" one)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("vocab-only")
+    w.add_name(name)
     add_sentencepiece_vocab(w, model_path, **kwargs)
     w.write_header_to_file()
     w.write_kv_data_to_file()

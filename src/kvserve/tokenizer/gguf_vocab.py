@@ -122,7 +122,9 @@ def spm_from_gguf(field: Field) -> HFTokenizer:
         decs.append(decoders.Strip(" ", 1, 0))
     hf.decoder = decoders.Sequence(decs)
     name = str(field("general.name", "") or "").lower()
-    hf.add_special_tokens(_added_tokens(tokens, types, rstrip="phi-3" in name or "phi3" in name))
+    added = _added_tokens(tokens, types, rstrip="phi-3" in name or "phi3" in name)
+    hf.add_special_tokens([a for a in added if a.special])
+    hf.add_tokens([a for a in added if not a.special])     # user-defined: matched, not skipped
     return hf
 
 
