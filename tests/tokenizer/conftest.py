@@ -34,6 +34,7 @@ TEST_TEXTS = _BASE + [
     "x" * 40 + " " + "=" * 33 + " " + "0" * 25 + " " + "\t" * 7 + " " * 17 + "end",
     "mixed<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
     "a <tool> call</s> and <s> text <unk> with <0x41> look-alikes",
+    "<|system|>\nBe brief.<|end|>\n<|user|>\n  Hi!  <|end|>\n<|assistant|>\nHello.<|end|><|endoftext|>",
     "    def method(self):\n        return {'a': 1}  # comment\n\n\n",
     "1234567890 12 345 6789 3.0e10 -0.5 1,000,000 ½ ¾ ²³",
     "combining: e\u0301 a\u0308 n\u0303 — Hangul: 한국어 텍스트 — Thai: ภาษาไทย — Hindi: नमस्ते दुनिया",
@@ -49,7 +50,11 @@ KINDS = [
 ]
 
 
-def train_spm(out_prefix, model_type: str, vocab_size: int, add_dummy_prefix: bool) -> str:
+PHI3_CONTROL = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>", "<|system|>"]
+
+
+def train_spm(out_prefix, model_type: str, vocab_size: int, add_dummy_prefix: bool,
+              control: tuple[str, ...] = ()) -> str:
     import io
 
     import sentencepiece as spm
@@ -59,7 +64,7 @@ def train_spm(out_prefix, model_type: str, vocab_size: int, add_dummy_prefix: bo
         sentence_iterator=iter(CORPUS_TRAIN), model_writer=buf, model_type=model_type, vocab_size=vocab_size,
         hard_vocab_limit=False, byte_fallback=True, character_coverage=0.98, add_dummy_prefix=add_dummy_prefix,
         normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
-        control_symbols=["<start_of_turn>", "<end_of_turn>"], user_defined_symbols=["<tool>"],
+        control_symbols=["<start_of_turn>", "<end_of_turn>", *control], user_defined_symbols=["<tool>"],
         allow_whitespace_only_pieces=True, num_threads=1, minloglevel=2)
     path = f"{out_prefix}.model"
     with open(path, "wb") as f:
