@@ -95,19 +95,26 @@ def test_add_space_prefix_false_like_gemma(spm_files, tmp_path):
     assert tok.decode(tok.encode(" x y", add_special_tokens=False)) == " x y"
 
 
-def test_cached_tokenizer_is_the_same(spm_files):
-    """The model loader caches the built tokenizer as JSON: the one read back tokenizes alike."""
-    from tokenizers import Tokenizer as HFTokenizer
-
+def test_cached_tokenizer_is_the_same(spm_files, tmp_path, monkeypatch):
+    """The model loader caches the built tokenizer (as the BPE one): built and written once, read
+    back after, tokenizing and decoding alike."""
     from kvserve.model.gguf_loader import open_gguf
+    from kvserve.model.kernels import pack_cache
+    from kvserve.model.loader import _gguf_tokenizer
 
-    reader = open_gguf(spm_files["unigram-600"][1])
-    hf = Tokenizer.hf_from_gguf(reader)
-    again = Tokenizer.from_gguf(reader, HFTokenizer.from_str(hf.to_str()))
+    monkeypatch.setenv("KVSERVE_PACK_CACHE", "1")
+    monkeypatch.setattr(pack_cache, "cache_root", lambda: tmp_path / "packed")
+    path = spm_files["unigram-600"][1]
+    reader = open_gguf(path)
     fresh = Tokenizer.from_gguf(reader)
-    for text in TEST_TEXTS:
-        assert again.encode(text) == fresh.encode(text)
-        assert again.decode(fresh.encode(text)) == fresh.decode(fresh.encode(text))
+    first, again = _gguf_tokenizer(path, reader), _gguf_tokenizer(path, reader)    # builds and writes; reads
+    assert len(list((tmp_path / "packed").glob("*.tokenizer.json"))) == 1
+    for tok in (first, again):
+        assert (tok.bos_token_id, tok.eos_token_ids, tok.all_special_ids, tok.add_bos) == (
+            fresh.bos_token_id, fresh.eos_token_ids, fresh.all_special_ids, fresh.add_bos)
+        for text in TEST_TEXTS:
+            assert tok.encode(text) == fresh.encode(text)
+            assert tok.decode(fresh.encode(text)) == fresh.decode(fresh.encode(text))
 
 
 def test_unsupported_model_says_what_to_do(tmp_path):
