@@ -32,11 +32,28 @@ def _tok(path: str):
     return Tokenizer.from_gguf(open_gguf(path))
 
 
-def _compare(gguf_path: str) -> int:
-    """Asserts equal ids on every test text (with and without BOS); returns the tokens compared."""
-    ll, tok = _vocab_only(gguf_path), _tok(gguf_path)
+def _exact(gguf_path: str):
+    """llama.cpp's SPM algorithm in Python (spm_exact.py), built whether or not the file needs it."""
+    from kvserve.model.gguf_loader import open_gguf
+    from kvserve.tokenizer import gguf_vocab, spm_exact
+    from kvserve.tokenizer.tokenizer import gguf_field
+
+    reader = open_gguf(gguf_path)
+    real = spm_exact.needs_exact
+    spm_exact.needs_exact = lambda *a: True
+    try:
+        return gguf_vocab.exact_spm_encoder(lambda k, d=None: gguf_field(reader, k, d))
+    finally:
+        spm_exact.needs_exact = real
+
+
+def _compare(gguf_path: str, texts=TEST_TEXTS) -> int:
+    """Asserts equal ids on every text (with and without BOS), from the tokenizer kvserve builds
+    and from the Python transcription of llama.cpp's encoder; returns the tokens compared."""
+    ll, tok, exact = _vocab_only(gguf_path), _tok(gguf_path), _exact(gguf_path)
     n = 0
-    for text in TEST_TEXTS:
+    for text in texts:
+        assert exact.encode(text) == ll.tokenize(text.encode(), add_bos=False, special=True), text
         for add_bos in (False, True):
             want = ll.tokenize(text.encode(), add_bos=add_bos, special=True)
             assert tok.encode(text, add_special_tokens=add_bos) == want, (add_bos, text)
@@ -114,3 +131,38 @@ def test_greedy_continuation_equals_llama_cpp(spm_files, tmp_path):
             compared += 1
             ll.eval([got])
     assert compared >= 2 * n_new
+
+
+def _stdlib_text(lo: int, hi: int) -> list[str]:
+    """Real varied text on this machine: Python's standard library sources (code, docstrings)."""
+    import pathlib
+    import sysconfig
+
+    files = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[lo:hi]
+    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+
+
+@pytest.mark.parametrize("model_type,prefix", [("bpe", True), ("unigram", True), ("unigram", False)])
+def test_large_vocab_on_real_text_equals_llama_cpp(tmp_path, model_type, prefix):
+    """8000-token models trained on ~0.5 MB of real text, compared on other files in 2 kB pieces
+    (and on the test texts): every token equal to llama.cpp's."""
+    import io
+
+    import sentencepiece as spm
+
+    from kvserve.bench.gguf_vocab import write_vocab_only
+
+    lines = [ln for t in _stdlib_text(0, 25) for ln in t.splitlines() if ln.strip()] + TEST_TEXTS * 3
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=buf, model_type=model_type, vocab_size=8000,
+        hard_vocab_limit=False, byte_fallback=True, character_coverage=0.9995, add_dummy_prefix=prefix,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+        num_threads=2, minloglevel=2)
+    (tmp_path / "m.model").write_bytes(buf.getvalue())
+    path = str(write_vocab_only(tmp_path / "m.gguf", tmp_path / "m.model"))
+    texts = [t[i:i + 2000] for t in _stdlib_text(100, 106) for i in range(0, len(t), 2000)] + TEST_TEXTS
+    n = _compare(path, texts)
+    print(f"{model_type} prefix={prefix} vocab={len(_tok(path).hf.get_vocab())} "
+          f"exact={_tok(path).exact_encoder is not None}: {n} tokens equal to llama.cpp's")
+    assert n > 20000

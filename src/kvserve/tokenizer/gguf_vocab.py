@@ -128,6 +128,24 @@ def spm_from_gguf(field: Field) -> HFTokenizer:
     return hf
 
 
+def exact_spm_encoder(field: Field):
+    """llama.cpp's SPM encoder step for step (spm_exact.py) where the BPE cannot be exact (equal
+    scores), else None."""
+    from kvserve.tokenizer.spm_exact import SpmEncoder, needs_exact
+
+    if field("tokenizer.ggml.model") != "llama" or field("tokenizer.ggml.scores") is None:
+        return None
+    tokens = list(field("tokenizer.ggml.tokens"))
+    scores = list(field("tokenizer.ggml.scores"))
+    types = list(field("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    if not needs_exact(tokens, scores, types):
+        return None
+    name = str(field("general.name", "") or "").lower()
+    rstrip = [a.content for a in _added_tokens(tokens, types, rstrip="phi-3" in name or "phi3" in name) if a.rstrip]
+    return SpmEncoder(tokens, scores, types, add_space_prefix=bool(field("tokenizer.ggml.add_space_prefix", True)),
+                      rstrip=rstrip)
+
+
 def hf_from_gguf(field: Field) -> HFTokenizer:
     """The tokenizer of the file's `tokenizer.ggml.model` (`gpt2` or `llama`)."""
     kind = field("tokenizer.ggml.model")

@@ -40,6 +40,8 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.add_bos = add_bos
         self.add_eos = add_eos
+        # llama.cpp's own SPM encoder where the BPE in `hf` cannot equal it (gguf_vocab.exact_spm_encoder)
+        self.exact_encoder = None
         self.chat_template = chat_template or DEFAULT_CHAT_TEMPLATE
         self.has_chat_template = chat_template is not None
         vocab = hf.get_vocab(with_added_tokens=True)
@@ -68,11 +70,14 @@ class Tokenizer:
         # llama.cpp's defaults for a SentencePiece vocabulary that does not say: <s>=1, </s>=2, add BOS
         bos = field("tokenizer.ggml.bos_token_id", 1 if spm else None)
         eos = field("tokenizer.ggml.eos_token_id", 2 if spm else None)
-        return cls(hf, bos_token_id=None if bos is None else int(bos),
-                   eos_token_ids=[] if eos is None else [int(eos)],
-                   add_bos=bool(field("tokenizer.ggml.add_bos_token", spm)),
-                   add_eos=bool(field("tokenizer.ggml.add_eos_token", False)),
-                   chat_template=field("tokenizer.chat_template"))
+        tok = cls(hf, bos_token_id=None if bos is None else int(bos),
+                  eos_token_ids=[] if eos is None else [int(eos)],
+                  add_bos=bool(field("tokenizer.ggml.add_bos_token", spm)),
+                  add_eos=bool(field("tokenizer.ggml.add_eos_token", False)),
+                  chat_template=field("tokenizer.chat_template"))
+        if spm:
+            tok.exact_encoder = gguf_vocab.exact_spm_encoder(field)
+        return tok
 
     @staticmethod
     def hf_from_gguf(reader) -> HFTokenizer:
@@ -117,7 +122,10 @@ class Tokenizer:
 
     # ---- encoding -----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        if self.exact_encoder is not None:
+            ids = self.exact_encoder.encode(text)
+        else:
+            ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None and (
                 not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
