@@ -131,3 +131,24 @@ def test_unsupported_model_says_what_to_do(tmp_path):
     w.close()
     with pytest.raises(ModelLoadError, match="unsupported GGUF tokenizer model 't5'.*tokenizer.json"):
         Tokenizer.from_gguf(open_gguf(str(tmp_path / "t5.gguf")))
+
+
+@pytest.mark.parametrize("kind", [k[0] for k in KINDS])
+def test_bpe_and_exact_encoders_agree(spm_files, kind):
+    """The `tokenizers` BPE and the transcription of llama.cpp's encoder (spm_exact.py, used where
+    scores tie) give the same ids on every test text, special tokens included."""
+    from kvserve.model.gguf_loader import open_gguf
+    from kvserve.tokenizer.spm_exact import SpmEncoder
+    from kvserve.tokenizer.tokenizer import gguf_field
+
+    reader = open_gguf(spm_files[kind][1])
+
+    def f(key):
+        return list(gguf_field(reader, key))
+
+    exact = SpmEncoder(f("tokenizer.ggml.tokens"), f("tokenizer.ggml.scores"), f("tokenizer.ggml.token_type"),
+                       add_space_prefix=bool(gguf_field(reader, "tokenizer.ggml.add_space_prefix")))
+    tok = _tok(spm_files[kind][1])
+    tok.exact_encoder = None                 # the BPE alone
+    for text in TEST_TEXTS:
+        assert tok.hf.encode(text).ids == exact.encode(text), repr(text)
