@@ -152,3 +152,27 @@ def test_bpe_and_exact_encoders_agree(spm_files, kind):
     tok.exact_encoder = None                 # the BPE alone
     for text in TEST_TEXTS:
         assert tok.hf.encode(text).ids == exact.encode(text), repr(text)
+
+
+def test_engine_process_spec_keeps_the_encoder(spm_files):
+    """The serving front-end rebuilds the tokenizer from the engine process's spec (msgpack): the
+    exact encoder and add_eos come along."""
+    import msgspec
+
+    from kvserve.engine.process import tokenizer_from_spec, tokenizer_spec
+    from kvserve.model.gguf_loader import open_gguf
+    from kvserve.tokenizer.spm_exact import SpmEncoder
+    from kvserve.tokenizer.tokenizer import gguf_field
+
+    for kind in ("unigram-600", "bpe-1000"):
+        tok = _tok(spm_files[kind][1])
+        tok.add_eos = True
+        if kind.startswith("unigram"):      # as a file whose scores tie gets it
+            reader = open_gguf(spm_files[kind][1])
+            tok.exact_encoder = SpmEncoder(*(list(gguf_field(reader, f"tokenizer.ggml.{k}"))
+                                             for k in ("tokens", "scores", "token_type")), add_space_prefix=True)
+        spec = msgspec.msgpack.decode(msgspec.msgpack.encode(tokenizer_spec(tok)))
+        again = tokenizer_from_spec(spec)
+        assert (again.exact_encoder is None) == (tok.exact_encoder is None)
+        for text in TEST_TEXTS:
+            assert again.encode(text) == tok.encode(text)

@@ -34,6 +34,8 @@ class SpmEncoder:
                  add_space_prefix: bool, rstrip: Sequence[str] = ()):
         import numpy as np
 
+        self.spec = {"tokens": list(tokens), "scores": [float(x) for x in scores], "types": [int(x) for x in types],
+                     "add_space_prefix": add_space_prefix, "rstrip": list(rstrip)}   # what rebuilds it
         self.vocab = {t: i for i, t in enumerate(tokens)}
         self.scores = np.asarray(scores, dtype=np.float32).tolist()   # compared as llama.cpp's floats
         self.add_space_prefix = add_space_prefix
@@ -42,6 +44,11 @@ class SpmEncoder:
         self.rstrip = set(rstrip)
         self.special_re = re.compile("|".join(map(re.escape, special))) if special else None
         self.bytes = {b: self.vocab.get(f"<0x{b:02X}>") for b in range(256)}
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> SpmEncoder:
+        return cls(spec["tokens"], spec["scores"], spec["types"], add_space_prefix=spec["add_space_prefix"],
+                   rstrip=spec["rstrip"])
 
     def encode(self, text: str) -> list[int]:
         out: list[int] = []
