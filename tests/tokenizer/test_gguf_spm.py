@@ -174,5 +174,28 @@ def test_engine_process_spec_keeps_the_encoder(spm_files):
         spec = msgspec.msgpack.decode(msgspec.msgpack.encode(tokenizer_spec(tok)))
         again = tokenizer_from_spec(spec)
         assert (again.exact_encoder is None) == (tok.exact_encoder is None)
+        assert (again.chat_template, again.has_chat_template) == (tok.chat_template, tok.has_chat_template)
         for text in TEST_TEXTS:
             assert again.encode(text) == tok.encode(text)
+
+
+def test_chat_template_from_the_file_else_raw_completion(spm_files, tmp_path):
+    """`tokenizer.chat_template` is the chat format; a SentencePiece file without one renders the
+    messages as plain text after BOS (no ChatML markup its vocabulary cannot spell)."""
+    from kvserve.bench.gguf_vocab import write_vocab_only
+
+    model = spm_files["bpe-1000"][0]
+    msgs = [{"role": "user", "content": "Once upon a time"}]
+    raw = _tok(spm_files["bpe-1000"][1])
+    assert not raw.has_chat_template
+    assert raw.apply_chat_template(msgs) == "<s>Once upon a time"
+    assert raw.apply_chat_template(msgs, tokenize=True) == raw.encode("Once upon a time")
+    gemma = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
+             "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+    tok = _tok(str(write_vocab_only(tmp_path / "t.gguf", model, add_space_prefix=False, chat_template=gemma)))
+    assert tok.has_chat_template
+    ids = tok.apply_chat_template(msgs, tokenize=True)
+    vocab = tok.hf.get_vocab()
+    assert ids[:2] == [tok.bos_token_id, vocab["<start_of_turn>"]]
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text == "<s><start_of_turn>user\nOnce upon a time<end_of_turn>\n<start_of_turn>model\n"

@@ -15,7 +15,12 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from kvserve.errors import ModelLoadError
 from kvserve.tokenizer import gguf_vocab
-from kvserve.tokenizer.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat_template, template_variables
+from kvserve.tokenizer.chat_template import (
+    DEFAULT_CHAT_TEMPLATE,
+    RAW_COMPLETION_TEMPLATE,
+    render_chat_template,
+    template_variables,
+)
 
 # Tokens that end an assistant turn in common chat formats; any present in the vocabulary
 # also stops generation.
@@ -77,6 +82,8 @@ class Tokenizer:
                   chat_template=field("tokenizer.chat_template"))
         if spm:
             tok.exact_encoder = gguf_vocab.exact_spm_encoder(field)
+            if not tok.has_chat_template and "<|im_start|>" not in hf.get_vocab():
+                tok.chat_template = RAW_COMPLETION_TEMPLATE    # not ChatML its vocabulary cannot spell
         return tok
 
     @staticmethod
