@@ -199,3 +199,13 @@ def test_chat_template_from_the_file_else_raw_completion(spm_files, tmp_path):
     assert ids[:2] == [tok.bos_token_id, vocab["<start_of_turn>"]]
     text = tok.decode(ids, skip_special_tokens=False)
     assert text == "<s><start_of_turn>user\nOnce upon a time<end_of_turn>\n<start_of_turn>model\n"
+
+
+def test_token_text_keeps_the_pieces_space(spm_files):
+    """A token's own text (logprobs, traces) is llama.cpp's piece: '▁the' is ' the', though a whole
+    decode drops the space the prefix added before the first piece."""
+    tok = _tok(spm_files["bpe-1000"][1])
+    ids = tok.encode("the cat", add_special_tokens=False)
+    texts = [tok.token_text(i) for i in ids]
+    assert texts[0].startswith(" ") and "".join(texts) == " the cat"
+    assert tok.decode(ids) == "the cat"

@@ -45,6 +45,8 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.add_bos = add_bos
         self.add_eos = add_eos
+        dec = hf.decoder.__getstate__() if hf.decoder is not None else b""
+        self._strips_first_space = b'"type":"Strip"' in dec
         # llama.cpp's own SPM encoder where the BPE in `hf` cannot equal it (gguf_vocab.exact_spm_encoder)
         self.exact_encoder = None
         self.chat_template = chat_template or DEFAULT_CHAT_TEMPLATE
@@ -147,8 +149,12 @@ class Tokenizer:
         return [self.hf.id_to_token(int(i)) or "" for i in ids]
 
     def token_text(self, token_id: int) -> str:
-        """The text one token stands for on its own (may be a partial UTF-8 character: '�')."""
-        return self.hf.decode([int(token_id)], skip_special_tokens=False)
+        """The text one token stands for on its own (may be a partial UTF-8 character: '�'), with
+        its leading space (a SentencePiece decoder drops the space of a text's first piece)."""
+        text = self.hf.decode([int(token_id)], skip_special_tokens=False)
+        if self._strips_first_space and (self.hf.id_to_token(int(token_id)) or "").startswith("\u2581"):
+            text = " " + text
+        return text
 
     @property
     def supports_tools(self) -> bool:
