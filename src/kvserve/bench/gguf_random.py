@@ -129,11 +129,17 @@ def tensor_type(name: str, qtype: str, n_layers: int) -> str:
     return _MIXES[qtype]
 
 
-def write(path: str | Path, shape: str = "llama-1b", qtype: str = "Q4_1", seed: int = 0) -> Path:
-    """Write the random-weight file; returns its path."""
+def write(path: str | Path, shape: str = "llama-1b", qtype: str = "Q4_1", seed: int = 0,
+          spm_model: str | Path | None = None) -> Path:
+    """Write the random-weight file; returns its path. `spm_model`: a SentencePiece model whose
+    vocabulary the file carries (tokenizer model `llama`, its size replacing the shape's) instead
+    of the synthetic byte-level BPE."""
     import gguf
 
     s = Shape(*SHAPES[shape])
+    if spm_model is not None:
+        from kvserve.bench.gguf_vocab import sentencepiece_vocab
+        s = s._replace(vocab=len(sentencepiece_vocab(spm_model)["tokens"]))
     if qtype not in TYPES:
         raise ValueError(f"type {qtype!r} is not one of {', '.join(TYPES)}")
     rng = np.random.default_rng(seed)
@@ -149,14 +155,18 @@ def write(path: str | Path, shape: str = "llama-1b", qtype: str = "Q4_1", seed: 
     w.add_layer_norm_rms_eps(1e-5 if s.arch == "llama" else 1e-6)
     w.add_rope_freq_base(500000.0 if s.arch == "llama" else 1000000.0)
     w.add_vocab_size(s.vocab)
-    tokens, merges = synthetic_vocab(s.vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("llama-bpe")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (s.vocab - 3) + [3, 3, 3])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(s.vocab - 3)
-    w.add_eos_token_id(s.vocab - 1)
+    if spm_model is not None:
+        from kvserve.bench.gguf_vocab import add_sentencepiece_vocab
+        add_sentencepiece_vocab(w, spm_model)
+    else:
+        tokens, merges = synthetic_vocab(s.vocab)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("llama-bpe")
+        w.add_token_list(tokens)
+        w.add_token_types([1] * (s.vocab - 3) + [3, 3, 3])
+        w.add_token_merges(merges)
+        w.add_bos_token_id(s.vocab - 3)
+        w.add_eos_token_id(s.vocab - 1)
 
     def mat(name: str, rows: int, cols: int) -> None:
         qt = gguf.GGMLQuantizationType[tensor_type(name, qtype, s.layers)]
@@ -198,8 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b")
     ap.add_argument("--type", choices=TYPES, default="Q4_1")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--spm-model", help="a SentencePiece .model whose vocabulary the file carries")
     a = ap.parse_args(argv)
-    print(write(a.out, a.shape, a.type, a.seed))
+    print(write(a.out, a.shape, a.type, a.seed, a.spm_model))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ from kvserve.structured.grammar import available
 def tokenizer_spec(tok) -> dict:
     """What rebuilds the same Tokenizer in another process."""
     return {"json": tok.hf.to_str(), "bos_token_id": tok.bos_token_id, "eos_token_ids": list(tok.eos_token_ids),
-            "add_bos": tok.add_bos, "chat_template": tok.chat_template if tok.has_chat_template else None}
+            "add_bos": tok.add_bos, "chat_template": tok.chat_template if tok.has_chat_template else None,
+            "add_eos": tok.add_eos, "default_chat_template": None if tok.has_chat_template else tok.chat_template,
+            "spm_exact": tok.exact_encoder.spec if tok.exact_encoder is not None else None}
 
 
 def tokenizer_from_spec(spec: dict):
@@ -36,9 +38,16 @@ def tokenizer_from_spec(spec: dict):
 
     from kvserve.tokenizer import Tokenizer
 
-    return Tokenizer(HFTokenizer.from_str(spec["json"]), bos_token_id=spec["bos_token_id"],
-                     eos_token_ids=spec["eos_token_ids"], add_bos=spec["add_bos"],
-                     chat_template=spec["chat_template"])
+    tok = Tokenizer(HFTokenizer.from_str(spec["json"]), bos_token_id=spec["bos_token_id"],
+                    eos_token_ids=spec["eos_token_ids"], add_bos=spec["add_bos"], add_eos=spec.get("add_eos", False),
+                    chat_template=spec["chat_template"])
+    if spec.get("default_chat_template"):
+        tok.chat_template = spec["default_chat_template"]      # has_chat_template stays False
+    if spec.get("spm_exact"):
+        from kvserve.tokenizer.spm_exact import SpmEncoder
+
+        tok.exact_encoder = SpmEncoder.from_spec(spec["spm_exact"])
+    return tok
 
 
 def main(argv: list[str]) -> int:

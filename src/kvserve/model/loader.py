@@ -52,10 +52,10 @@ def _pack_session(path, reader, weight_format: str, backend: KernelBackend) -> p
 def _gguf_tokenizer(path, reader) -> Tokenizer:
     from kvserve.tokenizer.tokenizer import gguf_field
 
-    if not pack_cache.enabled() or gguf_field(reader, "tokenizer.ggml.model") != "gpt2":
+    if not pack_cache.enabled() or gguf_field(reader, "tokenizer.ggml.model") not in ("gpt2", "llama"):
         return Tokenizer.from_gguf(reader)       # (which says what is wrong)
     try:
-        hf = pack_cache.load_tokenizer(Path(path), lambda: Tokenizer.bpe_from_gguf(reader))
+        hf = pack_cache.load_tokenizer(Path(path), lambda: Tokenizer.hf_from_gguf(reader))
     except OSError:
         hf = None
     return Tokenizer.from_gguf(reader, hf)

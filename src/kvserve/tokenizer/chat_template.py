@@ -28,6 +28,13 @@ DEFAULT_CHAT_TEMPLATE = (
     "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% endif %}")
 
+# A GGUF with a SentencePiece vocabulary and no `tokenizer.chat_template` (a base model, or a
+# file whose converter dropped it): no chat markup the model never saw, and no ChatML tokens its
+# vocabulary lacks. The messages' texts, one paragraph each, after BOS: raw completion.
+RAW_COMPLETION_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['content'] }}"
+    "{% if not loop.last %}{{ '\n\n' }}{% endif %}{% endfor %}")
+
 
 def _raise(msg: str):
     raise InvalidRequest(f"chat template error: {msg}", param="messages")

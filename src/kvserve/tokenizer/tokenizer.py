@@ -1,9 +1,8 @@
 """Tokenizer: HF `tokenizers` underneath, built from a tokenizer.json or from GGUF metadata.
 
-From GGUF (`tokenizer.ggml.*`, the byte-level BPE "gpt2" model) we rebuild the same
-tokenizers pipeline a tokenizer.json would describe: the vocabulary and merges, the
-pre-tokenizer that llama.cpp names in `tokenizer.ggml.pre`, the byte-level decoder, and the
-control tokens as special added tokens so they are matched whole in text.
+From GGUF (`tokenizer.ggml.*`: the byte-level BPE "gpt2" model or SentencePiece "llama") we
+rebuild the tokenizers pipeline that tokenizes as llama.cpp does on the same file
+(`gguf_vocab.py`), with the control tokens as special added tokens matched whole in text.
 """
 
 from __future__ import annotations
@@ -12,34 +11,21 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from kvserve.errors import ModelLoadError
-from kvserve.tokenizer.chat_template import DEFAULT_CHAT_TEMPLATE, render_chat_template, template_variables
+from kvserve.tokenizer import gguf_vocab
+from kvserve.tokenizer.chat_template import (
+    DEFAULT_CHAT_TEMPLATE,
+    RAW_COMPLETION_TEMPLATE,
+    render_chat_template,
+    template_variables,
+)
 
 # Tokens that end an assistant turn in common chat formats; any present in the vocabulary
 # also stops generation.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>",
                       "<|end|>", "</s>")
-
-_LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-def _pre_tokenizer(pre: str | None):
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("smollm", "starcoder", "refact"):
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("llama3", "llama-bpe", "qwen2"):
-        rx = _QWEN2_RE if pre == "qwen2" else _LLAMA3_RE
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(rx), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    return byte_level   # "gpt2", "default" and unknown: GPT-2's regex
-
 
 def gguf_field(reader, key: str, default=None):
     """One metadata value of a gguf.GGUFReader (the model loader reads its fields with this too)."""
@@ -54,10 +40,15 @@ def gguf_field(reader, key: str, default=None):
 
 class Tokenizer:
     def __init__(self, hf: HFTokenizer, *, bos_token_id: int | None, eos_token_ids: Sequence[int],
-                 add_bos: bool = False, chat_template: str | None = None):
+                 add_bos: bool = False, add_eos: bool = False, chat_template: str | None = None):
         self.hf = hf
         self.bos_token_id = bos_token_id
         self.add_bos = add_bos
+        self.add_eos = add_eos
+        dec = hf.decoder.__getstate__() if hf.decoder is not None else b""
+        self._strips_first_space = b'"type":"Strip"' in dec
+        # llama.cpp's own SPM encoder where the BPE in `hf` cannot equal it (gguf_vocab.exact_spm_encoder)
+        self.exact_encoder = None
         self.chat_template = chat_template or DEFAULT_CHAT_TEMPLATE
         self.has_chat_template = chat_template is not None
         vocab = hf.get_vocab(with_added_tokens=True)
@@ -80,36 +71,29 @@ class Tokenizer:
         def field(key: str, default=None):
             return gguf_field(reader, key, default)
 
-        kind = field("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r}: kvserve reads byte-level BPE "
-                                 "('gpt2') tokenizers from GGUF; use the model's tokenizer.json instead")
+        spm = field("tokenizer.ggml.model") == "llama"
         if hf is None:
-            hf = cls.bpe_from_gguf(reader)
-        eos = field("tokenizer.ggml.eos_token_id")
-        return cls(hf, bos_token_id=field("tokenizer.ggml.bos_token_id"),
-                   eos_token_ids=[] if eos is None else [int(eos)],
-                   add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
-                   chat_template=field("tokenizer.chat_template"))
+            hf = cls.hf_from_gguf(reader)
+        # llama.cpp's defaults for a SentencePiece vocabulary that does not say: <s>=1, </s>=2, add BOS
+        bos = field("tokenizer.ggml.bos_token_id", 1 if spm else None)
+        eos = field("tokenizer.ggml.eos_token_id", 2 if spm else None)
+        tok = cls(hf, bos_token_id=None if bos is None else int(bos),
+                  eos_token_ids=[] if eos is None else [int(eos)],
+                  add_bos=bool(field("tokenizer.ggml.add_bos_token", spm)),
+                  add_eos=bool(field("tokenizer.ggml.add_eos_token", False)),
+                  chat_template=field("tokenizer.chat_template"))
+        if spm:
+            tok.exact_encoder = gguf_vocab.exact_spm_encoder(field)
+            if not tok.has_chat_template and "<|im_start|>" not in hf.get_vocab():
+                tok.chat_template = RAW_COMPLETION_TEMPLATE    # not ChatML its vocabulary cannot spell
+        return tok
 
     @staticmethod
-    def bpe_from_gguf(reader) -> HFTokenizer:
-        """The byte-level BPE (vocabulary, merges, pre-tokenizer, special tokens) of a GGUF file."""
+    def hf_from_gguf(reader) -> HFTokenizer:
+        """The `tokenizers` pipeline of a GGUF file's tokenizer (byte-level BPE or SentencePiece;
+        `gguf_vocab.py` says how each maps): the model loader caches it."""
+        return gguf_vocab.hf_from_gguf(lambda key, default=None: gguf_field(reader, key, default))
 
-        def field(key: str, default=None):
-            return gguf_field(reader, key, default)
-
-        tokens = field("tokenizer.ggml.tokens")
-        types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges") or []]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        hf = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-        hf.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre"))
-        hf.decoder = decoders.ByteLevel()
-        special = [AddedToken(tokens[i], special=True, normalized=False)
-                   for i, ty in enumerate(types) if ty in (3, 4)]   # CONTROL, USER_DEFINED
-        hf.add_special_tokens(special)
-        return hf
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -147,10 +131,15 @@ class Tokenizer:
 
     # ---- encoding -----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        if self.exact_encoder is not None:
+            ids = self.exact_encoder.encode(text)
+        else:
+            ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None and (
                 not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
+        if add_special_tokens and self.add_eos and self.eos_token_id is not None:
+            ids = ids + [self.eos_token_id]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -160,8 +149,12 @@ class Tokenizer:
         return [self.hf.id_to_token(int(i)) or "" for i in ids]
 
     def token_text(self, token_id: int) -> str:
-        """The text one token stands for on its own (may be a partial UTF-8 character: '�')."""
-        return self.hf.decode([int(token_id)], skip_special_tokens=False)
+        """The text one token stands for on its own (may be a partial UTF-8 character: '�'), with
+        its leading space (a SentencePiece decoder drops the space of a text's first piece)."""
+        text = self.hf.decode([int(token_id)], skip_special_tokens=False)
+        if self._strips_first_space and (self.hf.id_to_token(int(token_id)) or "").startswith("\u2581"):
+            text = " " + text
+        return text
 
     @property
     def supports_tools(self) -> bool:

@@ -213,4 +213,4 @@ def check_fits(prompt: Prompt, max_tokens: int | None, max_model_len: int, param
 
 def token_texts(tokenizer, ids: list[int]) -> list[str]:
     """Each token's own text (special tokens included), for logprobs and traces."""
-    return [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    return [tokenizer.token_text(t) for t in ids]

@@ -42,7 +42,7 @@ class TokenTexts:
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            text = self._cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self._cache[token_id] = self.tokenizer.token_text(token_id)
         return text
 
 
