@@ -99,6 +99,7 @@ def test_fp32_path_equals_transformers(case):
         assert len(set(hf(torch.tensor([prompt])).logits[0].argmax(-1).tolist())) > 3
 
 
+@pytest.mark.slow   # a second load of each file on the kernels: ~5 s CPU a shape, minutes on a busy machine
 def test_default_path_equals_transformers_up_to_near_ties(case):
     path, hf, prompt = case
     want, _ = _hf_greedy(hf, prompt)
