@@ -110,3 +110,17 @@ def test_default_path_equals_transformers_up_to_near_ties(case):
             lp = torch.log_softmax(hf(torch.tensor([prompt + want[:k]])).logits[0, -1], -1)
         gap = (lp[want[k]] - lp[got[k]]).item()
         assert gap < NEAR_TIE, f"parted at step {k} where transformers' gap is {gap:.3f}"
+
+
+@pytest.mark.parametrize("arch,layers,hidden,heads,scalar", [
+    ("gemma2", 26, 2304, 8, 256.0), ("gemma2", 46, 4608, 32, 144.0),     # Gemma-2-2B, Gemma-2-27B
+    ("gemma3", 26, 1152, 4, 256.0), ("gemma3", 62, 5376, 32, 168.0)])    # Gemma-3-1B, Gemma-3-27B
+def test_gemma_attention_scale_follows_llama_cpp(arch, layers, hidden, heads, scalar):
+    """The files hold no query_pre_attn_scalar: key_length, except the 27B models' hidden / heads
+    (their HF configs' value, and llama.cpp's LLM_TYPE_27B rule)."""
+    from kvserve.model.gguf_families import gguf_family_fields
+
+    meta = {"attention.key_length": 128 if layers in (46, 62) else 256, "embedding_length": hidden,
+            "attention.head_count": heads, "attention.sliding_window": 4096, "context_length": 8192}
+    kw = gguf_family_fields(arch, lambda k, d=None: meta.get(k, d), set(), layers)
+    assert kw["query_pre_attn_scalar"] == scalar
