@@ -33,6 +33,9 @@ class Shape(NamedTuple):
     vocab: int
     arch: str = "llama"
     bias: bool = False        # q/k/v biases (Qwen2)
+    head_dim: int = 0         # 0: hidden / heads (Gemma's is 256 whatever the width)
+    window: int = 0           # sliding window (Gemma's local layers, Mistral, Phi-3); 0: none
+    name: str = ""            # general.name: transformers reads arch "llama" named "...mistral..." as Mistral
 
 
 # name -> Shape (untied head, head_dim = hidden / heads); a plain 6-tuple is a llama Shape
@@ -41,7 +44,23 @@ SHAPES: dict[str, tuple] = {
     "llama-1b": Shape(2048, 5632, 22, 32, 4, 128256),       # TinyLlama-1.1B's body, Llama 3's vocabulary
     "llama-3b": Shape(3072, 8192, 28, 24, 8, 128256),       # Llama-3.2-3B
     "qwen2-3b": Shape(2048, 11008, 36, 16, 2, 128256, "qwen2", True),   # Qwen2.5-3B's body: head_dim 128, biases
+    # the SentencePiece families' shapes (the tokenizer written is still the synthetic byte-level one)
+    "gemma2-tiny": Shape(256, 512, 4, 4, 2, 4096, "gemma2", head_dim=256, window=16),
+    "gemma2-2b": Shape(2304, 9216, 26, 8, 4, 256000, "gemma2", head_dim=256, window=4096),     # Gemma-2-2B
+    "gemma3-tiny": Shape(256, 512, 7, 4, 1, 4096, "gemma3", head_dim=256, window=16),
+    "gemma3-1b": Shape(1152, 6912, 26, 4, 1, 262144, "gemma3", head_dim=256, window=512),     # Gemma-3-1B
+    "llama2-tiny": Shape(256, 512, 2, 4, 4, 4096, name="llama2"),
+    "llama2-7b": Shape(4096, 11008, 32, 32, 32, 32000, name="llama2"),                        # Llama-2-7B
+    "mistral-tiny": Shape(256, 512, 2, 4, 1, 4096, window=16, name="mistral"),
+    "mistral-7b": Shape(4096, 14336, 32, 32, 8, 32000, window=4096, name="mistral"),         # Mistral-7B-v0.1
+    "phi3-tiny": Shape(256, 512, 2, 4, 4, 4096, "phi3", window=24),
+    "phi3-mini": Shape(3072, 8192, 32, 32, 32, 32064, "phi3", window=2047),                 # Phi-3-mini-4k
 }
+# What llama.cpp's converter writes per architecture beyond the Llama keys (convert_hf_to_gguf.py):
+# Gemma 2: no rope.freq_base (10000), softcaps 50 / 30, sliding_window, tied head; Gemma 3: rope.freq_base
+# 1e6 (local layers' 10000 is llama.cpp's constant), sliding_window, q/k norms, tied head; both store norms
+# as 1 + w and key/value_length = head_dim. Phi-3: fused attn_qkv and ffn_up (gate then up),
+# rope.dimension_count, sliding_window. Mistral: architecture llama, named so.
 TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_K_M", "Q5_K_M")
 _MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
 
@@ -145,15 +164,30 @@ def write(path: str | Path, shape: str = "llama-1b", qtype: str = "Q4_1", seed: 
     rng = np.random.default_rng(seed)
     path = Path(path)
     w = gguf.GGUFWriter(str(path), s.arch)
-    w.add_name(f"random-{shape}-{qtype}")
+    gemma = s.arch in ("gemma2", "gemma3")
+    head_dim = s.head_dim or s.hidden // s.heads
+    w.add_name(f"random-{s.name or shape}-{qtype}")
     w.add_block_count(s.layers)
-    w.add_context_length(8192)
+    w.add_context_length({"gemma3": 32768, "phi3": 4096}.get(s.arch, 32768 if s.name == "mistral" else
+                                                                 4096 if s.name == "llama2" else 8192))
     w.add_embedding_length(s.hidden)
     w.add_feed_forward_length(s.inter)
     w.add_head_count(s.heads)
     w.add_head_count_kv(s.kv_heads)
-    w.add_layer_norm_rms_eps(1e-5 if s.arch == "llama" else 1e-6)
-    w.add_rope_freq_base(500000.0 if s.arch == "llama" else 1000000.0)
+    w.add_layer_norm_rms_eps(1e-5 if s.arch in ("llama", "phi3") else 1e-6)
+    if gemma:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if s.arch == "gemma2":
+        w.add_attn_logit_softcapping(50.0)
+        w.add_final_logit_softcapping(30.0)
+    else:
+        w.add_rope_freq_base({"gemma3": 1e6, "phi3": 10000.0, "qwen2": 1e6}.get(
+            s.arch, 10000.0 if s.name in ("llama2", "mistral") else 500000.0))
+    if s.arch == "phi3":
+        w.add_rope_dimension_count(head_dim)
+    if s.window:
+        w.add_sliding_window(s.window)
     w.add_vocab_size(s.vocab)
     if spm_model is not None:
         from kvserve.bench.gguf_vocab import add_sentencepiece_vocab
@@ -175,26 +209,40 @@ def write(path: str | Path, shape: str = "llama-1b", qtype: str = "Q4_1", seed: 
     def vec(name: str, n: int, base: float, spread: float) -> None:
         w.add_tensor(name, (base + spread * rng.standard_normal(n)).astype(np.float32))
 
-    head_dim = s.hidden // s.heads
+    norm = 0.1 if gemma else 0.0          # Gemma's norms are stored as 1 + w: give w a spread
     q, kv = s.heads * head_dim, s.kv_heads * head_dim
     mat("token_embd.weight", s.vocab, s.hidden)
     for i in range(s.layers):
         p = f"blk.{i}."
-        vec(p + "attn_norm.weight", s.hidden, 1.0, 0.0)
-        mat(p + "attn_q.weight", q, s.hidden)
-        mat(p + "attn_k.weight", kv, s.hidden)
-        mat(p + "attn_v.weight", kv, s.hidden)
+        vec(p + "attn_norm.weight", s.hidden, 1.0, norm)
+        if s.arch == "phi3":
+            mat(p + "attn_qkv.weight", q + 2 * kv, s.hidden)
+        else:
+            mat(p + "attn_q.weight", q, s.hidden)
+            mat(p + "attn_k.weight", kv, s.hidden)
+            mat(p + "attn_v.weight", kv, s.hidden)
         if s.bias:
             vec(p + "attn_q.bias", q, 0.0, 0.1)
             vec(p + "attn_k.bias", kv, 0.0, 0.1)
             vec(p + "attn_v.bias", kv, 0.0, 0.1)
+        if s.arch == "gemma3":
+            vec(p + "attn_q_norm.weight", head_dim, 1.0, norm)
+            vec(p + "attn_k_norm.weight", head_dim, 1.0, norm)
         mat(p + "attn_output.weight", s.hidden, q)
-        vec(p + "ffn_norm.weight", s.hidden, 1.0, 0.0)
-        mat(p + "ffn_gate.weight", s.inter, s.hidden)
-        mat(p + "ffn_up.weight", s.inter, s.hidden)
+        if gemma:
+            vec(p + "post_attention_norm.weight", s.hidden, 1.0, norm)
+        vec(p + "ffn_norm.weight", s.hidden, 1.0, norm)
+        if s.arch == "phi3":
+            mat(p + "ffn_up.weight", 2 * s.inter, s.hidden)
+        else:
+            mat(p + "ffn_gate.weight", s.inter, s.hidden)
+            mat(p + "ffn_up.weight", s.inter, s.hidden)
         mat(p + "ffn_down.weight", s.hidden, s.inter)
-    vec("output_norm.weight", s.hidden, 1.0, 0.0)
-    mat("output.weight", s.vocab, s.hidden)
+        if gemma:
+            vec(p + "post_ffw_norm.weight", s.hidden, 1.0, norm)
+    vec("output_norm.weight", s.hidden, 1.0, norm)
+    if not gemma:                          # Gemma's head is the embedding
+        mat("output.weight", s.vocab, s.hidden)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -6,7 +6,9 @@ Conventions worth knowing:
 * Gemma 2/3 norms are stored as (1 + w): the 1 is taken off again here, to HF's w.
 * Gemma's local/global layout is not in the file unless `{arch}.attention.sliding_window_pattern`
   is: llama.cpp's defaults are every other layer local for Gemma 2 (layer 0 local) and five local
-  layers in six for Gemma 3; the local RoPE base of Gemma 3 is 10000, the scale head_dim ** -0.5.
+  layers in six for Gemma 3; the local RoPE base of Gemma 3 is 10000, the scale head_dim ** -0.5
+  except on the 27B models (46 / 62 layers), whose query_pre_attn_scalar is hidden / heads (llama.cpp's
+  LLM_TYPE_27B rule: the file does not record it).
 * Mixtral is written as architecture `llama` with `llama.expert_count`; experts come as one 3-D
   tensor per projection (`ffn_gate_exps` [experts, ff, hidden]), split here into per-expert weights.
 * Phi-3's `attn_qkv` and `ffn_up` hold the fused q/k/v and gate/up projections.
@@ -57,6 +59,8 @@ def gguf_family_fields(arch: str, field: Callable[[str, Any], Any], names: set[s
         kw["qk_norm"] = "head"
     elif arch in ("gemma2", "gemma3"):
         head_dim = field("attention.key_length", None)
+        if n_layers == {"gemma2": 46, "gemma3": 62}[arch]:   # the 27B models: llama.cpp's scale, hidden / heads
+            head_dim = int(field("embedding_length", 0)) // int(field("attention.head_count", 1))
         kw.update(gemma_norms=True, hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=head_dim and float(head_dim),
                   attn_logit_softcapping=field("attn_logit_softcapping", None),
                   final_logit_softcapping=field("final_logit_softcapping", None))
