@@ -181,7 +181,7 @@ class GGUFQuantLinear(torch.nn.Module):
         lib, qtype, rows, cols = self.lib, self.qtype, self.out_features, self.in_features
         ggml_type = int(qtype)
         if qtype in kquants.REQUANTIZED:
-            raw, ggml_type = kquants.q8_0_rows(raw, qtype, cols), int(GGMLQuantizationType.Q8_0)
+            raw, ggml_type = kquants.q8_0_rows(raw, qtype, cols, lib), int(GGMLQuantizationType.Q8_0)
         empty = _mapped_empty if mapped else torch.empty
         self.qs = empty(lib.kvs_packed_qs_bytes(_KERNEL_QTYPE[qtype], rows, cols), dtype=torch.uint8)
         n_scales = lib.kvs_packed_scales(rows, cols)
@@ -190,9 +190,8 @@ class GGUFQuantLinear(torch.nn.Module):
             self.d = empty(n_scales, dtype=dt)
             self.m = empty(n_scales if q4 else 0, dtype=dt)
             if qtype == GGMLQuantizationType.Q4_K:
-                q, d, m = unpack_q4_k(raw, rows)
-                lib.kvs_pack_q4(rows, cols, q.ctypes.data, d.ctypes.data, m.ctypes.data,
-                                self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr())
+                lib.kvs_repack_q4_k(raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(),
+                                    self.m.data_ptr())     # = unpack_q4_k + kvs_pack_q4, in C
                 rc = 0
             else:
                 rc = lib.kvs_repack(ggml_type, raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(),
