@@ -133,7 +133,12 @@ class GGUFQuantLinear(torch.nn.Module):
         if in_features % block:
             raise ModelLoadError(f"in_features={in_features} is not a multiple of the {qtype.name} block size {block}")
         session = pack_cache.current()
-        cached = session.take(qtype, out_features, in_features) if session is not None and session.hit else None
+        cached = None
+        if session is not None and session.hit and backend.lib is not None:
+            lib, kq = backend.lib, _KERNEL_QTYPE[qtype]
+            expect = (lib.kvs_packed_qs_bytes(kq, out_features, in_features),
+                      lib.kvs_packed_scales(out_features, in_features), kq == 0)
+            cached = session.take(qtype, out_features, in_features, expect)
         raw = np.ascontiguousarray(raw, dtype=np.uint8)     # a view of the mapped file: no copy
         expect = (out_features, in_features // block * block_bytes)
         if cached is None and tuple(raw.shape) != expect:
