@@ -89,21 +89,37 @@ void decode_block(int ggml_type, const uint8_t *b, float *y) {
 
 inline int block_bytes(int ggml_type) { return ggml_type == 12 ? 144 : ggml_type == 13 ? 176 : 210; }
 
-// 32 floats -> one Q8_0 block (34 bytes), as kquants.quantize_q8_0.
+// 32 floats -> one Q8_0 block (34 bytes), as kquants.quantize_q8_0 (AVX2; max, multiply and
+// round-half-even are exact operations, so lanes give numpy's bits).
 void quantize_block_q8_0(const float *x, uint8_t *out) {
-    float amax = 0.0f;
-    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
-    const float want = fminf(amax / 127.0f, 65504.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], a = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        a = _mm256_max_ps(a, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float amax = _mm_cvtss_f32(m4);
+    float want = amax / 127.0f;
+    if (want > 65504.0f) want = 65504.0f;
     uint16_t h = _cvtss_sh(want, _MM_FROUND_TO_NEAREST_INT);
     if (_cvtsh_ss(h) < want) h++;   // next float16 up (want >= 0, finite)
     const float d = _cvtsh_ss(h);
-    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
     memcpy(out, &h, 2);
-    for (int i = 0; i < 32; i++) {
-        float q = nearbyintf(x[i] * inv);
-        q = q < -127.0f ? -127.0f : q > 127.0f ? 127.0f : q;
-        out[2 + i] = (uint8_t)(int8_t)q;
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+        q[i] = _mm256_cvtps_epi32(r);
     }
+    // int32 -> int8 in order: packs work per 128-bit lane, so fix the order with a permute
+    const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+    __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+    p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)(out + 2), p8);
 }
 
 }  // namespace
