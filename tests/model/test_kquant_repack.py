@@ -51,3 +51,17 @@ def test_q4_k_repack_in_c_equals_numpy():
     LIB.kvs_repack_q4_k(raw.ctypes.data, rows, cols, *(t.data_ptr() for t in got))
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))    # bit for bit, -0.0 too
+
+
+@pytest.mark.parametrize("sdtype", [1, 0])
+def test_q8_0_repack_equals_kvs_repack(sdtype):
+    rows, cols = 37, 512
+    raw = kquants.q8_0_rows(random_blocks(Q.Q6_K, rows, cols, seed=6), Q.Q6_K, cols, lib=LIB)
+    n_qs, n_sc = LIB.kvs_packed_qs_bytes(1, rows, cols), LIB.kvs_packed_scales(rows, cols)
+    dt = torch.float16 if sdtype else torch.float32
+    want = [torch.empty(n_qs, dtype=torch.uint8), torch.empty(n_sc, dtype=dt)]
+    assert LIB.kvs_repack(8, raw.ctypes.data, rows, cols, want[0].data_ptr(), want[1].data_ptr(), None, sdtype) == 0
+    got = [torch.full((n_qs,), 7, dtype=torch.uint8), torch.full((n_sc,), 7.0, dtype=dt)]
+    LIB.kvs_repack_q8_0(raw.ctypes.data, rows, cols, got[0].data_ptr(), got[1].data_ptr(), sdtype)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))

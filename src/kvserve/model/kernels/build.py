@@ -138,6 +138,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvs_pack_q4.restype = None
     lib.kvs_repack_q4_k.argtypes = [vp, i32, i32, vp, vp, vp]
     lib.kvs_repack_q4_k.restype = None
+    lib.kvs_repack_q8_0.argtypes = [vp, i32, i32, vp, vp, i32]
+    lib.kvs_repack_q8_0.restype = None
     lib.kvs_q8_0_rows.argtypes = [i32, vp, i32, i32, vp]
     lib.kvs_q8_0_rows.restype = i32
     lib.kvs_packed_qs_bytes.argtypes = [i32, i32, i32]

@@ -198,6 +198,9 @@ class GGUFQuantLinear(torch.nn.Module):
                 lib.kvs_repack_q4_k(raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(),
                                     self.m.data_ptr())     # = unpack_q4_k + kvs_pack_q4, in C
                 rc = 0
+            elif ggml_type == int(Q8_0):     # kvs_repack's bytes, in 4-byte runs
+                lib.kvs_repack_q8_0(raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(), sdtype)
+                rc = 0
             else:
                 rc = lib.kvs_repack(ggml_type, raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(),
                                     self.m.data_ptr() if q4 else None, sdtype)

@@ -5,6 +5,7 @@
 //
 //   kvs_repack_q4_k   Q4_K super-blocks -> the Q4 layout (kvserve_kernels.cpp), scales d*sc and
 //                     minima -(dmin*m) as float32 per 32 values
+//   kvs_repack_q8_0   Q8_0 rows into the Q8 layout: kvs_repack's bytes, 4-byte runs at a time
 //   kvs_q8_0_rows     Q4_K / Q5_K / Q6_K rows decoded exactly (llama.cpp's dequantize_row_*) and
 //                     requantized per 32 values into Q8_0 blocks (fp16 scale amax/127 rounded up)
 //
@@ -176,6 +177,30 @@ int kvs_q8_0_rows(int ggml_type, const uint8_t *raw, int rows, int cols, uint8_t
         }
     }
     return 0;
+}
+
+// Q8_0 rows (cols/32 blocks of 34 bytes) into the Q8 layout, scales float16 (sdtype 1) or
+// float32 (0): the bytes kvs_repack(8, ...) writes. qs, d sized by kvs_packed_qs_bytes(1, ...) /
+// kvs_packed_scales; padding rows are zero.
+void kvs_repack_q8_0(const uint8_t *raw, int rows, int cols, uint8_t *qs, void *d, int sdtype) {
+    const int nb = cols / 32, groups = (rows + 15) / 16, full = rows / 16;
+    const size_t esize = sdtype ? 2 : 4;
+    memset(qs + (size_t)full * nb * 512, 0, (size_t)(groups - full) * nb * 512);
+    memset((uint8_t *)d + (size_t)full * nb * 16 * esize, 0, (size_t)(groups - full) * nb * 16 * esize);
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const int g = r / 16, rr = r % 16;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *p = raw + ((size_t)r * nb + b) * 34;
+            const size_t at = ((size_t)g * nb + b) * 16 + rr;
+            uint16_t h;
+            memcpy(&h, p, 2);
+            if (sdtype) ((uint16_t *)d)[at] = h;
+            else ((float *)d)[at] = _cvtsh_ss(h);
+            uint8_t *dst = qs + ((size_t)g * nb + b) * 512 + rr * 4;
+            for (int i = 0; i < 8; i++) memcpy(dst + i * 64, p + 2 + 4 * i, 4);
+        }
+    }
 }
 
 }  // extern "C"
