@@ -136,6 +136,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvs_repack.restype = i32
     lib.kvs_pack_q4.argtypes = [i32, i32, vp, vp, vp, vp, vp, vp]
     lib.kvs_pack_q4.restype = None
+    lib.kvs_repack_q4_k.argtypes = [vp, i32, i32, vp, vp, vp]
+    lib.kvs_repack_q4_k.restype = None
+    lib.kvs_repack_q8_0.argtypes = [vp, i32, i32, vp, vp, i32]
+    lib.kvs_repack_q8_0.restype = None
+    lib.kvs_q8_0_rows.argtypes = [i32, vp, i32, i32, vp]
+    lib.kvs_q8_0_rows.restype = i32
     lib.kvs_packed_qs_bytes.argtypes = [i32, i32, i32]
     lib.kvs_packed_qs_bytes.restype = ctypes.c_size_t
     lib.kvs_packed_scales.argtypes = [i32, i32]
@@ -180,3 +186,11 @@ def main() -> int:
     except RuntimeError as e:
         print(f"kvserve kernels: not built ({e}); the PyTorch fallback will be used", file=sys.stderr)
     return 0
+
+
+def any_loaded() -> ctypes.CDLL | None:
+    """A kernel library this process has already loaded (for its load-time repack functions,
+    which every build has), or None."""
+    with _lock:
+        return next(iter(_loaded.values()), None)
+

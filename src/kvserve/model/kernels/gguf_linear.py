@@ -133,7 +133,12 @@ class GGUFQuantLinear(torch.nn.Module):
         if in_features % block:
             raise ModelLoadError(f"in_features={in_features} is not a multiple of the {qtype.name} block size {block}")
         session = pack_cache.current()
-        cached = session.take(qtype, out_features, in_features) if session is not None and session.hit else None
+        cached = None
+        if session is not None and session.hit and backend.lib is not None:
+            lib, kq = backend.lib, _KERNEL_QTYPE[qtype]
+            expect = (lib.kvs_packed_qs_bytes(kq, out_features, in_features),
+                      lib.kvs_packed_scales(out_features, in_features), kq == 0)
+            cached = session.take(qtype, out_features, in_features, expect)
         raw = np.ascontiguousarray(raw, dtype=np.uint8)     # a view of the mapped file: no copy
         expect = (out_features, in_features // block * block_bytes)
         if cached is None and tuple(raw.shape) != expect:
@@ -181,7 +186,7 @@ class GGUFQuantLinear(torch.nn.Module):
         lib, qtype, rows, cols = self.lib, self.qtype, self.out_features, self.in_features
         ggml_type = int(qtype)
         if qtype in kquants.REQUANTIZED:
-            raw, ggml_type = kquants.q8_0_rows(raw, qtype, cols), int(GGMLQuantizationType.Q8_0)
+            raw, ggml_type = kquants.q8_0_rows(raw, qtype, cols, lib), int(GGMLQuantizationType.Q8_0)
         empty = _mapped_empty if mapped else torch.empty
         self.qs = empty(lib.kvs_packed_qs_bytes(_KERNEL_QTYPE[qtype], rows, cols), dtype=torch.uint8)
         n_scales = lib.kvs_packed_scales(rows, cols)
@@ -190,9 +195,11 @@ class GGUFQuantLinear(torch.nn.Module):
             self.d = empty(n_scales, dtype=dt)
             self.m = empty(n_scales if q4 else 0, dtype=dt)
             if qtype == GGMLQuantizationType.Q4_K:
-                q, d, m = unpack_q4_k(raw, rows)
-                lib.kvs_pack_q4(rows, cols, q.ctypes.data, d.ctypes.data, m.ctypes.data,
-                                self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr())
+                lib.kvs_repack_q4_k(raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(),
+                                    self.m.data_ptr())     # = unpack_q4_k + kvs_pack_q4, in C
+                rc = 0
+            elif ggml_type == int(Q8_0):     # kvs_repack's bytes, in 4-byte runs
+                lib.kvs_repack_q8_0(raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(), sdtype)
                 rc = 0
             else:
                 rc = lib.kvs_repack(ggml_type, raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(),

@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 MAGIC = b"KVSPACK1"
 ALIGN = 64
 KEEP_FILES = 16    # packed models kept in the cache; the least recently used beyond are deleted
+KEEP_BYTES = 32 << 30   # and their total size (KVSERVE_PACK_CACHE_MAX_BYTES); the newest is always kept
 # The modules whose code decides which projections exist, their order and their bytes.
 _CODE = ("model/decoder.py", "model/linear.py", "model/gguf_loader.py", "model/gguf_families.py",
          "model/gguf_file.py", "model/moe.py", "model/kernels/gguf_linear.py", "model/kernels/kquants.py",
@@ -148,14 +149,27 @@ class PackSession:
             logger.warning("kvserve: ignoring the unreadable packed-weight cache %s (%s)", path, e)
             return cls(path)
 
-    def take(self, qtype: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """The next cached entry as (qs, d, m, sdtype), views of the mapped file."""
+    def take(self, qtype: int, rows: int, cols: int,
+             expect: tuple[int, int, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The next cached entry as (qs, d, m, sdtype), views of the mapped file.
+        expect: (qs bytes, scale count, has minima) the kernels will read for this layer; every
+        blob's size and the scales' dtype are checked against it (an edited entry whose blobs
+        are shorter would have the kernels read past them): PackMismatch if they differ."""
         if self.next >= len(self.entries):
             raise PackMismatch("more packed layers than cached entries")
         e = self.entries[self.next]
         if (e["qtype"], e["rows"], e["cols"]) != (int(qtype), rows, cols):
             raise PackMismatch(f"entry {self.next} is {e['qtype'], e['rows'], e['cols']}, the layer "
                                f"{int(qtype), rows, cols}")
+        if e["sdtype"] not in (0, 1):
+            raise PackMismatch(f"entry {self.next} has scale dtype code {e['sdtype']!r}")
+        if expect is not None:
+            qs_bytes, n_scales, has_m = expect
+            esize = 2 if e["sdtype"] else 4
+            want = {"qs": qs_bytes, "d": n_scales * esize, "m": n_scales * esize if has_m else 0}
+            got = {name: e[name][1] for name in want}
+            if got != want:
+                raise PackMismatch(f"entry {self.next} has blob sizes {got}, the kernels read {want}")
         self.next += 1
         dt = torch.float16 if e["sdtype"] else torch.float32
         return self._view(e["qs"], torch.uint8), self._view(e["d"], dt), self._view(e["m"], dt), e["sdtype"]
@@ -258,21 +272,48 @@ def _map(path: Path, populate: bool = True) -> tuple[list[dict], mmap.mmap]:
         raise ValueError("bad magic")
     n = struct.unpack_from("<Q", mm, 8)[0]
     base = _data_start(n)
+    if base > len(mm):
+        raise ValueError("truncated header")
     entries = json.loads(mm[16:16 + n])["entries"]
     for e in entries:
+        if not all(type(e[k]) is int for k in ("qtype", "rows", "cols", "sdtype")):
+            raise ValueError("bad entry")
         for name in ("qs", "d", "m"):
-            e[name][0] += base
-            if e[name][0] + e[name][1] > len(mm):
+            span = e[name]
+            if (not isinstance(span, list) or len(span) != 2 or any(type(v) is not int or v < 0 for v in span)
+                    or span[0] % ALIGN):
+                raise ValueError(f"bad {name} span {span!r}")
+            span[0] += base
+            if span[0] + span[1] > len(mm):
                 raise ValueError("truncated")
     return entries, mm
 
 
+def max_bytes() -> int:
+    """The cap on the packed files' total size: KVSERVE_PACK_CACHE_MAX_BYTES, else KEEP_BYTES."""
+    try:
+        return int(os.environ.get("KVSERVE_PACK_CACHE_MAX_BYTES", KEEP_BYTES))
+    except ValueError:
+        return KEEP_BYTES
+
+
 def _prune(root: Path) -> None:
+    """Least recently used first: past KEEP_FILES files of a kind, or past max_bytes() of packed
+    files in total (the newest packed file stays whatever its size: it was just asked for)."""
+    cap = max_bytes()
     for pattern in ("*.kvpack", "*.tokenizer.json"):
-        files = sorted(root.glob(pattern), key=lambda p: p.stat().st_mtime, reverse=True)
-        for old in files[KEEP_FILES:]:
+        files = []
+        for p in root.glob(pattern):
             with contextlib.suppress(OSError):
-                old.unlink()
+                st = p.stat()
+                files.append((st.st_mtime_ns, st.st_size, p))
+        files.sort(key=lambda f: f[0], reverse=True)
+        total = 0
+        for i, (_, size, old) in enumerate(files):
+            total += size
+            if i >= KEEP_FILES or (pattern == "*.kvpack" and i > 0 and total > cap):
+                with contextlib.suppress(OSError):
+                    old.unlink()
 
 
 _current: ContextVar[PackSession | None] = ContextVar("kvserve_pack_session", default=None)
