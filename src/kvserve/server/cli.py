@@ -13,7 +13,7 @@ import typer
 
 from kvserve.engine.spec_decode.config import NUM_SPEC_HELP, SPECULATIVE_HELP
 from kvserve.engine.step_cost import DEFAULT_MAX_STEP_MS
-from kvserve.errors import KVServeError
+from kvserve.errors import InvalidRequest, KVServeError
 from kvserve.server.settings import ServerSettings, default_data_dir
 from kvserve.server.stores.common import DATABASE_SCHEMES, check_url, redact
 from kvserve.server.stores.factory import open_key_backend
@@ -89,6 +89,8 @@ def serve(
                                       "past it the least recently used idle model on demand is unloaded."),
     keep_alive: str = typer.Option(None, "--keep-alive", help="How long a model on demand stays loaded after its "
                                    "last request: 5m (default), seconds, 1h; 0: unload at once; negative: forever."),
+    keep_alive_max: str = typer.Option("1h", "--keep-alive-max", help="The longest keep_alive a request may ask "
+                                       "for (Ollama's field; longer ones, and negative ones, are clamped to it)."),
     semantic_cache: str = typer.Option("on", "--semantic-cache", help="on or off: answer repeated and "
                                        "paraphrased requests from the semantic cache (docs/models.md)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
@@ -263,6 +265,12 @@ def serve(
     with _user_errors(2):
         models, router, cache_options, on_demand = model_options(model or [], models_config, models_dir,
                                                                  models_memory, keep_alive)
+        from kvserve.server.routing.residency import parse_keep_alive
+
+        longest = parse_keep_alive(keep_alive_max, "--keep-alive-max")
+        if longest is None or longest < 0:
+            raise InvalidRequest("--keep-alive-max must be a duration such as 1h.", param="keep_alive_max")
+        on_demand["keep_alive_max_s"] = longest
         router_name = router_opt
     if semantic_cache not in ("on", "off"):
         typer.echo("error: --semantic-cache must be on or off", err=True)

@@ -1,8 +1,10 @@
 """The generation plan: what one request will run, built once from any API's body, gates included.
 
-    parse (the API's module) → `build_plan`: a model on demand loaded (waits) and held until the
-    lease ends (routing/residency.py) → caps (400) → input moderation (400) → route: the
-    model ("auto": the router), the pool (404; 503 while loading) → the ladder's max_tokens cap
+    parse (the API's module) → `build_plan`: caps (400) → the key's tpm bound (429: the
+    answer's max_tokens alone does not fit the bucket) → input moderation (400) → only then a
+    model on demand loaded (waits) and held until the lease ends (routing/residency.py), so a
+    refused request never loads a model → route: the model ("auto": the router), the pool
+    (404; 503 while loading) → the ladder's max_tokens cap
     → the semantic cache (a candidate answer becomes the engine request's draft, verified by the
     model; with `verify` off a hit is a plan with a cached answer and nothing to run) → the prompt:
     template + tokenize in a thread (context.py; 400 when it does not fit) → grammar compiled off
@@ -26,7 +28,7 @@ from kvserve.errors import InvalidRequest
 from kvserve.safety.moderator import ModerationConfig
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.server.gates.admission import engine_priority
-from kvserve.server.gates.moderation import annotation_header, prompt_tokenizer
+from kvserve.server.gates.moderation import annotation_header, has_token_prompts, prompt_tokenizer
 from kvserve.server.generation.context import Prompt, build_prompts, reasoning_budget, token_texts
 from kvserve.server.generation.engine import ModelHandle
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, check_caps, to_sampling_params
@@ -109,12 +111,34 @@ class GenerationPlan:
         return sum(len(p.token_ids) + self.params.max_tokens * self.params.num_sequences for p in self.prompts)
 
 
+def check_before_load(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest) -> None:
+    """The gates that need no model, run before a model on demand is loaded or held: the caps (400)
+    and the key's tpm bound (429 when the answer's max_tokens alone, for every sequence, is more
+    than the key's bucket holds now: the lease's reservation, prompt included, could not fit).
+    Takes nothing from the bucket: the reservation is the lease's (lease.py)."""
+    check_caps(req, gw.settings)
+    key = record.key
+    max_tokens = req.requested_max_tokens()
+    if key is not None and key.tpm is not None and max_tokens:
+        sequences = max(req.n, req.best_of or 0, 1)
+        gw.limiter.check_tokens(record.key_name, key.tpm, max_tokens * sequences)
+
+
 async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest,
                      kind: Kind) -> GenerationPlan:
-    """The plan for one validated request, every gate passed in order (see the module's docstring)."""
+    """The plan for one validated request, every gate passed in order (see the module's docstring).
+    The holds on models on demand are taken after the gates that need no model and given back here
+    when a later gate refuses; from the plan's return on, the plan's `Lease` owns them."""
+    check_before_load(gw, record, req)
+    moderation = gw.moderation.config_for(record, req)    # input moderation, before any load or queue (400)
+    checks = None
+    if not has_token_prompts(req):    # token-id prompts are decoded by their model's tokenizer: after the load
+        checks = await gw.moderation.check_input_async(req, record, moderation, None)
     holds = [await gw.pool.acquire(req.model)]
     try:
-        plan = await _build_plan(gw, record, req, kind)
+        if checks is None:
+            checks = await gw.moderation.check_input_async(req, record, moderation, prompt_tokenizer(gw, req))
+        plan = await _build_plan(gw, record, req, kind, moderation, checks)
         if plan.route is not None:        # "auto": the model the router chose (resident: no wait)
             holds.append(await gw.pool.acquire(plan.model.name))
     except BaseException:
@@ -126,12 +150,8 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
 
 
 async def _build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest,
-                      kind: Kind) -> GenerationPlan:
+                      kind: Kind, moderation: ModerationConfig, checks: list[dict[str, Any]]) -> GenerationPlan:
     chat = kind == "chat"
-    check_caps(req, gw.settings)
-    moderation = gw.moderation.config_for(record, req)    # input moderation, before any queue (400)
-    checks = await gw.moderation.check_input_async(req, record, moderation,
-                                                   prompt_tokenizer(gw, req) if not chat else None)
     timings = Timings(t0=record.t0, parsed=time.monotonic())
     requested, route, query = await gw.routing.route(req, kind, record.key_tier)
     model = ModelHandle.resolve(gw, requested, record.key_name)

@@ -32,16 +32,20 @@ from typing import Any
 from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound, Overloaded
 from kvserve.server.routing.residency import (
     REQUEST_KEEP_ALIVE,
+    REQUEST_MANAGES,
     Hold,
     ModelStatus,
+    PermissionDenied,
     Residency,
     memory_budget,
     model_bytes,
     parse_keep_alive,
     scan_models_dir,
+    without_paths,
 )
 
 logger = logging.getLogger("kvserve.server")
+SCAN_EVERY_S = 2.0    # --models-dir is scanned for an unknown name at most this often
 ENGINE_KEYS = ("max_model_len", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
                "long_prefill_token_threshold", "max_num_partial_prefills", "max_step_ms", "max_decode_slowdown",
                "threads")
@@ -141,6 +145,7 @@ class ModelEntry:
     loaded_at: float | None = None
     keep_alive: float | None = None
     loading: asyncio.Future | None = None
+    failed_at: float = 0.0            # monotonic s of the last failed load (0: none): the retry backoff
 
     @property
     def cost_per_token(self) -> float:
@@ -174,6 +179,7 @@ class ModelPool:
         self.on_load_failed = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.lora_owners: dict[str, str] = {}   # adapter -> the key it was loaded for (absent: everyone's)
+        self._scanned_at = time.monotonic()     # the last --models-dir scan (throttled: SCAN_EVERY_S)
 
     def _entry(self, spec: ModelSpec) -> ModelEntry:
         kwargs = {**getattr(self.settings, "engine_kwargs", {}), **spec.engine}
@@ -219,9 +225,19 @@ class ModelPool:
         for e in self.loaded():       # a LoRA adapter over a model's base (engine/lora.py)
             if requested in e.engine.lora_names():
                 return e
-        if self.models_dir and self.scan():
-            return self.entry(requested)
         raise self._not_found(requested)
+
+    async def rescan_for(self, requested: str | None) -> None:
+        """A name the pool does not know may be a file copied into --models-dir since the last scan:
+        scan again, in a worker thread and at most once every SCAN_EVERY_S (a client sending unknown
+        names costs one directory listing per interval, never the event loop's time)."""
+        if not self.models_dir or requested in (None, "") or requested in self.names():
+            return
+        now = time.monotonic()
+        if now - self._scanned_at < SCAN_EVERY_S:
+            return
+        self._scanned_at = now
+        await asyncio.to_thread(self.scan)
 
     def _not_found(self, requested: str) -> ModelNotFound:
         served = ", ".join(repr(n) for n in self.names()) or "its model"
@@ -243,10 +259,10 @@ class ModelPool:
         e = self.entry(requested)
         if e.spec.on_demand:
             e.last_used = time.monotonic()          # looked up: not the least recently used
-        if e.engine is None and e.spec.on_demand:     # a synchronous lookup: start the load, retry later
-            if self.loop is not None:
-                self.loop.call_soon_threadsafe(self.residency.start_load, e)
-            raise Overloaded(f"The model {e.name} is loading; retry in a few seconds.", retry_after=5.0,
+        if e.engine is None and e.spec.on_demand:     # a lookup loads nothing: only a generation's hold does
+            state = "loading" if e.loading is not None else "not loaded"
+            raise Overloaded(f"The model {e.name} is {state}; a generation request naming it loads it "
+                             "(/tokenize, token counts and lookups never do).", retry_after=5.0,
                              code="model_not_ready")
         if e.engine is None:
             msg = (f"The model {e.name or e.spec.path or 'default'} failed to load: {e.load_error}"
@@ -260,31 +276,39 @@ class ModelPool:
         """Hold the on-demand model a request names for the request's life, loading it first (waits;
         503 with Retry-After past the load timeout). Any other name: a no-op hold (its errors are
         `resolve`'s, raised in their usual place)."""
+        await self.rescan_for(requested)
         try:
             e = self.entry(requested)
         except ModelNotFound:
             return Hold()
         return await self.residency.acquire(e)
 
-    async def preload(self, requested: str, keep_alive) -> None:
+    async def preload(self, requested: str, keep_alive, manages: bool = True) -> None:
         """Ollama's request with nothing to answer: load the model (keep_alive 0: unload it now, or
-        as soon as its requests end); a pinned model is only looked up."""
+        as soon as its requests end: only for a caller that `manages` the models, 403 for any other
+        key); a pinned model is only looked up."""
+        await self.rescan_for(requested)
         e = self.entry(requested)
         if not e.spec.on_demand:
             self.resolve(requested)
             return
-        self.set_keep_alive(keep_alive)
+        self.set_keep_alive(keep_alive, manages)
         if REQUEST_KEEP_ALIVE.get() == 0:     # unloaded now, or by the release of its last request
+            if not manages:
+                raise PermissionDenied("keep_alive 0 unloads a model other keys may be using: only the server's "
+                                       "--api-key may do that. Leave keep_alive out to let it expire.")
             e.keep_alive = 0.0
             await self.residency.unload(e, "request")
             return
         (await self.residency.acquire(e)).release()
 
-    @staticmethod
-    def set_keep_alive(keep_alive) -> None:
-        """The keep_alive of the request being handled (Ollama's field; 400 when unreadable): how long
-        the model on demand it names stays loaded after its last request; None: the server's default."""
-        REQUEST_KEEP_ALIVE.set(parse_keep_alive(keep_alive))
+    def set_keep_alive(self, keep_alive, manages: bool = False) -> None:
+        """The keep_alive of the request being handled (Ollama's field; 400 when unreadable or not
+        finite; clamped to --keep-alive-max): how long the model on demand it names stays loaded
+        after its last request; None: the server's default. `manages`: the caller may shorten it."""
+        maximum = float(getattr(self.settings, "keep_alive_max_s", 3600.0))
+        REQUEST_KEEP_ALIVE.set(parse_keep_alive(keep_alive, maximum=maximum))
+        REQUEST_MANAGES.set(manages)
 
     def statuses(self, loaded_only: bool = False) -> list[ModelStatus]:
         """Every model's residency (`loaded_only`: the resident ones), in the pool's order."""
@@ -302,9 +326,10 @@ class ModelPool:
                                         engine_process=s.engine_process if spec.engine_process is None
                                         else spec.engine_process, **kwargs)
         except Exception as ex:
-            e.load_error = str(ex) if isinstance(ex, KVServeError) else f"{type(ex).__name__}: {ex}"
-            if not isinstance(ex, KVServeError):
-                logger.exception("model load failed")
+            logger.warning("model %s (%s) failed to load: %s", e.name, spec.path, ex,
+                           exc_info=not isinstance(ex, KVServeError))
+            message = str(ex) if isinstance(ex, KVServeError) else f"{type(ex).__name__}: {ex}"
+            e.load_error = without_paths(message)     # clients see it: no server paths (the log has them)
             return False
         asyncio.run_coroutine_threadsafe(engine.start(), self.loop).result()
         e.name = e.name or engine.model_name
