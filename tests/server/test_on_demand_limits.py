@@ -131,7 +131,7 @@ def test_a_client_that_hangs_up_does_not_pin_the_model(server):
 
 @pytest.mark.parametrize("bad", ["NaN", "Infinity", "-Infinity"])
 def test_keep_alive_must_be_finite(server, bad):
-    raw = '{"model": "alpha", "prompt": "hi", "stream": false, "keep_alive": %s}' % bad
+    raw = f'{{"model": "alpha", "prompt": "hi", "stream": false, "keep_alive": {bad}}}'
     r = httpx.post(server.base_url + "/api/generate", content=raw, headers=_auth(server, "tenant") |
                    {"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400, r.text
