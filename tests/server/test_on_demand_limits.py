@@ -21,6 +21,7 @@ KV = "64MiB"
 OPERATOR = "operator-secret-key"
 CHAT = {"messages": [{"role": "user", "content": "Name one colour."}], "max_tokens": 4, "temperature": 0}
 LONG = " ".join(["colour"] * 60)     # about 60 prompt tokens
+LOADS = 4                            # loads a minute per key (the tests' keys stay under it, `loader` goes past)
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +38,13 @@ def server(tmp_path_factory):
         (d / f"{name}.gguf").symlink_to(src)
     (d / "broken.gguf").write_bytes(b"GGUF" + b"\0" * 64)     # a file that cannot load
     store = KeyStore(root / "kvserve.db")
-    keys = {"tight": store.create("tight", tpm=1000), "tenant": store.create("tenant")}
+    keys = {"tight": store.create("tight", tpm=1000), "tenant": store.create("tenant"),
+            "loader": store.create("loader")}
     store.close()
     budget = int(model_bytes(str(src), {"kv_cache_memory": KV}) * 1.5)     # one model, never two
     srv = ModelServer(root, "--models-dir", str(d), "--models-memory", str(budget), "--keep-alive", "2s",
-                      "--kv-cache-memory", KV, "--max-model-len", "1024", "--api-key", OPERATOR)
+                      "--kv-cache-memory", KV, "--max-model-len", "1024", "--api-key", OPERATOR,
+                      "--model-loads-per-minute", str(LOADS))
     srv.start()
     srv.keys = keys | {"operator": OPERATOR}
     srv.dir = d
@@ -111,7 +114,7 @@ def test_a_refusal_after_the_load_does_not_pin_the_model(server, kind):
     r = _chat(server, who, "alpha", **extra)
     assert r.status_code == status, r.text
     _unloaded(server, "alpha")                      # keep-alive 2 s: unloaded, not pinned
-    r = _chat(server, "tenant", "beta", timeout=120)
+    r = _chat(server, "operator", "beta", timeout=120)
     assert r.status_code == 200, r.text
     _unloaded(server, "beta")
 
@@ -120,11 +123,11 @@ def test_a_client_that_hangs_up_does_not_pin_the_model(server):
     _unloaded(server)
     body = CHAT | {"model": "alpha", "max_tokens": 200, "stream": True}
     with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body,
-                      headers=_auth(server, "tenant"), timeout=120) as r:
+                      headers=_auth(server, "operator"), timeout=120) as r:
         assert r.status_code == 200
         next(r.iter_lines())                         # the stream started: hang up now
     _unloaded(server, "alpha")
-    assert _chat(server, "tenant", "beta", timeout=120).status_code == 200
+    assert _chat(server, "operator", "beta", timeout=120).status_code == 200
 
 
 # ---- finding 2: keep_alive finite, clamped, and only the operator shortens it -------------
@@ -192,10 +195,19 @@ def test_tokenize_and_count_tokens_do_not_load(server):
 # ---- finding 2 and 3: a broken file: no paths to the client, no retry storm ---------------
 
 def test_a_broken_file_answers_without_paths_and_backs_off(server):
-    r = _chat(server, "tenant", "broken", timeout=120)
+    r = _chat(server, "tight", "broken", timeout=120)
     assert r.status_code >= 500, r.text
     assert str(server.dir) not in r.text and "/tmp" not in r.text, r.text
-    again = _chat(server, "tenant", "broken", timeout=120)
+    again = _chat(server, "tight", "broken", timeout=120)
     assert again.status_code == 503 and again.headers.get("retry-after"), again.text   # not tried again
     assert str(server.dir) not in again.text
 
+
+
+def test_loads_per_key_are_rate_limited(server):
+    """A key cycling through the directory's models (room for one: every request a load and an
+    eviction) gets a 429 past its loads a minute; the operator's key does not."""
+    statuses = [_chat(server, "loader", ("alpha", "beta")[i % 2], timeout=120).status_code for i in range(LOADS + 2)]
+    assert statuses[:2] == [200, 200] and 429 in statuses, statuses     # refills one load per 15 s
+    assert _chat(server, "operator", "alpha" if statuses and _states(server)["beta"] == "loaded" else "beta",
+                 timeout=120).status_code == 200

@@ -91,6 +91,9 @@ def serve(
                                    "last request: 5m (default), seconds, 1h; 0: unload at once; negative: forever."),
     keep_alive_max: str = typer.Option("1h", "--keep-alive-max", help="The longest keep_alive a request may ask "
                                        "for (Ollama's field; longer ones, and negative ones, are clamped to it)."),
+    model_loads_per_minute: int = typer.Option(6, "--model-loads-per-minute", min=1, help="Loads of models on "
+                                               "demand one key may start a minute (past it: 429); the --api-key "
+                                               "has no limit."),
     semantic_cache: str = typer.Option("on", "--semantic-cache", help="on or off: answer repeated and "
                                        "paraphrased requests from the semantic cache (docs/models.md)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
@@ -271,6 +274,7 @@ def serve(
         if longest is None or longest < 0:
             raise InvalidRequest("--keep-alive-max must be a duration such as 1h.", param="keep_alive_max")
         on_demand["keep_alive_max_s"] = longest
+        on_demand["model_loads_per_minute"] = model_loads_per_minute
         router_name = router_opt
     if semantic_cache not in ("on", "off"):
         typer.echo("error: --semantic-cache must be on or off", err=True)

@@ -48,7 +48,7 @@ from kvserve.server.api.openai import deliver, start
 from kvserve.server.api.shared import count_prompt_tokens, under_lease
 from kvserve.server.gates.auth import manages_models
 from kvserve.server.generation import ModelHandle, run_generation
-from kvserve.server.generation.plan import check_before_load
+from kvserve.server.generation.plan import charge_load, check_before_load
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -295,7 +295,9 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
             req = validate_body(body, ChatCompletionRequest if chat else CompletionRequest)
             check_before_load(gw, request.state.record, req)
             if num_ctx is not None:
-                hold = await gw.pool.acquire(served_name(model)) if hold is None else hold
+                if hold is None:
+                    charge_load(gw, request.state.record, served_name(model))
+                    hold = await gw.pool.acquire(served_name(model))
                 await _cap_to_window(gw, req, num_ctx, request.state.record.key_name)
             gen, lease = await start(gw, request, req, "chat" if chat else "completion")
         finally:
@@ -313,6 +315,8 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
 
     async def load(body: ChatBody | GenerateBody, chat: bool, record: RequestRecord) -> Response:
         """Ollama's way to load (keep_alive 0: unload) a model: a request with nothing to answer."""
+        if body.keep_alive not in (0, "0", "0s"):
+            charge_load(gw, record, served_name(body.model))
         await gw.pool.preload(served_name(body.model), body.keep_alive, manages_models(record))
         out: dict[str, Any] = {"model": body.model, "created_at": now()}
         out |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
@@ -342,6 +346,7 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
             plain, _, plain_chat = generate_request(body, None)     # the gates that need no model first
             check_before_load(gw, record, validate_body(plain, ChatCompletionRequest if plain_chat
                                                         else CompletionRequest))
+            charge_load(gw, record, served_name(body.model))
             hold = await gw.pool.acquire(served_name(body.model))   # on demand: loaded before the suffix is read
             try:
                 tokenizer = ModelHandle.resolve(gw, served_name(body.model), record.key_name).tokenizer

@@ -36,6 +36,7 @@ from kvserve.server.routing.semantic_cache import CachePlan, Hit
 from kvserve.server.stages import Stage, build_stages
 from kvserve.server.stages.structured import for_request
 from kvserve.server.stages.tools import ToolPlan, make_plan
+from kvserve.server.stores.keys import CLI_KEY_NAME
 
 if TYPE_CHECKING:
     from kvserve.server.app import ServerState
@@ -124,6 +125,17 @@ def check_before_load(gw: ServerState, record: RequestRecord, req: ChatCompletio
         gw.limiter.check_tokens(record.key_name, key.tpm, max_tokens * sequences)
 
 
+def charge_load(gw: ServerState, record: RequestRecord, requested: str | None) -> None:
+    """429 when the caller's key has started `--model-loads-per-minute` loads of models on demand in
+    the last minute and this request would start another; else count this one. A load costs seconds of CPU
+    and evicts idle models other keys use: a key cycling through a directory's models must not."""
+    if record.key is None or record.key.name == CLI_KEY_NAME or not gw.pool.would_load(requested):
+        return
+    bucket, per_minute = f"{record.key_name}:model-loads", gw.settings.model_loads_per_minute   # ':': no key's name
+    gw.limiter.refuse_if_empty(bucket, per_minute, f"Loads of models on demand for key {record.key_name!r}")
+    gw.limiter.take_one(bucket, per_minute)
+
+
 async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest,
                      kind: Kind) -> GenerationPlan:
     """The plan for one validated request, every gate passed in order (see the module's docstring).
@@ -134,6 +146,7 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
     checks = None
     if not has_token_prompts(req):    # token-id prompts are decoded by their model's tokenizer: after the load
         checks = await gw.moderation.check_input_async(req, record, moderation, None)
+    charge_load(gw, record, req.model)
     holds = [await gw.pool.acquire(req.model)]
     try:
         if checks is None:

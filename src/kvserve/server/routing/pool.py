@@ -283,6 +283,15 @@ class ModelPool:
             return Hold()
         return await self.residency.acquire(e)
 
+    def would_load(self, requested: str | None) -> bool:
+        """Whether holding `requested` now would start a load (an on-demand model neither resident
+        nor loading): what the per-key load limit counts (plan.py's `charge_load`)."""
+        try:
+            e = self.entry(requested)
+        except ModelNotFound:
+            return False
+        return e.spec.on_demand and e.engine is None and e.loading is None
+
     async def preload(self, requested: str, keep_alive, manages: bool = True) -> None:
         """Ollama's request with nothing to answer: load the model (keep_alive 0: unload it now, or
         as soon as its requests end: only for a caller that `manages` the models, 403 for any other
