@@ -68,3 +68,19 @@ def test_the_bound_stays_below_the_real_count(tokenizer):
     for text in texts:
         real = len(tokenizer.encode(text, add_special_tokens=False))
         assert min_tokens(tokenizer, [{"role": "user", "content": text}]) <= real
+
+
+def test_the_plan_refuses_on_length_before_any_scan(tokenizer):
+    """`refuse_by_length` (the plan's gate before input moderation) on a validated request."""
+    from kvserve.server.generation.context import refuse_by_length
+    from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    huge = ChatCompletionRequest(messages=[{"role": "user", "content": PII}], max_tokens=1)
+    with pytest.raises(ContextLengthExceeded, match="at least"):
+        refuse_by_length(tokenizer, huge, 512)
+    with pytest.raises(ContextLengthExceeded, match="at least"):
+        refuse_by_length(tokenizer, CompletionRequest(prompt=["hi", PII], max_tokens=1), 512)
+    old_turn = ChatCompletionRequest(truncate="oldest", max_tokens=16, messages=[
+        {"role": "user", "content": PII}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "hi"}])
+    refuse_by_length(tokenizer, old_turn, 512)                         # truncation may still fit it
+    refuse_by_length(tokenizer, ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), 512)

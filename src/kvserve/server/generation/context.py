@@ -183,6 +183,29 @@ def _drop_by_bound(tokenizer, msgs: list[dict[str, Any]], budget: int,
     return [m for i, m in enumerate(msgs) if i not in gone], k, chars // (SLACK * longest)
 
 
+def refuse_by_length(tokenizer, req: ChatCompletionRequest | CompletionRequest, max_model_len: int) -> None:
+    """400 `context_length_exceeded` for a request whose text alone (the messages that
+    `truncate: "oldest"` would keep; each string prompt) cannot fit the window by the length bound:
+    the plan calls it before input moderation's scan when the model is resident, so a 0.5 MB chat
+    costs a length count, not a PII scan and a tokenization."""
+    reserve = req.requested_max_tokens() or 1
+    if isinstance(req, ChatCompletionRequest):
+        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if req.truncate == "oldest" and msgs:
+            msgs = [m for m in msgs[:-1] if m["role"] in ("system", "developer")] + msgs[-1:]
+        texts, param = [msgs], "messages"
+    else:
+        texts = [[{"content": req.prompt}]] if isinstance(req.prompt, str) else \
+            [[{"content": t}] for t in req.prompt if isinstance(t, str)]
+        param = "prompt"
+    for group in texts:
+        bound = min_tokens(tokenizer, group)
+        if bound + reserve > max_model_len:
+            raise ContextLengthExceeded(f"This model's maximum context length is {max_model_len} tokens, but the "
+                                        f"request needs at least {bound} prompt tokens + {reserve} max_tokens. "
+                                        f"Shorten the {param} or lower max_tokens.", param=param)
+
+
 def fit_messages(tokenizer, msgs: list[dict[str, Any]], *, max_model_len: int, max_tokens: int | None,
                  truncate: str | None, add_generation_prompt: bool = True, tools: list[dict] | None = None,
                  suffix: str = "") -> Prompt:

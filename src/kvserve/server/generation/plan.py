@@ -18,18 +18,25 @@ what came back is the `Generation` (state.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvserve.errors import InvalidRequest
+from kvserve.errors import InvalidRequest, KVServeError
 from kvserve.safety.moderator import ModerationConfig
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.server.gates.admission import engine_priority
 from kvserve.server.gates.moderation import annotation_header, has_token_prompts, prompt_tokenizer
-from kvserve.server.generation.context import Prompt, build_prompts, reasoning_budget, token_texts
+from kvserve.server.generation.context import (
+    Prompt,
+    build_prompts,
+    reasoning_budget,
+    refuse_by_length,
+    token_texts,
+)
 from kvserve.server.generation.engine import ModelHandle
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, check_caps, to_sampling_params
 from kvserve.server.routing.semantic_cache import CachePlan, Hit
@@ -113,11 +120,16 @@ class GenerationPlan:
 
 
 def check_before_load(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest) -> None:
-    """The gates that need no model, run before a model on demand is loaded or held: the caps (400)
-    and the key's tpm bound (429 when the answer's max_tokens alone, for every sequence, is more
+    """The gates that need no model, run before a model on demand is loaded or held: the caps (400),
+    the length bound when the model is resident (400, context.py) and the key's tpm bound (429 when the answer's max_tokens alone, for every sequence, is more
     than the key's bucket holds now: the lease's reservation, prompt included, could not fit).
     Takes nothing from the bucket: the reservation is the lease's (lease.py)."""
     check_caps(req, gw.settings)
+    engine = None
+    with contextlib.suppress(KVServeError):        # resident models only: a name's own errors come later
+        engine = gw.pool.entry(req.model).engine
+    if engine is not None:                         # a chat that can never fit: 400 before any scan
+        refuse_by_length(engine.tokenizer, req, engine.max_model_len)
     key = record.key
     max_tokens = req.requested_max_tokens()
     if key is not None and key.tpm is not None and max_tokens:
