@@ -306,7 +306,8 @@ class ModelPool:
             if not manages:
                 raise PermissionDenied("keep_alive 0 unloads a model other keys may be using: only the server's "
                                        "--api-key may do that. Leave keep_alive out to let it expire.")
-            e.keep_alive = 0.0
+            if e.engine is not None:          # resident: unloaded now, or when its last request ends
+                e.keep_alive = 0.0            # (reset by the unload: the next load starts from the default)
             await self.residency.unload(e, "request")
             return
         (await self.residency.acquire(e)).release()
