@@ -343,7 +343,7 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
         hold = None
         fim = None
         if body.suffix and not body.raw:     # tokenized off the event loop, as every prompt
-            plain, _, plain_chat = generate_request(body, None)     # the gates that need no model first
+            plain, _, plain_chat = generate_request(body.model_copy(update={"suffix": None}), None)   # gates first
             check_before_load(gw, record, validate_body(plain, ChatCompletionRequest if plain_chat
                                                         else CompletionRequest))
             charge_load(gw, record, served_name(body.model))
