@@ -260,6 +260,43 @@ HOSTILE: list[tuple[str, Send]] = [
     *UPLOAD_KINDS,
 ]
 
+# ---- issue 60: keep_alive abuse and models on demand (their own block: other kinds are added above) ----
+
+ON_DEMAND_MODEL = "ondemand-probe"    # a model of the server's --models-dir when it has one; else a 404
+
+
+def keep_alive_abuse(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """keep_alive NaN, infinity and 1e12 (60: afterwards /api/ps answered 500 to everyone), 0 on the
+    server's own model (60: any key could unload a shared model); returns /api/ps, which must stay 200."""
+    model = client.get(base_url + "/v1/models", headers=headers, timeout=60).json()["data"][0]["id"]
+    for raw in ("NaN", "Infinity", "1e12", "-1", "0"):
+        client.post(base_url + "/api/generate", headers=headers | {"content-type": "application/json"},
+                    timeout=600, content=f'{{"model": "{model}", "keep_alive": {raw}}}')
+    client.post(base_url + "/api/chat", headers=headers, timeout=600, json={
+        "model": model, "keep_alive": "1e12h", "stream": False, "options": {"num_predict": 1},
+        "messages": [{"role": "user", "content": "hi"}]})
+    return client.get(base_url + "/api/ps", headers=headers, timeout=600)
+
+
+def on_demand_loads(client: httpx.Client, base_url: str, headers: dict) -> httpx.Response:
+    """Requests that would load a model on demand for free or for nothing (60): refused ones (tpm,
+    caps), lookups (/tokenize, count_tokens), unknown names (a --models-dir rescan each)."""
+    chat = {"model": ON_DEMAND_MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    client.post(base_url + "/v1/chat/completions", headers=headers, timeout=600, json=chat | {"temperature": 50})
+    client.post(base_url + "/tokenize", headers=headers, timeout=600, json={"model": ON_DEMAND_MODEL, "prompt": "hi"})
+    client.post(base_url + "/v1/messages/count_tokens", headers=headers, timeout=600, json=chat)
+    client.post(base_url + "/v1/chat/completions", headers=headers, timeout=600,
+                json=chat | {"model": f"no-such-model-{time.monotonic_ns()}", "max_tokens": 1})
+    return client.post(base_url + "/v1/chat/completions", headers=headers, timeout=600,
+                       json=chat | {"max_tokens": 100_000})
+
+
+ON_DEMAND_KINDS: list[tuple[str, Send]] = [
+    ("keep_alive_abuse", keep_alive_abuse),
+    ("on_demand_loads", on_demand_loads),
+]
+HOSTILE += ON_DEMAND_KINDS
+
 # Kinds the bystander check sends but the soak's mix does not (yet): each takes seconds of decoding,
 # and the short soak must send every kind of its mix within 30 s.
 SLOW_KINDS: list[tuple[str, Send]] = [

@@ -167,7 +167,8 @@ def test_ollama_client(server):
     assert r.done and r.message.content is not None
     assert "bravo" in {m.model for m in client.ps().models}
     ps = {m.model: m for m in client.ps().models}
-    assert ps["bravo"].expires_at.year < 2300 and ps["alpha"].expires_at.year >= 2300   # alpha: keep_alive -1
+    # alpha: keep_alive -1, "forever", clamped to --keep-alive-max (1 h; issue 60): later than bravo's 10 m
+    assert ps["bravo"].expires_at < ps["alpha"].expires_at and ps["alpha"].expires_at.year < 2300
 
 
 def test_a_request_waits_for_the_load_then_gets_503(tmp_path):

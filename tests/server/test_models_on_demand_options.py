@@ -3,11 +3,12 @@ directory scan and `kvserve serve`'s model options (server/routing/residency.py,
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
-from kvserve.errors import InvalidRequest
+from kvserve.errors import InvalidRequest, ModelNotFound
 from kvserve.server.routing.pool import ModelPool, model_options
 from kvserve.server.routing.residency import memory_budget, model_bytes, parse_keep_alive, scan_models_dir
 from kvserve.server.settings import ServerSettings
@@ -51,7 +52,16 @@ def test_scan_and_pool_entries(tmp_path):
     assert [s.state for s in pool.statuses()] == ["unloaded", "unloaded"] and pool.statuses(loaded_only=True) == []
     assert pool.cards(0) == [] and [c["kvserve_state"] for c in pool.cards(0, unloaded=True)] == ["unloaded"] * 2
     (tmp_path / "c.gguf").symlink_to(src)             # copied in later: found by the first request naming it
+    with pytest.raises(ModelNotFound):
+        pool.entry("c")                               # a lookup never scans (it runs on the event loop)
+    pool._scanned_at = 0.0
+    asyncio.run(pool.rescan_for("c"))                 # a generation's hold does, in a thread
     assert pool.entry("c").name == "c"
+    (tmp_path / "d.gguf").symlink_to(src)
+    asyncio.run(pool.rescan_for("d"))                 # at most once every SCAN_EVERY_S
+    with pytest.raises(ModelNotFound):
+        pool.entry("d")
+    (tmp_path / "d.gguf").unlink()
 
     pinned = ModelPool(ServerSettings(load_model=False, model="smollm2-135m-instruct", models_dir=str(tmp_path)))
     assert [e.spec.on_demand for e in pinned.entries] == [False, True, True, True]

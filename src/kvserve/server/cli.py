@@ -10,7 +10,7 @@ import typer
 
 from kvserve.engine.spec_decode.config import NUM_SPEC_HELP, SPECULATIVE_HELP
 from kvserve.engine.step_cost import DEFAULT_MAX_STEP_MS
-from kvserve.errors import KVServeError
+from kvserve.errors import InvalidRequest, KVServeError
 from kvserve.server.cli_common import DatabaseUrl, DataDir, RedisUrl, user_errors
 from kvserve.server.keys_cli import keys_app
 from kvserve.server.settings import ServerSettings, default_data_dir
@@ -65,6 +65,11 @@ def serve(
                                       "past it the least recently used idle model on demand is unloaded."),
     keep_alive: str = typer.Option(None, "--keep-alive", help="How long a model on demand stays loaded after its "
                                    "last request: 5m (default), seconds, 1h; 0: unload at once; negative: forever."),
+    keep_alive_max: str = typer.Option("1h", "--keep-alive-max", help="The longest keep_alive a request may ask "
+                                       "for (Ollama's field; longer ones, and negative ones, are clamped to it)."),
+    model_loads_per_minute: int = typer.Option(6, "--model-loads-per-minute", min=1, help="Loads of models on "
+                                               "demand one key may start a minute (past it: 429); the --api-key "
+                                               "has no limit."),
     semantic_cache: str = typer.Option("on", "--semantic-cache", help="on or off: answer repeated and "
                                        "paraphrased requests from the semantic cache (docs/models.md)."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
@@ -240,6 +245,13 @@ def serve(
     with user_errors(2):
         models, router, cache_options, on_demand = model_options(model or [], models_config, models_dir,
                                                                  models_memory, keep_alive)
+        from kvserve.server.routing.residency import parse_keep_alive
+
+        longest = parse_keep_alive(keep_alive_max, "--keep-alive-max")
+        if longest is None or longest < 0:
+            raise InvalidRequest("--keep-alive-max must be a duration such as 1h.", param="keep_alive_max")
+        on_demand["keep_alive_max_s"] = longest
+        on_demand["model_loads_per_minute"] = model_loads_per_minute
         router_name = router_opt
     if semantic_cache not in ("on", "off"):
         typer.echo("error: --semantic-cache must be on or off", err=True)

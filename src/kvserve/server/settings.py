@@ -34,6 +34,8 @@ class ServerSettings:
     models_dir: str | None = None
     models_memory: int | float | str | None = None
     keep_alive_s: float = 300.0
+    keep_alive_max_s: float = 3600.0   # a request's keep_alive is clamped to this (negative: to this too)
+    model_loads_per_minute: int = 6    # loads of models on demand one key may start a minute
     model_load_timeout_s: float = 120.0
     # The semantic cache (server/routing/semantic_cache.py): on by default; its options
     # (threshold, ttl_s, ...).

@@ -45,7 +45,9 @@ from kvserve.server.api.ollama_fim import fim_prompt
 from kvserve.server.api.ollama_models import mount_ollama_models, served_name
 from kvserve.server.api.ollama_wire import OllamaRenderer, line, now
 from kvserve.server.api.shared import count_prompt_tokens, deliver, start, under_lease
+from kvserve.server.gates.auth import manages_models
 from kvserve.server.generation import ModelHandle, run_generation
+from kvserve.server.generation.plan import charge_load, check_before_load
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,8 +55,10 @@ from kvserve.server.protocol import (
     read_request,
     validate_body,
 )
+from kvserve.server.routing.residency import Hold
 
 if TYPE_CHECKING:
+    from kvserve.server.records import RequestRecord
     from kvserve.server.state import ServerState
 
 OLLAMA_VERSION = "0.12.0"     # the Ollama API version whose routes and fields this module speaks
@@ -283,10 +287,21 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
     settings = gw.settings
 
     async def generation(request: Request, body: dict[str, Any], num_ctx: int | None, chat: bool,
-                         model: str) -> Response:
-        req = validate_body(body, ChatCompletionRequest if chat else CompletionRequest)
-        await _cap_to_window(gw, req, num_ctx, request.state.record.key_name)
-        gen, lease = await start(gw, request, req, "chat" if chat else "completion")
+                         model: str, hold: Hold | None) -> Response:
+        """`hold`: the model on demand, held (loaded) only when num_ctx or a suffix needs its tokenizer,
+        after the gates that need no model; given back once the plan holds it."""
+        try:
+            req = validate_body(body, ChatCompletionRequest if chat else CompletionRequest)
+            check_before_load(gw, request.state.record, req)
+            if num_ctx is not None:
+                if hold is None:
+                    charge_load(gw, request.state.record, served_name(model))
+                    hold = await gw.pool.acquire(served_name(model))
+                await _cap_to_window(gw, req, num_ctx, request.state.record.key_name)
+            gen, lease = await start(gw, request, req, "chat" if chat else "completion")
+        finally:
+            if hold is not None:
+                hold.release()                                # the request's lease holds it from here
         render = OllamaRenderer(gen, chat=request.url.path == "/api/chat", model=model)
 
         async def whole() -> Response:
@@ -297,9 +312,11 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
 
         return await deliver(gw, request, gen, lease, lines, whole, media_type="application/x-ndjson")
 
-    async def load(body: ChatBody | GenerateBody, chat: bool) -> Response:
+    async def load(body: ChatBody | GenerateBody, chat: bool, record: RequestRecord) -> Response:
         """Ollama's way to load (keep_alive 0: unload) a model: a request with nothing to answer."""
-        await gw.pool.preload(served_name(body.model), body.keep_alive)
+        if body.keep_alive not in (0, "0", "0s"):
+            charge_load(gw, record, served_name(body.model))
+        await gw.pool.preload(served_name(body.model), body.keep_alive, manages_models(record))
         out: dict[str, Any] = {"model": body.model, "created_at": now()}
         out |= {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
         out |= {"done": True, "done_reason": "unload" if body.keep_alive in (0, "0", "0s") else "load"}
@@ -308,32 +325,36 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
     @app.post("/api/chat")
     async def chat(request: Request) -> Response:
         body = await read_request(request, ChatBody, settings)
+        record = request.state.record
         if not body.messages:
-            return await load(body, chat=True)
-        gw.pool.set_keep_alive(body.keep_alive)
+            return await load(body, chat=True, record=record)
+        gw.pool.set_keep_alive(body.keep_alive, manages_models(record))
         chat_body, num_ctx = chat_request(body)
-        hold = await gw.pool.acquire(served_name(body.model))   # on demand: loaded before num_ctx reads it
-        try:
-            return await generation(request, chat_body, num_ctx, True, body.model)
-        finally:
-            hold.release()                                       # the request's lease holds it from here
+        return await generation(request, chat_body, num_ctx, True, body.model, None)
 
     @app.post("/api/generate")
     async def generate(request: Request) -> Response:
         body = await read_request(request, GenerateBody, settings)
+        record = request.state.record
         if not body.prompt and not body.system and not body.suffix:
-            return await load(body, chat=False)
-        gw.pool.set_keep_alive(body.keep_alive)
-        hold = await gw.pool.acquire(served_name(body.model))   # on demand: loaded before suffix or num_ctx read it
-        try:
-            fim = None
-            if body.suffix and not body.raw:     # tokenized off the event loop, as every prompt
-                tokenizer = ModelHandle.resolve(gw, served_name(body.model), request.state.record.key_name).tokenizer
+            return await load(body, chat=False, record=record)
+        gw.pool.set_keep_alive(body.keep_alive, manages_models(record))
+        hold = None
+        fim = None
+        if body.suffix and not body.raw:     # tokenized off the event loop, as every prompt
+            plain, _, plain_chat = generate_request(body.model_copy(update={"suffix": None}), None)   # gates first
+            check_before_load(gw, record, validate_body(plain, ChatCompletionRequest if plain_chat
+                                                        else CompletionRequest))
+            charge_load(gw, record, served_name(body.model))
+            hold = await gw.pool.acquire(served_name(body.model))   # on demand: loaded before the suffix is read
+            try:
+                tokenizer = ModelHandle.resolve(gw, served_name(body.model), record.key_name).tokenizer
                 fim = await asyncio.to_thread(fim_prompt, tokenizer, body.model, body.prompt or "", body.suffix)
-            gen_body, num_ctx, is_chat = generate_request(body, fim)
-            return await generation(request, gen_body, num_ctx, is_chat, body.model)
-        finally:
-            hold.release()                                       # the request's lease holds it from here
+            except BaseException:
+                hold.release()
+                raise
+        gen_body, num_ctx, is_chat = generate_request(body, fim)
+        return await generation(request, gen_body, num_ctx, is_chat, body.model, hold)
 
     @app.post("/api/embed")
     async def embed(request: Request) -> dict:

@@ -33,6 +33,7 @@ import pathlib
 import struct
 import threading
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -73,6 +74,10 @@ class ModelFacts:
 
 _FACTS: dict[tuple[str, int, int], ModelFacts] = {}
 _FACTS_LOCK = threading.Lock()     # one reader hashes a file; the others wait for its facts
+# The model files' facts are read (and hashed on first sight: seconds for a large file) by this one
+# thread, never in the event loop's default pool that tokenizing, templates and stores share: a
+# client listing /api/tags in a loop queues behind itself, not in front of everyone's requests.
+_FACTS_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-model-facts")
 
 
 def human_number(n: int) -> str:
@@ -263,7 +268,7 @@ def mount_ollama_models(app: FastAPI, gw: ServerState) -> None:
         return dataclasses.replace(named(c["id"], facts.family), format=facts.format) if c.get("parent") else facts
 
     async def facts(cs: list[dict[str, Any]]) -> list[ModelFacts]:
-        return await asyncio.to_thread(lambda: [facts_of(c) for c in cs])
+        return await asyncio.get_running_loop().run_in_executor(_FACTS_POOL, lambda: [facts_of(c) for c in cs])
 
     @app.get("/api/tags")
     async def tags(request: Request) -> dict:

@@ -62,6 +62,12 @@ def _header(scope: dict, name: bytes) -> str | None:
     return None
 
 
+def manages_models(record: RequestRecord) -> bool:
+    """Whether a request's caller may act on models other keys share (unload one with keep_alive 0,
+    shorten its keep_alive): the server's own --api-key, or anyone on a server without keys."""
+    return record.key is None or record.key.name == CLI_KEY_NAME
+
+
 async def send_error(send, err: KVServeError, headers: list[tuple[bytes, bytes]] | None = None,
                      path: str = "") -> None:
     status, shaped = shape_error(path, err.status, err.to_dict())   # the API's own error shape

@@ -140,6 +140,22 @@ class RateLimiter:
                 f"request reserves {amount}. Retry after {math.ceil(wait)} s.", retry_after=wait)
         return amount
 
+    def check_tokens(self, key_name: str, tpm: int, amount: int, param: str = "max_tokens") -> None:
+        """429 when `amount` tokens could not be reserved now (more than the key's tpm: never; more
+        than its bucket holds: retry later), taking none: the check a request passes before it may
+        load a model, ahead of the reservation that needs the prompt's tokens."""
+        if amount > tpm:
+            err = RateLimitError(f"max_tokens asks for {amount} tokens but key {key_name!r} is limited to {tpm} "
+                                 f"tokens per minute. Lower max_tokens.", param=param, retry_after=60.0)
+            err.should_retry = False
+            raise err
+        tokens = self._peek(key_name, "tpm", tpm)
+        if tokens < amount:
+            wait = (amount - tokens) / (tpm / 60.0)
+            raise RateLimitError(f"Token rate limit reached for key {key_name!r}: {tpm} tokens per minute and this "
+                                 f"request reserves at least {amount}. Retry after {math.ceil(wait)} s.",
+                                 retry_after=wait)
+
     def refund_tokens(self, key_name: str, tpm: int | None, amount: int) -> None:
         if tpm is None or amount <= 0:
             return

@@ -8,6 +8,11 @@ one at a time, until prompt + max_tokens fits; the system prompt(s) and the last
 always kept. Without it, a prompt that does not fit is a 400 `context_length_exceeded`. What was
 dropped is in the prompt (`dropped_messages`) and in `kvserve_trace.context`.
 
+Before any rendering or tokenizing, a cheap bound turns away what can never fit: a text of C
+characters is at least C / (SLACK x the longest token's length) tokens, so a 0.5 MB chat for a
+512-token window is refused (or, with truncation, loses the turns that alone overflow) after a
+length count, not after tokenizing 275k tokens (issue 60: 1 s of a core per hostile request).
+
 The conversation itself is assembled here too, for every API that has one: chat completions send
 it whole; the Responses API (server/api/responses.py) builds it with `conversation()`: the
 instructions as the system prompt, the stored history of `previous_response_id`
@@ -16,6 +21,7 @@ instructions as the system prompt, the stored history of `previous_response_id`
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +141,71 @@ def build_chat_prompt(tokenizer, messages: list[ChatMessage], *, max_model_len: 
                         add_generation_prompt=add_generation_prompt, tools=tool_defs, suffix=suffix)
 
 
+SLACK = 4     # normalizers may fold characters (NFKC): the bound stays below the true count by this much
+
+
+@functools.lru_cache(maxsize=16)
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for (its longest vocabulary entry, added
+    and special tokens included: a byte-level entry has one character per byte it covers)."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:
+        return 0
+    return max((len(t) for t in hf.get_vocab(with_added_tokens=True)), default=0)
+
+
+def min_tokens(tokenizer, msgs: list[dict[str, Any]]) -> int:
+    """A lower bound on the tokens `msgs` render to, from their lengths alone (0: no bound known)."""
+    longest = longest_token_chars(tokenizer)
+    if not longest:
+        return 0
+    chars = sum(len(m["content"]) for m in msgs if isinstance(m.get("content"), str))
+    return chars // (SLACK * longest)
+
+
+def _drop_by_bound(tokenizer, msgs: list[dict[str, Any]], budget: int,
+                   drop_oldest: bool) -> tuple[list[dict[str, Any]], int, int]:
+    """(the messages left, how many were dropped, their lower bound) after dropping, with
+    `drop_oldest`, the oldest non-system turns (never the last message) while the rest's lower
+    bound alone is over `budget`; counts characters only."""
+    bound = min_tokens(tokenizer, msgs)
+    if bound <= budget or not drop_oldest:
+        return msgs, 0, bound
+    droppable = [i for i, m in enumerate(msgs[:-1]) if m["role"] != "system"]
+    longest = longest_token_chars(tokenizer)
+    chars = sum(len(m["content"]) for m in msgs if isinstance(m.get("content"), str))
+    k = 0
+    while k < len(droppable) and chars // (SLACK * longest) > budget:
+        content = msgs[droppable[k]].get("content")
+        chars -= len(content) if isinstance(content, str) else 0
+        k += 1
+    gone = set(droppable[:k])
+    return [m for i, m in enumerate(msgs) if i not in gone], k, chars // (SLACK * longest)
+
+
+def refuse_by_length(tokenizer, req: ChatCompletionRequest | CompletionRequest, max_model_len: int) -> None:
+    """400 `context_length_exceeded` for a request whose text alone (the messages that
+    `truncate: "oldest"` would keep; each string prompt) cannot fit the window by the length bound:
+    the plan calls it before input moderation's scan when the model is resident, so a 0.5 MB chat
+    costs a length count, not a PII scan and a tokenization."""
+    reserve = req.requested_max_tokens() or 1
+    if isinstance(req, ChatCompletionRequest):
+        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if req.truncate == "oldest" and msgs:
+            msgs = [m for m in msgs[:-1] if m["role"] in ("system", "developer")] + msgs[-1:]
+        texts, param = [msgs], "messages"
+    else:
+        texts = [[{"content": req.prompt}]] if isinstance(req.prompt, str) else \
+            [[{"content": t}] for t in req.prompt if isinstance(t, str)]
+        param = "prompt"
+    for group in texts:
+        bound = min_tokens(tokenizer, group)
+        if bound + reserve > max_model_len:
+            raise ContextLengthExceeded(f"This model's maximum context length is {max_model_len} tokens, but the "
+                                        f"request needs at least {bound} prompt tokens + {reserve} max_tokens. "
+                                        f"Shorten the {param} or lower max_tokens.", param=param)
+
+
 def fit_messages(tokenizer, msgs: list[dict[str, Any]], *, max_model_len: int, max_tokens: int | None,
                  truncate: str | None, add_generation_prompt: bool = True, tools: list[dict] | None = None,
                  suffix: str = "") -> Prompt:
@@ -142,16 +213,23 @@ def fit_messages(tokenizer, msgs: list[dict[str, Any]], *, max_model_len: int, m
     fits: the one place a conversation is fitted to the window (chat completions, Responses and
     `kvserve chat` all end here). `truncate="oldest"` drops the oldest non-system turns."""
     reserve = max_tokens if max_tokens is not None else 1
-    # The tokenizer's sandboxed template raises InvalidRequest(param="messages") itself.
-    fitted = fit_chat(tokenizer, msgs, max_model_len - reserve, drop_oldest=truncate == "oldest",
-                      add_generation_prompt=add_generation_prompt, tools=tools, suffix=suffix)
-    text, ids, dropped = fitted.text, fitted.token_ids, fitted.dropped_messages
-    if not fitted.fits:
-        what = f"{len(ids)} prompt tokens" + (f" + max_tokens {max_tokens}" if max_tokens else "")
-        hint = ("shorten the messages or lower max_tokens" if truncate == "oldest" else
-                'shorten the messages, lower max_tokens, or send "truncate": "oldest" to drop old turns')
+    budget = max_model_len - reserve
+    hint = ("shorten the messages or lower max_tokens" if truncate == "oldest" else
+            'shorten the messages, lower max_tokens, or send "truncate": "oldest" to drop old turns')
+    extra = f" + max_tokens {max_tokens}" if max_tokens else ""
+    msgs, predropped, bound = _drop_by_bound(tokenizer, msgs, budget, truncate == "oldest")
+    if bound > budget:      # refused on its length alone: nothing rendered or tokenized
         raise ContextLengthExceeded(f"This model's maximum context length is {max_model_len} tokens, but "
-                                    f"the request needs {what}. Please {hint}.", param="messages")
+                                    f"the request needs at least {bound} prompt tokens{extra}. Please {hint}.",
+                                    param="messages")
+    # The tokenizer's sandboxed template raises InvalidRequest(param="messages") itself.
+    fitted = fit_chat(tokenizer, msgs, budget, drop_oldest=truncate == "oldest",
+                      add_generation_prompt=add_generation_prompt, tools=tools, suffix=suffix)
+    text, ids, dropped = fitted.text, fitted.token_ids, fitted.dropped_messages + predropped
+    if not fitted.fits:
+        raise ContextLengthExceeded(f"This model's maximum context length is {max_model_len} tokens, but "
+                                    f"the request needs {len(ids)} prompt tokens{extra}. Please {hint}.",
+                                    param="messages")
     return Prompt(token_ids=ids, text=text, dropped_messages=dropped, forced_prefix=suffix)
 
 
@@ -189,6 +267,13 @@ def build_prompts(tokenizer, req: ChatCompletionRequest | CompletionRequest, *, 
         return [build_chat_prompt(tokenizer, req.messages, max_model_len=max_model_len, max_tokens=max_tokens,
                                   truncate=req.truncate, add_generation_prompt=req.add_generation_prompt,
                                   tools=tools, think=reasoning_budget(req) is not None)]
+    texts = [req.prompt] if isinstance(req.prompt, str) else [t for t in req.prompt if isinstance(t, str)]
+    for text in texts:      # refused on its length alone, before tokenizing (see the module docstring)
+        bound = min_tokens(tokenizer, [{"content": text}])
+        if bound + (max_tokens or 1) > max_model_len:
+            raise ContextLengthExceeded(f"This model's maximum context length is {max_model_len} tokens, but the "
+                                        f"request needs at least {bound} prompt tokens + {max_tokens or 1} "
+                                        "max_tokens. Shorten the prompt or lower max_tokens.", param="prompt")
     prompts = build_completion_prompts(tokenizer, req.prompt, vocab_size=getattr(tokenizer, "vocab_size", None))
     for p in prompts:
         check_fits(p, max_tokens, max_model_len)

@@ -1,6 +1,7 @@
 """What a generation holds while it runs, and the one place it is given back.
 
-`Lease.acquire` takes the key's token reservation (429) and then an admission slot (waits; 503
+`Lease.acquire` takes over the plan's holds on models on demand (plan.py), takes the key's token
+reservation (429) and then an admission slot (waits; 503
 when the queue is full; the wait ends if the client hangs up). The run adds the engine requests
 and the pumps that merge several prompts' streams. `async with lease:` around the part that
 consumes the run gives everything back exactly once however it ends (a complete answer, an error,
@@ -104,14 +105,15 @@ class Lease:
 
     @classmethod
     async def acquire(cls, gw: ServerState, gen: Generation, record: RequestRecord, receive: Receive) -> Lease:
-        """The token reservation, then an admission slot; nothing is held when this raises. A cached
-        answer takes neither."""
+        """The token reservation, then an admission slot; nothing is held when this raises (the
+        plan's holds on models on demand included: 429, 503, a hang-up all give them back). A
+        cached answer takes neither."""
         lease = cls(gw, gen, record)
         plan = gen.plan
-        if plan.cached is not None:
-            return lease
-        lease.reservation = Reservation.take(gw, record, plan.reserve_tokens)
-        try:
+        try:     # from here on the lease owns the plan's holds: a refusal below gives them back too
+            if plan.cached is not None:
+                return lease
+            lease.reservation = Reservation.take(gw, record, plan.reserve_tokens)
             lease.ticket = await until_disconnected(receive, gw.admission.acquire(plan.priority))
         except BaseException as e:
             await lease.release(outcome(e)[0])

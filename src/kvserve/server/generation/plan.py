@@ -1,8 +1,10 @@
 """The generation plan: what one request will run, built once from any API's body, gates included.
 
-    parse (the API's module) → `build_plan`: a model on demand loaded (waits) and held until the
-    lease ends (routing/residency.py) → caps (400) → input moderation (400) → route: the
-    model ("auto": the router), the pool (404; 503 while loading) → the ladder's max_tokens cap
+    parse (the API's module) → `build_plan`: caps (400) → the key's tpm bound (429: the
+    answer's max_tokens alone does not fit the bucket) → input moderation (400) → only then a
+    model on demand loaded (waits) and held until the lease ends (routing/residency.py), so a
+    refused request never loads a model → route: the model ("auto": the router), the pool
+    (404; 503 while loading) → the ladder's max_tokens cap
     → the semantic cache (a candidate answer becomes the engine request's draft, verified by the
     model; with `verify` off a hit is a plan with a cached answer and nothing to run) → the prompt:
     template + tokenize in a thread (context.py; 400 when it does not fit) → grammar compiled off
@@ -16,6 +18,7 @@ what came back is the `Generation` (state.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -27,13 +30,20 @@ from kvserve.safety.moderator import ModerationConfig
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.server.gates.admission import engine_priority
 from kvserve.server.gates.moderation import annotation_header, has_token_prompts
-from kvserve.server.generation.context import Prompt, build_prompts, reasoning_budget, token_texts
+from kvserve.server.generation.context import (
+    Prompt,
+    build_prompts,
+    reasoning_budget,
+    refuse_by_length,
+    token_texts,
+)
 from kvserve.server.generation.engine import ModelHandle
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, check_caps, to_sampling_params
 from kvserve.server.routing.semantic_cache import CachePlan, Hit
 from kvserve.server.stages import Stage, build_stages
 from kvserve.server.stages.structured import for_request
 from kvserve.server.stages.tools import ToolPlan, make_plan
+from kvserve.server.stores.keys import CLI_KEY_NAME
 
 if TYPE_CHECKING:
     from kvserve.server.records import RequestRecord
@@ -110,12 +120,51 @@ class GenerationPlan:
         return sum(len(p.token_ids) + self.params.max_tokens * self.params.num_sequences for p in self.prompts)
 
 
+def check_before_load(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest) -> None:
+    """The gates that need no model, run before a model on demand is loaded or held: the caps (400),
+    the length bound when the model is resident (400, context.py) and the key's tpm bound (429 when the answer's max_tokens alone, for every sequence, is more
+    than the key's bucket holds now: the lease's reservation, prompt included, could not fit).
+    Takes nothing from the bucket: the reservation is the lease's (lease.py)."""
+    check_caps(req, gw.settings)
+    engine = None
+    with contextlib.suppress(KVServeError):        # resident models only: a name's own errors come later
+        engine = gw.pool.entry(req.model).engine
+    if engine is not None:                         # a chat that can never fit: 400 before any scan
+        refuse_by_length(engine.tokenizer, req, engine.max_model_len)
+    key = record.key
+    max_tokens = req.requested_max_tokens()
+    if key is not None and key.tpm is not None and max_tokens:
+        sequences = max(req.n, req.best_of or 0, 1)
+        gw.limiter.check_tokens(record.key_name, key.tpm, max_tokens * sequences)
+
+
+def charge_load(gw: ServerState, record: RequestRecord, requested: str | None) -> None:
+    """429 when the caller's key has started `--model-loads-per-minute` loads of models on demand in
+    the last minute and this request would start another; else count this one. A load costs seconds of CPU
+    and evicts idle models other keys use: a key cycling through a directory's models must not."""
+    if record.key is None or record.key.name == CLI_KEY_NAME or not gw.pool.would_load(requested):
+        return
+    bucket, per_minute = f"{record.key_name}:model-loads", gw.settings.model_loads_per_minute   # ':': no key's name
+    gw.limiter.refuse_if_empty(bucket, per_minute, f"Loads of models on demand for key {record.key_name!r}")
+    gw.limiter.take_one(bucket, per_minute)
+
+
 async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest,
                      kind: Kind) -> GenerationPlan:
-    """The plan for one validated request, every gate passed in order (see the module's docstring)."""
+    """The plan for one validated request, every gate passed in order (see the module's docstring).
+    The holds on models on demand are taken after the gates that need no model and given back here
+    when a later gate refuses; from the plan's return on, the plan's `Lease` owns them."""
+    check_before_load(gw, record, req)
+    moderation = gw.moderation.config_for(record, req)    # input moderation, before any load or queue (400)
+    checks = None
+    if not has_token_prompts(req):    # token-id prompts are decoded by their model's tokenizer: after the load
+        checks = await gw.moderation.check_input_async(req, record, moderation, None)
+    charge_load(gw, record, req.model)
     holds = [await gw.pool.acquire(req.model)]
     try:
-        plan = await _build_plan(gw, record, req, kind)
+        if checks is None:
+            checks = await gw.moderation.check_input_async(req, record, moderation, prompt_tokenizer(gw, req))
+        plan = await _build_plan(gw, record, req, kind, moderation, checks)
         if plan.route is not None:        # "auto": the model the router chose (resident: no wait)
             holds.append(await gw.pool.acquire(plan.model.name))
     except BaseException:
@@ -127,12 +176,8 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
 
 
 async def _build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest,
-                      kind: Kind) -> GenerationPlan:
+                      kind: Kind, moderation: ModerationConfig, checks: list[dict[str, Any]]) -> GenerationPlan:
     chat = kind == "chat"
-    check_caps(req, gw.settings)
-    moderation = gw.moderation.config_for(record, req)    # input moderation, before any queue (400)
-    checks = await gw.moderation.check_input_async(req, record, moderation,
-                                                   prompt_tokenizer(gw, req) if not chat else None)
     timings = Timings(t0=record.t0, parsed=time.monotonic())
     requested, route, query = await gw.routing.route(req, kind, record.key_tier)
     model = ModelHandle.resolve(gw, requested, record.key_name)

@@ -26,58 +26,25 @@ import pathlib
 import threading
 import time
 import tomllib
-from dataclasses import dataclass, field
-from typing import Any
 
 from kvserve.errors import InvalidRequest, KVServeError, ModelNotFound, Overloaded
+from kvserve.server.routing.model_entry import ModelEntry, ModelSpec
 from kvserve.server.routing.residency import (
     REQUEST_KEEP_ALIVE,
+    REQUEST_MANAGES,
     Hold,
     ModelStatus,
+    PermissionDenied,
     Residency,
     memory_budget,
     model_bytes,
     parse_keep_alive,
     scan_models_dir,
+    without_paths,
 )
 
 logger = logging.getLogger("kvserve.server")
-ENGINE_KEYS = ("max_model_len", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-               "long_prefill_token_threshold", "max_num_partial_prefills", "max_step_ms", "max_decode_slowdown",
-               "threads")
-
-
-@dataclass
-class ModelSpec:
-    """One served model: a name clients send, what to load, and how."""
-
-    name: str | None                  # None: the engine's own model name
-    path: str | None                  # built-in name, .gguf file or HF directory; None: the default model
-    engine: dict = field(default_factory=dict)   # EngineConfig overrides (kv_cache_memory, ...)
-    engine_process: bool | None = None
-    weight_format: str | None = None
-    cost_per_1k_tokens: float = 1.0   # for the router and the usage's cost
-    on_demand: bool = False           # loaded by the first request naming it, unloaded when idle
-
-    @classmethod
-    def parse(cls, text: str) -> ModelSpec:
-        """`NAME=PATH` or `PATH` (the name is then the engine's)."""
-        name, sep, path = text.partition("=")
-        if not sep:
-            return cls(name=None, path=text or None)
-        if not name.strip() or not path.strip():
-            raise InvalidRequest(f"--model {text!r}: expected NAME=PATH", param="model")
-        return cls(name=name.strip(), path=path.strip())
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ModelSpec:
-        if not isinstance(d, dict) or "path" not in d and "name" not in d:
-            raise InvalidRequest(f"model entry {d!r}: needs at least name or path", param="models")
-        engine = dict(d.get("engine") or {})
-        engine.update({k: d[k] for k in ENGINE_KEYS if k in d})
-        return cls(name=d.get("name"), path=d.get("path"), engine=engine, engine_process=d.get("engine_process"),
-                   weight_format=d.get("weight_format"), cost_per_1k_tokens=float(d.get("cost_per_1k_tokens", 1.0)),
-                   on_demand=bool(d.get("on_demand", False)))
+SCAN_EVERY_S = 2.0    # --models-dir is scanned for an unknown name at most this often
 
 
 def read_config(path: str | pathlib.Path) -> dict:
@@ -125,28 +92,6 @@ def model_options(values: list[str], config: str | pathlib.Path | None, models_d
     return specs, router, cache, on_demand
 
 
-@dataclass
-class ModelEntry:
-    spec: ModelSpec
-    engine: Any = None                # an EngineClient once loaded
-    name: str | None = None           # the served name (spec.name, or the engine's once loaded)
-    load_error: str | None = None
-    restarts: int = 0
-    size_bytes: int = 0               # weight files + KV cache budget (the models' memory budget counts it)
-    # on demand (residency.py): requests holding it, its last use (monotonic), when it unloads if
-    # still idle (epoch s), the last request's keep_alive (s; None: the server's), the load running
-    holds: int = 0
-    last_used: float = 0.0
-    expires_at: float | None = None
-    loaded_at: float | None = None
-    keep_alive: float | None = None
-    loading: asyncio.Future | None = None
-
-    @property
-    def cost_per_token(self) -> float:
-        return self.spec.cost_per_1k_tokens / 1000.0
-
-
 class ModelPool:
     """Named engine clients. Agnostic of the client kind: it calls `make_engine_client`-like
     factories, `start()`, `shutdown()`, `health()` and reads `model_name`/`max_model_len`."""
@@ -174,6 +119,7 @@ class ModelPool:
         self.on_load_failed = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.lora_owners: dict[str, str] = {}   # adapter -> the key it was loaded for (absent: everyone's)
+        self._scanned_at = time.monotonic()     # the last --models-dir scan (throttled: SCAN_EVERY_S)
 
     def _entry(self, spec: ModelSpec) -> ModelEntry:
         kwargs = {**getattr(self.settings, "engine_kwargs", {}), **spec.engine}
@@ -219,9 +165,19 @@ class ModelPool:
         for e in self.loaded():       # a LoRA adapter over a model's base (engine/lora.py)
             if requested in e.engine.lora_names():
                 return e
-        if self.models_dir and self.scan():
-            return self.entry(requested)
         raise self._not_found(requested)
+
+    async def rescan_for(self, requested: str | None) -> None:
+        """A name the pool does not know may be a file copied into --models-dir since the last scan:
+        scan again, in a worker thread and at most once every SCAN_EVERY_S (a client sending unknown
+        names costs one directory listing per interval, never the event loop's time)."""
+        if not self.models_dir or requested in (None, "") or requested in self.names():
+            return
+        now = time.monotonic()
+        if now - self._scanned_at < SCAN_EVERY_S:
+            return
+        self._scanned_at = now
+        await asyncio.to_thread(self.scan)
 
     def _not_found(self, requested: str) -> ModelNotFound:
         served = ", ".join(repr(n) for n in self.names()) or "its model"
@@ -243,10 +199,10 @@ class ModelPool:
         e = self.entry(requested)
         if e.spec.on_demand:
             e.last_used = time.monotonic()          # looked up: not the least recently used
-        if e.engine is None and e.spec.on_demand:     # a synchronous lookup: start the load, retry later
-            if self.loop is not None:
-                self.loop.call_soon_threadsafe(self.residency.start_load, e)
-            raise Overloaded(f"The model {e.name} is loading; retry in a few seconds.", retry_after=5.0,
+        if e.engine is None and e.spec.on_demand:     # a lookup loads nothing: only a generation's hold does
+            state = "loading" if e.loading is not None else "not loaded"
+            raise Overloaded(f"The model {e.name} is {state}; a generation request naming it loads it "
+                             "(/tokenize, token counts and lookups never do).", retry_after=5.0,
                              code="model_not_ready")
         if e.engine is None:
             msg = (f"The model {e.name or e.spec.path or 'default'} failed to load: {e.load_error}"
@@ -260,31 +216,49 @@ class ModelPool:
         """Hold the on-demand model a request names for the request's life, loading it first (waits;
         503 with Retry-After past the load timeout). Any other name: a no-op hold (its errors are
         `resolve`'s, raised in their usual place)."""
+        await self.rescan_for(requested)
         try:
             e = self.entry(requested)
         except ModelNotFound:
             return Hold()
         return await self.residency.acquire(e)
 
-    async def preload(self, requested: str, keep_alive) -> None:
+    def would_load(self, requested: str | None) -> bool:
+        """Whether holding `requested` now would start a load (an on-demand model neither resident
+        nor loading): what the per-key load limit counts (plan.py's `charge_load`)."""
+        try:
+            e = self.entry(requested)
+        except ModelNotFound:
+            return False
+        return e.spec.on_demand and e.engine is None and e.loading is None
+
+    async def preload(self, requested: str, keep_alive, manages: bool = True) -> None:
         """Ollama's request with nothing to answer: load the model (keep_alive 0: unload it now, or
-        as soon as its requests end); a pinned model is only looked up."""
+        as soon as its requests end: only for a caller that `manages` the models, 403 for any other
+        key); a pinned model is only looked up."""
+        await self.rescan_for(requested)
         e = self.entry(requested)
         if not e.spec.on_demand:
             self.resolve(requested)
             return
-        self.set_keep_alive(keep_alive)
+        self.set_keep_alive(keep_alive, manages)
         if REQUEST_KEEP_ALIVE.get() == 0:     # unloaded now, or by the release of its last request
-            e.keep_alive = 0.0
+            if not manages:
+                raise PermissionDenied("keep_alive 0 unloads a model other keys may be using: only the server's "
+                                       "--api-key may do that. Leave keep_alive out to let it expire.")
+            if e.engine is not None:          # resident: unloaded now, or when its last request ends
+                e.keep_alive = 0.0            # (reset by the unload: the next load starts from the default)
             await self.residency.unload(e, "request")
             return
         (await self.residency.acquire(e)).release()
 
-    @staticmethod
-    def set_keep_alive(keep_alive) -> None:
-        """The keep_alive of the request being handled (Ollama's field; 400 when unreadable): how long
-        the model on demand it names stays loaded after its last request; None: the server's default."""
-        REQUEST_KEEP_ALIVE.set(parse_keep_alive(keep_alive))
+    def set_keep_alive(self, keep_alive, manages: bool = False) -> None:
+        """The keep_alive of the request being handled (Ollama's field; 400 when unreadable or not
+        finite; clamped to --keep-alive-max): how long the model on demand it names stays loaded
+        after its last request; None: the server's default. `manages`: the caller may shorten it."""
+        maximum = float(getattr(self.settings, "keep_alive_max_s", 3600.0))
+        REQUEST_KEEP_ALIVE.set(parse_keep_alive(keep_alive, maximum=maximum))
+        REQUEST_MANAGES.set(manages)
 
     def statuses(self, loaded_only: bool = False) -> list[ModelStatus]:
         """Every model's residency (`loaded_only`: the resident ones), in the pool's order."""
@@ -302,9 +276,10 @@ class ModelPool:
                                         engine_process=s.engine_process if spec.engine_process is None
                                         else spec.engine_process, **kwargs)
         except Exception as ex:
-            e.load_error = str(ex) if isinstance(ex, KVServeError) else f"{type(ex).__name__}: {ex}"
-            if not isinstance(ex, KVServeError):
-                logger.exception("model load failed")
+            logger.warning("model %s (%s) failed to load: %s", e.name, spec.path, ex,
+                           exc_info=not isinstance(ex, KVServeError))
+            message = str(ex) if isinstance(ex, KVServeError) else f"{type(ex).__name__}: {ex}"
+            e.load_error = without_paths(message)     # clients see it: no server paths (the log has them)
             return False
         asyncio.run_coroutine_threadsafe(engine.start(), self.loop).result()
         e.name = e.name or engine.model_name

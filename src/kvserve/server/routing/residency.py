@@ -12,10 +12,15 @@ with `"on_demand": true` are ModelPool entries like any other, except that none 
   recently used idle models are unloaded until the resident models plus the new one fit in the
   memory budget (a model's size: its weight files plus its KV cache budget). When the held models
   leave no room, the load waits for a release; when nothing on demand is resident, it loads anyway.
-* A model released by its last request expires `keep_alive` later: the keep_alive of the last
-  request that took it (Ollama's `keep_alive`: "5m", seconds, 0 unloads at once, negative never;
-  a request without one, and any OpenAI/Anthropic request, the server's default).
+* A model released by its last request expires `keep_alive` later: the server's default, or the
+  longest keep_alive a request asked for since it loaded (Ollama's `keep_alive`: "5m", seconds;
+  finite, and at most `--keep-alive-max`: a negative one, "forever", is that maximum). A key's
+  request may lengthen a model's keep_alive, never shorten it: other keys may be using it. Only a
+  caller that manages the server's models (`gates/auth.py`'s `manages_models`: the --api-key, or
+  a server without keys) sets it outright, 0 included (unload at once).
   A reaper task unloads expired idle models.
+* A load that fails is not tried again for `LOAD_BACKOFF_S` (the requests naming the model get
+  the same error at once, and no idle model is evicted for it); its message carries no path.
 * Models given with `--model` (or a config entry without `on_demand`) are pinned: loaded at start,
   never unloaded, counted in the budget.
 
@@ -30,19 +35,20 @@ import contextvars
 import ctypes
 import gc
 import logging
+import math
 import os
 import pathlib
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvserve.errors import InvalidRequest, ModelLoadError, Overloaded
+from kvserve.errors import InvalidRequest, KVServeError, ModelLoadError, Overloaded
 
 if TYPE_CHECKING:
-    from kvserve.server.routing.pool import ModelEntry, ModelPool
+    from kvserve.server.routing.model_entry import ModelEntry
 
 logger = logging.getLogger("kvserve.server")
 LOAD_BUCKETS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0)
@@ -52,11 +58,36 @@ WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt")
 # The keep_alive of the request being handled (an Ollama route sets it before the plan is built;
 # None: the server's default), read when the request takes its hold.
 REQUEST_KEEP_ALIVE: contextvars.ContextVar[float | None] = contextvars.ContextVar("keep_alive", default=None)
+# Whether that request may set a model's keep_alive outright (shorten it, 0: unload now).
+REQUEST_MANAGES: contextvars.ContextVar[bool] = contextvars.ContextVar("keep_alive_manager", default=False)
+LOAD_BACKOFF_S = 30.0     # a model whose load failed is not tried again before this
+_ABS_PATH = re.compile(r"(?<![\w.])/(?:[^\s'\"/:]+/)+([^\s'\":]+)")
 
 
-def parse_keep_alive(value: Any, param: str = "keep_alive") -> float | None:
+class Models(Protocol):
+    """The pool as residency sees it (routing/pool.py's `ModelPool`)."""
+
+    entries: list[ModelEntry]
+
+    def loaded(self) -> list[ModelEntry]: ...
+
+    def load_entry(self, e: ModelEntry) -> bool: ...
+
+
+class PermissionDenied(KVServeError, status=403, type="permission_error", code="permission_denied"):
+    """The caller's key may not do this to a model other keys share (HTTP 403)."""
+
+
+def without_paths(message: str) -> str:
+    """A message for a client: every absolute path cut to its last part (the server's layout,
+    user name and mounts are not the client's business)."""
+    return _ABS_PATH.sub(lambda m: m.group(1), message)
+
+
+def parse_keep_alive(value: Any, param: str = "keep_alive", maximum: float | None = None) -> float | None:
     """Ollama's keep_alive as seconds: a number of seconds or a Go duration ("5m", "1h30m", "300ms");
-    negative: forever (-1.0 here); None/"": unset (None)."""
+    negative: forever (-1.0 here; `maximum` when one is given); None/"": unset (None). NaN and
+    infinity are a 400; past `maximum` (a request's, the server's --keep-alive-max) it is clamped."""
     if value is None or value == "":
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -74,6 +105,10 @@ def parse_keep_alive(value: Any, param: str = "keep_alive") -> float | None:
                                  param=param)
     else:
         raise InvalidRequest(f"{param} must be a number of seconds or a duration string.", param=param)
+    if not math.isfinite(seconds):
+        raise InvalidRequest(f"{param} must be a finite number of seconds, got {value!r}.", param=param)
+    if maximum is not None:
+        return maximum if seconds < 0 or seconds > maximum else seconds
     return -1.0 if seconds < 0 else seconds
 
 
@@ -173,7 +208,7 @@ class Hold:
 class Residency:
     """Loads, holds, expiry and eviction of a pool's on-demand models (see the module docstring)."""
 
-    def __init__(self, pool: ModelPool, settings):
+    def __init__(self, pool: Models, settings):
         self.pool = pool
         self.budget = memory_budget(settings.models_memory)
         self.keep_alive_s = float(settings.keep_alive_s)
@@ -200,7 +235,11 @@ class Residency:
         timeout, then 503 with Retry-After; the load goes on)."""
         if not e.spec.on_demand:
             return Hold()
-        e.keep_alive = REQUEST_KEEP_ALIVE.get()
+        self.ask_keep_alive(e, REQUEST_KEEP_ALIVE.get(), REQUEST_MANAGES.get())
+        if e.engine is None and e.failed_at and time.monotonic() - e.failed_at < LOAD_BACKOFF_S:
+            raise Overloaded(f"The model {e.name} failed to load: {e.load_error}; it is tried again "
+                             f"{LOAD_BACKOFF_S:.0f} s after the failure.", retry_after=LOAD_BACKOFF_S,
+                             code="model_load_error")
         e.holds += 1
         hold = Hold(self, e)
         try:
@@ -215,6 +254,18 @@ class Residency:
             raise
         e.last_used = time.monotonic()
         return hold
+
+    def ask_keep_alive(self, e: ModelEntry, seconds: float | None, manages: bool) -> None:
+        """A request's keep_alive for `e` (None: none asked): a manager's is set outright; anyone
+        else's only lengthens what the model has (the server's default, or a longer one asked)."""
+        if seconds is None:
+            return
+        if manages:
+            e.keep_alive = seconds
+            return
+        current = self.keep_alive_s if e.keep_alive is None else e.keep_alive
+        if current >= 0 and seconds > current:
+            e.keep_alive = seconds
 
     def release(self, e: ModelEntry) -> None:
         e.holds = max(0, e.holds - 1)
@@ -241,9 +292,13 @@ class Residency:
                 if e.engine is not None:
                     return
                 await self._make_room(e)
-                e.load_error = None
+                if e.holds == 0:   # everyone who asked for it gave up waiting
+                    logger.info("load of model %s cancelled: no request waits for it any more", e.name)
+                    return
+                e.load_error, e.failed_at = None, 0.0
                 t0 = time.perf_counter()
                 if not await asyncio.to_thread(self.pool.load_entry, e):
+                    e.failed_at = time.monotonic()
                     raise ModelLoadError(f"The model {e.name} could not be loaded: {e.load_error}")
                 seconds = time.perf_counter() - t0
                 e.loaded_at, e.last_used = time.time(), time.monotonic()
@@ -276,15 +331,18 @@ class Residency:
                                "the pinned models; loading it anyway", e.name, e.size_bytes / 2**20,
                                self.budget / 2**20)
                 return
+            if e.holds == 0:    # nobody waits for this load any more: drop it
+                raise ModelLoadError(f"The load of {e.name} was given up: no request waits for it.")
             self._released.clear()          # every resident model is in use: wait for a release
-            await self._released.wait()
+            with contextlib.suppress(TimeoutError):   # re-check who waits at least every few seconds
+                await asyncio.wait_for(self._released.wait(), 2.0)
 
     async def unload(self, e: ModelEntry, reason: str) -> bool:
         """Unload `e` if it is resident, on demand and idle; True when it was."""
         engine = e.engine
         if engine is None or e.holds or not e.spec.on_demand:
             return False
-        e.engine, e.expires_at, e.loaded_at = None, None, None
+        e.engine, e.expires_at, e.loaded_at, e.keep_alive = None, None, None, None
         with contextlib.suppress(Exception):
             await engine.shutdown()
         del engine
