@@ -10,7 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvserve.bench.cli import app
-from kvserve.bench.latency import KvserveRunner, LatencyConfig, kernel_latency, kernel_table, prompt_ids
+from kvserve.bench.kernel_latency import kernel_latency, kernel_table
+from kvserve.bench.latency import KvserveRunner, LatencyConfig, prompt_ids
 
 
 def test_latency_cli_writes_table_json_and_chart(tmp_path):
