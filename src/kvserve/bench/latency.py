@@ -141,6 +141,7 @@ class KvserveRunner(_Runner):
         positions = torch.arange(start, start + n)
         hidden = self.model(torch.tensor(ids), positions, meta, self.kv_caches)
         logits = self.model.compute_logits(hidden[-1:])
+        self.model.backend.sync_torch_threads()   # as the engine's step does
         return int(logits[0].argmax())
 
     def prefill(self, ids: list[int]) -> int:

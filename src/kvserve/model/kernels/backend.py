@@ -232,6 +232,16 @@ class KernelBackend:
         """Shared, not copied: a copied model (a DPO/GRPO reference) runs on the same kernels."""
         return self
 
+    def sync_torch_threads(self) -> None:
+        """torch's intra-op threads (sampling, the odd torch op of a step) follow the kernels' team:
+        fewer while another process holds a core (cpu/kvserve_forward.cpp), all of them again after.
+        A ctypes call and a comparison per step; torch.set_num_threads only when the team changed."""
+        if self.lib is None:
+            return
+        n = self.lib.kvs_team_threads() or self.lib.kvs_get_num_threads()
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+
     def describe(self) -> str:
         """The one log line: ISA, features, and which path serves which step size."""
         shown = " ".join(f for f in _SHOWN if f in self.features)

@@ -329,6 +329,10 @@ void kvs_team_stats(double *out) {
     out[5] = s.last_wait, out[6] = s.team.load(), out[7] = s.next_probe - now_s();
 }
 
+// Set the team now (tests, diagnostics): n threads (0 = as many as asked for), until the next
+// drop or probe changes it.
+void kvs_team_force(int n) { g_team.team.store(n < 0 ? 0 : n); }
+
 // Forget what was learnt (tests, benchmarks' phases): the full team again.
 void kvs_team_reset(void) {
     team_state &s = g_team;
