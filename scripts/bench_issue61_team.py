@@ -32,4 +32,4 @@ for rep in range(int(os.environ.get("REPS", "2"))):
             res.setdefault(k, []).append((N/p, M/d))
             print(f"adaptive={adaptive} busy={busy} prefill {N/p:7.1f} decode {M/d:6.1f} stats {[round(x,2) for x in st]} load {os.getloadavg()[0]:.2f}", flush=True)
 for k, v in res.items():
-    print(k, "best prefill %.1f decode %.1f" % (max(a for a, _ in v), max(b for _, b in v)))
+    print(k, f"best prefill {max(a for a, _ in v):.1f} decode {max(b for _, b in v):.1f}")
