@@ -10,7 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvserve.bench.cli import app
-from kvserve.bench.latency import KvserveRunner, LatencyConfig, kernel_latency, kernel_table, prompt_ids
+from kvserve.bench.kernel_latency import kernel_latency, kernel_table
+from kvserve.bench.latency import KvserveRunner, LatencyConfig, prompt_ids
 
 
 def test_latency_cli_writes_table_json_and_chart(tmp_path):
@@ -80,3 +81,79 @@ def test_latency_speculative_end_to_end(tmp_path):
     bad = CliRunner().invoke(app, ["latency", "--speculative", "ngram", "--spec-workloads", "chat",
                                    "--out-dir", str(tmp_path)])
     assert bad.exit_code == 1 and "unknown workload 'chat'" in bad.output
+
+
+def _spinners_of(pid: int) -> list[int]:
+    """Live busy-core processes (bench/busy.py) whose parent is `pid`."""
+    import os
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"0x1FFFFF" in cmd:
+            found.append(int(entry))
+    return found
+
+
+def test_busy_cores_spin_inside_and_are_gone_after_even_on_error():
+    import os
+
+    from kvserve.bench.busy import BusyCores
+
+    with BusyCores(2) as busy:
+        assert len(busy.pids) == 2 and sorted(_spinners_of(os.getpid())) == sorted(busy.pids)
+        for pid in busy.pids:   # running, not sleeping: they take CPU
+            with open(f"/proc/{pid}/stat") as f:
+                assert f.read().rsplit(")", 1)[1].split()[0] in ("R", "S")
+    assert _spinners_of(os.getpid()) == []
+    with pytest.raises(RuntimeError, match="inside"), BusyCores(1):
+        raise RuntimeError("inside the block")
+    assert _spinners_of(os.getpid()) == []
+    with BusyCores(0) as none:
+        assert none.pids == []
+
+
+def test_busy_spinner_exits_by_itself_after_its_limit():
+    import os
+
+    from kvserve.bench.busy import BusyCores
+
+    busy = BusyCores(1, limit_s=0.2).__enter__()
+    try:
+        proc = busy.procs[0]
+        proc.wait(timeout=30)        # the deadline, checked every ~0.1 s of spinning
+        assert proc.returncode == 0
+    finally:
+        busy.__exit__(None, None, None)
+    assert _spinners_of(os.getpid()) == []
+
+
+def test_latency_busy_cores_gives_a_quiet_and_a_busy_row(tmp_path):
+    import os
+
+    res = CliRunner().invoke(app, ["latency", "-n", "8", "-m", "2", "--repeats", "1", "--busy-cores", "1",
+                                   "--out-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "latency.json").read_text())
+    assert [(r["engine"], r["busy_cores"]) for r in data] == [("kvserve", 0), ("kvserve", 1)]
+    assert all(r["prefill_tps"] > 0 and r["decode_tps"] > 0 for r in data)
+    assert "decode kept" in res.output and "| kvserve | 8 | 1 |" in res.output
+    assert "beside 1 spinning processes" in res.output and "load average" in res.output
+    assert _spinners_of(os.getpid()) == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
+def test_llama_cpp_peer_under_the_same_load(tmp_path):
+    res = CliRunner().invoke(app, ["latency", "-n", "8", "-m", "2", "--repeats", "1", "--busy-cores", "1",
+                                   "--peer", "llama-cpp", "--out-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    rows = [(r["engine"], r["busy_cores"]) for r in json.loads((tmp_path / "latency.json").read_text())]
+    assert rows == [("kvserve", 0), ("kvserve", 1), ("llama.cpp", 0), ("llama.cpp", 1)]

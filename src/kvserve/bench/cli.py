@@ -36,6 +36,9 @@ def latency(
         "--kv-cache-dtype", help="kvserve's KV cache: fp16 (default), bf16, fp32, int8; repeat for an A/B "
                                  "(runs interleaved, one row each).")] = None,
     out_dir: Annotated[Path, typer.Option(help="Where the table (.md, .json) and chart (.png) go.")] = OUT_DIR,
+    busy_cores: int = typer.Option(0, "--busy-cores", min=0, help="Also measure every engine beside this many "
+                                   "spinning processes (a busy machine): each run quiet, then busy, back to back; "
+                                   "a row each, with the share of the quiet figures kept."),
     speculative: str = typer.Option(None, "--speculative", help="Instead: grounded and open chat prompts through "
                                     "the engine, greedy, with this proposer (ngram, draft:PATH, "
                                     "ngram+draft:PATH) and without."),
@@ -59,10 +62,11 @@ def latency(
         console.print(f"error: --input-len takes positive integers separated by commas, got {input_len!r}")
         raise typer.Exit(2)
     results = []
+    load_at_start = os.getloadavg()[0]
     for n in lengths:
         cfg = LatencyConfig(model=model, prompt_tokens=n, decode_tokens=decode_tokens, repeats=repeats,
                             threads=threads, weight_format=weight_format, peers=list(peer or []),
-                            kv_cache_dtypes=list(kv_cache_dtype or ["fp16"]))
+                            kv_cache_dtypes=list(kv_cache_dtype or ["fp16"]), busy_cores=busy_cores)
         with progress() as prog:
             try:
                 results += run_latency(cfg, progress_events(prog))
@@ -70,8 +74,9 @@ def latency(
                 console.print(f"error: {e.message}")
                 raise typer.Exit(1) from None
     table = markdown_table(results)
-    print(f"prompt {','.join(map(str, lengths))} tokens, decode {decode_tokens} tokens, {threads} threads, best of {repeats}, "
-          f"load average {os.getloadavg()[0]:.1f}\n")
+    busy = f", quiet and beside {busy_cores} spinning processes back to back" if busy_cores else ""
+    print(f"prompt {','.join(map(str, lengths))} tokens, decode {decode_tokens} tokens, {threads} threads, best of {repeats}"
+          f"{busy}, load average {load_at_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end\n")
     print(table)
     fp_rows = [r.footprint for r in results if r.footprint]
     if fp_rows:
@@ -119,7 +124,7 @@ def kernels(
     out_dir: Annotated[Path, typer.Option(help="Where the table (.md, .json) goes.")] = OUT_DIR,
 ) -> None:
     """Each Linear variant alone on the default model's weight shapes, vs torch fp32 and bf16 matmul."""
-    from kvserve.bench.latency import MODEL_SHAPES, kernel_latency, kernel_table
+    from kvserve.bench.kernel_latency import MODEL_SHAPES, kernel_latency, kernel_table
 
     tokens = list(tokens or [1, 7, 64, 512])
     with progress() as prog:

@@ -15,7 +15,6 @@ import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 
 import numpy as np
 import torch
@@ -40,6 +39,9 @@ class LatencyConfig:
     seed: int = 0
     # kvserve's KV cache dtypes; several: one row each, their runs interleaved over one loaded model
     kv_cache_dtypes: list[str] = field(default_factory=lambda: ["fp16"])
+    # > 0: every run is made twice, back to back, quiet and beside this many spinning processes
+    # (bench/busy.py), each engine under the same load; a row each
+    busy_cores: int = 0
 
 
 @dataclass
@@ -51,6 +53,7 @@ class LatencyResult:
     prefill_s: float
     decode_s: float
     footprint: dict | None = None     # kvserve: time to ready, RSS, bytes per token (bench/footprint.py)
+    busy_cores: int = 0               # spinning processes beside the runs of this row
 
     @property
     def prefill_tps(self) -> float:
@@ -138,6 +141,7 @@ class KvserveRunner(_Runner):
         positions = torch.arange(start, start + n)
         hidden = self.model(torch.tensor(ids), positions, meta, self.kv_caches)
         logits = self.model.compute_logits(hidden[-1:])
+        self.model.backend.sync_torch_threads()   # as the engine's step does
         return int(logits[0].argmax())
 
     def prefill(self, ids: list[int]) -> int:
@@ -223,40 +227,49 @@ RUNNERS = {"kvserve": KvserveRunner, "llama-cpp": LlamaCppRunner, "transformers"
 
 def _measure(key: str, cfg: LatencyConfig, emit: Callable[..., None]) -> list[LatencyResult]:
     """Best-of-repeats for one engine; kvserve with several KV dtypes gives a row per dtype, its
-    runs interleaved (A, B, A, B, ...) so machine load drifts hit every variant alike."""
+    runs interleaved (A, B, A, B, ...) so machine load drifts hit every variant alike. With
+    cfg.busy_cores, each run is made quiet and then busy, back to back: a row for each."""
+    from kvserve.bench.busy import BusyCores
+
     runner = RUNNERS[key](cfg)
     variants = list(getattr(runner, "caches", None) or [None])
+    loads = [0, cfg.busy_cores] if cfg.busy_cores else [0]
     ids = prompt_ids(runner.vocab_size, cfg.prompt_tokens, cfg.seed)
-    emit("start", engine=runner.name, total=len(variants) * (cfg.repeats + 1) * (cfg.decode_tokens + 1))
+    emit("start", engine=runner.name,
+         total=len(variants) * (cfg.repeats * len(loads) + 1) * (cfg.decode_tokens + 1))
     best = {}
     for v in variants:
         if v is not None:
             runner.use(v)
         runner.run(ids[: min(32, len(ids))], min(4, cfg.decode_tokens))   # warm-up: threads, caches
         emit("advance", n=cfg.decode_tokens + 1)
-        best[v] = [float("inf"), float("inf"), runner.name, runner.detail]
+        for load in loads:
+            best[v, load] = [float("inf"), float("inf"), runner.name, runner.detail, load]
     for _ in range(cfg.repeats):
         for v in variants:
             if v is not None:
                 runner.use(v)
-            p, d = runner.run(ids, cfg.decode_tokens, lambda n: emit("advance", n=n))
-            emit("advance", n=1)
-            best[v][0], best[v][1] = min(best[v][0], p), min(best[v][1], d)
+            for load in loads:
+                with BusyCores(load):
+                    p, d = runner.run(ids, cfg.decode_tokens, lambda n: emit("advance", n=n))
+                emit("advance", n=1)
+                b = best[v, load]
+                b[0], b[1] = min(b[0], p), min(b[1], d)
     fp = getattr(runner, "footprint", None)
     return [LatencyResult(name, detail, cfg.prompt_tokens, cfg.decode_tokens, p, d,
-                          None if fp is None else {"engine": name, **fp.row(cfg.decode_tokens / d)})
-            for p, d, name, detail in best.values()]
+                          None if fp is None or load else {"engine": name, **fp.row(cfg.decode_tokens / d)}, load)
+            for p, d, name, detail, load in best.values()]
 
 
 def _peer_main(key: str, cfg: LatencyConfig, queue) -> None:
     try:
-        res = _measure(key, cfg, lambda kind, **info: queue.put((kind, info)))[0]
+        res = _measure(key, cfg, lambda kind, **info: queue.put((kind, info)))
         queue.put(("result", {"result": res}))
     except Exception as e:  # noqa: BLE001 - reported to the parent as a failed row
         queue.put(("error", {"message": f"{type(e).__name__}: {e}"}))
 
 
-def _measure_in_subprocess(key: str, cfg: LatencyConfig, emit: Callable[..., None]) -> LatencyResult:
+def _measure_in_subprocess(key: str, cfg: LatencyConfig, emit: Callable[..., None]) -> list[LatencyResult]:
     """A peer runs in its own process: its threads and native crashes (llama.cpp built for
     instructions this CPU lacks dies with SIGILL) cannot take the benchmark down."""
     import multiprocessing as mp
@@ -274,19 +287,22 @@ def _measure_in_subprocess(key: str, cfg: LatencyConfig, emit: Callable[..., Non
                 if not proc.is_alive():
                     code = proc.exitcode
                     why = "SIGILL: rebuild it for this CPU" if code == -4 else f"exit code {code}"
-                    return LatencyResult(RUNNERS[key].name, f"failed: process died ({why})", cfg.prompt_tokens,
-                                         cfg.decode_tokens, float("nan"), float("nan"))
+                    return _failed(key, cfg, f"failed: process died ({why})")
                 continue
             if kind == "result":
                 return info["result"]
             if kind == "error":
-                return LatencyResult(RUNNERS[key].name, f"failed: {info['message']}", cfg.prompt_tokens, cfg.decode_tokens,
-                                     float("nan"), float("nan"))
+                return _failed(key, cfg, f"failed: {info['message']}")
             emit(kind, **info)
     finally:
         proc.join(timeout=10)
         if proc.is_alive():
             proc.kill()
+
+
+def _failed(key: str, cfg: LatencyConfig, why: str) -> list[LatencyResult]:
+    return [LatencyResult(RUNNERS[key].name, why, cfg.prompt_tokens, cfg.decode_tokens, float("nan"), float("nan"),
+                          busy_cores=load) for load in ([0, cfg.busy_cores] if cfg.busy_cores else [0])]
 
 
 def run_latency(cfg: LatencyConfig, on_event: Callable[..., None] | None = None) -> list[LatencyResult]:
@@ -301,104 +317,41 @@ def run_latency(cfg: LatencyConfig, on_event: Callable[..., None] | None = None)
     results = []
     for key in ["kvserve", *cfg.peers]:
         emit("load", engine=key)
-        results += _measure(key, cfg, emit) if key == "kvserve" else [_measure_in_subprocess(key, cfg, emit)]
+        results += _measure(key, cfg, emit) if key == "kvserve" else _measure_in_subprocess(key, cfg, emit)
         gc.collect()
     return results
 
 
 def markdown_table(results: list[LatencyResult]) -> str:
-    """One row per engine and prompt length; ratios against kvserve at the same length."""
-    base = {r.prompt_tokens: r for r in results if r.engine == "kvserve"}
-    lines = ["| engine | prompt | prefill tok/s | decode tok/s | prefill vs kvserve | decode vs kvserve | detail |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    """One row per engine, prompt length and load; ratios against kvserve at the same length and
+    load. With busy rows, two more columns: the share of its own quiet figures each row kept."""
+    base = {(r.prompt_tokens, r.busy_cores): r for r in results if r.engine == "kvserve"}
+    quiet = {(r.engine, r.detail, r.prompt_tokens): r for r in results if not r.busy_cores}
+    busy = any(r.busy_cores for r in results)
+    head = "| engine | prompt |" + (" busy cores |" if busy else "")
+    head += " prefill tok/s | decode tok/s | prefill vs kvserve | decode vs kvserve |"
+    head += (" prefill kept | decode kept |" if busy else "") + " detail |"
+    lines = [head, "|" + "---|" * 2 + ("---:|" * (1 if busy else 0)) + "---:|" * 4 + ("---:|" * 2 if busy else "")
+             + "---|"]
     for r in results:
-        b = base.get(r.prompt_tokens, r)
-        lines.append(f"| {r.engine} | {r.prompt_tokens} | {r.prefill_tps:.1f} | {r.decode_tps:.1f} | "
-                     f"{r.prefill_tps / b.prefill_tps:.2f}x | {r.decode_tps / b.decode_tps:.2f}x | {r.detail} |")
+        b = base.get((r.prompt_tokens, r.busy_cores), r)
+        line = f"| {r.engine} | {r.prompt_tokens} |" + (f" {r.busy_cores} |" if busy else "")
+        line += (f" {r.prefill_tps:.1f} | {r.decode_tps:.1f} | {r.prefill_tps / b.prefill_tps:.2f}x | "
+                 f"{r.decode_tps / b.decode_tps:.2f}x |")
+        if busy:
+            q = quiet.get((r.engine, r.detail, r.prompt_tokens), r)
+            line += f" {r.prefill_tps / q.prefill_tps:.0%} | {r.decode_tps / q.decode_tps:.0%} |"
+        lines.append(line + f" {r.detail} |")
     return "\n".join(lines)
 
 
 def save_chart(results: list[LatencyResult], path: str) -> None:
     several = len({r.prompt_tokens for r in results}) > 1
-    names = [f"{r.engine}\n{r.prompt_tokens}" if several else r.engine for r in results]
+    names = [(f"{r.engine}\n{r.prompt_tokens}" if several else r.engine) + (f"\n{r.busy_cores} busy" if r.busy_cores
+                                                                             else "") for r in results]
     prompt = "N" if several else str(results[0].prompt_tokens)
     colors = {"kvserve": "#3b7dd8", "llama.cpp": "#d8793b", "transformers": "#5fa55a"}
     save_bar_charts(path, names, [colors.get(r.engine, "#999999") for r in results], [
         (f"prefill, {prompt}-token prompt", [r.prefill_tps for r in results], "%.0f"),
         (f"decode, {results[0].decode_tokens} tokens, batch 1", [r.decode_tps for r in results], "%.0f"),
     ], width=9, ylabel="tokens/s")
-
-
-# ---- kernels alone --------------------------------------------------------------------------
-# The default model's projection shapes (out, in) and formats; qkv and gate/up are fused.
-MODEL_SHAPES = [(960, 576, "Q4_1"), (576, 576, "Q4_1"), (3072, 576, "Q4_1"), (576, 1536, "Q4_1"),
-                (49152, 576, "Q8_0")]
-
-
-def _time_call(fn: Callable[[], object], budget_s: float = 0.25) -> float:
-    """Median seconds per call over a time budget (at least 3 calls)."""
-    fn()
-    times: list[float] = []
-    t_end = time.perf_counter() + budget_s
-    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < 500):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
-
-
-def _bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(x.to(torch.bfloat16), w).float()
-
-
-def kernel_latency(tokens: list[int], shapes=None, threads: int = 2,
-                   progress: Progress | None = None) -> list[dict]:
-    """Microseconds per call of each Linear variant on random weights of the model's shapes."""
-    from dataclasses import replace
-
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-
-    from kvserve.model.kernels import reference
-    from kvserve.model.kernels.backend import KernelBackend
-    from kvserve.model.kernels.gguf_linear import GGUFQuantLinear
-
-    torch.set_num_threads(threads)
-    backend = KernelBackend.detect()
-    int8_only = replace(backend, bf16_min_tokens=None, f32_min_tokens=None)
-    rows = []
-    rng = np.random.default_rng(0)
-    for out_f, in_f, qname in shapes or MODEL_SHAPES:
-        qtype = GGMLQuantizationType[qname]
-        raw = quantize(rng.standard_normal((out_f, in_f)).astype(np.float32), qtype)
-        layer = GGUFQuantLinear(raw, qtype, in_f, out_f, backend=backend)
-        int8 = GGUFQuantLinear(raw, qtype, in_f, out_f, backend=int8_only) if backend.lib is not None else None
-        w32 = reference.dequantize(raw, qtype, in_f)
-        w16 = w32.to(torch.bfloat16)
-        for T in tokens:
-            x = torch.randn(T, in_f)
-            row = {"shape": f"{out_f}x{in_f}", "qtype": qname, "T": T}
-            if int8 is not None:
-                row["int8_us"] = _time_call(partial(int8, x)) * 1e6
-            row["auto_us"] = _time_call(partial(layer, x)) * 1e6
-            row["fp32_us"] = _time_call(partial(torch.nn.functional.linear, x, w32)) * 1e6
-            row["bf16_us"] = _time_call(partial(_bf16_linear, x, w16)) * 1e6
-            row["weight_mb"] = raw.nbytes / 1e6
-            rows.append(row)
-            if progress:
-                progress(1)
-    return rows
-
-
-def kernel_table(rows: list[dict]) -> str:
-    lines = [("| weight (out x in) | format | T | kvserve int8 µs | kvserve auto µs | torch fp32 µs | "
-              "torch bf16 µs | auto vs fp32 | int8 GB/s of packed weights |"),
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        i8 = r.get("int8_us")
-        gbs = "-" if i8 is None else f"{r['weight_mb'] * 1e3 / i8:.1f}"
-        lines.append(
-            f"| {r['shape']} | {r['qtype']} | {r['T']} | {'-' if i8 is None else f'{i8:.0f}'} | "
-            f"{r['auto_us']:.0f} | {r['fp32_us']:.0f} | {r['bf16_us']:.0f} | {r['fp32_us'] / r['auto_us']:.2f}x | "
-            f"{gbs} |")
-    return "\n".join(lines)

@@ -62,6 +62,7 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
             if model.backend.lib is not None:
                 model.backend.lib.kvs_set_num_threads(config.num_threads)
+        self._backend = model.backend   # its kernels' team (fewer threads while a core is taken) sets torch's
         cfg = model.config
         self.model_config = cfg
         self.max_model_len = min(config.max_model_len or cfg.max_model_len, cfg.max_model_len)
@@ -177,6 +178,7 @@ class EngineCore:
         self.num_batched_requests += len(sched.scheduled)
         t0 = time.perf_counter()
         result = self.runner.execute(sched)        # laps prepare, forward, logits, sample
+        self._backend.sync_torch_threads()
         self.scheduler.observe_step(sched, time.perf_counter() - t0)
         outputs = self.scheduler.update_from_output(sched, result)
         if result.expert_tokens:

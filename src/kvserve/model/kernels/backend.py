@@ -145,7 +145,7 @@ class KernelBackend:
     def detect(cls, device: str | torch.device = "cpu", isa: str | None = None) -> KernelBackend:
         """The backend for this machine: CPU features, the C library, and the KVSERVE_* switches
         (KVSERVE_ISA, KVSERVE_NO_KERNELS, KVSERVE_BATCH_INVARIANT, KVSERVE_BF16_MIN_TOKENS,
-        KVSERVE_F32_MIN_TOKENS, KVSERVE_FUSED_FORWARD), read here and nowhere else. `isa` overrides KVSERVE_ISA.
+        KVSERVE_F32_MIN_TOKENS, KVSERVE_FUSED_FORWARD, KVSERVE_ADAPTIVE_THREADS), read here and nowhere else. `isa` overrides KVSERVE_ISA.
         Logs one INFO line describing the choice."""
         device = str(torch.device(device))
         if torch.device(device).type != "cpu":
@@ -183,6 +183,8 @@ class KernelBackend:
             bf16 = _env_tokens("KVSERVE_BF16_MIN_TOKENS", None if invariant or level != "amx" else 3)
             f32 = _env_tokens("KVSERVE_F32_MIN_TOKENS", None if invariant or bf16 is not None else 32)
             fused = os.environ.get("KVSERVE_FUSED_FORWARD", "1") != "0"
+            # fewer threads while another process holds a core (cpu/kvserve_forward.cpp: team size)
+            lib.kvs_set_adaptive_threads(int(os.environ.get("KVSERVE_ADAPTIVE_THREADS", "1") != "0"))
             prepack = ISA_LEVELS.index(level) >= ISA_LEVELS.index("avx512") and _torch_prepacks_bf16()
             backend = cls(isa=level, features=features, lib=lib, reason="", bf16_min_tokens=bf16,
                           f32_min_tokens=f32, fused_forward=fused, bf16_prepack=prepack,
@@ -229,6 +231,16 @@ class KernelBackend:
     def __deepcopy__(self, memo: dict) -> KernelBackend:
         """Shared, not copied: a copied model (a DPO/GRPO reference) runs on the same kernels."""
         return self
+
+    def sync_torch_threads(self) -> None:
+        """torch's intra-op threads (sampling, the odd torch op of a step) follow the kernels' team:
+        fewer while another process holds a core (cpu/kvserve_forward.cpp), all of them again after.
+        A ctypes call and a comparison per step; torch.set_num_threads only when the team changed."""
+        if self.lib is None:
+            return
+        n = self.lib.kvs_team_threads() or self.lib.kvs_get_num_threads()
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
 
     def describe(self) -> str:
         """The one log line: ISA, features, and which path serves which step size."""

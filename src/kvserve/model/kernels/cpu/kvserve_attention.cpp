@@ -557,6 +557,7 @@ void kvs_paged_attention(const float *q, const void *kv_cache, int kv_dtype, int
     const char *V = K + (size_t)num_blocks * block_stride * esize;
     // Work items: a query with all its KV heads (attend_heads: contiguous cache reads) when there
     // are enough queries for the team, else (query, KV head) pairs. Same arithmetic either way.
+    nth = kvs::team_for(nth);
     const int nh = T >= 2 * nth ? Hkv : 1;
     const int items = T * (Hkv / nh);
     if (nth > items) nth = items;

@@ -23,6 +23,8 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+#include <x86intrin.h>
 
 #include <atomic>
 #include <vector>
@@ -161,7 +163,7 @@ std::vector<int> attention_tiles(int T, const uint8_t *attend, const int64_t *se
 }
 
 // This thread's share of the step's attention (call inside a parallel region, after K/V are
-// written; ends with the omp for's barrier): work items are (tile, KV head), longest tiles first,
+// written; the caller puts a barrier after it): work items are (tile, KV head), longest tiles first,
 // handed out dynamically.
 void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<int> &tiles, const uint8_t *attend,
                   const int64_t *positions, const int64_t *seq_of, const int64_t *tables, int max_blocks,
@@ -189,7 +191,8 @@ void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<i
     }
     // Items head by head, each head's tiles deepest first: a thread that takes several tiles of one
     // prompt chunk and head widens the chunk's keys once (attend_tile's reuse), not once per tile.
-#pragma omp for schedule(dynamic, 1)
+    // No barrier at the end: the caller places (and times) it.
+#pragma omp for schedule(dynamic, 1) nowait
     for (int it = 0; it < ntiles * Hkv; it++) {
         const int tile = ntiles - 1 - it % ntiles, h = it / ntiles;
         const int t0 = tiles[tile];
@@ -212,6 +215,141 @@ void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<i
 }
 
 }  // namespace
+
+
+// ---------------------------------------------------------------------------------------------
+// The team size on a busy machine.
+//
+// Every step's parallel region separates its phases by barriers, so a step runs at the pace of its
+// slowest thread. When another process holds one of the cores, the thread sharing that core gets
+// it in slices of a few milliseconds, and each of the ~300 barriers of a decode step waits for it:
+// on 2 cores with one busy, 2 threads kept 26% of the quiet decode speed where 1 thread alone,
+// on the free core, keeps about two thirds. So the forward times the barriers: if in two steps
+// running one after the other some thread waited for the others more than kDropWait of the step
+// (a static split of even work waits ~0-15% on a quiet machine), the next steps run with one thread
+// fewer; and now and then (kProbeMin, doubling to kProbeMax while the probes keep failing) one
+// step runs with one thread more, which is kept if its threads waited less than kKeepWait.
+// The other parallel calls (the LM head, the per-layer glue) run with the same count.
+//
+// Answers do not change: every kernel's arithmetic for one output is the same for every split of
+// its rows, tokens or attention items over threads (kvserve_kernels.cpp, attend_tiles).
+
+namespace {
+
+constexpr double kDropWait = 0.45, kKeepWait = 0.30;
+constexpr double kProbeMin = 0.25, kProbeMax = 2.0;   // seconds between probes
+
+struct team_state {
+    std::atomic<int> team{0};      // threads to use now; 0 = as many as asked for
+    std::atomic<int> adaptive{1};
+    int high = 0;                  // consecutive steps whose wait was above kDropWait
+    double next_probe = 0.0, gap = kProbeMin;
+    double last_wait = 0.0;
+    long steps = 0, reduced_steps = 0, drops = 0, probes = 0, recoveries = 0;
+};
+team_state g_team;
+
+double now_s() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+// Threads for the next timed forward (nth asked for): the current team, or one more on a probe.
+int team_begin(int nth, bool *probe) {
+    *probe = false;
+    const int t = g_team.team.load(std::memory_order_relaxed);
+    if (!g_team.adaptive.load(std::memory_order_relaxed) || t <= 0 || t >= nth) return nth;
+    if (now_s() >= g_team.next_probe) {
+        *probe = true;
+        g_team.probes++;
+        return t + 1;
+    }
+    return t;
+}
+
+// After a timed forward with `used` threads of the `nth` asked for: `wait` is the largest share of
+// the step any one thread spent waiting at barriers.
+void team_end(int nth, int used, bool probe, double wait) {
+    team_state &s = g_team;
+    s.steps++;
+    if (used < nth) s.reduced_steps++;
+    if (used < 2) return;
+    s.last_wait = wait;
+    if (probe) {
+        if (wait < kKeepWait) {
+            s.team.store(used >= nth ? 0 : used, std::memory_order_relaxed);
+            s.gap = kProbeMin;
+            s.recoveries++;
+        } else {
+            s.gap = s.gap * 2 < kProbeMax ? s.gap * 2 : kProbeMax;
+        }
+        s.next_probe = now_s() + s.gap;
+        s.high = 0;
+        return;
+    }
+    if (!s.adaptive.load(std::memory_order_relaxed)) return;
+    s.high = wait > kDropWait ? s.high + 1 : 0;
+    if (s.high >= 2) {
+        s.team.store(used - 1, std::memory_order_relaxed);
+        s.drops++;
+        s.high = 0;
+        s.next_probe = now_s() + s.gap;
+    }
+}
+
+}  // namespace
+
+namespace kvs {
+
+int team_for(int nth) {
+    const int t = g_team.team.load(std::memory_order_relaxed);
+    if (!g_team.adaptive.load(std::memory_order_relaxed) || t <= 0 || t >= nth) return nth < 1 ? 1 : nth;
+    return t;
+}
+
+}  // namespace kvs
+
+extern "C" {
+
+// 0: always the full count (KVSERVE_ADAPTIVE_THREADS=0); 1: fewer threads while a core is taken.
+void kvs_set_adaptive_threads(int on) {
+    g_team.adaptive.store(on ? 1 : 0);
+    if (!on) g_team.team.store(0);
+}
+
+// Threads the parallel calls use now (0: as many as asked for).
+int kvs_team_threads(void) { return g_team.team.load(); }
+
+// out[8]: steps, steps with fewer threads, drops, probes, recoveries, last measured wait share,
+// current team (0 = full), seconds to the next probe.
+void kvs_team_stats(double *out) {
+    const team_state &s = g_team;
+    out[0] = s.steps, out[1] = s.reduced_steps, out[2] = s.drops, out[3] = s.probes, out[4] = s.recoveries;
+    out[5] = s.last_wait, out[6] = s.team.load(), out[7] = s.next_probe - now_s();
+}
+
+// Set the team now (tests, diagnostics): n threads (0 = as many as asked for), until the next
+// drop or probe changes it.
+void kvs_team_force(int n) { g_team.team.store(n < 0 ? 0 : n); }
+
+// Forget what was learnt (tests, benchmarks' phases): the full team again.
+void kvs_team_reset(void) {
+    team_state &s = g_team;
+    s.team.store(0);
+    s.high = 0, s.next_probe = 0.0, s.gap = kProbeMin, s.last_wait = 0.0;
+    s.steps = s.reduced_steps = s.drops = s.probes = s.recoveries = 0;
+}
+
+}  // extern "C"
+
+// A barrier whose wait this thread adds to `waited` (TSC ticks).
+#define KVS_TIMED_BARRIER()                   \
+    do {                                      \
+        const uint64_t t_ = __rdtsc();        \
+        _Pragma("omp barrier")                \
+        waited += __rdtsc() - t_;             \
+    } while (0)
 
 extern "C" {
 
@@ -323,10 +461,16 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
     const std::vector<int> tiles = attention_tiles(T, nullptr, seq_of, positions);
     const uint64_t call = next_call();   // one per forward: each layer's cache is its own tag too
     if (nth < 1) nth = 1;
+    bool probe = false;
+    const int asked = nth;
+    nth = team_begin(asked, &probe);
+    std::vector<uint64_t> waits(nth, 0);
+    const uint64_t t_start = __rdtsc();
 
 #pragma omp parallel num_threads(nth)
     {
         const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
+        uint64_t waited = 0;
         std::vector<float> row((size_t)(H > I ? H : I) + (io ? io->F + H : 0));
         // Quantize this thread's tokens of src [T, K] (row stride K) into xq/xd/xs.
         std::vector<float> lr(64);
@@ -378,34 +522,35 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
                 kvs::quantize_row_q8(r, K, xq.data() + (size_t)t * K, xd.data() + (size_t)t * (K / kvs::QK),
                                      xs.data() + (size_t)t * (K / kvs::QK));
             }
-#pragma omp barrier
+            KVS_TIMED_BARRIER();
             kvs::linear_rows(io->fc, xq.data(), xd.data(), xs.data(), T, x, H, false, ith, nt);
-#pragma omp barrier
+            KVS_TIMED_BARRIER();
         }
         for (int l = 0; l < m->n_layers; l++) {
             const kvs_layer_desc &L = m->layers[l];
             char *Kc = (char *)L.kv_cache;
             char *Vc = Kc + (size_t)num_blocks * block_stride * esize;
             quantize(x, H, true, L.attn_norm);
-#pragma omp barrier
+            KVS_TIMED_BARRIER();
             kvs::linear_rows(L.qkv, xq.data(), xd.data(), xs.data(), T, qkv.data(), qkv_rows, false, ith, nt);
-#pragma omp barrier
+            KVS_TIMED_BARRIER();
             add_lora(l, 0, nullptr, H, qkv.data(), qkv_rows);
             for (int t = ith; t < T; t += nt)
                 rope_and_store(m, qkv.data() + (size_t)t * qkv_rows, positions[t], slots[t], Kc, Vc, kv_dtype,
                                block_size);
-#pragma omp barrier
+            KVS_TIMED_BARRIER();
             attend_tiles(m, qkv.data(), tiles, nullptr, positions, seq_of, tables, max_blocks, Kc, Vc, kv_dtype,
                          block_size, attn.data(), call);
+            KVS_TIMED_BARRIER();
             quantize(attn.data(), qd, false, nullptr);
-#pragma omp barrier
+            KVS_TIMED_BARRIER();
             kvs::linear_rows(L.o, xq.data(), xd.data(), xs.data(), T, x, H, true, ith, nt);
-#pragma omp barrier
+            KVS_TIMED_BARRIER();
             add_lora(l, 1, attn.data(), qd, x, H);
             quantize(x, H, true, L.ffn_norm);
-#pragma omp barrier
+            KVS_TIMED_BARRIER();
             kvs::linear_rows(L.gate_up, xq.data(), xd.data(), xs.data(), T, gu.data(), 2 * I, false, ith, nt);
-#pragma omp barrier
+            KVS_TIMED_BARRIER();
             add_lora(l, 2, nullptr, H, gu.data(), 2 * I);
             for (int t = ith; t < T; t += nt) {
                 const float *g = gu.data() + (size_t)t * 2 * I;
@@ -414,12 +559,12 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
                 kvs::quantize_row_q8(row.data(), I, xq.data() + (size_t)t * I, xd.data() + (size_t)t * (I / kvs::QK),
                                      xs.data() + (size_t)t * (I / kvs::QK));
             }
-#pragma omp barrier
+            KVS_TIMED_BARRIER();
             kvs::linear_rows(L.down, xq.data(), xd.data(), xs.data(), T, x, H, true, ith, nt);
-#pragma omp barrier
+            KVS_TIMED_BARRIER();
             if (lora) {
                 add_lora(l, 3, nullptr, I, x, H);
-#pragma omp barrier
+                KVS_TIMED_BARRIER();
             }
             if (aux && L.aux_slot >= 0 && L.aux_slot < n_aux)   // this thread's rows, as the next quantize
                 for (int t = ith; t < T; t += nt)
@@ -433,16 +578,16 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
                 memcpy(out + (size_t)t * H, x + (size_t)t * H, H * sizeof(float));
         if (io) {   // the head over the chosen rows, as kvs_linear would run it, then each row's argmax
             const int V = io->head->rows;
-#pragma omp barrier
+            KVS_TIMED_BARRIER();
             for (int j = ith; j < io->n_last; j += nt) {
                 const float *r = out + (size_t)io->last[j] * H;
                 memcpy(io->hidden + (size_t)j * H, r, H * sizeof(float));
                 kvs::quantize_row_q8(r, H, xq.data() + (size_t)j * H, xd.data() + (size_t)j * (H / kvs::QK),
                                      xs.data() + (size_t)j * (H / kvs::QK));
             }
-#pragma omp barrier
+            KVS_TIMED_BARRIER();
             kvs::linear_rows(io->head, xq.data(), xd.data(), xs.data(), io->n_last, io->logits, V, false, ith, nt);
-#pragma omp barrier
+            KVS_TIMED_BARRIER();
             for (int j = ith; j < io->n_last; j += nt) {
                 const float *lg = io->logits + (size_t)j * V;
                 int best = 0;
@@ -451,7 +596,12 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
                 io->arg[j] = best;
             }
         }
+        waits[ith] = waited;
     }
+    const double wall = (double)(__rdtsc() - t_start);
+    uint64_t most = 0;
+    for (uint64_t w : waits) most = w > most ? w : most;
+    team_end(asked, nth, probe, wall > 0 ? most / wall : 0.0);
     return 0;
 }
 
@@ -479,7 +629,7 @@ void kvs_rope_kv_attention(const kvs_model_desc *m, float *qkv, int T, const int
     char *Vc = Kc + (size_t)num_blocks * block_stride * esize;
     const std::vector<int> tiles = attention_tiles(T, attend, seq_of, positions);
     const uint64_t call = next_call();
-    if (nth < 1) nth = 1;
+    nth = kvs::team_for(nth);
 #pragma omp parallel num_threads(nth)
     {
         const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -493,7 +643,7 @@ void kvs_rope_kv_attention(const kvs_model_desc *m, float *qkv, int T, const int
 
 // gu [T, 2I] (gate | up) -> out [T, I] = silu(gate) * up
 void kvs_silu_mul(const float *gu, int T, int I, float *out, int nth) {
-    if (nth < 1) nth = 1;
+    nth = kvs::team_for(nth);
     if ((size_t)T * I < 32768) nth = 1;
 #pragma omp parallel for num_threads(nth) schedule(static)
     for (int t = 0; t < T; t++) {

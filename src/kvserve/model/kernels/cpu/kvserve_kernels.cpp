@@ -505,7 +505,8 @@ void kvs_linear(const kvs_weight *w, const float *x, int T, float *y) {
     job.xd = (float *)g_scratch;
     job.xs = job.xd + (size_t)T * nb;
     job.xq = (int8_t *)(job.xs + (size_t)T * nb);
-    int nth = g_nth < w->rows / 64 ? g_nth : w->rows / 64;   // at least 4 groups of 16 rows each
+    const int team = kvs::team_for(g_nth);
+    int nth = team < w->rows / 64 ? team : w->rows / 64;   // at least 4 groups of 16 rows each
     if (nth <= 1) {
         linear_task(&job, 0, 1);
     } else {

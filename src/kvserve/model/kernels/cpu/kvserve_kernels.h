@@ -112,6 +112,10 @@ bool tile_rows_avx512(int D, const float *q, size_t q_stride, const float *kf, c
                       int NQ, int G, float scale, const tile_scratch &w, float *out, size_t out_stride,
                       const float *ksc, const float *vsc);
 
+// Threads a parallel call asked to run with nth should use now: fewer while a core is taken by
+// another process (kvserve_forward.cpp learns it from the forward's barrier waits).
+int team_for(int nth);
+
 // y = x / sqrt(mean(x^2) + eps) * w over n floats.
 void rms_norm_row(const float *x, const float *w, int n, float eps, float *y);
 
