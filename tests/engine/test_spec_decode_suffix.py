@@ -111,7 +111,7 @@ def test_the_break_even_bar_cuts_thin_evidence():
 def test_config_forms():
     c = SpeculativeConfig.parse("ngram+suffix:2000", 6)
     assert (c.method, c.suffix_lookup, c.suffix_budget, c.num_speculative_tokens) == ("suffix", True, 2000, 6)
-    assert SpeculativeConfig.parse("suffix").suffix_budget == 20_000
+    assert SpeculativeConfig.parse("suffix").suffix_budget == 10_000
     for bad in ("suffix:lots", "suffix:3"):
         with pytest.raises(InvalidRequest):
             SpeculativeConfig.parse(bad)

@@ -110,7 +110,7 @@ def run_repeat(model: str | None, num_prompts: int, output_len: int, threads: in
     return rows, (load0, os.getloadavg()[0])
 
 
-def proposer_cost(budget: int = 20_000, depth: int = 24, calls: int = 2000) -> dict[str, float]:
+def proposer_cost(budget: int = 10_000, depth: int = 24, calls: int = 2000) -> dict[str, float]:
     """Microseconds per suffix-proposer call (sync of one new token + longest match + walk) on a trie
     filled to its budget with Zipf-distributed tokens, and per token inserted / evicted."""
     import random
@@ -162,7 +162,7 @@ def repeat_command(model: str | None, num_prompts: int, output_len: int, threads
                                     on_progress=lambda: prog.advance(task))
     table = repeat_table(rows)
     cost = proposer_cost()
-    table += ("\n\nsuffix proposer, pure Python, trie filled past its default 20,000-token budget (depth 24): "
+    table += ("\n\nsuffix proposer, pure Python, trie filled past its default 10,000-token budget (depth 24): "
               f"{cost['call_us']:.0f} us per request per step, {cost['insert_evict_us_per_token']:.0f} us per token "
               f"inserted and evicted, {cost['nodes']:,} nodes")
     note = (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {threads} threads, load average (1 min) "

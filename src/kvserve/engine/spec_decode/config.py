@@ -11,7 +11,7 @@ from kvserve.errors import InvalidRequest
 MAX_SPECULATIVE_TOKENS = 16
 FORMS = "'ngram', 'suffix[:BUDGET]', 'ngram+suffix[:BUDGET]', 'draft:PATH' or 'ngram+draft:PATH'"
 SPECULATIVE_HELP = ("Speculative decoding: ngram (prompt lookup), suffix[:BUDGET] (drafts from earlier answers in the "
-                    "same cache scope, a trie of at most BUDGET tokens, default 20000), ngram+suffix[:BUDGET] (the "
+                    "same cache scope, a trie of at most BUDGET tokens, default 10000), ngram+suffix[:BUDGET] (the "
                     "more probable of the two), draft:PATH (a draft model) or ngram+draft:PATH (prompt lookup first, "
                     "the draft model where it finds nothing).")
 NUM_SPEC_HELP = "Most draft tokens per step (1-16, default 4; adapted per request)."
@@ -35,7 +35,7 @@ class SpeculativeConfig:
     # method "suffix" (spec_decode/suffix.py): tokens kept in the tries over all cache scopes (the oldest
     # requests' go first), the longest substring indexed, the least share of its continuations a draft
     # token must have, and prompt lookup beside it ('ngram+suffix')
-    suffix_budget: int = 20_000
+    suffix_budget: int = 10_000
     suffix_depth: int = 24
     suffix_threshold: float = 0.3
     suffix_lookup: bool = False

@@ -79,7 +79,7 @@ def _bucket(total: int) -> int:
 class SuffixIndex:
     """Tries per scope over a global token budget (the module docstring)."""
 
-    def __init__(self, budget: int = 20_000, depth: int = 24):
+    def __init__(self, budget: int = 10_000, depth: int = 24):
         self.budget, self.depth = budget, depth
         self.roots: dict[tuple, _Node] = {}
         self.num_tokens = 0                      # tokens charged, all scopes
