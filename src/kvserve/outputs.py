@@ -37,7 +37,8 @@ class CompletionOutput:
     text_delta: str = ""
     token_ids_delta: list[int] = field(default_factory=list)
     logprobs_delta: list[PositionLogprobs] | None = None
-    drafted_delta: list[bool] = field(default_factory=list)   # per new token: an accepted draft token
+    # per new token: an accepted draft token: False, or where its draft came from ("prompt", "request", "other", ...)
+    drafted_delta: list[bool | str] = field(default_factory=list)
 
 
 @dataclass

@@ -49,7 +49,9 @@ def serve_command(
                                  "alone, under load, and while long prompts prefill (bench/scenario.py); or batch: a "
                                  "stream's ITL beside a Batch API job of --num-prompts lines (bench/batch.py); or "
                                  "multi-turn: conversations coming back after their prefix was evicted and after a "
-                                 "restart, RAM only against the disk tier (bench/multi_turn.py)."),
+                                 "restart, RAM only against the disk tier (bench/multi_turn.py); or repeat: speculation off, "
+                                 "ngram, suffix and ngram+suffix on an agent-like loop and on open chat, single stream, "
+                                 "greedy, in this process (bench/repeat.py; --num-prompts default 24)."),
     long_len: int = typer.Option(7000, "--long-len", min=1, help="long-prompt scenario: the long prompts' tokens."),
     conversations: int = typer.Option(8, "--conversations", min=1, help="multi-turn scenario: conversations, each "
                                       "with a document of its own as the system message."),
@@ -78,6 +80,10 @@ def serve_command(
     targets = [Target(label=u, base_url=u, backend=backend) for u in base_url or []]
     targets += [Target(label=name, launch=name) for name in launch or []]
     try:
+        if scenario == "repeat":      # in this process: four engines on one model (bench/repeat.py)
+            from kvserve.bench.repeat import repeat_command
+
+            return repeat_command(model, num_prompts if num_prompts != 64 else 24, output_len or 96, threads, out_dir)
         if backend not in BACKENDS:
             raise InvalidRequest(f"--backend must be one of {', '.join(BACKENDS)}", param="backend")
         if not targets:
@@ -118,7 +124,7 @@ def serve_command(
                                       mt, kv_tiers)
         if scenario != "default":
             raise InvalidRequest(f"--scenario {scenario!r}: choose default, long-prompt or batch (single requests), "
-                                 "or multi-turn (conversations)", param="scenario")
+                                 "multi-turn (conversations) or repeat", param="scenario")
         requests = sample_requests(tokenizer, cfg)
         if lora_adapters:
             server_arg = list(server_arg or []) + _lora_adapters(model, lora_adapters, lora_rank, out_dir)

@@ -99,6 +99,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_scheduled_time: float | None = None
     expert_tokens: list[int] | None = None       # MoE: tokens routed to each expert since the last output
     num_drafted: int = 0                         # the first this many new tokens were accepted draft tokens
+    # ... and where their draft came from: "prompt", "request" (its own output), "other" (another
+    # request's answer, suffix decoding), "model" (a draft model), "supplied" (draft_token_ids)
+    draft_source: str = ""
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True):

@@ -136,7 +136,8 @@ class _Child:
     sent_text: int = 0
     sent_tokens: int = 0
     sent_logprobs: int = 0
-    drafted: list[bool] = field(default_factory=list)    # per token: an accepted draft token (speculation)
+    # per token: an accepted draft token (speculation): False, or where its draft came from (a str)
+    drafted: list[bool | str] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -214,7 +215,8 @@ class OutputProcessor:
                 state.error = o.error
             if o.new_token_ids:
                 self._add_tokens(child, o.new_token_ids, o.new_logprobs, self._ends_on_stop_token(o, state.params))
-                child.drafted += [i < o.num_drafted for i in range(len(o.new_token_ids))]
+                child.drafted += [(o.draft_source or True) if i < o.num_drafted else False
+                                  for i in range(len(o.new_token_ids))]
                 child.cumulative_logprob = o.cumulative_logprob
                 if m.first_token_time is None:
                     m.first_token_time = now

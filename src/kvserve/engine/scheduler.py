@@ -320,6 +320,7 @@ class Scheduler:
             if drafts:
                 accepted = len(result.sampled_token_ids[row]) - 1
                 o.num_drafted = min(accepted, len(new_ids))
+                o.draft_source = "supplied" if supplied else self.spec.draft_source(rid) if self.spec else ""
                 if not supplied and self.spec is not None:   # a supplied draft says nothing of the proposer
                     self.spec.observe(rid, drafts, accepted)
                 # (also when it finished: a prompt whose last chunk carried drafts is hashed here)
@@ -385,7 +386,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
         if self.spec is not None:
-            self.spec.forget(req.request_id)
+            self.spec.forget(req.request_id, req)
         req.status = Status.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         self.requests.pop(req.request_id, None)

@@ -46,6 +46,11 @@ model is not run for that request. Greedy answers of a small model repeat themse
 bench's open prompts a match of 2 or more tokens is found at 17% of steps and 2.5 of its 4 tokens
 are accepted, where the draft model's one guess is right about half the time.
 
+Suffix decoding (`--speculative suffix`, `ngram+suffix`): drafts from earlier answers in the
+request's cache scope and from its own tokens, each draft token priced by the index's own
+probability (suffix.py), cut at the same break-even bar; no model runs, so the per-request pauses
+above do not apply (the index's calibration and probes take their place).
+
 Not eligible (they decode one token a step as before): requests that opted out
 (`SamplingParams.speculative=False`), thinking requests (a reasoning budget), and
 seeded sampled requests (their random stream, and therefore their tokens, must not depend on
@@ -65,6 +70,7 @@ from kvserve.engine.spec_decode.config import SpeculativeConfig
 from kvserve.engine.spec_decode.draft import DraftProposer
 from kvserve.engine.spec_decode.eagle import EAGLE_FILE, EagleProposer
 from kvserve.engine.spec_decode.proposer import NgramProposer, Proposer
+from kvserve.engine.spec_decode.suffix import SuffixDrafter
 
 _EMA = 0.1            # weight of the newest round in a request's running acceptance rate once settled,
 _PRIOR = 2            # and before: a mean over its rounds so far and _PRIOR rounds at the starting rate
@@ -111,6 +117,9 @@ class SpecDecoder:
         self._lookup_wait = _COOLDOWN_COLD     # chances left before a probe once its first position stops paying
         self.num_lookup_drafts = 0
         self._looked: set[str] = set()
+        self.suffix = None if config.method != "suffix" else SuffixDrafter(
+            config.num_speculative_tokens, config.suffix_budget, config.suffix_depth, config.suffix_threshold,
+            NgramProposer(config.ngram_max, config.lookup_min) if config.suffix_lookup else None)
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -160,6 +169,8 @@ class SpecDecoder:
     def propose(self, reqs: list[Request], cost=None) -> list[list[int]]:
         """Draft tokens for each running decode (empty for those that do not speculate now).
         `cost`: the scheduler's StepCostModel (None: no cost check)."""
+        if self.suffix is not None:
+            return self._grammar_cut(reqs, self._propose_suffix(reqs, cost))
         drafts: list[list[int]] = [[] for _ in reqs]
         ready = []                      # (index, state or None for a new request) of those that may draft
         looking = []                    # indices prompt lookup tries first (paused or not: it costs nothing)
@@ -220,11 +231,34 @@ class SpecDecoder:
                 self.proposer_s_per_token = statistics.median(self._prop_samples)
             for i, d in zip(idx, proposed):
                 drafts[i] = d
+        return self._grammar_cut(reqs, drafts)
+
+    @staticmethod
+    def _grammar_cut(reqs: list[Request], drafts: list[list[int]]) -> list[list[int]]:
         for i, d in enumerate(drafts):
             g = reqs[i].grammar
             if g is not None and d:
                 drafts[i] = d[:g.validate_tokens(d)]     # drafts the grammar allows
         return drafts
+
+    def _propose_suffix(self, reqs: list[Request], cost) -> list[list[int]]:
+        """Suffix decoding's drafts: each eligible request's, cut at its break-even bar (suffix.py)."""
+        drafts: list[list[int]] = [[] for _ in reqs]
+        bars = self.break_even([r.num_tokens for r in reqs], cost, proposer_s=self.suffix.seconds_per_call)
+        for i, r in enumerate(reqs):
+            k = min(self.config.num_speculative_tokens, self._room(r))
+            if k > 0 and self.eligible(r):
+                drafts[i] = self.suffix.draft(r, k, bars[i])
+        return drafts
+
+    def draft_source(self, request_id: str) -> str:
+        """Where the request's latest proposed draft came from (the inspector): "prompt", "request"
+        (its own output), "other" (another request's answer), "model" (a draft model or head), "lookup"."""
+        if self.suffix is not None:
+            return self.suffix.sources.get(request_id, "")
+        if request_id in self._looked or self.config.method == "ngram":
+            return "prompt"
+        return "model"
 
     def observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         """A verification round's result: adapt the request's k and count it."""
@@ -235,6 +269,10 @@ class SpecDecoder:
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
         self.acceptance_length_counts[min(num_accepted, K)] += 1
+        if self.suffix is not None:
+            self.suffix.observe(request_id, num_drafted, num_accepted)
+            self.num_lookup_drafts = self.suffix.num_lookup_drafts
+            return
         looked = request_id in self._looked
         rates, tried = (self.lookup_rate, self._lookup_rounds) if looked else (self.pos_rate, self._pos_rounds)
         for i in range(min(num_accepted + 1, num_drafted)):     # positions tried: 1..accepted + 1
@@ -255,8 +293,11 @@ class SpecDecoder:
             st.pause, st.cooldown = st.cooldown, min(_COOLDOWN_MAX, st.cooldown * 2)
             st.rate, st.rounds, st.k = 0.6, 0, K
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, req: Request | None = None) -> None:
+        """A request ended (req: it, so suffix decoding keeps what it said)."""
         self.state.pop(request_id, None)
+        if self.suffix is not None:
+            self.suffix.finish(req, request_id)
         drop = getattr(self.proposer, "forget", None)
         if drop is not None:
             drop(request_id)

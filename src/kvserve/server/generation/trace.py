@@ -73,8 +73,10 @@ def build_trace(*, request_id: str, prompt_text: str | None, prompt_ids: list[in
     tps = n_out / decode_s if decode_s > 0 else None  # output tokens / decode time
     out_tokens = []
     for i, tok in enumerate(output_ids):
-        entry: dict[str, Any] = {"id": tok, "text": decode(tok),
-                                 "drafted": bool(output_drafted and i < len(output_drafted) and output_drafted[i])}
+        d = output_drafted[i] if output_drafted and i < len(output_drafted) else False
+        entry: dict[str, Any] = {"id": tok, "text": decode(tok), "drafted": bool(d)}
+        if d and isinstance(d, str):
+            entry["draft_source"] = d     # "prompt", "request", "other" (another request's answer), "model", ...
         pos = output_positions[i] if output_positions and i < len(output_positions) else None
         if pos:
             chosen = pos.get(tok)

@@ -116,20 +116,30 @@ function altTable(tok) {
   return table;
 }
 
+// Where an accepted draft token's guess came from (kvserve_trace output_tokens[].draft_source).
+const DRAFT_SOURCES = { prompt: "the prompt", request: "this request's own output", other: "another request's answer",
+  model: "the draft model", supplied: "the request's supplied draft" };
+
+function draftFrom(tok) {
+  const s = DRAFT_SOURCES[tok.draft_source];
+  return s ? `, from ${s}` : "";
+}
+
 function outputTokens(trace, tooltip) {
   const wrap = el("div", { class: "out-tokens", "aria-label": "Generated tokens" });
   for (const tok of trace.output_tokens || []) {
     const p = num(tok.prob) ?? (num(tok.logprob) == null ? null : Math.exp(tok.logprob));
     const pct = p == null ? "unknown" : `${(p * 100).toFixed(1)}%`;
     const cls = (p == null ? "out-tok unknown" : "out-tok") + (tok.drafted ? " drafted" : "");
+    const from = tok.drafted ? draftFrom(tok) : "";
     const span = el("span", { class: cls, tabindex: "0",
-      "aria-label": `${tok.text} — probability ${pct}${tok.drafted ? " — accepted draft token" : ""}` });
+      "aria-label": `${tok.text} — probability ${pct}${tok.drafted ? ` — accepted draft token${from}` : ""}` });
     span.textContent = tok.text || "∅";
     if (p != null) span.style.setProperty("--hue", String(probHue(p)));
     const show = () => {
       tooltip.replaceChildren(el("div", { class: "tip-head" },
         el("code", { text: visibleToken(tok.text) }),
-        el("span", { text: ` id ${tok.id} · p = ${pct}${tok.drafted ? " · accepted draft" : ""}` })), altTable(tok));
+        el("span", { text: ` id ${tok.id} · p = ${pct}${tok.drafted ? ` · accepted draft${from}` : ""}` })), altTable(tok));
       tooltip.hidden = false;
       const r = span.getBoundingClientRect();
       const w = tooltip.offsetWidth;
