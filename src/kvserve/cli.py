@@ -212,9 +212,10 @@ def _mount() -> None:
         if importlib.util.find_spec(module) is not None:
             app.add_typer(getattr(importlib.import_module(module), attr), name=name)
     if importlib.util.find_spec("kvserve.train.cli") is not None:   # `kvserve eval moderation FILE.jsonl`
-        from kvserve.safety.eval_cli import moderation_cmd
+        from kvserve.safety.eval_cli import moderation_cmd, train_moderation_cmd
 
         importlib.import_module("kvserve.train.cli").eval_app.command("moderation")(moderation_cmd)
+        importlib.import_module("kvserve.train.cli").train_app.command("moderation")(train_moderation_cmd)
 
 
 _mount()

@@ -84,7 +84,7 @@ def score_rows(rows: list[Row], moderator: Moderator) -> None:
     for r in rows:
         v = moderator.check(r.text, input=False)
         r.flagged = {c for c in LABELS if v.categories[c]}
-        r.score = max(v.scores[c] - moderator.config.threshold(c, moderator.classifier.thresholds) for c in LABELS)
+        r.score = max(v.scores[c] - moderator.config.threshold(c, moderator.thresholds) for c in LABELS)
 
 
 def report(rows: list[Row]) -> dict[str, Any]:

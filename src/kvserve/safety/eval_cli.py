@@ -1,5 +1,13 @@
-"""`kvserve eval moderation FILE.jsonl`: check a moderation config on a labelled set before deploying it
-(the report is safety/bias.py's: false-positive rate, recall per category, Jigsaw bias AUCs per group)."""
+"""`kvserve eval moderation [FILE.jsonl] [--data DIR]`: check moderation on labelled text.
+
+* FILE.jsonl (default: the shipped held-out set): safety/bias.py's report: false-positive rate,
+  recall per category, Jigsaw bias AUCs per identity group, under a config;
+* `--data DIR` (the sources `kvserve train moderation` reads): per source and per category,
+  precision, recall, F1 and benign false-positive rate on a split (default `test`, never trained
+  on nor used for thresholds), of the head, of the n-gram classifier it replaced, and of the two
+  together (the ablation: does the n-gram model add recall without false positives).
+
+`kvserve train moderation --data DIR` rebuilds the shipped head (safety/train_head.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +27,22 @@ def moderation_cmd(
         "--config", help="A JSON file of moderation settings, as for `kvserve serve --moderation-config`.")] = None,
     model: Annotated[pathlib.Path | None, typer.Option("--model", help="Another classifier file (model.npz).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    data: Annotated[pathlib.Path | None, typer.Option(
+        "--data", help="The sources' directory (docs/safety.md): report per source and category, old vs new.")] = None,
+    split: Annotated[str, typer.Option("--split", help="With --data: test | val | train.")] = "test",
 ) -> None:
-    """False-positive rate, recall per category and bias AUCs of moderation on a labelled JSONL."""
+    """False-positive rate, recall per category and bias AUCs of moderation on a labelled JSONL;
+    with --data, precision/recall/F1 per source and category, the head beside the n-gram classifier."""
+    if data is not None:
+        from kvserve.safety.sources_eval import evaluate, format_report, new_flags, old_flags
+
+        new, old = new_flags(data), old_flags()
+
+        def both(rows):
+            return [a | b for a, b in zip(new(rows), old(rows))]
+        rep = evaluate(data, split, {"head": new, "ngram": old, "head+ngram": both})
+        typer.echo(json.dumps(rep, indent=2) if as_json else format_report(rep))
+        return
     from kvserve.errors import KVServeError
     from kvserve.safety.bias import HELDOUT_PATH, evaluate_file, format_report
     from kvserve.safety.moderator import ModerationConfig
@@ -39,3 +61,20 @@ def moderation_cmd(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
     typer.echo(json.dumps(rep, indent=2) if as_json else format_report(rep))
+
+
+def train_moderation_cmd(
+    data: Annotated[pathlib.Path, typer.Option("--data", help="The fetched sources (docs/safety.md lists them).")],
+    out: Annotated[pathlib.Path | None, typer.Option("--out", help="Where to write the head (default: the shipped "
+                                                     "safety/data/head.npz).")] = None,
+) -> None:
+    """Rebuild the moderation head from the public sources in DIR, deterministically."""
+    from kvserve.errors import KVServeError
+    from kvserve.safety.train_head import train
+
+    try:
+        rep = train(data, out)
+    except KVServeError as e:
+        typer.echo(f"error: {e.message}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(json.dumps(rep, indent=2))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvserve.safety.classifier import LABELS, TextClassifier, default_classifier
+from kvserve.safety.head import Head, default_head, normalize, windows
 from kvserve.safety.rules import Rules
 
 CATEGORIES = ("harassment", "harassment/threatening", "hate", "hate/threatening", "illicit", "illicit/violent",
@@ -51,6 +52,7 @@ class ModerationConfig:
     request_overrides: bool = True      # a request's `kvserve_moderation` may set action and pii_output
     check_every: int = 16               # output: check a window every this many tokens
     window_chars: int = 256             # output: the window's size in characters
+    support_message: str = ""           # added before an answer whose input showed self-harm (docs/safety.md)
 
     def threshold(self, category: str, defaults: dict[str, float] | None = None) -> float:
         """The configured threshold of a category (or of its parent), else `defaults` (the
@@ -60,7 +62,10 @@ class ModerationConfig:
         parent = category.split("/")[0]
         if parent in self.thresholds:
             return self.thresholds[parent]
-        return 0.6 if category == "jailbreak" else (defaults or {}).get(parent, 0.5)
+        if category == "jailbreak":
+            return 0.6
+        defaults = defaults or {}
+        return defaults.get(category, defaults.get(parent, 0.5))
 
     def merged(self, overrides: dict[str, Any] | None) -> ModerationConfig:
         """This config with a stored policy's fields on top (thresholds and lists merged)."""
@@ -82,6 +87,18 @@ class Verdict:
     scores: dict[str, float]
     elapsed_ms: float = 0.0
     rule_hits: list[str] = field(default_factory=list)
+    help_seeking: bool = False      # asks for help for oneself or someone else: never refused on input
+
+    @property
+    def self_harm(self) -> bool:
+        """A self-harm category is flagged: shown and logged, never a refusal of the input."""
+        return any(v for c, v in self.categories.items() if c.startswith("self-harm"))
+
+    @property
+    def blocking(self) -> bool:
+        """Flagged by a category that refuses an input: any but self-harm's, and none when the text
+        asks for help (someone in distress who writes to a chat service is answered; docs/safety.md)."""
+        return not self.help_seeking and any(v for c, v in self.categories.items() if not c.startswith("self-harm"))
 
     @property
     def top(self) -> str | None:
@@ -95,43 +112,79 @@ class Verdict:
 
     def summary(self) -> dict[str, Any]:
         """For traces and logs: the verdict, the flagged categories, the time it took."""
-        return {"flagged": self.flagged, "categories": [c for c, v in self.categories.items() if v],
-                "ms": round(self.elapsed_ms, 3)}
+        out = {"flagged": self.flagged, "categories": [c for c, v in self.categories.items() if v],
+               "ms": round(self.elapsed_ms, 3)}
+        if self.help_seeking:
+            out["help_seeking"] = True
+        return out
+
+
+def _encode(texts: list[str]):
+    from kvserve.model.bert import default_encoder
+
+    return default_encoder().encode(texts)[0].numpy()
 
 
 class Moderator:
-    """Checks text against one configuration; cheap to make (rules compile, the model is shared)."""
+    """Checks text against one configuration; cheap to make (rules compile, the model is shared).
+    `engine`: "ngram" (the hashed n-gram classifier, what the server uses) or "head" (the trained
+    head over the sentence embedding, issue 59: not yet the default, since it misses the benign
+    false-positive target on OpenAI's samples and the identity-bias tests; `kvserve eval
+    moderation --data DIR` compares the two)."""
 
-    def __init__(self, config: ModerationConfig | None = None, classifier: TextClassifier | None = None):
+    def __init__(self, config: ModerationConfig | None = None, classifier: TextClassifier | None = None,
+                 engine: str = "ngram", head: Head | None = None, encode=None):
         self.config = config or ModerationConfig()
         c = self.config
         self.rules = Rules(blocklist=c.blocklist, regexes=c.regexes)
-        self.classifier = classifier or default_classifier()
+        self.engine = "ngram" if classifier is not None else engine
+        if self.engine == "ngram":
+            self.classifier = classifier or default_classifier()
+            self.thresholds = self.classifier.thresholds
+        else:
+            self.head = head or default_head()
+            self.thresholds = self.head.thresholds
+            self.encode = encode or _encode
 
-    def check(self, text: str, *, input: bool = True) -> Verdict:
+    @staticmethod
+    def windows(text: str) -> list[str]:
+        """The texts a check embeds: the normalized text, in windows when long (head.windows)."""
+        return windows(normalize(text) or " ")
+
+    def check(self, text: str, *, input: bool = True, vectors=None) -> Verdict:
+        """The verdict on `text`; `vectors`: its windows' embeddings (`windows(text)`) when the
+        caller has them already (the request's shared embedding), else they are computed here."""
         t0 = time.perf_counter()
-        base = self.classifier.scores(text)
+        if self.engine == "ngram":
+            base = dict(self.classifier.scores(text))
+        else:
+            base = self.head.scores(self.encode(self.windows(text)) if vectors is None else vectors)
         if len(_WORDS.findall(text)) < MIN_WORDS:     # too little evidence: a fragment, not a statement
             base = {k: v * 0.5 for k, v in base.items()}
         hits = self.rules.hits(text)
-        s = {lab: 1.0 if lab in hits else base[lab] for lab in LABELS}
+        s = {lab: 1.0 if lab in hits else base.get(lab, 0.0) for lab in LABELS}
         first_person = bool(_FIRST_PERSON.search(text))
         scores = {
             "harassment": s["harassment"], "harassment/threatening": min(s["harassment"], s["violence"]),
             "hate": s["hate"], "hate/threatening": min(s["hate"], s["violence"]),
-            "illicit": s["illicit"], "illicit/violent": min(s["illicit"], max(s["violence"], 0.5 * s["illicit"])),
+            "illicit": s["illicit"],
+            "illicit/violent": base["illicit/violent"] if "illicit/violent" in base
+            else min(s["illicit"], max(s["violence"], 0.5 * s["illicit"])),
             "self-harm": s["self-harm"],
             "self-harm/intent": s["self-harm"] if first_person else 0.5 * s["self-harm"],
             "self-harm/instructions": s["self-harm"] if _INSTRUCTIONS.search(text) else 0.5 * s["self-harm"],
-            "sexual": s["sexual"], "sexual/minors": 1.0 if "sexual/minors" in hits else 0.0,
+            "sexual": s["sexual"],
+            "sexual/minors": 1.0 if "sexual/minors" in hits else base.get("sexual/minors", 0.0),
             "violence": s["violence"],
-            "violence/graphic": s["violence"] if _GRAPHIC.search(text) else 0.3 * s["violence"],
+            "violence/graphic": base["violence/graphic"] if "violence/graphic" in base
+            else (s["violence"] if _GRAPHIC.search(text) else 0.3 * s["violence"]),
         }
         for cat in hits - set(scores):          # operator categories
             scores[cat] = 1.0
         if input and self.config.jailbreak:
             scores["jailbreak"] = self.rules.jailbreak_score(text)
         scores = {k: round(v, 6) for k, v in scores.items()}
-        categories = {k: v >= self.config.threshold(k, self.classifier.thresholds) for k, v in scores.items()}
+        categories = {k: v >= self.config.threshold(k, self.thresholds) for k, v in scores.items()}
+        help_seeking = "help" in base and base["help"] >= self.thresholds.get("help", 2.0) and not hits
         return Verdict(any(categories.values()), categories, scores, (time.perf_counter() - t0) * 1000,
-                       sorted(hits))
+                       sorted(hits), help_seeking=help_seeking)

@@ -12,7 +12,7 @@ from kvserve.errors import InvalidRequest
 from kvserve.safety.moderator import MODES
 
 FIELDS = {"mode", "thresholds", "blocklist", "regexes", "pii_input", "pii_output", "jailbreak", "check_every",
-          "window_chars", "action", "request_overrides"}
+          "window_chars", "action", "request_overrides", "support_message"}
 
 
 def validate(policy: dict[str, Any]) -> dict[str, Any]:
@@ -33,6 +33,8 @@ def validate(policy: dict[str, Any]) -> dict[str, Any]:
     for cat, v in (policy.get("thresholds") or {}).items():
         if not isinstance(v, int | float) or not 0 <= v <= 1:
             raise InvalidRequest(f"The threshold of {cat} must be a number in [0, 1].", param="thresholds")
+    if not isinstance(policy.get("support_message", ""), str) or len(policy.get("support_message", "")) > 2000:
+        raise InvalidRequest("support_message must be a string of at most 2,000 characters.", param="support_message")
     if "check_every" in policy and (not isinstance(policy["check_every"], int) or policy["check_every"] < 1):
         raise InvalidRequest("check_every must be a positive number of tokens.", param="check_every")
     return policy
