@@ -1,3 +1,5 @@
+// Longer than 420 lines on purpose: the paged attention's decode, tile and group kernels share
+// inline helpers and the exact reduction order that batch invariance depends on; one unit keeps it.
 // Small fused ops: paged attention over the KV cache, read in place through the block tables (no
 // gather copy, GQA without repeating K/V), for an fp32, bf16, fp16 or int8 cache; and RMSNorm.
 //

@@ -1,3 +1,5 @@
+// Longer than 420 lines on purpose: the whole layer stack runs inside one OpenMP parallel region,
+// phases and the adaptive team size (below) share its thread-local state; splitting it would split the region.
 // The Llama layer stack in one call, for steps of a few tokens (single-stream decode, small batches).
 //
 // Why: a decode step of the 30-layer default model is ~300 small operations when driven from Python

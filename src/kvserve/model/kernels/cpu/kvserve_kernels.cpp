@@ -1,3 +1,5 @@
+// Longer than 420 lines on purpose: the quantized GEMM/GEMV family shares static inline AVX2
+// helpers (block decode, int8 dot products) that must stay in one translation unit to inline.
 // kvserve CPU kernels: GGUF block-quantized matmul (Q4_0, Q4_1, Q4_K, Q8_0) on int8 activations.
 //
 // Built by kvserve.model.kernels.build with: g++ -O3 -mavx2 -mfma -mf16c -fPIC -shared -pthread
