@@ -127,7 +127,6 @@ def loaded():
     return load_model(None)
 
 
-@pytest.mark.slow       # 32 generations of 48 tokens: minutes on a busy 2-core machine
 @pytest.mark.parametrize("method", ["suffix", "ngram+suffix"])
 def test_greedy_output_is_the_same_and_drafts_come_from_other_requests(loaded, method):
     from kvserve import LLM
