@@ -30,7 +30,7 @@ AVX2_TESTS := tests/model tests/engine tests/test_sampling_params.py \
 
 test: setup
 	bash scripts/test-deps.sh
-	$(PY) -m pytest -q -m "not slow" --durations=30
+	$(PY) -m pytest -q -m "not slow" --durations=60
 	$(MAKE) --no-print-directory test-avx2
 
 # On a CPU without AVX-512 the main pass above already ran every kernel on AVX2: the pass would
