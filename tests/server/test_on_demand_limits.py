@@ -21,11 +21,22 @@ KV = "64MiB"
 OPERATOR = "operator-secret-key"
 CHAT = {"messages": [{"role": "user", "content": "Name one colour."}], "max_tokens": 4, "temperature": 0}
 LONG = " ".join(["colour"] * 60)     # about 60 prompt tokens
-LOADS = 3                            # loads a minute per key (the tests' keys stay under it, `loader` goes past)
+LOADS = 3                            # loads a minute per key on the `limited` server (`loader` goes past it)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """Loads per key effectively unlimited: the other tests load and unload all along (a fast run
+    loads more than a few times a minute with one key)."""
+    yield from _serve(tmp_path_factory, 1000)
+
+
+@pytest.fixture()
+def limited(tmp_path_factory):
+    yield from _serve(tmp_path_factory, LOADS)
+
+
+def _serve(tmp_path_factory, loads: int):
     from kvserve.model.registry import resolve
     from kvserve.server.routing.residency import model_bytes
     from kvserve.server.stores.keys import KeyStore
@@ -44,7 +55,7 @@ def server(tmp_path_factory):
     budget = int(model_bytes(str(src), {"kv_cache_memory": KV}) * 1.5)     # one model, never two
     srv = ModelServer(root, "--models-dir", str(d), "--models-memory", str(budget), "--keep-alive", "2s",
                       "--kv-cache-memory", KV, "--max-model-len", "1024", "--api-key", OPERATOR,
-                      "--model-loads-per-minute", str(LOADS))
+                      "--model-loads-per-minute", str(loads))
     srv.start()
     srv.keys = keys | {"operator": OPERATOR}
     srv.dir = d
@@ -204,10 +215,10 @@ def test_a_broken_file_answers_without_paths_and_backs_off(server):
 
 
 
-def test_loads_per_key_are_rate_limited(server):
+def test_loads_per_key_are_rate_limited(limited):
     """A key cycling through the directory's models (room for one: every request a load and an
     eviction) gets a 429 past its loads a minute; the operator's key does not."""
-    statuses = [_chat(server, "loader", ("alpha", "beta")[i % 2], timeout=120).status_code for i in range(LOADS + 3)]
+    statuses = [_chat(limited, "loader", ("alpha", "beta")[i % 2], timeout=120).status_code for i in range(LOADS + 3)]
     assert statuses[:2] == [200, 200] and 429 in statuses, statuses     # refills one load per 20 s; a load cycle is ~5 s
-    assert _chat(server, "operator", "alpha" if statuses and _states(server)["beta"] == "loaded" else "beta",
+    assert _chat(limited, "operator", "alpha" if statuses and _states(limited)["beta"] == "loaded" else "beta",
                  timeout=120).status_code == 200
