@@ -158,10 +158,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvs_draft_step.argtypes = [vp, i32, i32, i32, vp, i32, vp, vp, vp, vp, i32, vp, vp, vp, vp, i32, vp, i32, vp,
                                    vp, vp, vp, vp, i32]
     lib.kvs_draft_step.restype = i32
-    lib.kvs_rope_kv_attention.argtypes = [vp, vp, i32, vp, vp, vp, vp, i32, vp, i32, i32, i32, vp, vp, i32]
+    lib.kvs_rope_kv_attention.argtypes = [vp, i32, vp, i32, vp, vp, vp, vp, i32, vp, i32, i32, i32, vp, vp, i32]
     lib.kvs_rope_kv_attention.restype = None
     lib.kvs_silu_mul.argtypes = [vp, i32, i32, vp, i32]
     lib.kvs_silu_mul.restype = None
+    lib.kvs_gelu_mul.argtypes = [vp, i32, i32, vp, i32]
+    lib.kvs_gelu_mul.restype = None
     lib.kvs_rms_norm.argtypes = [vp, vp, i32, i32, ctypes.c_float, vp]
     lib.kvs_rms_norm.restype = None
     lib.kvs_dequantize.argtypes = [vp, vp]
