@@ -64,7 +64,10 @@ def enabled() -> bool:
 
 
 def cache_root() -> Path:
-    return build.cache_dir().parent / "packed"
+    """KVSERVE_PACK_CACHE_DIR, else `packed` beside the compiled kernels (an empty directory
+    measures a first load without recompiling the kernels)."""
+    root = os.environ.get("KVSERVE_PACK_CACHE_DIR")
+    return Path(root) if root else build.cache_dir().parent / "packed"
 
 
 def file_digest(path: Path) -> str:
