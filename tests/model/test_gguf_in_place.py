@@ -238,3 +238,22 @@ def test_file_identity_follows_the_file_version(tmp_path):
     path.write_bytes(bytes(data))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert pack_cache.file_identity(path) != a
+
+
+def test_q4_0_minima_are_not_stored(tmp_path, cache_dir):
+    """A Q4_0 minimum is -8 d: the cache file leaves it out (<= 1.1x the file) and a hit derives
+    the same values (== : the padding rows' +0 and -0 alike)."""
+    from kvserve.model.kernels.gguf_linear import GGUFQuantLinear
+
+    path = tiny_random(tmp_path / "r.gguf", "Q4_0")
+    first = load_model(str(path))
+    pack_cache.wait()
+    (cached,) = cache_dir.glob("*.kvpack")
+    entries, _ = pack_cache._map(cached)
+    assert entries and all(e["m"][1] == 0 and e["m_is_-8d"] for e in entries if e["qtype"] == 2)
+    again = load_model(str(path))
+    layers = [(a, b) for a, b in zip(first.model.modules(), again.model.modules(), strict=True)
+              if isinstance(a, GGUFQuantLinear)]
+    assert layers
+    for a, b in layers:
+        assert a.m.dtype == b.m.dtype and torch.equal(a.m, b.m) and torch.equal(a.d, b.d)

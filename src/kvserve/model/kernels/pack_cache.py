@@ -45,6 +45,7 @@ from kvserve.model.kernels import build
 logger = logging.getLogger(__name__)
 
 MAGIC = b"KVSPACK1"
+Q4_0 = 2     # GGML type code
 ALIGN = 64
 KEEP_FILES = 16    # packed models kept in the cache; the least recently used beyond are deleted
 KEEP_BYTES = 32 << 30   # and their total size (KVSERVE_PACK_CACHE_MAX_BYTES); the newest is always kept
@@ -196,11 +197,15 @@ class PackSession:
             esize = 2 if e["sdtype"] else 4
             want = {"qs": qs_bytes, "d": n_scales * esize, "m": n_scales * esize if has_m else 0}
             got = {name: e[name][1] for name in want}
+            if e.get("m_is_-8d"):
+                got["m"] = e["d"][1]
             if got != want:
                 raise PackMismatch(f"entry {self.next} has blob sizes {got}, the kernels read {want}")
         self.next += 1
         dt = torch.float16 if e["sdtype"] else torch.float32
-        return self._view(e["qs"], torch.uint8), self._view(e["d"], dt), self._view(e["m"], dt), e["sdtype"]
+        d = self._view(e["d"], dt)
+        m = d * -8.0 if e.get("m_is_-8d") else self._view(e["m"], dt)     # exact in either dtype
+        return self._view(e["qs"], torch.uint8), d, m, e["sdtype"]
 
     def _view(self, span: list[int], dtype: torch.dtype) -> torch.Tensor:
         offset, nbytes = span
@@ -266,8 +271,12 @@ class PackSession:
         for layer in self.recorded:
             e = {"qtype": int(layer.qtype), "rows": layer.out_features, "cols": layer.in_features,
                  "sdtype": layer.desc.sdtype}
+            if e["qtype"] == Q4_0 and layer.m.numel():
+                e["m_is_-8d"] = True      # a Q4_0 minimum is -8 d: not stored (the cache stays <= 1.1x the file)
             for name in ("qs", "d", "m"):
                 t = getattr(layer, name)
+                if name == "m" and e.get("m_is_-8d"):
+                    t = torch.empty(0, dtype=torch.uint8)
                 nbytes = t.numel() * t.element_size()
                 e[name] = [pos, nbytes]
                 blobs.append(t)
