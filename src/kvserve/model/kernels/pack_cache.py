@@ -256,6 +256,8 @@ class PackSession:
         _prune(self.path.parent)
 
     def _write_in_background(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):   # this thread only: the first steps go first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             self._write()
             _prune(self.path.parent)
