@@ -187,6 +187,7 @@ def test_mixed_file_from_the_pack_cache(tmp_path, monkeypatch):
     prompt = list(range(3, 30))
     first = load_model(str(path), backend=BACKEND).model
     want = _greedy(first, BACKEND, prompt, 4)
+    pack_cache.wait()     # the cache file is written in the background
     assert len(list((tmp_path / "packed").glob("*.kvpack"))) == 1
 
     def no_repack(*_):

@@ -134,6 +134,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     vp, i32 = ctypes.c_void_p, ctypes.c_int
     lib.kvs_repack.argtypes = [i32, vp, i32, i32, vp, vp, vp, i32]
     lib.kvs_repack.restype = i32
+    lib.kvs_repack_q4.argtypes = [i32, vp, i32, i32, vp, vp, vp, i32]
+    lib.kvs_repack_q4.restype = i32
     lib.kvs_pack_q4.argtypes = [i32, i32, vp, vp, vp, vp, vp, vp]
     lib.kvs_pack_q4.restype = None
     lib.kvs_repack_q4_k.argtypes = [vp, i32, i32, vp, vp, vp]

@@ -201,6 +201,9 @@ class GGUFQuantLinear(torch.nn.Module):
             elif ggml_type == int(Q8_0):     # kvs_repack's bytes, in 4-byte runs
                 lib.kvs_repack_q8_0(raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(), sdtype)
                 rc = 0
+            elif ggml_type in (int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1)):
+                rc = lib.kvs_repack_q4(ggml_type, raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(),
+                                       self.m.data_ptr(), sdtype)    # kvs_repack's bytes, all threads
             else:
                 rc = lib.kvs_repack(ggml_type, raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(),
                                     self.m.data_ptr() if q4 else None, sdtype)
