@@ -170,9 +170,8 @@ def _int8_arithmetic(layer: GGUFQuantLinear, x: torch.Tensor) -> torch.Tensor:
     xq = torch.round(xb * torch.where(amax > 0, 127 / amax, 0.0)[..., None]).to(torch.int32)
     xs = xd * xq.sum(-1).float()
     w = layer.dequantized_weight()
-    q4 = layer.m.numel() > 0
-    d = layer.d.float().view(-1, nb, 16).transpose(1, 2).reshape(-1, nb)[: layer.out_features]
-    m = layer.m.float().view(-1, nb, 16).transpose(1, 2).reshape(-1, nb)[: layer.out_features] if q4 else None
+    d, m = layer.block_scales()
+    q4 = m is not None
     q = torch.round((w.view(-1, nb, 32) - (m[..., None] if q4 else 0)) / torch.where(d == 0, 1, d)[..., None])
     isum = torch.einsum("tbk,rbk->trb", xq.double(), q.double())                   # exact integers
     acc = torch.zeros(x.shape[0], layer.out_features, dtype=torch.float32)
@@ -367,7 +366,8 @@ def test_c_rms_norm_matches_torch(rows):
 @requires_kernels
 def test_block_scales_kept_in_float16_where_exact():
     """GGUF's float16 scales stay float16 (fewer bytes per decode step); a Q4_0 block whose minimum
-    -8 d overflows float16, and Q4_K's products, keep float32 scales; all exact."""
+    -8 d overflows float16, keeps float32 scales; Q4_K keeps its super-block scales (bytes: fp16
+    d and dmin, 6-bit scales and minima); all exact."""
     raw, ref_w, _ = make(Q.Q4_0, 32, 64)
     assert kernel_layer(raw, Q.Q4_0, 64, 32).d.dtype == torch.float16
     raw = raw.copy()
@@ -376,7 +376,8 @@ def test_block_scales_kept_in_float16_where_exact():
     layer = kernel_layer(raw, Q.Q4_0, 64, 32)
     assert layer.d.dtype == torch.float32
     assert torch.equal(layer.dequantized_weight().double(), ref_w)
-    assert kernel_layer(random_q4_k(16, 256), Q.Q4_K, 256, 16).d.dtype == torch.float32
+    q4k = kernel_layer(random_q4_k(16, 256), Q.Q4_K, 256, 16)
+    assert q4k.d.dtype == torch.uint8 and q4k.d.numel() == 320 and q4k.m.numel() == 0
 
 
 @requires_kernels

@@ -28,12 +28,11 @@ inline __m512i bcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-template <int TT, bool F16>
+template <int TT, int SM>
 void q4_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
                int ldy, bool add) {
     const int K = w->cols, nb = K / QK;
     const uint8_t *qg = w->qs + (size_t)g * nb * 256;
-    const size_t s0 = (size_t)g * nb * 16;
     const __m512i mask = _mm512_set1_epi8(0x0F);
     __m512 acc[TT];
     for (int j = 0; j < TT; j++) acc[j] = _mm512_setzero_ps();
@@ -51,7 +50,8 @@ void q4_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, co
                 is[j] = _mm512_dpbusd_epi32(is[j], hi, bcast4(xr + 16));
             }
         }
-        const __m512 d = scales16<F16>(w->d, s0 + (size_t)b * 16), m = scales16<F16>(w->m, s0 + (size_t)b * 16);
+        __m512 d, m;
+        q4_scales16<SM>(w, g, b, nb, &d, &m);
         for (int j = 0; j < TT; j++) {
             const size_t sb = (size_t)(t0 + j) * nb + b;
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[j]), _mm512_mul_ps(d, _mm512_set1_ps(xd[sb])), acc[j]);
@@ -93,26 +93,26 @@ void q8_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, co
     for (int j = 0; j < TT; j++) store_rows16(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
 }
 
-template <bool Q4, bool F16, int TT>
+template <bool Q4, int SM, int TT>
 inline void tile(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
                  int ldy, bool add) {
-    if (Q4) q4_tile16<TT, F16>(w, g, xq, xd, xs, t0, y, ldy, add);
-    else q8_tile16<TT, F16>(w, g, xq, xd, xs, t0, y, ldy, add);
+    if (Q4) q4_tile16<TT, SM>(w, g, xq, xd, xs, t0, y, ldy, add);
+    else q8_tile16<TT, SM == 1>(w, g, xq, xd, xs, t0, y, ldy, add);
 }
 
-template <bool Q4, bool F16>
+template <bool Q4, int SM>
 void run_groups(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y, int ldy,
                 bool add, int gbeg, int gend) {
     constexpr int TT = 6;
     for (int g = gbeg; g < gend; g++) {
         int t = 0;
-        for (; t + TT <= T; t += TT) tile<Q4, F16, TT>(w, g, xq, xd, xs, t, y, ldy, add);
+        for (; t + TT <= T; t += TT) tile<Q4, SM, TT>(w, g, xq, xd, xs, t, y, ldy, add);
         switch (T - t) {
-            case 5: tile<Q4, F16, 5>(w, g, xq, xd, xs, t, y, ldy, add); break;
-            case 4: tile<Q4, F16, 4>(w, g, xq, xd, xs, t, y, ldy, add); break;
-            case 3: tile<Q4, F16, 3>(w, g, xq, xd, xs, t, y, ldy, add); break;
-            case 2: tile<Q4, F16, 2>(w, g, xq, xd, xs, t, y, ldy, add); break;
-            case 1: tile<Q4, F16, 1>(w, g, xq, xd, xs, t, y, ldy, add); break;
+            case 5: tile<Q4, SM, 5>(w, g, xq, xd, xs, t, y, ldy, add); break;
+            case 4: tile<Q4, SM, 4>(w, g, xq, xd, xs, t, y, ldy, add); break;
+            case 3: tile<Q4, SM, 3>(w, g, xq, xd, xs, t, y, ldy, add); break;
+            case 2: tile<Q4, SM, 2>(w, g, xq, xd, xs, t, y, ldy, add); break;
+            case 1: tile<Q4, SM, 1>(w, g, xq, xd, xs, t, y, ldy, add); break;
             default: break;
         }
     }
@@ -124,11 +124,12 @@ namespace kvs {
 
 void groups_avx512(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
                    int ldy, bool add, int gbeg, int gend) {
-    const bool q4 = w->qtype == 0, f16 = w->sdtype == 1;
-    if (q4 && f16) run_groups<true, true>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
-    else if (q4) run_groups<true, false>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
-    else if (f16) run_groups<false, true>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
-    else run_groups<false, false>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    const bool f16 = w->sdtype == 1;
+    if (w->qtype == KVS_QTYPE_Q4K) run_groups<true, 2>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (w->qtype == 0 && f16) run_groups<true, 1>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (w->qtype == 0) run_groups<true, 0>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (f16) run_groups<false, 1>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else run_groups<false, 0>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
 }
 
 }  // namespace kvs

@@ -35,10 +35,18 @@
 //                           d, m [g][b][16 rows] float16 or float32: w = d * q + m, q in 0..15
 //   Q8_0:                   qs [g][b][i = 0..7][16 rows][4 bytes] int8 q[r][32b + 4i + j],
 //                           d [g][b][16 rows] float16 or float32: w = d * q
+//   Q4_K (qtype 2):         qs as Q4; the scales stay per 256-value super-block s as the file has
+//                           them, KVS_KSUPER_BYTES = 320 bytes per group and super-block at d:
+//                           [g][s] { fp16 d[16 rows], fp16 dmin[16 rows], u8 sc[8 blocks][16 rows],
+//                           u8 mn[8 blocks][16 rows] }: block b = 8s + j has the block scale
+//                           d * sc[j] and minimum -(dmin * mn[j]), formed by the kernels. Both are
+//                           exact float32 products (11-bit fp16 mantissa times a 6-bit integer), so
+//                           the arithmetic above is unchanged; a row reads 148 bytes per 256
+//                           values (the file: 144), where per-block float32 scales read 192.
 //
 // Block scales stay float16 where GGUF stores them so (Q4_0, Q4_1, Q8_0: 20 bytes per 32 Q4
-// weights instead of 24, what a decode step reads) and float32 where they are products (Q4_K's
-// d * sc); either way the kernels widen them to float32 exactly before any arithmetic.
+// weights instead of 24, what a decode step reads); the kernels widen them to float32 exactly
+// before any arithmetic.
 //
 // Threads: OpenMP, and the library is loaded after torch, so `libgomp.so.1` resolves to the copy
 // torch already loaded: the kernels run on torch's own thread team. A private pool measured
@@ -181,12 +189,32 @@ inline __m256 scales8(const void *p, size_t idx) {
     return _mm256_loadu_ps((const float *)p + idx);
 }
 
-template <int TT, bool F16>
+// The block scale d and minimum m of 8 rows (half h of group g) for block b: stored per block
+// (SM 0: float32, 1: float16), or formed from the Q4_K super-block layout (SM 2, see the top of the
+// file): d = d_s * sc, m = -(dmin_s * mn), both exact products in float32 (an fp16 times a 6-bit
+// integer), so the bits are those of the per-block float32 layout.
+template <int SM>
+inline void q4_scales8(const kvs_weight *w, int g, int h, int b, int nb, __m256 *d, __m256 *m) {
+    if (SM == 2) {
+        const uint8_t *p = (const uint8_t *)w->d + ((size_t)g * (nb / 8) + b / 8) * KVS_KSUPER_BYTES;
+        const __m256 ds = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + h * 16)));
+        const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + h * 16)));
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 64 + (b % 8) * 16 + h * 8))));
+        const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 192 + (b % 8) * 16 + h * 8))));
+        *d = _mm256_mul_ps(ds, sc);
+        *m = _mm256_xor_ps(_mm256_mul_ps(dm, mn), _mm256_set1_ps(-0.0f));
+        return;
+    }
+    const size_t at = ((size_t)g * nb + b) * 16 + h * 8;
+    *d = scales8<SM == 1>(w->d, at);
+    *m = scales8<SM == 1>(w->m, at);
+}
+
+template <int TT, int SM>
 void q4_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
               float *y, int ldy, bool add) {
     const int K = w->cols, nb = K / KVS_QK;
     const uint8_t *qg = w->qs + (size_t)g * nb * 256 + h * 32;
-    const size_t s0 = (size_t)g * nb * 16 + h * 8;
     const __m256i mask = _mm256_set1_epi8(0x0F);
     __m256 acc[TT];
     for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
@@ -211,7 +239,8 @@ void q4_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *
 #endif
             }
         }
-        const __m256 d = scales8<F16>(w->d, s0 + (size_t)b * 16), m = scales8<F16>(w->m, s0 + (size_t)b * 16);
+        __m256 d, m;
+        q4_scales8<SM>(w, g, h, b, nb, &d, &m);
         for (int j = 0; j < TT; j++) {
 #if defined(__AVXVNNI__)
             const __m256i s32 = is[j];
@@ -261,27 +290,27 @@ void q8_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *
     for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
 }
 
-template <bool Q4, bool F16, int TT>
+template <bool Q4, int SM, int TT>
 inline void tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
                   float *y, int ldy, bool add) {
-    if (Q4) q4_tile8<TT, F16>(w, g, h, xq, xd, xs, t0, y, ldy, add);
-    else q8_tile8<TT, F16>(w, g, h, xq, xd, xs, t0, y, ldy, add);
+    if (Q4) q4_tile8<TT, SM>(w, g, h, xq, xd, xs, t0, y, ldy, add);
+    else q8_tile8<TT, SM == 1>(w, g, h, xq, xd, xs, t0, y, ldy, add);
 }
 
 // Groups [gbeg, gend) of 16 rows for all T tokens: each half-group's weights (nb x 128 bytes for
 // Q4) stay in L1 while the token tiles stream past them.
-template <bool Q4, bool F16>
+template <bool Q4, int SM>
 void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
                      int ldy, bool add, int gbeg, int gend) {
     for (int g = gbeg; g < gend; g++)
         for (int h = 0; h < 2; h++) {
             if (g * 16 + h * 8 >= w->rows) break;
             int t = 0;
-            for (; t + 4 <= T; t += 4) tile8<Q4, F16, 4>(w, g, h, xq, xd, xs, t, y, ldy, add);
+            for (; t + 4 <= T; t += 4) tile8<Q4, SM, 4>(w, g, h, xq, xd, xs, t, y, ldy, add);
             switch (T - t) {
-                case 3: tile8<Q4, F16, 3>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
-                case 2: tile8<Q4, F16, 2>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
-                case 1: tile8<Q4, F16, 1>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
+                case 3: tile8<Q4, SM, 3>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
+                case 2: tile8<Q4, SM, 2>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
+                case 1: tile8<Q4, SM, 1>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
                 default: break;
             }
         }
@@ -306,11 +335,12 @@ void linear_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const f
         groups_avx512(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
         return;
     }
-    const bool q4 = w->qtype == 0, f16 = w->sdtype == 1;
-    if (q4 && f16) run_groups_avx2<true, true>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
-    else if (q4) run_groups_avx2<true, false>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
-    else if (f16) run_groups_avx2<false, true>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
-    else run_groups_avx2<false, false>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    const bool f16 = w->sdtype == 1;
+    if (w->qtype == KVS_QTYPE_Q4K) run_groups_avx2<true, 2>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (w->qtype == 0 && f16) run_groups_avx2<true, 1>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (w->qtype == 0) run_groups_avx2<true, 0>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (f16) run_groups_avx2<false, 1>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else run_groups_avx2<false, 0>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
 }
 
 }  // namespace kvs
@@ -330,7 +360,7 @@ struct LinearJob {
 void linear_task(const LinearJob *job, int ith, int nth) {
     const kvs_weight *w = job->w;
     const int K = w->cols, nb = K / KVS_QK;
-    const bool q4 = w->qtype == 0;
+    const bool q4 = w->qtype != 1;
     // phase 1: quantize this thread's share of tokens
     for (int t = ith; t < job->T; t += nth)
         quantize_row_q8(job->x + (size_t)t * K, K, job->xq + (size_t)t * K, job->xd + (size_t)t * nb,
@@ -355,6 +385,22 @@ inline float scale_value(const void *p, size_t at, int sdtype) {
     return sdtype ? _cvtsh_ss(((const uint16_t *)p)[at]) : ((const float *)p)[at];
 }
 
+// Block scale and minimum of row r, block b, as the kernels form them (any layout).
+inline void block_scales(const kvs_weight *w, int r, int b, int nb, float *d, float *m) {
+    if (w->qtype == KVS_QTYPE_Q4K) {
+        const uint8_t *p = (const uint8_t *)w->d + ((size_t)(r / 16) * (nb / 8) + b / 8) * KVS_KSUPER_BYTES;
+        uint16_t hd, hm;
+        memcpy(&hd, p + 2 * (r % 16), 2);
+        memcpy(&hm, p + 32 + 2 * (r % 16), 2);
+        *d = _cvtsh_ss(hd) * (float)p[64 + (b % 8) * 16 + r % 16];
+        *m = -(_cvtsh_ss(hm) * (float)p[192 + (b % 8) * 16 + r % 16]);
+        return;
+    }
+    const size_t at = scale_at(r, b, nb);
+    *d = scale_value(w->d, at, w->sdtype);
+    *m = w->qtype == 0 ? scale_value(w->m, at, w->sdtype) : 0.0f;
+}
+
 inline void put_q4(uint8_t *qs, int r, int k, int nb, uint8_t q) {
     qs[q4_byte(r, k, nb)] |= (k % KVS_QK) >= 16 ? (uint8_t)(q << 4) : q;
 }
@@ -374,7 +420,11 @@ int kvs_get_num_threads(void) { return g_nth; }
 
 // Bytes of the repacked arrays for a weight of rows x cols: qs, and d (and m, for Q4) in floats.
 size_t kvs_packed_qs_bytes(int qtype, int rows, int cols) {
-    return (size_t)((rows + 15) / 16) * (cols / KVS_QK) * (qtype == 0 ? 256 : 512);
+    return (size_t)((rows + 15) / 16) * (cols / KVS_QK) * (qtype == 1 ? 512 : 256);
+}
+// Bytes of the Q4_K super-block scales (qtype 2) of a weight of rows x cols (cols a multiple of 256).
+size_t kvs_packed_kscale_bytes(int rows, int cols) {
+    return (size_t)((rows + 15) / 16) * (cols / 256) * KVS_KSUPER_BYTES;
 }
 size_t kvs_packed_scales(int rows, int cols) { return (size_t)((rows + 15) / 16) * 16 * (cols / KVS_QK); }
 
@@ -451,10 +501,9 @@ namespace {
 void dequantize_row(const kvs_weight *w, int r, float *o) {
     const int K = w->cols, nb = K / KVS_QK;
     for (int b = 0; b < nb; b++) {
-        const size_t at = scale_at(r, b, nb);
-        const float d = scale_value(w->d, at, w->sdtype);
-        if (w->qtype == 0) {
-            const float m = scale_value(w->m, at, w->sdtype);
+        float d, m;
+        block_scales(w, r, b, nb, &d, &m);
+        if (w->qtype != 1) {
             for (int i = 0; i < KVS_QK; i++) {
                 const int k = b * KVS_QK + i;
                 const uint8_t byte = w->qs[q4_byte(r, k, nb)];

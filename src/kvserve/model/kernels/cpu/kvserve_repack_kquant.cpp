@@ -5,6 +5,9 @@
 //
 //   kvs_repack_q4_k   Q4_K super-blocks -> the Q4 layout (kvserve_kernels.cpp), scales d*sc and
 //                     minima -(dmin*m) as float32 per 32 values
+//   kvs_repack_q4_k_super  Q4_K super-blocks -> the Q4 codes and the file's own scales per
+//                     super-block (layout qtype 2): fp16 d and dmin, the 6-bit scales and
+//                     minima widened to bytes; nothing computed, so nothing rounded
 //   kvs_repack_q8_0   Q8_0 rows into the Q8 layout: kvs_repack's bytes, 4-byte runs at a time
 //   kvs_q8_0_rows     Q4_K / Q5_K / Q6_K rows decoded exactly (llama.cpp's dequantize_row_*) and
 //                     requantized per 32 values into Q8_0 blocks (fp16 scale amax/127 rounded up)
@@ -150,6 +153,39 @@ void kvs_repack_q4_k(const uint8_t *raw, int rows, int cols, uint8_t *qs, float 
                     const size_t at = ((size_t)g * nb + blk) * 16 + rr;
                     d[at] = sd * (float)sc;
                     m[at] = -(smin * (float)mn);
+                    uint8_t *dst = qs + ((size_t)g * nb + blk) * 256 + rr * 4;
+                    for (int kk = 0; kk < 16; kk++) {
+                        const uint8_t lo = h ? q[kk] >> 4 : q[kk] & 0x0F;
+                        const uint8_t hi = h ? q[kk + 16] >> 4 : q[kk + 16] & 0x0F;
+                        dst[(kk / 4) * 64 + kk % 4] = (uint8_t)(lo | (hi << 4));
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Q4_K rows into layout qtype 2 (kvserve_kernels.cpp): qs as kvs_repack_q4_k writes them, ks the
+// super-block scales, sized by kvs_packed_qs_bytes(2, ...) / kvs_packed_kscale_bytes. Padding rows
+// are zero.
+void kvs_repack_q4_k_super(const uint8_t *raw, int rows, int cols, uint8_t *qs, uint8_t *ks) {
+    const int nb = cols / 32, nsb = cols / QK_K;
+    const int groups = (rows + 15) / 16, full = rows / 16;
+    memset(qs + (size_t)full * nb * 256, 0, (size_t)(groups - full) * nb * 256);
+    memset(ks + (size_t)full * nsb * KVS_KSUPER_BYTES, 0, (size_t)(groups - full) * nsb * KVS_KSUPER_BYTES);
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const int g = r / 16, rr = r % 16;
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *b = raw + ((size_t)r * nsb + s) * 144;
+            uint8_t *k = ks + ((size_t)g * nsb + s) * KVS_KSUPER_BYTES;
+            memcpy(k + 2 * rr, b, 2);
+            memcpy(k + 32 + 2 * rr, b + 2, 2);
+            for (int c = 0; c < 4; c++) {
+                const uint8_t *q = b + 16 + 32 * c;   // sub-block 2c: low nibbles, 2c+1: high
+                for (int h = 0; h < 2; h++) {
+                    const int j = 2 * c + h, blk = s * 8 + j;
+                    scale_min_k4(j, b + 4, k + 64 + j * 16 + rr, k + 192 + j * 16 + rr);
                     uint8_t *dst = qs + ((size_t)g * nb + blk) * 256 + rr * 4;
                     for (int kk = 0; kk < 16; kk++) {
                         const uint8_t lo = h ? q[kk] >> 4 : q[kk] & 0x0F;

@@ -1,0 +1,106 @@
+"""Issue 58's K-quant layout: Q4_K held with its own super-block scales (kernel qtype 2: fp16 d and
+dmin, the 6-bit scales and minima as bytes, cpu/kvserve_kernels.cpp) instead of float32 scales
+per 32 values. The kernels form d * sc and -(dmin * mn) themselves; both are exact products, so
+every output has the bits the per-block float32 layout gave (the same arithmetic contract), on
+every batch size, and the layer reads about the file's bytes."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants as gguf_quants
+from test_kquant_repack import random_blocks
+
+from kvserve.model.kernels.backend import KernelBackend
+from kvserve.model.kernels.build import KvsWeight
+from kvserve.model.kernels.gguf_linear import GGUFQuantLinear
+
+BACKEND = KernelBackend.detect()
+LIB = BACKEND.lib
+pytestmark = pytest.mark.skipif(LIB is None, reason="compiled kernels unavailable")
+
+
+def int8_layer(raw: np.ndarray, rows: int, cols: int) -> GGUFQuantLinear:
+    from dataclasses import replace
+
+    return GGUFQuantLinear(raw, Q.Q4_K, cols, rows, backend=replace(BACKEND, bf16_min_tokens=None,
+                                                                     f32_min_tokens=None))
+
+
+def old_layout(raw: np.ndarray, rows: int, cols: int):
+    """The per-32-value float32 layout (qtype 0) the kernels used for Q4_K before."""
+    qs = torch.empty(LIB.kvs_packed_qs_bytes(0, rows, cols), dtype=torch.uint8)
+    d = torch.empty(LIB.kvs_packed_scales(rows, cols))
+    m = torch.empty(LIB.kvs_packed_scales(rows, cols))
+    LIB.kvs_repack_q4_k(raw.ctypes.data, rows, cols, qs.data_ptr(), d.data_ptr(), m.data_ptr())
+    desc = KvsWeight(0, rows, cols, BACKEND.gemm_isa, 0, qs.data_ptr(), d.data_ptr(), m.data_ptr(), None)
+    return desc, (qs, d, m)
+
+
+def run(desc: KvsWeight, x: torch.Tensor, rows: int) -> torch.Tensor:
+    y = torch.empty(x.shape[0], rows)
+    LIB.kvs_linear(ctypes.addressof(desc), x.data_ptr(), x.shape[0], y.data_ptr())
+    return y
+
+
+@pytest.mark.parametrize("rows,cols", [(37, 768), (64, 256), (5, 512)])
+def test_same_bits_as_the_float32_scale_layout(rows, cols):
+    raw = random_blocks(Q.Q4_K, rows, cols, seed=rows)
+    layer = int8_layer(raw, rows, cols)
+    assert layer.desc.qtype == 2 and layer.desc.sdtype == 2 and layer.m.numel() == 0
+    desc, keep = old_layout(raw, rows, cols)
+    assert torch.equal(layer.qs, keep[0])                   # the codes are laid out as before
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(3))
+    want = run(desc, x, rows)
+    for T in (1, 2, 3, 5, 16, 17, 70):                      # every tile width, AMX-sized steps too
+        assert torch.equal(layer(x[:T]), want[:T]), T
+    d, m = layer.block_scales()                             # the scales the kernels form, bit for bit
+    nb = cols // 32
+    old_d = keep[1].view(-1, nb, 16).transpose(1, 2).reshape(-1, nb)[:rows]
+    old_m = keep[2].view(-1, nb, 16).transpose(1, 2).reshape(-1, nb)[:rows]
+    assert torch.equal(d.view(torch.int32), old_d.view(torch.int32))
+    assert torch.equal(m.view(torch.int32), old_m.view(torch.int32))
+
+
+def test_dequantized_equals_gguf_and_output_within_int8_tolerance():
+    rows, cols = 48, 1024
+    raw = random_blocks(Q.Q4_K, rows, cols, seed=9)
+    blocks = raw.reshape(-1, 144).copy()                     # sane magnitudes for the tolerance check
+    blocks[:, 0:4] = np.full((blocks.shape[0], 2), 4e-3, np.float16).view(np.uint8)
+    raw = blocks.reshape(rows, -1)
+    layer = int8_layer(raw, rows, cols)
+    ref = torch.from_numpy(gguf_quants.dequantize(raw, Q.Q4_K).reshape(rows, cols)).double()
+    assert torch.equal(layer.dequantized_weight().double(), ref)
+    ids = torch.tensor([0, 47, 16, 15])
+    assert torch.equal(layer.rows(ids).double(), ref[ids])
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(4))
+    y, want = layer(x).double(), x.double() @ ref.T
+    assert float((y - want).norm() / want.norm()) < 0.02
+
+
+def test_layer_reads_about_the_files_bytes():
+    rows, cols = 2048, 2048
+    raw = random_blocks(Q.Q4_K, rows, cols, seed=1)
+    layer = int8_layer(raw, rows, cols)
+    held = layer.qs.numel() + layer.d.numel() * layer.d.element_size() + layer.m.numel() * layer.m.element_size()
+    assert held == rows * cols // 256 * 148                  # 148 bytes per 256 values; the file has 144
+    assert held <= 1.03 * raw.nbytes
+
+
+def test_thread_counts_give_the_same_bits():
+    rows, cols = 160, 512
+    layer = int8_layer(random_blocks(Q.Q4_K, rows, cols, seed=2), rows, cols)
+    x = torch.randn(21, cols, generator=torch.Generator().manual_seed(5))
+    before = LIB.kvs_get_num_threads()
+    try:
+        LIB.kvs_set_num_threads(1)
+        y1 = layer(x)
+        LIB.kvs_set_num_threads(2)
+        y2 = layer(x)
+    finally:
+        LIB.kvs_set_num_threads(before)
+    assert torch.equal(y1, y2)
