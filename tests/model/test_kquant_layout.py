@@ -104,3 +104,32 @@ def test_thread_counts_give_the_same_bits():
     finally:
         LIB.kvs_set_num_threads(before)
     assert torch.equal(y1, y2)
+
+
+def random_q5(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    return gguf_quants.quantize(w, qtype)
+
+
+def test_q5_0_is_exactly_q8_0_blocks():
+    from kvserve.model.kernels import kquants
+
+    rows, cols = 37, 256
+    raw = random_q5(Q.Q5_0, rows, cols, seed=7)
+    as_q8 = kquants.q8_0_rows(raw, Q.Q5_0, cols)
+    want = gguf_quants.dequantize(raw, Q.Q5_0).reshape(rows, cols)
+    assert np.array_equal(gguf_quants.dequantize(as_q8, Q.Q8_0).reshape(rows, cols), want)
+    layer = GGUFQuantLinear(raw, Q.Q5_0, cols, rows, backend=BACKEND)
+    assert layer.desc is not None and layer.desc.qtype == 1           # on the int8 kernels
+    assert torch.equal(layer.dequantized_weight(), torch.from_numpy(want))
+
+
+def test_q5_1_on_the_int8_kernels_within_a_half_step():
+    rows, cols = 37, 256
+    raw = random_q5(Q.Q5_1, rows, cols, seed=8)
+    want = torch.from_numpy(gguf_quants.dequantize(raw, Q.Q5_1).reshape(rows, cols))
+    layer = GGUFQuantLinear(raw, Q.Q5_1, cols, rows, backend=BACKEND)
+    assert layer.desc is not None and layer.desc.qtype == 1
+    got = layer.dequantized_weight()
+    step = want.view(rows, -1, 32).abs().amax(-1, keepdim=True) / 127      # the Q8_0 block's step
+    assert bool(((got - want).view(rows, -1, 32).abs() <= step / 2 * 1.002 + 1e-7).all())

@@ -30,6 +30,8 @@ _KERNEL_QTYPE = {
     GGMLQuantizationType.Q4_K: 2,   # Q4 codes, the file's scales per super-block (148 bytes per 256 values)
     GGMLQuantizationType.Q6_K: 1,   # decoded and requantized into Q8_0 blocks (kquants.py)
     GGMLQuantizationType.Q5_K: 1,
+    GGMLQuantizationType.Q5_0: 1,   # exactly Q8_0 blocks (kquants.q5_0_as_q8_0)
+    GGMLQuantizationType.Q5_1: 1,   # decoded and requantized, as Q6_K
 }
 
 
