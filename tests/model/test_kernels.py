@@ -71,8 +71,9 @@ def random_q4_k(out_f: int, in_f: int, seed: int = 0) -> np.ndarray:
 
 def test_supports():
     assert all(supports(q) for q in [*FORMATS, Q.Q4_K])
-    assert supports(Q.Q6_K) and supports(Q.Q5_K)     # requantized into Q8_0 blocks (kquants.py)
-    assert not supports(Q.Q5_0) and not supports(Q.F32)
+    assert supports(Q.Q6_K) and supports(Q.Q5_K)     # Q6_K its own layout, Q5_K requantized (kquants.py)
+    assert supports(Q.Q5_0) and supports(Q.Q5_1)     # as Q8_0 blocks (exact for Q5_0)
+    assert not supports(Q.F32)
 
 
 @requires_kernels
@@ -267,7 +268,7 @@ def test_rejects_bad_input():
     with pytest.raises(ModelLoadError):
         GGUFQuantLinear(raw, Q.Q4_1, 64, 9, backend=BACKEND)   # byte shape does not match out_features
     with pytest.raises(ModelLoadError):
-        GGUFQuantLinear(np.zeros((4, 176), np.uint8), Q.Q5_0, 256, 4, backend=BACKEND)   # no packed Q5_0 kernel
+        GGUFQuantLinear(np.zeros((4, 8), np.uint8), Q.IQ4_NL, 256, 4, backend=BACKEND)   # no packed IQ4_NL kernel
 
 
 def test_fallback_without_kernels(tmp_path):

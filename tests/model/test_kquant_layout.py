@@ -133,3 +133,53 @@ def test_q5_1_on_the_int8_kernels_within_a_half_step():
     got = layer.dequantized_weight()
     step = want.view(rows, -1, 32).abs().amax(-1, keepdim=True) / 127      # the Q8_0 block's step
     assert bool(((got - want).view(rows, -1, 32).abs() <= step / 2 * 1.002 + 1e-7).all())
+
+
+def q6_codes_and_scales(raw: np.ndarray, rows: int, cols: int):
+    """Q6_K rows -> codes q - 32 [rows, cols] (int), int8 scales [rows, cols/16], fp16 d [rows, cols/256]."""
+    b = raw.reshape(-1, 210)
+    n = b.shape[0]
+    ql, qh = b[:, :128].reshape(n, 2, 64), b[:, 128:192].reshape(n, 2, 32)
+    low = np.concatenate([ql[:, :, :32] & 0x0F, ql[:, :, 32:] & 0x0F, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], axis=2)
+    high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2)
+    q = (low | (high << 4)).astype(np.int64).reshape(rows, cols) - 32
+    sc = b[:, 192:208].view(np.int8).astype(np.int64).reshape(rows, cols // 16)
+    d = b[:, 208:210].copy().view(np.float16).astype(np.float32).reshape(rows, cols // 256)
+    return q, sc, d
+
+
+def q6_arithmetic(raw: np.ndarray, rows: int, cols: int, x: torch.Tensor) -> torch.Tensor:
+    """The Q6_K layout's arithmetic written out: x to int8 per 32 values, per block the exact
+    isum = sc_lo * sum_lo + sc_hi * sum_hi, then acc = fma(float(isum), d * xd, acc) in block order."""
+    nb = cols // 32
+    xb = x.view(-1, nb, 32)
+    amax = xb.abs().amax(-1)
+    xd = amax / 127
+    xq = torch.round(xb * torch.where(amax > 0, 127 / amax, 0.0)[..., None]).to(torch.int64)
+    q, sc, d = (torch.from_numpy(a) for a in q6_codes_and_scales(raw, rows, cols))
+    halves = torch.einsum("tbhk,rbhk->trbh", xq.view(-1, nb, 2, 16), q.view(rows, nb, 2, 16))
+    isum = (halves * sc.view(1, rows, nb, 2)).sum(-1)                      # exact integers
+    acc = torch.zeros(x.shape[0], rows, dtype=torch.float32)
+    for blk in range(nb):
+        scale = (d[:, blk // 8][None, :] * xd[:, blk][:, None]).float()
+        acc = (isum[:, :, blk].double() * scale.double() + acc.double()).float()
+    return acc
+
+
+@pytest.mark.parametrize("rows,cols", [(37, 512), (64, 256)])
+def test_q6_k_layout_is_the_written_out_arithmetic_on_every_batch_size(rows, cols):
+    raw = random_blocks(Q.Q6_K, rows, cols, seed=rows)
+    blocks = raw.reshape(-1, 210).copy()
+    blocks[:, 208:210] = np.full((blocks.shape[0], 1), 2e-3, np.float16).view(np.uint8)   # finite outputs
+    raw = blocks.reshape(rows, -1)
+    layer = GGUFQuantLinear(raw, Q.Q6_K, cols, rows, backend=BACKEND)
+    assert layer.desc.qtype == 3 and layer.desc.sdtype == 2
+    held = layer.qs.numel() + layer.d.numel()
+    assert held == -(-rows // 16) * 16 * cols // 256 * 210        # 6.56 bits a weight, as the file
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(6))
+    full = layer(x)
+    assert torch.equal(full, q6_arithmetic(raw, rows, cols, x))
+    for T in (1, 2, 3, 4, 5, 7, 16, 17):
+        assert torch.equal(layer(x[:T]), full[:T]), T
+    ref = x.double() @ torch.from_numpy(gguf_quants.dequantize(raw, Q.Q6_K).reshape(rows, cols)).double().T
+    assert float((full.double() - ref).norm() / ref.norm()) < 0.02

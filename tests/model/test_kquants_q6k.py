@@ -120,15 +120,20 @@ def test_requantization_adds_little_to_q6_k_error():
 @needs_kernels
 @pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K], ids=["Q6_K", "Q5_K"])
 def test_layer_holds_the_requantized_rows(qtype):
+    """Q5_K is held as requantized Q8_0 rows; Q6_K keeps its own 6-bit layout (kernel qtype 3),
+    whose dequantized rows are llama.cpp's exactly."""
     rng = np.random.default_rng(4)
     raw = gguf_random.random_blocks(37, 512, qtype, rng)     # 37 rows: a padded 16-row group
     layer = GGUFQuantLinear(raw, qtype, 512, 37, backend=INT8)
-    want = gguf_dequantize(kquants.q8_0_rows(raw, qtype, 512), Q.Q8_0).reshape(37, 512)
+    if qtype == Q.Q6_K:
+        want = kquants.dequantize(raw, qtype, 512)
+    else:
+        want = gguf_dequantize(kquants.q8_0_rows(raw, qtype, 512), Q.Q8_0).reshape(37, 512)
     assert torch.equal(layer.dequantized_weight(), torch.from_numpy(want))
     x = torch.randn(7, 512)
     ref = x.double() @ torch.from_numpy(kquants.dequantize(raw, qtype, 512)).double().T
     assert float((layer(x).double() - ref).norm() / ref.norm()) < 0.02
-    assert "requantized to Q8_0" in layer.extra_repr()
+    assert ("requantized to Q8_0" in layer.extra_repr()) == (qtype != Q.Q6_K)
 
 
 @pytest.fixture(scope="module", params=["Q4_K_M", "Q5_K_M"])

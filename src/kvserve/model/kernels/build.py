@@ -140,7 +140,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvs_repack_q4_k.restype = None
     lib.kvs_repack_q4_k_super.argtypes = [vp, i32, i32, vp, vp]
     lib.kvs_repack_q4_k_super.restype = None
-    lib.kvs_packed_kscale_bytes.argtypes = [i32, i32]
+    lib.kvs_repack_q6_k.argtypes = [vp, i32, i32, vp, vp]
+    lib.kvs_repack_q6_k.restype = None
+    lib.kvs_packed_kscale_bytes.argtypes = [i32, i32, i32]
     lib.kvs_packed_kscale_bytes.restype = ctypes.c_size_t
     lib.kvs_repack_q8_0.argtypes = [vp, i32, i32, vp, vp, i32]
     lib.kvs_repack_q8_0.restype = None

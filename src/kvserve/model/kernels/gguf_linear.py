@@ -28,7 +28,7 @@ _KERNEL_QTYPE = {
     GGMLQuantizationType.Q4_1: 0,
     GGMLQuantizationType.Q8_0: 1,
     GGMLQuantizationType.Q4_K: 2,   # Q4 codes, the file's scales per super-block (148 bytes per 256 values)
-    GGMLQuantizationType.Q6_K: 1,   # decoded and requantized into Q8_0 blocks (kquants.py)
+    GGMLQuantizationType.Q6_K: 3,   # 6-bit codes, fp16 d and int8 scales per 16 values (6.56 bits, as the file)
     GGMLQuantizationType.Q5_K: 1,
     GGMLQuantizationType.Q5_0: 1,   # exactly Q8_0 blocks (kquants.q5_0_as_q8_0)
     GGMLQuantizationType.Q5_1: 1,   # decoded and requantized, as Q6_K
@@ -37,7 +37,9 @@ _KERNEL_QTYPE = {
 
 Q8_0 = GGMLQuantizationType.Q8_0
 Q4K_LAYOUT = 2       # the kernels' qtype of Q4_K kept with its super-block scales (kvs_weight.qtype)
-SDTYPE_KSUPER = 2    # kvs_weight.sdtype of that layout: d holds the super-block scale bytes, m is empty
+Q6K_LAYOUT = 3       # ... and of Q6_K kept at its 6 bits
+SDTYPE_KSUPER = 2    # kvs_weight.sdtype of both: d holds the super-block scale bytes, m is empty
+_SUPER = {GGMLQuantizationType.Q4_K: Q4K_LAYOUT, GGMLQuantizationType.Q6_K: Q6K_LAYOUT}
 
 
 def supports(qtype: GGMLQuantizationType) -> bool:
@@ -140,7 +142,7 @@ class GGUFQuantLinear(torch.nn.Module):
         cached = None
         if session is not None and session.hit and backend.lib is not None:
             lib, kq = backend.lib, _KERNEL_QTYPE[qtype]
-            n_scales = (lib.kvs_packed_kscale_bytes(out_features, in_features) if kq == Q4K_LAYOUT
+            n_scales = (lib.kvs_packed_kscale_bytes(kq, out_features, in_features) if qtype in _SUPER
                         else lib.kvs_packed_scales(out_features, in_features))
             expect = (lib.kvs_packed_qs_bytes(kq, out_features, in_features), n_scales, kq == 0)
             cached = session.take(qtype, out_features, in_features, expect)
@@ -164,7 +166,7 @@ class GGUFQuantLinear(torch.nn.Module):
         if self.lib is None:
             self.weight_f32 = reference.dequantize(_tensor(raw), qtype, in_features)
             return
-        q4 = _KERNEL_QTYPE[qtype] != 1
+        q4 = _KERNEL_QTYPE[qtype] in (0, Q4K_LAYOUT)
         if cached is not None:          # repacked by an earlier load (pack_cache.py)
             self.qs, self.d, self.m, sdtype = cached
         else:
@@ -194,10 +196,11 @@ class GGUFQuantLinear(torch.nn.Module):
             raw, ggml_type = kquants.q8_0_rows(raw, qtype, cols, lib), int(GGMLQuantizationType.Q8_0)
         empty = _mapped_empty if mapped else torch.empty
         self.qs = empty(lib.kvs_packed_qs_bytes(_KERNEL_QTYPE[qtype], rows, cols), dtype=torch.uint8)
-        if qtype == GGMLQuantizationType.Q4_K:     # codes and the file's super-block scales, nothing rounded
-            self.d = empty(lib.kvs_packed_kscale_bytes(rows, cols), dtype=torch.uint8)
+        if qtype in _SUPER:     # the codes and the file's own super-block scales: nothing rounded
+            self.d = empty(lib.kvs_packed_kscale_bytes(_SUPER[qtype], rows, cols), dtype=torch.uint8)
             self.m = torch.empty(0, dtype=torch.uint8)
-            lib.kvs_repack_q4_k_super(raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr())
+            repack = lib.kvs_repack_q4_k_super if qtype == GGMLQuantizationType.Q4_K else lib.kvs_repack_q6_k
+            repack(raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr())
             return SDTYPE_KSUPER
         n_scales = lib.kvs_packed_scales(rows, cols)
         for sdtype in (1, 0):
@@ -276,6 +279,8 @@ class GGUFQuantLinear(torch.nn.Module):
         [out, in / 32], as the kernels form them from whatever layout holds them (for tests and
         tools: w = d * q + m)."""
         rows, nb = self.out_features, self.in_features // 32
+        if self.desc.qtype == Q6K_LAYOUT:
+            raise NotImplementedError("Q6_K has a scale per 16 values, not per block of 32")
         if self.desc.sdtype == SDTYPE_KSUPER:      # [group][super-block] {d[16], dmin[16], sc[8][16], mn[8][16]}
             ks = self.d.view(-1, nb // 8, 320)
             ds = ks[:, :, 0:32].contiguous().view(torch.float16).float()          # [groups, nsb, 16]

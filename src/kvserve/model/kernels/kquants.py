@@ -34,8 +34,9 @@ from gguf import quants as gguf_quants
 QK_K = 256
 Q8_0_BYTES = 34
 ROWS_PER_CHUNK_VALUES = 1 << 22     # decode this many values at a time (a 128k-row head is 1 GB in fp32)
-REQUANTIZED = (GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q5_0,
-               GGMLQuantizationType.Q5_1)
+# Laid out as Q8_0 rows at load (Q6_K has its own layout now, kernel qtype 3; it is still
+# requantized here when it shares a fused projection with another type).
+REQUANTIZED = (GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1)
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:

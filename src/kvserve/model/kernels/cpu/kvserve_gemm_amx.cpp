@@ -181,7 +181,7 @@ namespace kvs {
 
 void groups_amx(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y, int ldy,
                 bool add, int gbeg, int gend) {
-    int T16 = T / TM * TM;
+    int T16 = w->qtype == KVS_QTYPE_Q6K ? 0 : T / TM * TM;   // Q6_K: its scale per 16 values suits no B tile
     if (T16 > 0 && w->qtype != 1 && !unpack_buffer((size_t)(w->cols / QK) * 512)) T16 = 0;
     if (T16 > 0) {
         const bool f16 = w->sdtype == 1;

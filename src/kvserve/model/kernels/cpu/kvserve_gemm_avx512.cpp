@@ -93,10 +93,57 @@ void q8_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, co
     for (int j = 0; j < TT; j++) store_rows16(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
 }
 
+// Q6_K (qtype 3): the AVX2 q6_tile8's integers per half block (vpdpbusd here), each times its
+// int8 scale per 16 values, then the same one fma per block.
+template <int TT>
+void q6_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *, int t0, float *y,
+               int ldy, bool add) {
+    const int K = w->cols, nb = K / QK;
+    const uint8_t *qg = w->qs + (size_t)g * nb * KVS_Q6_BLOCK_BYTES;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30), c32 = _mm512_set1_epi8(32);
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[TT];
+    for (int j = 0; j < TT; j++) acc[j] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *qb = qg + (size_t)b * KVS_Q6_BLOCK_BYTES;
+        __m512i slo[TT], shi[TT];
+        for (int j = 0; j < TT; j++) slo[j] = shi[j] = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(qb + i * 64));
+            const __m512i hb = _mm512_loadu_si512((const void *)(qb + 256 + (i / 2) * 64));
+            const __m512i h_lo = i & 1 ? hb : _mm512_slli_epi16(hb, 4);
+            const __m512i h_hi = i & 1 ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 2);
+            const __m512i lo = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(raw, m4), _mm512_and_si512(h_lo, m2)), c32);
+            const __m512i hi = _mm512_sub_epi8(
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), m4), _mm512_and_si512(h_hi, m2)), c32);
+            const __m512i alo = _mm512_abs_epi8(lo), ahi = _mm512_abs_epi8(hi);
+            const __mmask64 nlo = _mm512_movepi8_mask(lo), nhi = _mm512_movepi8_mask(hi);
+            for (int j = 0; j < TT; j++) {
+                const int8_t *xr = xq + (size_t)(t0 + j) * K + b * QK + 4 * i;
+                const __m512i xl = bcast4(xr), xh = bcast4(xr + 16);
+                slo[j] = _mm512_dpbusd_epi32(slo[j], alo, _mm512_mask_sub_epi8(xl, nlo, zero, xl));
+                shi[j] = _mm512_dpbusd_epi32(shi[j], ahi, _mm512_mask_sub_epi8(xh, nhi, zero, xh));
+            }
+        }
+        const uint8_t *ks = (const uint8_t *)w->d + ((size_t)g * (nb / 8) + b / 8) * KVS_Q6_SUPER_BYTES;
+        const __m512i sc_lo = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ks + 32 + (2 * (b % 8)) * 16)));
+        const __m512i sc_hi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ks + 32 + (2 * (b % 8) + 1) * 16)));
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)ks));
+        for (int j = 0; j < TT; j++) {
+            const __m512i s32 = _mm512_add_epi32(_mm512_mullo_epi32(slo[j], sc_lo), _mm512_mullo_epi32(shi[j], sc_hi));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32),
+                                     _mm512_mul_ps(d, _mm512_set1_ps(xd[(size_t)(t0 + j) * nb + b])), acc[j]);
+        }
+    }
+    const int row0 = g * 16, nvalid = w->rows - row0;
+    for (int j = 0; j < TT; j++) store_rows16(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+}
+
 template <bool Q4, int SM, int TT>
 inline void tile(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
                  int ldy, bool add) {
-    if (Q4) q4_tile16<TT, SM>(w, g, xq, xd, xs, t0, y, ldy, add);
+    if constexpr (Q4) q4_tile16<TT, SM>(w, g, xq, xd, xs, t0, y, ldy, add);
+    else if constexpr (SM == 3) q6_tile16<TT>(w, g, xq, xd, xs, t0, y, ldy, add);
     else q8_tile16<TT, SM == 1>(w, g, xq, xd, xs, t0, y, ldy, add);
 }
 
@@ -126,6 +173,7 @@ void groups_avx512(const kvs_weight *w, const int8_t *xq, const float *xd, const
                    int ldy, bool add, int gbeg, int gend) {
     const bool f16 = w->sdtype == 1;
     if (w->qtype == KVS_QTYPE_Q4K) run_groups<true, 2>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (w->qtype == KVS_QTYPE_Q6K) run_groups<false, 3>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (w->qtype == 0 && f16) run_groups<true, 1>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (w->qtype == 0) run_groups<true, 0>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (f16) run_groups<false, 1>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);

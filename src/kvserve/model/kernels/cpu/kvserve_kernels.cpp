@@ -43,6 +43,14 @@
 //                           exact float32 products (11-bit fp16 mantissa times a 6-bit integer), so
 //                           the arithmetic above is unchanged; a row reads 148 bytes per 256
 //                           values (the file: 144), where per-block float32 scales read 192.
+//   Q6_K (qtype 3):         qs [g][b] 384 bytes: the low 4 bits as Q4's 256 bytes, then the high 2
+//                           bits [p = 0..1][16 rows][4 bytes]: byte j of row r holds, from bit 0,
+//                           those of q[r][32b + 4i + j] and q[r][32b + 16 + 4i + j] for i = 2p,
+//                           then the same for i = 2p + 1; d [g][s] 288 bytes: { fp16 d[16 rows],
+//                           int8 sc[16 sub-blocks of 16][16 rows] }: w = d * sc * (q - 32), 6.56
+//                           bits a weight as in the file. Its scale per 16 values folds into the
+//                           exact integer sum: isum = sc_lo * sum_lo + sc_hi * sum_hi over the
+//                           block's two halves, then acc = fma(float(isum), d * xd, acc).
 //
 // Block scales stay float16 where GGUF stores them so (Q4_0, Q4_1, Q8_0: 20 bytes per 32 Q4
 // weights instead of 24, what a decode step reads); the kernels widen them to float32 exactly
@@ -290,10 +298,64 @@ void q8_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *
     for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
 }
 
+// The 6-bit codes of one chunk i (8 rows x 4 bytes, both halves of the block) as signed q - 32.
+inline void q6_codes(__m256i raw, __m256i hb, int i, __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
+    const __m256i h_lo = i & 1 ? hb : _mm256_slli_epi16(hb, 4);                       // bits 4-5 <- 0-1 / 4-5
+    const __m256i h_hi = i & 1 ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 2);  // bits 4-5 <- 6-7 / 2-3
+    *lo = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_and_si256(h_lo, m2)), c32);
+    *hi = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), _mm256_and_si256(h_hi, m2)), c32);
+}
+
+// 8 int8 sub-block scales as int32 lanes holding the scale in both int16 halves (for vpmaddwd).
+inline __m256i q6_scale_pairs(const uint8_t *p) {
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+}
+
+template <int TT>
+void q6_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *, int t0,
+              float *y, int ldy, bool add) {
+    const int K = w->cols, nb = K / KVS_QK;
+    const uint8_t *qg = w->qs + (size_t)g * nb * KVS_Q6_BLOCK_BYTES + h * 32;
+    __m256 acc[TT];
+    for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *qb = qg + (size_t)b * KVS_Q6_BLOCK_BYTES;
+        __m256i slo[TT], shi[TT];   // int16 pair sums of each half: 4 chunks x 2 x 32 x 127 < 2^15
+        for (int j = 0; j < TT; j++) slo[j] = shi[j] = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            __m256i lo, hi;
+            q6_codes(_mm256_loadu_si256((const __m256i *)(qb + i * 64)),
+                     _mm256_loadu_si256((const __m256i *)(qb + 256 + (i / 2) * 64)), i, &lo, &hi);
+            const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
+            for (int j = 0; j < TT; j++) {
+                const int8_t *xr = xq + (size_t)(t0 + j) * K + b * KVS_QK + 4 * i;
+                slo[j] = _mm256_add_epi16(slo[j], _mm256_maddubs_epi16(alo, _mm256_sign_epi8(bcast4(xr), lo)));
+                shi[j] = _mm256_add_epi16(shi[j], _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(bcast4(xr + 16), hi)));
+                keep_in_register(slo[j]);
+                keep_in_register(shi[j]);
+            }
+        }
+        const uint8_t *ks = (const uint8_t *)w->d + ((size_t)g * (nb / 8) + b / 8) * KVS_Q6_SUPER_BYTES;
+        const __m256i sc_lo = q6_scale_pairs(ks + 32 + (2 * (b % 8)) * 16 + h * 8);
+        const __m256i sc_hi = q6_scale_pairs(ks + 32 + (2 * (b % 8) + 1) * 16 + h * 8);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + h * 16)));
+        for (int j = 0; j < TT; j++) {
+            const __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(slo[j], sc_lo), _mm256_madd_epi16(shi[j], sc_hi));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32),
+                                     _mm256_mul_ps(d, _mm256_set1_ps(xd[(size_t)(t0 + j) * nb + b])), acc[j]);
+        }
+    }
+    const int row0 = g * 16 + h * 8, nvalid = w->rows - row0 < 8 ? w->rows - row0 : 8;
+    for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+}
+
 template <bool Q4, int SM, int TT>
 inline void tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
                   float *y, int ldy, bool add) {
-    if (Q4) q4_tile8<TT, SM>(w, g, h, xq, xd, xs, t0, y, ldy, add);
+    if constexpr (Q4) q4_tile8<TT, SM>(w, g, h, xq, xd, xs, t0, y, ldy, add);
+    else if constexpr (SM == 3) q6_tile8<TT>(w, g, h, xq, xd, xs, t0, y, ldy, add);
     else q8_tile8<TT, SM == 1>(w, g, h, xq, xd, xs, t0, y, ldy, add);
 }
 
@@ -337,6 +399,7 @@ void linear_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const f
     }
     const bool f16 = w->sdtype == 1;
     if (w->qtype == KVS_QTYPE_Q4K) run_groups_avx2<true, 2>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (w->qtype == KVS_QTYPE_Q6K) run_groups_avx2<false, 3>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (w->qtype == 0 && f16) run_groups_avx2<true, 1>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (w->qtype == 0) run_groups_avx2<true, 0>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (f16) run_groups_avx2<false, 1>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
@@ -360,7 +423,7 @@ struct LinearJob {
 void linear_task(const LinearJob *job, int ith, int nth) {
     const kvs_weight *w = job->w;
     const int K = w->cols, nb = K / KVS_QK;
-    const bool q4 = w->qtype != 1;
+    const bool q4 = w->qtype == 0 || w->qtype == KVS_QTYPE_Q4K;   // layouts with minima need xs
     // phase 1: quantize this thread's share of tokens
     for (int t = ith; t < job->T; t += nth)
         quantize_row_q8(job->x + (size_t)t * K, K, job->xq + (size_t)t * K, job->xd + (size_t)t * nb,
@@ -420,11 +483,12 @@ int kvs_get_num_threads(void) { return g_nth; }
 
 // Bytes of the repacked arrays for a weight of rows x cols: qs, and d (and m, for Q4) in floats.
 size_t kvs_packed_qs_bytes(int qtype, int rows, int cols) {
-    return (size_t)((rows + 15) / 16) * (cols / KVS_QK) * (qtype == 1 ? 512 : 256);
+    return (size_t)((rows + 15) / 16) * (cols / KVS_QK) *
+           (qtype == 1 ? 512 : qtype == KVS_QTYPE_Q6K ? KVS_Q6_BLOCK_BYTES : 256);
 }
-// Bytes of the Q4_K super-block scales (qtype 2) of a weight of rows x cols (cols a multiple of 256).
-size_t kvs_packed_kscale_bytes(int rows, int cols) {
-    return (size_t)((rows + 15) / 16) * (cols / 256) * KVS_KSUPER_BYTES;
+// Bytes of the super-block scales of qtype 2 (Q4_K) or 3 (Q6_K) for rows x cols (cols a multiple of 256).
+size_t kvs_packed_kscale_bytes(int qtype, int rows, int cols) {
+    return (size_t)((rows + 15) / 16) * (cols / 256) * (qtype == KVS_QTYPE_Q6K ? KVS_Q6_SUPER_BYTES : KVS_KSUPER_BYTES);
 }
 size_t kvs_packed_scales(int rows, int cols) { return (size_t)((rows + 15) / 16) * 16 * (cols / KVS_QK); }
 
@@ -500,6 +564,23 @@ namespace {
 
 void dequantize_row(const kvs_weight *w, int r, float *o) {
     const int K = w->cols, nb = K / KVS_QK;
+    if (w->qtype == KVS_QTYPE_Q6K) {   // (d * sc) * (q - 32), llama.cpp's order
+        const int rr = r % 16;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *qb = w->qs + ((size_t)(r / 16) * nb + b) * KVS_Q6_BLOCK_BYTES;
+            const uint8_t *ks = (const uint8_t *)w->d + ((size_t)(r / 16) * (nb / 8) + b / 8) * KVS_Q6_SUPER_BYTES;
+            uint16_t hd;
+            memcpy(&hd, ks + 2 * rr, 2);
+            for (int kk = 0; kk < KVS_QK; kk++) {
+                const int i = (kk % 16) / 4, j = kk % 4, upper = kk >= 16;
+                const uint8_t lo4 = (qb[i * 64 + rr * 4 + j] >> (4 * upper)) & 0x0F;
+                const uint8_t hi2 = (qb[256 + (i / 2) * 64 + rr * 4 + j] >> ((i % 2) * 4 + upper * 2)) & 3;
+                const float dsc = _cvtsh_ss(hd) * (float)(int8_t)ks[32 + (2 * (b % 8) + upper) * 16 + rr];
+                o[b * KVS_QK + kk] = dsc * (float)((int)(lo4 | (hi2 << 4)) - 32);
+            }
+        }
+        return;
+    }
     for (int b = 0; b < nb; b++) {
         float d, m;
         block_scales(w, r, b, nb, &d, &m);
