@@ -183,3 +183,26 @@ def test_q6_k_layout_is_the_written_out_arithmetic_on_every_batch_size(rows, col
         assert torch.equal(layer(x[:T]), full[:T]), T
     ref = x.double() @ torch.from_numpy(gguf_quants.dequantize(raw, Q.Q6_K).reshape(rows, cols)).double().T
     assert float((full.double() - ref).norm() / ref.norm()) < 0.02
+
+
+def test_q5_k_layout_exact_rows_and_the_written_out_arithmetic():
+    from test_kernels import _int8_arithmetic
+
+    from kvserve.model.kernels import kquants
+
+    rows, cols = 37, 512
+    blocks = random_blocks(Q.Q5_K, rows, cols, seed=11).reshape(-1, 176).copy()
+    blocks[:, 0:4] = np.array([[3e-3, 2e-3]], np.float16).view(np.uint8)       # finite, sane outputs
+    raw = blocks.reshape(rows, -1)
+    layer = GGUFQuantLinear(raw, Q.Q5_K, cols, rows, backend=BACKEND)
+    assert layer.desc.qtype == 4 and layer.desc.sdtype == 2 and layer.m.numel() == 0
+    assert layer.qs.numel() + layer.d.numel() == 3 * (cols // 256) * (320 * 8 + 320)   # 3 groups: 5.63 bits a weight
+    want = torch.from_numpy(kquants.dequantize(raw, Q.Q5_K, cols))
+    assert torch.equal(layer.dequantized_weight(), want)
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(12))
+    full = layer(x)
+    assert torch.equal(full, _int8_arithmetic(layer, x))
+    for T in (1, 2, 3, 4, 5, 7, 16, 17):
+        assert torch.equal(layer(x[:T]), full[:T]), T
+    ref = x.double() @ want.double().T
+    assert float((full.double() - ref).norm() / ref.norm()) < 0.02

@@ -140,6 +140,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvs_repack_q4_k.restype = None
     lib.kvs_repack_q4_k_super.argtypes = [vp, i32, i32, vp, vp]
     lib.kvs_repack_q4_k_super.restype = None
+    lib.kvs_repack_q5_k_super.argtypes = [vp, i32, i32, vp, vp]
+    lib.kvs_repack_q5_k_super.restype = None
     lib.kvs_repack_q6_k.argtypes = [vp, i32, i32, vp, vp]
     lib.kvs_repack_q6_k.restype = None
     lib.kvs_packed_kscale_bytes.argtypes = [i32, i32, i32]

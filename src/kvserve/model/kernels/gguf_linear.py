@@ -1,5 +1,6 @@
-"""Linear layers over GGUF block-quantized weights, kept packed (Q4_0, Q4_1, Q4_K, Q8_0; Q6_K,
-Q5_K, Q5_0 and Q5_1 laid out as Q8_0 blocks at load, kquants.py).
+"""Linear layers over GGUF block-quantized weights, kept packed (Q4_0, Q4_1, Q8_0; Q4_K, Q5_K and
+Q6_K with their own super-block scales, at about the file's size; Q5_0 and Q5_1 laid out as Q8_0
+blocks at load, kquants.py).
 
 GGUFQuantLinear follows model/linear.py's Linear protocol and adds row lookups (`rows`), so a
 packed embedding table needs no fp32 copy. Which path a call takes is the KernelBackend's choice.
@@ -29,7 +30,7 @@ _KERNEL_QTYPE = {
     GGMLQuantizationType.Q8_0: 1,
     GGMLQuantizationType.Q4_K: 2,   # Q4 codes, the file's scales per super-block (148 bytes per 256 values)
     GGMLQuantizationType.Q6_K: 3,   # 6-bit codes, fp16 d and int8 scales per 16 values (6.56 bits, as the file)
-    GGMLQuantizationType.Q5_K: 1,
+    GGMLQuantizationType.Q5_K: 4,   # Q4_K's layout plus a plane of fifth bits (5.63 bits a weight)
     GGMLQuantizationType.Q5_0: 1,   # exactly Q8_0 blocks (kquants.q5_0_as_q8_0)
     GGMLQuantizationType.Q5_1: 1,   # decoded and requantized, as Q6_K
 }
@@ -37,9 +38,11 @@ _KERNEL_QTYPE = {
 
 Q8_0 = GGMLQuantizationType.Q8_0
 Q4K_LAYOUT = 2       # the kernels' qtype of Q4_K kept with its super-block scales (kvs_weight.qtype)
-Q6K_LAYOUT = 3       # ... and of Q6_K kept at its 6 bits
-SDTYPE_KSUPER = 2    # kvs_weight.sdtype of both: d holds the super-block scale bytes, m is empty
-_SUPER = {GGMLQuantizationType.Q4_K: Q4K_LAYOUT, GGMLQuantizationType.Q6_K: Q6K_LAYOUT}
+Q6K_LAYOUT = 3       # ... of Q6_K kept at its 6 bits
+Q5K_LAYOUT = 4       # ... of Q5_K (Q4_K's scales, a fifth bit per code)
+SDTYPE_KSUPER = 2    # kvs_weight.sdtype of all three: d holds the super-block scale bytes, m is empty
+_SUPER = {GGMLQuantizationType.Q4_K: Q4K_LAYOUT, GGMLQuantizationType.Q6_K: Q6K_LAYOUT,
+          GGMLQuantizationType.Q5_K: Q5K_LAYOUT}
 
 
 def supports(qtype: GGMLQuantizationType) -> bool:
@@ -166,7 +169,7 @@ class GGUFQuantLinear(torch.nn.Module):
         if self.lib is None:
             self.weight_f32 = reference.dequantize(_tensor(raw), qtype, in_features)
             return
-        q4 = _KERNEL_QTYPE[qtype] in (0, Q4K_LAYOUT)
+        q4 = _KERNEL_QTYPE[qtype] in (0, Q4K_LAYOUT, Q5K_LAYOUT)
         if cached is not None:          # repacked by an earlier load (pack_cache.py)
             self.qs, self.d, self.m, sdtype = cached
         else:
@@ -199,7 +202,8 @@ class GGUFQuantLinear(torch.nn.Module):
         if qtype in _SUPER:     # the codes and the file's own super-block scales: nothing rounded
             self.d = empty(lib.kvs_packed_kscale_bytes(_SUPER[qtype], rows, cols), dtype=torch.uint8)
             self.m = torch.empty(0, dtype=torch.uint8)
-            repack = lib.kvs_repack_q4_k_super if qtype == GGMLQuantizationType.Q4_K else lib.kvs_repack_q6_k
+            repack = {Q4K_LAYOUT: lib.kvs_repack_q4_k_super, Q6K_LAYOUT: lib.kvs_repack_q6_k,
+                      Q5K_LAYOUT: lib.kvs_repack_q5_k_super}[_SUPER[qtype]]
             repack(raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr())
             return SDTYPE_KSUPER
         n_scales = lib.kvs_packed_scales(rows, cols)

@@ -1,4 +1,9 @@
-"""Q6_K and Q5_K rows on the int8 kernels: decoded exactly, then requantized into Q8_0 blocks.
+"""K-quant and Q5 rows as Q8_0 blocks: decoded exactly, then requantized (Q5_0: converted exactly).
+
+Q6_K and Q5_K have their own layouts in the kernels now (kernel qtypes 3 and 4, at about the
+file's bits, cpu/kvserve_kernels.cpp); what this module says of them below still holds where
+such a tensor shares a fused projection with a tensor of another type (q8_0_rows), and for the
+numpy reference the C decoder is tested against. Q5_0 and Q5_1 always take this road.
 
 llama.cpp's Q4_K_M files store the output head and, in about half the layers, attn_v and
 ffn_down as Q6_K; Q5_K_M files use Q5_K and Q6_K. The kernels' two layouts (cpu/kvserve_kernels.cpp)
@@ -34,9 +39,9 @@ from gguf import quants as gguf_quants
 QK_K = 256
 Q8_0_BYTES = 34
 ROWS_PER_CHUNK_VALUES = 1 << 22     # decode this many values at a time (a 128k-row head is 1 GB in fp32)
-# Laid out as Q8_0 rows at load (Q6_K has its own layout now, kernel qtype 3; it is still
-# requantized here when it shares a fused projection with another type).
-REQUANTIZED = (GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1)
+# Laid out as Q8_0 rows at load (Q6_K and Q5_K have their own layouts now, kernel qtypes 3 and 4;
+# they are still requantized here when they share a fused projection with another type).
+REQUANTIZED = (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1)
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:

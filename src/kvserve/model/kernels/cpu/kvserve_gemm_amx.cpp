@@ -181,7 +181,8 @@ namespace kvs {
 
 void groups_amx(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y, int ldy,
                 bool add, int gbeg, int gend) {
-    int T16 = w->qtype == KVS_QTYPE_Q6K ? 0 : T / TM * TM;   // Q6_K: its scale per 16 values suits no B tile
+    // Q6_K (a scale per 16 values) and Q5_K (a fifth-bit plane) run on the VNNI tiles, same bits
+    int T16 = w->qtype == KVS_QTYPE_Q6K || w->qtype == KVS_QTYPE_Q5K ? 0 : T / TM * TM;
     if (T16 > 0 && w->qtype != 1 && !unpack_buffer((size_t)(w->cols / QK) * 512)) T16 = 0;
     if (T16 > 0) {
         const bool f16 = w->sdtype == 1;

@@ -93,6 +93,59 @@ void q8_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, co
     for (int j = 0; j < TT; j++) store_rows16(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
 }
 
+// Bit `from` of every byte of v moved to bit 4, the rest cleared (as kvserve_kernels.cpp's bit_to4).
+template <int from>
+inline __m512i bit_to4_16(__m512i v) {
+    const __m512i m = _mm512_set1_epi8(0x10);
+    if constexpr (from < 4) return _mm512_and_si512(_mm512_slli_epi16(v, 4 - from), m);
+    else if constexpr (from > 4) return _mm512_and_si512(_mm512_srli_epi16(v, from - 4), m);
+    else return _mm512_and_si512(v, m);
+}
+
+template <int i>
+inline void q5_chunk16(const uint8_t *qb, __m512i hb, __m512i *lo, __m512i *hi) {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    const __m512i raw = _mm512_loadu_si512((const void *)(qb + i * 64));
+    *lo = _mm512_or_si512(_mm512_and_si512(raw, mask), bit_to4_16<2 * i>(hb));
+    *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), mask), bit_to4_16<2 * i + 1>(hb));
+}
+
+// Q5_K (qtype 4): the AVX2 q5_tile8's exact block sums and the Q4_K scales' two fmas per block.
+// The fifth-bit plane is [16 rows][4 bytes] = 64 bytes: one register for the whole group.
+template <int TT>
+void q5_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
+               int ldy, bool add) {
+    const int K = w->cols, nb = K / QK;
+    const uint8_t *qg = w->qs + (size_t)g * nb * KVS_Q5_BLOCK_BYTES;
+    __m512 acc[TT];
+    for (int j = 0; j < TT; j++) acc[j] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *qb = qg + (size_t)b * KVS_Q5_BLOCK_BYTES;
+        const __m512i hb = _mm512_loadu_si512((const void *)(qb + 256));
+        __m512i lo[4], hi[4], is[TT];
+        q5_chunk16<0>(qb, hb, &lo[0], &hi[0]);
+        q5_chunk16<1>(qb, hb, &lo[1], &hi[1]);
+        q5_chunk16<2>(qb, hb, &lo[2], &hi[2]);
+        q5_chunk16<3>(qb, hb, &lo[3], &hi[3]);
+        for (int j = 0; j < TT; j++) is[j] = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < TT; j++) {
+                const int8_t *xr = xq + (size_t)(t0 + j) * K + b * QK + 4 * i;
+                is[j] = _mm512_dpbusd_epi32(is[j], lo[i], bcast4(xr));
+                is[j] = _mm512_dpbusd_epi32(is[j], hi[i], bcast4(xr + 16));
+            }
+        __m512 d, m;
+        q4_scales16<2>(w, g, b, nb, &d, &m);
+        for (int j = 0; j < TT; j++) {
+            const size_t sb = (size_t)(t0 + j) * nb + b;
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[j]), _mm512_mul_ps(d, _mm512_set1_ps(xd[sb])), acc[j]);
+            acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[sb]), acc[j]);
+        }
+    }
+    const int row0 = g * 16, nvalid = w->rows - row0;
+    for (int j = 0; j < TT; j++) store_rows16(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+}
+
 // Q6_K (qtype 3): the AVX2 q6_tile8's integers per half block (vpdpbusd here), each times its
 // int8 scale per 16 values, then the same one fma per block.
 template <int TT>
@@ -142,7 +195,8 @@ void q6_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, co
 template <bool Q4, int SM, int TT>
 inline void tile(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
                  int ldy, bool add) {
-    if constexpr (Q4) q4_tile16<TT, SM>(w, g, xq, xd, xs, t0, y, ldy, add);
+    if constexpr (Q4 && SM == 4) q5_tile16<TT>(w, g, xq, xd, xs, t0, y, ldy, add);
+    else if constexpr (Q4) q4_tile16<TT, SM>(w, g, xq, xd, xs, t0, y, ldy, add);
     else if constexpr (SM == 3) q6_tile16<TT>(w, g, xq, xd, xs, t0, y, ldy, add);
     else q8_tile16<TT, SM == 1>(w, g, xq, xd, xs, t0, y, ldy, add);
 }
@@ -174,6 +228,7 @@ void groups_avx512(const kvs_weight *w, const int8_t *xq, const float *xd, const
     const bool f16 = w->sdtype == 1;
     if (w->qtype == KVS_QTYPE_Q4K) run_groups<true, 2>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (w->qtype == KVS_QTYPE_Q6K) run_groups<false, 3>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (w->qtype == KVS_QTYPE_Q5K) run_groups<true, 4>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (w->qtype == 0 && f16) run_groups<true, 1>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (w->qtype == 0) run_groups<true, 0>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (f16) run_groups<false, 1>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);

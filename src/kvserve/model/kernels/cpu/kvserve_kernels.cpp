@@ -51,6 +51,10 @@
 //                           bits a weight as in the file. Its scale per 16 values folds into the
 //                           exact integer sum: isum = sc_lo * sum_lo + sc_hi * sum_hi over the
 //                           block's two halves, then acc = fma(float(isum), d * xd, acc).
+//   Q5_K (qtype 4):         qs [g][b] 320 bytes: Q4's 256 bytes of low nibbles, then [16 rows][4
+//                           bytes] of fifth bits: bit 2i + u of byte j of row r is that of
+//                           q[r][32b + 16u + 4i + j]; scales as Q4_K's (320 bytes per group and
+//                           super-block): w = d * sc * q - dmin * mn, q in 0..31; 5.63 bits a weight.
 //
 // Block scales stay float16 where GGUF stores them so (Q4_0, Q4_1, Q8_0: 20 bytes per 32 Q4
 // weights instead of 24, what a decode step reads); the kernels widen them to float32 exactly
@@ -298,6 +302,69 @@ void q8_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *
     for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
 }
 
+// Bit `from` of every byte of v moved to bit 4 (a 16-bit shift; the bits it carries across a byte
+// boundary never land on bit 4), the rest cleared.
+template <int from>
+inline __m256i bit_to4(__m256i v) {
+    const __m256i m = _mm256_set1_epi8(0x10);
+    if constexpr (from < 4) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - from), m);
+    else if constexpr (from > 4) return _mm256_and_si256(_mm256_srli_epi16(v, from - 4), m);
+    else return _mm256_and_si256(v, m);
+}
+
+template <int i>
+inline void q5_chunk(const uint8_t *qb, __m256i hb, __m256i *lo, __m256i *hi) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(qb + i * 64));
+    *lo = _mm256_or_si256(_mm256_and_si256(raw, mask), bit_to4<2 * i>(hb));
+    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), bit_to4<2 * i + 1>(hb));
+}
+
+// Q5_K (qtype 4): the Q4 tile with a fifth bit per code; codes 0..31, so each chunk's pair sums
+// (at most 2 x 2 x 31 x 127 per int16 lane) are widened to int32 before the next chunk.
+template <int TT>
+void q5_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
+              float *y, int ldy, bool add) {
+    const int K = w->cols, nb = K / KVS_QK;
+    const uint8_t *qg = w->qs + (size_t)g * nb * KVS_Q5_BLOCK_BYTES + h * 32;
+    __m256 acc[TT];
+    for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *qb = qg + (size_t)b * KVS_Q5_BLOCK_BYTES;
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(qb + 256));
+        __m256i is[TT];
+        for (int j = 0; j < TT; j++) is[j] = _mm256_setzero_si256();
+        __m256i lo[4], hi[4];
+        q5_chunk<0>(qb, hb, &lo[0], &hi[0]);
+        q5_chunk<1>(qb, hb, &lo[1], &hi[1]);
+        q5_chunk<2>(qb, hb, &lo[2], &hi[2]);
+        q5_chunk<3>(qb, hb, &lo[3], &hi[3]);
+        for (int i = 0; i < 4; i++) {
+            for (int j = 0; j < TT; j++) {
+                const int8_t *xr = xq + (size_t)(t0 + j) * K + b * KVS_QK + 4 * i;
+#if defined(__AVXVNNI__)
+                is[j] = _mm256_dpbusd_avx_epi32(is[j], lo[i], bcast4(xr));
+                is[j] = _mm256_dpbusd_avx_epi32(is[j], hi[i], bcast4(xr + 16));
+#else
+                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], bcast4(xr)),
+                                                   _mm256_maddubs_epi16(hi[i], bcast4(xr + 16)));
+                is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
+                keep_in_register(is[j]);
+#endif
+            }
+        }
+        __m256 d, m;
+        q4_scales8<2>(w, g, h, b, nb, &d, &m);
+        for (int j = 0; j < TT; j++) {
+            const size_t sb = (size_t)(t0 + j) * nb + b;
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[j]), _mm256_mul_ps(d, _mm256_set1_ps(xd[sb])), acc[j]);
+            acc[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[sb]), acc[j]);
+        }
+    }
+    const int row0 = g * 16 + h * 8, nvalid = w->rows - row0 < 8 ? w->rows - row0 : 8;
+    for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+}
+
 // The 6-bit codes of one chunk i (8 rows x 4 bytes, both halves of the block) as signed q - 32.
 inline void q6_codes(__m256i raw, __m256i hb, int i, __m256i *lo, __m256i *hi) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
@@ -354,7 +421,8 @@ void q6_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *
 template <bool Q4, int SM, int TT>
 inline void tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
                   float *y, int ldy, bool add) {
-    if constexpr (Q4) q4_tile8<TT, SM>(w, g, h, xq, xd, xs, t0, y, ldy, add);
+    if constexpr (Q4 && SM == 4) q5_tile8<TT>(w, g, h, xq, xd, xs, t0, y, ldy, add);
+    else if constexpr (Q4) q4_tile8<TT, SM>(w, g, h, xq, xd, xs, t0, y, ldy, add);
     else if constexpr (SM == 3) q6_tile8<TT>(w, g, h, xq, xd, xs, t0, y, ldy, add);
     else q8_tile8<TT, SM == 1>(w, g, h, xq, xd, xs, t0, y, ldy, add);
 }
@@ -400,6 +468,7 @@ void linear_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const f
     const bool f16 = w->sdtype == 1;
     if (w->qtype == KVS_QTYPE_Q4K) run_groups_avx2<true, 2>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (w->qtype == KVS_QTYPE_Q6K) run_groups_avx2<false, 3>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (w->qtype == KVS_QTYPE_Q5K) run_groups_avx2<true, 4>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (w->qtype == 0 && f16) run_groups_avx2<true, 1>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (w->qtype == 0) run_groups_avx2<true, 0>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (f16) run_groups_avx2<false, 1>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
@@ -423,7 +492,7 @@ struct LinearJob {
 void linear_task(const LinearJob *job, int ith, int nth) {
     const kvs_weight *w = job->w;
     const int K = w->cols, nb = K / KVS_QK;
-    const bool q4 = w->qtype == 0 || w->qtype == KVS_QTYPE_Q4K;   // layouts with minima need xs
+    const bool q4 = w->qtype == 0 || w->qtype == KVS_QTYPE_Q4K || w->qtype == KVS_QTYPE_Q5K;   // minima need xs
     // phase 1: quantize this thread's share of tokens
     for (int t = ith; t < job->T; t += nth)
         quantize_row_q8(job->x + (size_t)t * K, K, job->xq + (size_t)t * K, job->xd + (size_t)t * nb,
@@ -450,7 +519,7 @@ inline float scale_value(const void *p, size_t at, int sdtype) {
 
 // Block scale and minimum of row r, block b, as the kernels form them (any layout).
 inline void block_scales(const kvs_weight *w, int r, int b, int nb, float *d, float *m) {
-    if (w->qtype == KVS_QTYPE_Q4K) {
+    if (w->qtype == KVS_QTYPE_Q4K || w->qtype == KVS_QTYPE_Q5K) {
         const uint8_t *p = (const uint8_t *)w->d + ((size_t)(r / 16) * (nb / 8) + b / 8) * KVS_KSUPER_BYTES;
         uint16_t hd, hm;
         memcpy(&hd, p + 2 * (r % 16), 2);
@@ -484,9 +553,9 @@ int kvs_get_num_threads(void) { return g_nth; }
 // Bytes of the repacked arrays for a weight of rows x cols: qs, and d (and m, for Q4) in floats.
 size_t kvs_packed_qs_bytes(int qtype, int rows, int cols) {
     return (size_t)((rows + 15) / 16) * (cols / KVS_QK) *
-           (qtype == 1 ? 512 : qtype == KVS_QTYPE_Q6K ? KVS_Q6_BLOCK_BYTES : 256);
+           (qtype == 1 ? 512 : qtype == KVS_QTYPE_Q6K ? KVS_Q6_BLOCK_BYTES : qtype == KVS_QTYPE_Q5K ? KVS_Q5_BLOCK_BYTES : 256);
 }
-// Bytes of the super-block scales of qtype 2 (Q4_K) or 3 (Q6_K) for rows x cols (cols a multiple of 256).
+// Bytes of the super-block scales of qtype 2 (Q4_K), 3 (Q6_K) or 4 (Q5_K) for rows x cols (cols a multiple of 256).
 size_t kvs_packed_kscale_bytes(int qtype, int rows, int cols) {
     return (size_t)((rows + 15) / 16) * (cols / 256) * (qtype == KVS_QTYPE_Q6K ? KVS_Q6_SUPER_BYTES : KVS_KSUPER_BYTES);
 }
@@ -584,7 +653,14 @@ void dequantize_row(const kvs_weight *w, int r, float *o) {
     for (int b = 0; b < nb; b++) {
         float d, m;
         block_scales(w, r, b, nb, &d, &m);
-        if (w->qtype != 1) {
+        if (w->qtype == KVS_QTYPE_Q5K) {
+            const uint8_t *qb = w->qs + ((size_t)(r / 16) * nb + b) * KVS_Q5_BLOCK_BYTES + (r % 16) * 4;
+            for (int i = 0; i < KVS_QK; i++) {
+                const int c = (i % 16) / 4, j = i % 4, upper = i >= 16;
+                const int q = ((qb[c * 64 + j] >> (4 * upper)) & 0x0F) | (((qb[256 + j] >> (2 * c + upper)) & 1) << 4);
+                o[b * KVS_QK + i] = d * (float)q + m;
+            }
+        } else if (w->qtype != 1) {
             for (int i = 0; i < KVS_QK; i++) {
                 const int k = b * KVS_QK + i;
                 const uint8_t byte = w->qs[q4_byte(r, k, nb)];

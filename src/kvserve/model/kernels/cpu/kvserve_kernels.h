@@ -19,9 +19,11 @@ extern "C" {
 #define KVS_QTYPE_Q6K 3          // Q6_K: 6-bit codes (4 + 2 bits), fp16 d and int8 scales per 16 values
 #define KVS_Q6_BLOCK_BYTES 384   // one 16-row group's codes of one 32-value block in that layout
 #define KVS_Q6_SUPER_BYTES 288   // one 16-row group's scales of one super-block in that layout
+#define KVS_QTYPE_Q5K 4          // Q5_K: Q4's nibbles plus a plane of fifth bits, Q4_K's scale layout
+#define KVS_Q5_BLOCK_BYTES 320   // one 16-row group's codes of one 32-value block in that layout
 
 struct kvs_weight {
-    int32_t qtype;  // 0 = Q4 (Q4_0/Q4_1), 1 = Q8_0, 2 = Q4_K, 3 = Q6_K (both: sdtype 2, m NULL)
+    int32_t qtype;  // 0 = Q4 (Q4_0/Q4_1), 1 = Q8_0, 2 = Q4_K, 3 = Q6_K, 4 = Q5_K (sdtype 2, m NULL)
     int32_t rows;   // out_features
     int32_t cols;   // in_features (multiple of 32)
     int32_t isa;    // tiles to run: 0 = AVX2 (or AVX-VNNI builds), 1 = AVX-512 VNNI; identical results

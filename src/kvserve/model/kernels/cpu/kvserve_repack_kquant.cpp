@@ -200,6 +200,45 @@ void kvs_repack_q4_k_super(const uint8_t *raw, int rows, int cols, uint8_t *qs, 
     }
 }
 
+// Q5_K rows into layout qtype 4 (kvserve_kernels.cpp): nibbles as Q4_K's, a plane of fifth bits,
+// the super-block scales as kvs_repack_q4_k_super writes them; sized by kvs_packed_qs_bytes(4, ...)
+// / kvs_packed_kscale_bytes(4, ...). Padding rows are zero.
+void kvs_repack_q5_k_super(const uint8_t *raw, int rows, int cols, uint8_t *qs, uint8_t *ks) {
+    const int nb = cols / 32, nsb = cols / QK_K;
+    const int groups = (rows + 15) / 16, full = rows / 16;
+    const size_t qb = KVS_Q5_BLOCK_BYTES;
+    memset(qs + (size_t)full * nb * qb, 0, (size_t)(groups - full) * nb * qb);
+    memset(ks + (size_t)full * nsb * KVS_KSUPER_BYTES, 0, (size_t)(groups - full) * nsb * KVS_KSUPER_BYTES);
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const int g = r / 16, rr = r % 16;
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *b = raw + ((size_t)r * nsb + s) * 176;
+            const uint8_t *qh = b + 16;
+            uint8_t *k = ks + ((size_t)g * nsb + s) * KVS_KSUPER_BYTES;
+            memcpy(k + 2 * rr, b, 2);
+            memcpy(k + 32 + 2 * rr, b + 2, 2);
+            for (int c = 0; c < 4; c++) {
+                const uint8_t *q = b + 48 + 32 * c;   // sub-block 2c: low nibbles, 2c+1: high
+                for (int h = 0; h < 2; h++) {
+                    const int j = 2 * c + h, blk = s * 8 + j;
+                    scale_min_k4(j, b + 4, k + 64 + j * 16 + rr, k + 192 + j * 16 + rr);
+                    uint8_t *dst = qs + ((size_t)g * nb + blk) * qb + rr * 4;
+                    uint8_t plane[4] = {0, 0, 0, 0};
+                    for (int kk = 0; kk < 16; kk++) {
+                        const uint8_t lo = h ? q[kk] >> 4 : q[kk] & 0x0F;
+                        const uint8_t hi = h ? q[kk + 16] >> 4 : q[kk + 16] & 0x0F;
+                        dst[(kk / 4) * 64 + kk % 4] = (uint8_t)(lo | (hi << 4));
+                        plane[kk % 4] |= (uint8_t)((((qh[kk] >> j) & 1) << (2 * (kk / 4))) |
+                                                   (((qh[kk + 16] >> j) & 1) << (2 * (kk / 4) + 1)));
+                    }
+                    memcpy(dst + 256, plane, 4);
+                }
+            }
+        }
+    }
+}
+
 // Q6_K rows into layout qtype 3 (kvserve_kernels.cpp): the 6-bit codes split into Q4's nibble
 // bytes and a plane of 2-bit pairs, the fp16 d and the 16 int8 scales per super-block; sized by
 // kvs_packed_qs_bytes(3, ...) / kvs_packed_kscale_bytes(3, ...). Padding rows are zero.
