@@ -44,14 +44,19 @@ def shrink_qs(es):          # the first layer's quants a block shorter than the 
     es[0]["qs"][1] -= 64
 
 
-def flip_sdtype(es):        # float32 scales said to be float16: the d blob is twice what is read
-    e = next(e for e in es if e["sdtype"] == 0)
+def flip_sdtype(es):        # Q4_K super-block scale bytes said to be float16: the d blob is half what is read
+    e = next(e for e in es if e["sdtype"] == 2)
     e["sdtype"] = 1
 
 
-def drop_minima(es):        # a Q4 layer without its minima
-    e = next(e for e in es if e["m"][1])
-    e["m"][1] = 0
+def stray_minima(es):       # a Q4_K layer (its minima are in the super-block scales) given a minima blob
+    e = next(e for e in es if e["sdtype"] == 2)
+    e["m"][1] = 64
+
+
+def shrink_scales(es):      # Q4_K super-block scales a group shorter than the kernels read
+    e = next(e for e in es if e["sdtype"] == 2)
+    e["d"][1] -= 320
 
 
 def unaligned(es):
@@ -62,7 +67,7 @@ def not_an_int(es):
     es[0]["rows"] = float(es[0]["rows"])
 
 
-@pytest.mark.parametrize("edit", [shrink_qs, flip_sdtype, drop_minima, unaligned, not_an_int],
+@pytest.mark.parametrize("edit", [shrink_qs, flip_sdtype, stray_minima, shrink_scales, unaligned, not_an_int],
                          ids=lambda f: f.__name__)
 def test_edited_blob_is_rebuilt(tmp_path, cache_dir, edit):
     path = tiny_random(tmp_path / "r.gguf", "Q4_K")

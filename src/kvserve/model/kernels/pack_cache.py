@@ -1,7 +1,7 @@
 """Repacked GGUF weights cached in kvserve's cache directory: one file per model file, keyed by
 its content hash, memory-mapped at the next load.
 
-The C kernels read Q4_0/Q4_1/Q4_K/Q8_0 weights (Q6_K/Q5_K requantized into Q8_0) in their own
+The C kernels read Q4_0/Q4_1/Q4_K/Q8_0 weights (Q6_K/Q5_K/Q5_x requantized into Q8_0) in their own
 layout (16-row groups, scales apart from the quants: cpu/kvserve_kernels.cpp), so every packed
 projection is rewritten once at load.
 That costs start-up time (and for Q4_K more than a copy) and, held in anonymous memory, a second
@@ -54,6 +54,10 @@ _CODE = ("model/decoder.py", "model/linear.py", "model/gguf_loader.py", "model/g
          "model/gguf_file.py", "model/moe.py", "model/kernels/gguf_linear.py", "model/kernels/kquants.py",
          "model/kernels/pack_cache.py",
          "tokenizer/tokenizer.py", "tokenizer/gguf_vocab.py", "tokenizer/spm_exact.py")
+
+
+# The scales' element type per sdtype code (2: Q4_K's super-block scales as bytes).
+_SCALE_DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.uint8}
 
 
 class PackMismatch(RuntimeError):
@@ -190,11 +194,11 @@ class PackSession:
         if (e["qtype"], e["rows"], e["cols"]) != (int(qtype), rows, cols):
             raise PackMismatch(f"entry {self.next} is {e['qtype'], e['rows'], e['cols']}, the layer "
                                f"{int(qtype), rows, cols}")
-        if e["sdtype"] not in (0, 1):
+        if e["sdtype"] not in _SCALE_DTYPES:
             raise PackMismatch(f"entry {self.next} has scale dtype code {e['sdtype']!r}")
         if expect is not None:
             qs_bytes, n_scales, has_m = expect
-            esize = 2 if e["sdtype"] else 4
+            esize = _SCALE_DTYPES[e["sdtype"]].itemsize
             want = {"qs": qs_bytes, "d": n_scales * esize, "m": n_scales * esize if has_m else 0}
             got = {name: e[name][1] for name in want}
             if e.get("m_is_-8d"):
@@ -202,7 +206,7 @@ class PackSession:
             if got != want:
                 raise PackMismatch(f"entry {self.next} has blob sizes {got}, the kernels read {want}")
         self.next += 1
-        dt = torch.float16 if e["sdtype"] else torch.float32
+        dt = _SCALE_DTYPES[e["sdtype"]]
         d = self._view(e["d"], dt)
         m = d * -8.0 if e.get("m_is_-8d") else self._view(e["m"], dt)     # exact in either dtype
         return self._view(e["qs"], torch.uint8), d, m, e["sdtype"]

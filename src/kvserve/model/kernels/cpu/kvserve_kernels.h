@@ -13,12 +13,22 @@
 
 extern "C" {
 
+// Kernel layouts (kvs_weight.qtype); drawn at the top of kvserve_kernels.cpp.
+#define KVS_QTYPE_Q4K 2          // Q4_K: Q4 codes, scales per 256-value super-block (d points at them)
+#define KVS_KSUPER_BYTES 320     // one 16-row group's scales of one super-block in that layout
+#define KVS_QTYPE_Q6K 3          // Q6_K: 6-bit codes (4 + 2 bits), fp16 d and int8 scales per 16 values
+#define KVS_Q6_BLOCK_BYTES 384   // one 16-row group's codes of one 32-value block in that layout
+#define KVS_Q6_SUPER_BYTES 288   // one 16-row group's scales of one super-block in that layout
+#define KVS_QTYPE_Q5K 4          // Q5_K: Q4's nibbles plus a plane of fifth bits, Q4_K's scale layout
+#define KVS_Q5_BLOCK_BYTES 320   // one 16-row group's codes of one 32-value block in that layout
+
 struct kvs_weight {
-    int32_t qtype;  // 0 = Q4 (Q4_0/Q4_1/Q4_K repacked), 1 = Q8_0
+    int32_t qtype;  // 0 = Q4 (Q4_0/Q4_1), 1 = Q8_0, 2 = Q4_K, 3 = Q6_K, 4 = Q5_K (sdtype 2, m NULL)
     int32_t rows;   // out_features
     int32_t cols;   // in_features (multiple of 32)
     int32_t isa;    // tiles to run: 0 = AVX2 (or AVX-VNNI builds), 1 = AVX-512 VNNI; identical results
-    int32_t sdtype; // d and m stored as 0 = float32, 1 = float16 (GGUF's own, widened exactly on load)
+    int32_t sdtype; // d and m stored as 0 = float32, 1 = float16 (GGUF's own, widened exactly on load),
+                    // 2 = the bytes of the super-block scales (qtypes 2 and 3)
     const uint8_t *qs;
     const void *d;
     const void *m;      // Q4 only
