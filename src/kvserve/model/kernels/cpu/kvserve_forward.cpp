@@ -277,10 +277,6 @@ void attend_tiles(const kvs_model_desc *m, const kvs_layer_desc &Ld, const float
 namespace {
 
 constexpr double kDropWait = 0.45, kKeepWait = 0.30;
-// One step whose threads waited past kDropNow drops a thread at once: an even split on a quiet
-// machine never waits that long, and on a busy core the second such step costs as much as ten
-// steps of one thread (the first forward after a load, 1.5 s instead of 0.08 on the 1.1B shape).
-constexpr double kDropNow = 0.75;
 constexpr double kProbeMin = 0.25, kProbeMax = 2.0;   // seconds between probes
 
 struct team_state {
@@ -334,7 +330,7 @@ void team_end(int nth, int used, bool probe, double wait) {
     }
     if (!s.adaptive.load(std::memory_order_relaxed)) return;
     s.high = wait > kDropWait ? s.high + 1 : 0;
-    if (s.high >= 2 || wait > kDropNow) {
+    if (s.high >= 2) {
         s.team.store(used - 1, std::memory_order_relaxed);
         s.drops++;
         s.high = 0;
