@@ -1,7 +1,7 @@
 """Repacked GGUF weights cached in kvserve's cache directory: one file per model file, keyed by
-its content hash, memory-mapped at the next load.
+its version and this code, memory-mapped at the next load.
 
-The C kernels read Q4_0/Q4_1/Q4_K/Q8_0 weights (Q6_K/Q5_K/Q5_x requantized into Q8_0) in their own
+The C kernels read Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 weights (Q5_0 as Q8_0 blocks, Q5_1 requantized) in their own
 layout (16-row groups, scales apart from the quants: cpu/kvserve_kernels.cpp), so every packed
 projection is rewritten once at load.
 That costs start-up time (and for Q4_K more than a copy) and, held in anonymous memory, a second
@@ -39,13 +39,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType
 
 from kvserve.model.kernels import build
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"KVSPACK1"
-Q4_0 = 2     # GGML type code
+Q4_0 = int(GGMLQuantizationType.Q4_0)
 ALIGN = 64
 KEEP_FILES = 16    # packed models kept in the cache; the least recently used beyond are deleted
 KEEP_BYTES = 32 << 30   # and their total size (KVSERVE_PACK_CACHE_MAX_BYTES); the newest is always kept
