@@ -34,6 +34,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tiny_model(path: pathlib.Path, ctx: int = 512, **kw) -> pathlib.Path:
+    """A tiny random GGUF model (tests/model/ggufmaker.py) for the in-process tests."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "model"))
+    from ggufmaker import make_tiny_llama_gguf
+
+    return make_tiny_llama_gguf(path, ctx=ctx, **kw)
+
+
+def loaded(srv: InProcessServer) -> InProcessServer:
+    """An in-process server once its model answers /health."""
+    deadline = time.monotonic() + 120
+    while httpx.get(srv.base_url + "/health").status_code != 200:
+        assert time.monotonic() < deadline, "the tiny model did not load"
+        time.sleep(0.1)
+    return srv
+
+
 class InProcessServer:
     def __init__(self, settings: ServerSettings):
         self.app = create_app(None, settings)
