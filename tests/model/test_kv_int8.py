@@ -11,13 +11,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
+from test_same_bits import forced_avx2_logits
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.attention import AttentionMetadata, attend, gather_kv
@@ -120,14 +118,8 @@ torch.save(torch.stack([last_logits(loaded.model, ids, len(ids)), last_logits(lo
 
 @requires_invariant
 def test_int8_cache_avx2_build_gives_the_same_bits(default_model, tmp_path):
-    if BACKEND.isa == "avx2":
-        pytest.skip("this CPU is AVX2-only: the forced-AVX2 run would be this run")
     loaded, ids = default_model
-    out = tmp_path / "avx2.pt"
-    env = {**os.environ, "KVSERVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    code = _CHILD.format(here=os.path.dirname(__file__), prompt=PROMPT, out=str(out))
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
-    avx2 = torch.load(out, weights_only=True)
+    avx2 = forced_avx2_logits(_CHILD, PROMPT, tmp_path)
     assert torch.equal(avx2[0], last_logits(loaded.model, ids, len(ids)))
     assert torch.equal(avx2[1], avx2[0])
 
