@@ -51,6 +51,14 @@ def loaded(srv: InProcessServer) -> InProcessServer:
     return srv
 
 
+def engine_server(tmp_path_factory, model_server, name: str, engine_kind: str, *args: str):
+    """A module fixture's model server (`yield from` it) on `engine_kind`, stopped when the fixture
+    ends: a module parametrized by engine then holds one model at a time."""
+    server = model_server(tmp_path_factory.mktemp(f"{name}-{engine_kind}"), *args, engine=engine_kind)
+    yield server
+    server.stop()
+
+
 class InProcessServer:
     def __init__(self, settings: ServerSettings):
         self.app = create_app(None, settings)
