@@ -59,6 +59,16 @@ def engine_server(tmp_path_factory, model_server, name: str, engine_kind: str, *
     server.stop()
 
 
+@contextlib.contextmanager
+def tiny_model_server(root: pathlib.Path, name: str = "tiny", ctx: int = 1024, **model_kw):
+    """An in-process server on a tiny random model (`tiny_model`) served as `name`, once loaded;
+    no semantic cache."""
+    tiny = tiny_model(root / "tiny.gguf", ctx=ctx, **model_kw)
+    settings = ServerSettings(model=str(tiny), served_model_name=name, data_dir=root, semantic_cache=False)
+    with InProcessServer(settings) as s:
+        yield loaded(s)
+
+
 class InProcessServer:
     def __init__(self, settings: ServerSettings):
         self.app = create_app(None, settings)

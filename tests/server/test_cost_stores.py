@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from servers import InProcessServer, loaded, tiny_model
+from servers import InProcessServer, tiny_model_server
 
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stores.arena import ArenaStore
@@ -111,11 +111,8 @@ def test_quota_flags_parse():
 
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cost-tiny")
-    tiny = tiny_model(root / "tiny.gguf", ctx=1024)
-    settings = ServerSettings(model=str(tiny), served_model_name="tiny", data_dir=root, semantic_cache=False)
-    with InProcessServer(settings) as s:
-        yield loaded(s)
+    with tiny_model_server(tmp_path_factory.mktemp("cost-tiny")) as s:
+        yield s
 
 
 def test_a_vote_counts_once_both_answers_were_streamed(tiny_server):

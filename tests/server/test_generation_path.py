@@ -12,23 +12,19 @@ import time
 import httpx
 import openai
 import pytest
-from servers import InProcessServer, loaded, tiny_model
+from servers import tiny_model_server
 
 from kvserve.server.generation import Lease, run_generation
 from kvserve.server.generation import run as run_module
 from kvserve.server.routing.semantic_cache import Entry, Hit
-from kvserve.server.settings import ServerSettings
 
 CLIENT_HEADER = {"x-kvserve-client": "tester-0001"}
 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    root = tmp_path_factory.mktemp("genpath")
-    tiny = tiny_model(root / "tiny.gguf", ctx=1024)
-    settings = ServerSettings(model=str(tiny), served_model_name="tiny", data_dir=root, semantic_cache=False)
-    with InProcessServer(settings) as s:
-        yield loaded(s)
+    with tiny_model_server(tmp_path_factory.mktemp("genpath")) as s:
+        yield s
 
 
 @pytest.fixture
