@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_kernels import scattered_block_tables
 from test_same_bits import forced_avx2_logits
 
 from kvserve import LLM, SamplingParams
@@ -53,14 +54,9 @@ def test_row_format():
 def test_c_decode_attention_over_int8_rows(seq_lens):
     g = torch.Generator().manual_seed(len(seq_lens))
     hq, hkv, d = 9, 3, 64
-    need = [(n + BLOCK - 1) // BLOCK for n in seq_lens]
-    perm = torch.randperm(sum(need) + 3, generator=g).tolist()
-    tables, i = [], 0
-    for n in need:
-        tables.append(perm[i:i + n])
-        i += n
-    kv = quantize_rows(torch.randn(2, len(perm), BLOCK, hkv, d, generator=g) * 2)
-    assert kv.shape == cache_shape(len(perm), BLOCK, hkv, d, torch.int8)
+    tables, nblocks = scattered_block_tables(seq_lens, BLOCK, g)
+    kv = quantize_rows(torch.randn(2, nblocks, BLOCK, hkv, d, generator=g) * 2)
+    assert kv.shape == cache_shape(nblocks, BLOCK, hkv, d, torch.int8)
     q = torch.randn(len(seq_lens), hq, d, generator=g)
     meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, BLOCK)
     ref = torch.cat([attend(q[b:b + 1], *gather_kv(kv, meta.block_tables[b], n), 0.125)
