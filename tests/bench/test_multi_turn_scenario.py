@@ -5,7 +5,6 @@ The numbers themselves are in BENCHMARKS.md (issue 51); no time is asserted here
 from __future__ import annotations
 
 import json
-import tempfile
 
 from typer.testing import CliRunner
 
@@ -63,11 +62,7 @@ def test_the_pool_holds_a_share_of_the_conversations_unless_given():
     assert f"{tokens:,} tokens" in note
 
 
-def test_multi_turn_against_launched_kvserve_ram_and_disk(tmp_path, monkeypatch):
-    scratch = tmp_path / "tmp"   # the temp dirs of the bench and of the servers it starts
-    scratch.mkdir()
-    monkeypatch.setenv("TMPDIR", str(scratch))
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+def test_multi_turn_against_launched_kvserve_ram_and_disk(tmp_path, scratch):
     res = CliRunner().invoke(app, [
         "serve", "--launch", "kvserve", "--scenario", "multi-turn", "--conversations", "2", "--turns", "2",
         "--system-len", "40", "--user-len", "8", "--output-len", "4", "--out-dir", str(tmp_path)])

@@ -140,11 +140,7 @@ def test_profile_delta_and_table():
     assert "| http | event loop | 0.50 | 10.0% | 2.50 |" in table
 
 
-def test_bench_serve_against_a_launched_kvserve(tmp_path, monkeypatch):
-    scratch = tmp_path / "tmp"   # the temp dir of the bench and of the server it starts
-    scratch.mkdir()
-    monkeypatch.setenv("TMPDIR", str(scratch))
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+def test_bench_serve_against_a_launched_kvserve(tmp_path, scratch):
     res = CliRunner().invoke(app, [
         "serve", "--launch", "kvserve", "--num-prompts", "3", "--concurrency", "2", "--input-len", "24",
         "--output-len", "6", "--goodput", "e2el:3600000", "--profile", "--out-dir", str(tmp_path)])

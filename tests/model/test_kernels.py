@@ -148,7 +148,11 @@ def test_thread_counts_give_identical_results():
     lib = BACKEND.lib
     raw, _, _ = make(Q.Q4_1, 576, 576)
     layer = kernel_layer(raw, Q.Q4_1, 576, 576)
-    x = torch.randn(7, 576)
+    assert_threads_agree(lib, layer, torch.randn(7, 576))
+
+
+def assert_threads_agree(lib, layer, x: torch.Tensor) -> None:
+    """`layer(x)` on 1 thread and on 2 is the same to the bit (the thread count restored after)."""
     before = lib.kvs_get_num_threads()
     try:
         lib.kvs_set_num_threads(1)
@@ -381,6 +385,17 @@ def test_block_scales_kept_in_float16_where_exact():
     assert q4k.d.dtype == torch.uint8 and q4k.d.numel() == 320 and q4k.m.numel() == 0
 
 
+def scattered_block_tables(seq_lens: list[int], block_size: int, g: torch.Generator) -> tuple[list[list[int]], int]:
+    """Block tables for `seq_lens` drawn out of order from a pool with 3 spare blocks; (tables, pool size)."""
+    need = [(n + block_size - 1) // block_size for n in seq_lens]
+    perm = torch.randperm(sum(need) + 3, generator=g).tolist()
+    tables, i = [], 0
+    for n in need:
+        tables.append(perm[i:i + n])
+        i += n
+    return tables, len(perm)
+
+
 @requires_kernels
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_batched_decode_attention_same_bits_as_alone(kv_dtype):
@@ -392,13 +407,8 @@ def test_batched_decode_attention_same_bits_as_alone(kv_dtype):
     g = torch.Generator().manual_seed(7)
     block_size, hq, hkv, d = 16, 9, 3, 64
     seq_lens = [1, 9, 16, 17, 40, 64, 130, 201]
-    need = [(n + block_size - 1) // block_size for n in seq_lens]
-    perm = torch.randperm(sum(need) + 3, generator=g).tolist()
-    tables, i = [], 0
-    for n in need:
-        tables.append(perm[i:i + n])
-        i += n
-    x = torch.randn(2, len(perm), block_size, hkv, d, generator=g)
+    tables, nblocks = scattered_block_tables(seq_lens, block_size, g)
+    x = torch.randn(2, nblocks, block_size, hkv, d, generator=g)
     kv_cache = quantize_rows(x) if kv_dtype == torch.int8 else x.to(kv_dtype)
     q = torch.randn(len(seq_lens), hq, d, generator=g)
     meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size)

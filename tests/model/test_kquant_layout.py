@@ -13,6 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
+from test_kernels import assert_threads_agree
 from test_kquant_repack import random_blocks
 
 from kvserve.model.kernels.backend import KernelBackend
@@ -94,16 +95,7 @@ def test_layer_reads_about_the_files_bytes():
 def test_thread_counts_give_the_same_bits():
     rows, cols = 160, 512
     layer = int8_layer(random_blocks(Q.Q4_K, rows, cols, seed=2), rows, cols)
-    x = torch.randn(21, cols, generator=torch.Generator().manual_seed(5))
-    before = LIB.kvs_get_num_threads()
-    try:
-        LIB.kvs_set_num_threads(1)
-        y1 = layer(x)
-        LIB.kvs_set_num_threads(2)
-        y2 = layer(x)
-    finally:
-        LIB.kvs_set_num_threads(before)
-    assert torch.equal(y1, y2)
+    assert_threads_agree(LIB, layer, torch.randn(21, cols, generator=torch.Generator().manual_seed(5)))
 
 
 def random_q5(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:

@@ -11,13 +11,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
+from test_kernels import scattered_block_tables
+from test_same_bits import forced_avx2_logits
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.attention import AttentionMetadata, attend, gather_kv
@@ -55,14 +54,9 @@ def test_row_format():
 def test_c_decode_attention_over_int8_rows(seq_lens):
     g = torch.Generator().manual_seed(len(seq_lens))
     hq, hkv, d = 9, 3, 64
-    need = [(n + BLOCK - 1) // BLOCK for n in seq_lens]
-    perm = torch.randperm(sum(need) + 3, generator=g).tolist()
-    tables, i = [], 0
-    for n in need:
-        tables.append(perm[i:i + n])
-        i += n
-    kv = quantize_rows(torch.randn(2, len(perm), BLOCK, hkv, d, generator=g) * 2)
-    assert kv.shape == cache_shape(len(perm), BLOCK, hkv, d, torch.int8)
+    tables, nblocks = scattered_block_tables(seq_lens, BLOCK, g)
+    kv = quantize_rows(torch.randn(2, nblocks, BLOCK, hkv, d, generator=g) * 2)
+    assert kv.shape == cache_shape(nblocks, BLOCK, hkv, d, torch.int8)
     q = torch.randn(len(seq_lens), hq, d, generator=g)
     meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, BLOCK)
     ref = torch.cat([attend(q[b:b + 1], *gather_kv(kv, meta.block_tables[b], n), 0.125)
@@ -120,14 +114,8 @@ torch.save(torch.stack([last_logits(loaded.model, ids, len(ids)), last_logits(lo
 
 @requires_invariant
 def test_int8_cache_avx2_build_gives_the_same_bits(default_model, tmp_path):
-    if BACKEND.isa == "avx2":
-        pytest.skip("this CPU is AVX2-only: the forced-AVX2 run would be this run")
     loaded, ids = default_model
-    out = tmp_path / "avx2.pt"
-    env = {**os.environ, "KVSERVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    code = _CHILD.format(here=os.path.dirname(__file__), prompt=PROMPT, out=str(out))
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
-    avx2 = torch.load(out, weights_only=True)
+    avx2 = forced_avx2_logits(_CHILD, PROMPT, tmp_path)
     assert torch.equal(avx2[0], last_logits(loaded.model, ids, len(ids)))
     assert torch.equal(avx2[1], avx2[0])
 

@@ -105,14 +105,20 @@ torch.save(torch.stack([last_logits(model, ids, len(ids)), last_logits(model, id
 """
 
 
-def test_avx2_build_gives_the_same_bits(default_model, tmp_path):
+def forced_avx2_logits(child: str, prompt: str, tmp_path) -> torch.Tensor:
+    """What `child` (code that saves logits to `{out}`) saves in a process forced onto the AVX2
+    build; skips on an AVX2-only CPU, where that process would be this one."""
     if BACKEND.isa == "avx2":
         pytest.skip("this CPU is AVX2-only: the forced-AVX2 run would be this run")
-    model, ids = default_model
     out = tmp_path / "avx2.pt"
     env = {**os.environ, "KVSERVE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    code = _CHILD.format(here=os.path.dirname(__file__), prompt=PROMPT, out=str(out))
+    code = child.format(here=os.path.dirname(__file__), prompt=prompt, out=str(out))
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
-    avx2 = torch.load(out, weights_only=True)
+    return torch.load(out, weights_only=True)
+
+
+def test_avx2_build_gives_the_same_bits(default_model, tmp_path):
+    model, ids = default_model
+    avx2 = forced_avx2_logits(_CHILD, PROMPT, tmp_path)
     assert torch.equal(avx2[0], last_logits(model, ids, len(ids)))
     assert torch.equal(avx2[1], avx2[0])

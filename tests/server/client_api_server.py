@@ -5,13 +5,10 @@ shape of: the real model, keys `a`, `usage`, `out` (output moderation blocking W
 from __future__ import annotations
 
 import logging
-import sys
-import time
-from pathlib import Path
 
-import httpx
 import pydantic
 import pytest
+from servers import loaded, tiny_model  # noqa: F401 (re-exported for the client-API tests)
 from typer.testing import CliRunner
 
 from kvserve.server.cli import keys_app
@@ -66,18 +63,3 @@ def no_client_warnings(caplog):
     assert not logged, logged
 
 
-def tiny_model(path: Path, **kw) -> Path:
-    """A tiny random GGUF model (tests/model/ggufmaker.py) for the in-process client-API tests."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-    from ggufmaker import make_tiny_llama_gguf
-
-    return make_tiny_llama_gguf(path, ctx=512, **kw)
-
-
-def loaded(srv):
-    """An in-process server once its model answers /health."""
-    deadline = time.monotonic() + 120
-    while httpx.get(srv.base_url + "/health").status_code != 200:
-        assert time.monotonic() < deadline, "the tiny model did not load"
-        time.sleep(0.1)
-    return srv

@@ -97,28 +97,26 @@ def hardened_server(tmp_path_factory, model_server) -> ModelServer:
 
 # ---- shared state: real Redis and PostgreSQL (state_servers.py) ------------------------------
 
-@pytest.fixture(scope="session")
-def redis_server():
-    from state_servers import RedisServer, Unavailable
+def _state_server(kind: str, what: str):
+    """Start state_servers.py's `kind` for the session, or skip saying `what` is missing."""
+    import state_servers
 
     try:
-        server = RedisServer()
-    except Unavailable as e:
-        pytest.skip(f"no Redis: {e}")
+        server = getattr(state_servers, kind)()
+    except state_servers.Unavailable as e:
+        pytest.skip(f"no {what}: {e}")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    yield from _state_server("RedisServer", "Redis")
 
 
 @pytest.fixture(scope="session")
 def postgres_server():
-    from state_servers import PostgresServer, Unavailable
-
-    try:
-        server = PostgresServer()
-    except Unavailable as e:
-        pytest.skip(f"no PostgreSQL: {e}")
-    yield server
-    server.stop()
+    yield from _state_server("PostgresServer", "PostgreSQL")
 
 
 KEY_BACKENDS = ("sqlite", "postgres", "postgres+redis")

@@ -34,6 +34,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tiny_model(path: pathlib.Path, ctx: int = 512, **kw) -> pathlib.Path:
+    """A tiny random GGUF model (tests/model/ggufmaker.py) for the in-process tests."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "model"))
+    from ggufmaker import make_tiny_llama_gguf
+
+    return make_tiny_llama_gguf(path, ctx=ctx, **kw)
+
+
+def loaded(srv: InProcessServer) -> InProcessServer:
+    """An in-process server once its model answers /health."""
+    deadline = time.monotonic() + 120
+    while httpx.get(srv.base_url + "/health").status_code != 200:
+        assert time.monotonic() < deadline, "the tiny model did not load"
+        time.sleep(0.1)
+    return srv
+
+
+def engine_server(tmp_path_factory, model_server, name: str, engine_kind: str, *args: str):
+    """A module fixture's model server (`yield from` it) on `engine_kind`, stopped when the fixture
+    ends: a module parametrized by engine then holds one model at a time."""
+    server = model_server(tmp_path_factory.mktemp(f"{name}-{engine_kind}"), *args, engine=engine_kind)
+    yield server
+    server.stop()
+
+
+@contextlib.contextmanager
+def tiny_model_server(root: pathlib.Path, name: str = "tiny", ctx: int = 1024, **model_kw):
+    """An in-process server on a tiny random model (`tiny_model`) served as `name`, once loaded;
+    no semantic cache."""
+    tiny = tiny_model(root / "tiny.gguf", ctx=ctx, **model_kw)
+    settings = ServerSettings(model=str(tiny), served_model_name=name, data_dir=root, semantic_cache=False)
+    with InProcessServer(settings) as s:
+        yield loaded(s)
+
+
 class InProcessServer:
     def __init__(self, settings: ServerSettings):
         self.app = create_app(None, settings)

@@ -4,13 +4,11 @@ store's quota runs on SQLite and PostgreSQL (the one rule in stores/quota.py).""
 
 from __future__ import annotations
 
-import pathlib
-import sys
 import time
 
 import httpx
 import pytest
-from servers import InProcessServer
+from servers import InProcessServer, tiny_model_server
 
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stores.arena import ArenaStore
@@ -113,17 +111,7 @@ def test_quota_flags_parse():
 
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory):
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "model"))
-    from ggufmaker import make_tiny_llama_gguf
-
-    root = tmp_path_factory.mktemp("cost-tiny")
-    tiny = make_tiny_llama_gguf(root / "tiny.gguf", ctx=1024)
-    settings = ServerSettings(model=str(tiny), served_model_name="tiny", data_dir=root, semantic_cache=False)
-    with InProcessServer(settings) as s:
-        deadline = time.monotonic() + 120
-        while httpx.get(s.base_url + "/health").status_code != 200:
-            assert time.monotonic() < deadline, "the tiny model did not load"
-            time.sleep(0.1)
+    with tiny_model_server(tmp_path_factory.mktemp("cost-tiny")) as s:
         yield s
 
 

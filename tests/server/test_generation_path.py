@@ -7,36 +7,23 @@ error and when the client hangs up. A tiny random model in this process keeps it
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from servers import InProcessServer
+from servers import tiny_model_server
 
 from kvserve.server.generation import Lease, run_generation
 from kvserve.server.generation import run as run_module
 from kvserve.server.routing.semantic_cache import Entry, Hit
-from kvserve.server.settings import ServerSettings
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from ggufmaker import make_tiny_llama_gguf
 
 CLIENT_HEADER = {"x-kvserve-client": "tester-0001"}
 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    root = tmp_path_factory.mktemp("genpath")
-    tiny = make_tiny_llama_gguf(root / "tiny.gguf", ctx=1024)
-    settings = ServerSettings(model=str(tiny), served_model_name="tiny", data_dir=root, semantic_cache=False)
-    with InProcessServer(settings) as s:
-        deadline = time.monotonic() + 120
-        while httpx.get(s.base_url + "/health").status_code != 200:
-            assert time.monotonic() < deadline, "the tiny model did not load"
-            time.sleep(0.1)
+    with tiny_model_server(tmp_path_factory.mktemp("genpath")) as s:
         yield s
 
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import ollama
 import pytest
-from client_api_server import NO_CLIENT_WARNINGS, loaded, no_client_warnings, tiny_model  # noqa: F401 (autouse)
-from servers import InProcessServer
+from client_api_server import NO_CLIENT_WARNINGS, no_client_warnings  # noqa: F401 (autouse)
+from servers import tiny_model_server
 
 from kvserve.server.api.ollama_fim import fim_prompt
-from kvserve.server.settings import ServerSettings
 
 pytestmark = NO_CLIENT_WARNINGS
 FIM = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
@@ -20,11 +19,8 @@ PREFIX, SUFFIX = "def add(a, b):\n    ", "\n    return total\n"
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fim")
-    tiny = tiny_model(root / "tiny.gguf", extra_specials=FIM)
-    settings = ServerSettings(model=str(tiny), served_model_name="coder", data_dir=root, semantic_cache=False)
-    with InProcessServer(settings) as s:
-        yield loaded(s)
+    with tiny_model_server(tmp_path_factory.mktemp("fim"), "coder", ctx=512, extra_specials=FIM) as s:
+        yield s
 
 
 def test_suffix_fills_in_the_middle(srv):

@@ -97,7 +97,7 @@ def run_hostile_soak(tmp_path: pathlib.Path, model_server, duration: float, warm
 
 
 def test_hostile_mix_short(tmp_path, model_server):
-    run_hostile_soak(tmp_path, model_server, duration=20.0, warmup=10.0, warm_rounds=2)
+    run_hostile_soak(tmp_path, model_server, duration=20.0, warmup=10.0, warm_rounds=1)
 
 
 @pytest.mark.slow

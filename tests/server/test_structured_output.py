@@ -13,6 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from servers import engine_server
 
 from kvserve.errors import InvalidRequest
 from kvserve.model.registry import resolve
@@ -40,10 +41,7 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory, model_server, engine_kind):
-    server = model_server(tmp_path_factory.mktemp(f"structured-{engine_kind}"), "--max-model-len", "1024",
-                          engine=engine_kind)
-    yield server
-    server.stop()
+    yield from engine_server(tmp_path_factory, model_server, "structured", engine_kind, "--max-model-len", "1024")
 
 
 def post(srv, path: str = "/v1/chat/completions", **body) -> httpx.Response:

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from openai.types.chat import ChatCompletion
+from servers import engine_server
 
 from kvserve.errors import InvalidRequest
 from kvserve.model.registry import resolve
@@ -265,10 +266,7 @@ def test_valid_tool_requests():
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory, model_server, engine_kind):
-    server = model_server(tmp_path_factory.mktemp(f"tools-{engine_kind}"), "--max-model-len", "1024",
-                          engine=engine_kind)
-    yield server
-    server.stop()
+    yield from engine_server(tmp_path_factory, model_server, "tools", engine_kind, "--max-model-len", "1024")
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,7 @@ def test_blocked_question_is_said_plainly_and_kept(server, browser):
     note = wait_until(page, "document.querySelector('.msg.assistant .moderation-note')?.textContent", 120,
                       "moderation note")
     assert note.startswith("Blocked by moderation") and "violence" in note
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "web-chat-moderation-blocked.png"))
-    page.reload()                                   # stored with the conversation
-    wait_until(page, "document.documentElement.dataset.ready === '1'", 30, "reloaded")
-    assert wait_until(page, "document.querySelector('.msg.assistant .moderation-note')?.textContent", 30,
-                      "note after reload").startswith("Blocked by moderation")
+    note_is_kept(page, "web-chat-moderation-blocked.png", "Blocked by moderation")
     assert errors == []
 
 
@@ -44,10 +39,16 @@ def test_cut_answer_is_said_plainly_and_kept(server, browser):
                       120, "moderation note")
     assert note.startswith("Cut by moderation")
     assert "assist" not in page.inner_text(".msg.assistant .msg-body").lower()   # checked every token: the word never went out
+    note_is_kept(page, "web-chat-moderation-cut.png", "Cut by moderation")
+    assert errors == []
+
+
+def note_is_kept(page, screenshot: str, note: str) -> None:
+    """Save a screenshot, reload the page: the answer's moderation note, stored with the
+    conversation, still starts with `note`."""
     ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "web-chat-moderation-cut.png"))
-    page.reload()                                   # stored with the conversation
+    page.screenshot(path=str(ARTIFACTS / screenshot))
+    page.reload()
     wait_until(page, "document.documentElement.dataset.ready === '1'", 30, "reloaded")
     assert wait_until(page, "document.querySelector('.msg.assistant .moderation-note')?.textContent", 30,
-                      "note after reload").startswith("Cut by moderation")
-    assert errors == []
+                      "note after reload").startswith(note)
