@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     from kvserve.safety.moderator import Moderator, _encode
 
     n = int((argv if argv is not None else sys.argv[1:] or ["30"])[0])
-    mod = Moderator(engine="head")
+    mod = Moderator()
     prompt = "What are some good ways to spend a rainy Sunday afternoon with two young kids at home?"
     vec = _encode(mod.windows(prompt))
     long = ("The committee met on Tuesday to review the budget for the new library wing, the plans for "

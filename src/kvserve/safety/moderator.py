@@ -127,13 +127,11 @@ def _encode(texts: list[str]):
 
 class Moderator:
     """Checks text against one configuration; cheap to make (rules compile, the model is shared).
-    `engine`: "ngram" (the hashed n-gram classifier, what the server uses) or "head" (the trained
-    head over the sentence embedding, issue 59: not yet the default, since it misses the benign
-    false-positive target on OpenAI's samples and the identity-bias tests; `kvserve eval
-    moderation --data DIR` compares the two)."""
+    `engine`: "head" (the trained head over the sentence embedding, the default) or "ngram" (the
+    hashed n-gram classifier it replaced, kept for `kvserve eval moderation`'s comparison)."""
 
     def __init__(self, config: ModerationConfig | None = None, classifier: TextClassifier | None = None,
-                 engine: str = "ngram", head: Head | None = None, encode=None):
+                 engine: str = "head", head: Head | None = None, encode=None):
         self.config = config or ModerationConfig()
         c = self.config
         self.rules = Rules(blocklist=c.blocklist, regexes=c.regexes)
