@@ -181,7 +181,7 @@ class Moderator:
             scores[cat] = 1.0
         if input and self.config.jailbreak:
             scores["jailbreak"] = self.rules.jailbreak_score(text)
-        scores = {k: round(v, 6) for k, v in scores.items()}
+        scores = {k: float(f"{v:.6g}") for k, v in scores.items()}     # significant digits: a tiny score keeps its rank
         categories = {k: v >= self.config.threshold(k, self.thresholds) for k, v in scores.items()}
         help_seeking = "help" in base and base["help"] >= self.thresholds.get("help", 2.0) and not hits
         return Verdict(any(categories.values()), categories, scores, (time.perf_counter() - t0) * 1000,
