@@ -87,6 +87,7 @@ def test_same_greedy_tokens_as_the_old_load(tmp_path, cache_dir, monkeypatch, ma
     path = resolve(None).path if make == "default" else tiny_random(tmp_path / "r.gguf", make)
     want = greedy(*old_load(path))
     first = load_model(str(path))                 # repacks, writes the cache, maps it
+    pack_cache.wait()     # the cache file is written in the background
     assert len(list(cache_dir.glob("*.kvpack"))) == 1
     assert greedy(first.model, first.tokenizer) == want
     from kvserve.model.kernels.gguf_linear import GGUFQuantLinear
@@ -108,6 +109,7 @@ def test_cache_follows_the_file_content(tmp_path, cache_dir):
     assert a != b
     loaded = load_model(str(path))
     assert greedy(loaded.model, loaded.tokenizer) == b
+    pack_cache.wait()     # the cache file is written in the background
     assert len(list(cache_dir.glob("*.kvpack"))) == 2
 
 
@@ -115,6 +117,7 @@ def test_corrupt_cache_file_is_rebuilt(tmp_path, cache_dir):
     path = tiny_random(tmp_path / "r.gguf", "Q8_0")
     want = greedy(*old_load(path))
     load_model(str(path))
+    pack_cache.wait()     # the cache file is written in the background
     (cached,) = cache_dir.glob("*.kvpack")
     cached.write_bytes(cached.read_bytes()[: cached.stat().st_size // 2])     # truncated
     loaded = load_model(str(path))
@@ -205,3 +208,52 @@ def test_mismatched_cache_falls_back_to_the_file(tmp_path, cache_dir, monkeypatc
     monkeypatch.setattr(pack_cache.PackSession, "take", take)
     loaded = load_model(str(path))
     assert greedy(loaded.model, loaded.tokenizer) == want
+
+
+def test_cache_written_at_once_when_not_in_background(tmp_path, cache_dir, monkeypatch):
+    """BACKGROUND off: the file is written before load_model returns and the layers map it."""
+    monkeypatch.setattr(pack_cache, "BACKGROUND", False)
+    path = tiny_random(tmp_path / "r.gguf", "Q4_0")
+    want = greedy(*old_load(path))
+    first = load_model(str(path))
+    assert len(list(cache_dir.glob("*.kvpack"))) == 1
+    assert greedy(first.model, first.tokenizer) == want
+    again = load_model(str(path))
+    assert greedy(again.model, again.tokenizer) == want
+
+
+def test_file_identity_follows_the_file_version(tmp_path):
+    """The cache key's file identity: stable for one version; another mtime or one changed byte
+    in a sampled region (the header, here) gives another."""
+    import os
+
+    path = tiny_random(tmp_path / "r.gguf", "Q4_1")
+    a = pack_cache.file_identity(path)
+    assert pack_cache.file_identity(path) == a
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert pack_cache.file_identity(path) != a
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert pack_cache.file_identity(path) != a
+
+
+def test_q4_0_minima_are_not_stored(tmp_path, cache_dir):
+    """A Q4_0 minimum is -8 d: the cache file leaves it out (<= 1.1x the file) and a hit derives
+    the same values (== : the padding rows' +0 and -0 alike)."""
+    from kvserve.model.kernels.gguf_linear import GGUFQuantLinear
+
+    path = tiny_random(tmp_path / "r.gguf", "Q4_0")
+    first = load_model(str(path))
+    pack_cache.wait()
+    (cached,) = cache_dir.glob("*.kvpack")
+    entries, _ = pack_cache._map(cached)
+    assert entries and all(e["m"][1] == 0 and e["m_is_-8d"] for e in entries if e["qtype"] == 2)
+    again = load_model(str(path))
+    layers = [(a, b) for a, b in zip(first.model.modules(), again.model.modules(), strict=True)
+              if isinstance(a, GGUFQuantLinear)]
+    assert layers
+    for a, b in layers:
+        assert a.m.dtype == b.m.dtype and torch.equal(a.m, b.m) and torch.equal(a.d, b.d)

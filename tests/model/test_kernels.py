@@ -71,8 +71,9 @@ def random_q4_k(out_f: int, in_f: int, seed: int = 0) -> np.ndarray:
 
 def test_supports():
     assert all(supports(q) for q in [*FORMATS, Q.Q4_K])
-    assert supports(Q.Q6_K) and supports(Q.Q5_K)     # requantized into Q8_0 blocks (kquants.py)
-    assert not supports(Q.Q5_0) and not supports(Q.F32)
+    assert supports(Q.Q6_K) and supports(Q.Q5_K)     # Q6_K its own layout, Q5_K requantized (kquants.py)
+    assert supports(Q.Q5_0) and supports(Q.Q5_1)     # as Q8_0 blocks (exact for Q5_0)
+    assert not supports(Q.F32)
 
 
 @requires_kernels
@@ -170,9 +171,8 @@ def _int8_arithmetic(layer: GGUFQuantLinear, x: torch.Tensor) -> torch.Tensor:
     xq = torch.round(xb * torch.where(amax > 0, 127 / amax, 0.0)[..., None]).to(torch.int32)
     xs = xd * xq.sum(-1).float()
     w = layer.dequantized_weight()
-    q4 = layer.m.numel() > 0
-    d = layer.d.float().view(-1, nb, 16).transpose(1, 2).reshape(-1, nb)[: layer.out_features]
-    m = layer.m.float().view(-1, nb, 16).transpose(1, 2).reshape(-1, nb)[: layer.out_features] if q4 else None
+    d, m = layer.block_scales()
+    q4 = m is not None
     q = torch.round((w.view(-1, nb, 32) - (m[..., None] if q4 else 0)) / torch.where(d == 0, 1, d)[..., None])
     isum = torch.einsum("tbk,rbk->trb", xq.double(), q.double())                   # exact integers
     acc = torch.zeros(x.shape[0], layer.out_features, dtype=torch.float32)
@@ -268,7 +268,7 @@ def test_rejects_bad_input():
     with pytest.raises(ModelLoadError):
         GGUFQuantLinear(raw, Q.Q4_1, 64, 9, backend=BACKEND)   # byte shape does not match out_features
     with pytest.raises(ModelLoadError):
-        GGUFQuantLinear(np.zeros((4, 176), np.uint8), Q.Q5_0, 256, 4, backend=BACKEND)   # no packed Q5_0 kernel
+        GGUFQuantLinear(np.zeros((4, 8), np.uint8), Q.IQ4_NL, 256, 4, backend=BACKEND)   # no packed IQ4_NL kernel
 
 
 def test_fallback_without_kernels(tmp_path):
@@ -367,7 +367,8 @@ def test_c_rms_norm_matches_torch(rows):
 @requires_kernels
 def test_block_scales_kept_in_float16_where_exact():
     """GGUF's float16 scales stay float16 (fewer bytes per decode step); a Q4_0 block whose minimum
-    -8 d overflows float16, and Q4_K's products, keep float32 scales; all exact."""
+    -8 d overflows float16, keeps float32 scales; Q4_K keeps its super-block scales (bytes: fp16
+    d and dmin, 6-bit scales and minima); all exact."""
     raw, ref_w, _ = make(Q.Q4_0, 32, 64)
     assert kernel_layer(raw, Q.Q4_0, 64, 32).d.dtype == torch.float16
     raw = raw.copy()
@@ -376,7 +377,8 @@ def test_block_scales_kept_in_float16_where_exact():
     layer = kernel_layer(raw, Q.Q4_0, 64, 32)
     assert layer.d.dtype == torch.float32
     assert torch.equal(layer.dequantized_weight().double(), ref_w)
-    assert kernel_layer(random_q4_k(16, 256), Q.Q4_K, 256, 16).d.dtype == torch.float32
+    q4k = kernel_layer(random_q4_k(16, 256), Q.Q4_K, 256, 16)
+    assert q4k.d.dtype == torch.uint8 and q4k.d.numel() == 320 and q4k.m.numel() == 0
 
 
 @requires_kernels

@@ -120,15 +120,17 @@ def test_requantization_adds_little_to_q6_k_error():
 @needs_kernels
 @pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K], ids=["Q6_K", "Q5_K"])
 def test_layer_holds_the_requantized_rows(qtype):
+    """Q6_K and Q5_K keep their own layouts (kernel qtypes 3 and 4), whose dequantized rows are
+    llama.cpp's exactly (the name stays from when both were requantized to Q8_0 rows)."""
     rng = np.random.default_rng(4)
     raw = gguf_random.random_blocks(37, 512, qtype, rng)     # 37 rows: a padded 16-row group
     layer = GGUFQuantLinear(raw, qtype, 512, 37, backend=INT8)
-    want = gguf_dequantize(kquants.q8_0_rows(raw, qtype, 512), Q.Q8_0).reshape(37, 512)
+    want = kquants.dequantize(raw, qtype, 512)
     assert torch.equal(layer.dequantized_weight(), torch.from_numpy(want))
     x = torch.randn(7, 512)
     ref = x.double() @ torch.from_numpy(kquants.dequantize(raw, qtype, 512)).double().T
     assert float((layer(x).double() - ref).norm() / ref.norm()) < 0.02
-    assert "requantized to Q8_0" in layer.extra_repr()
+    assert "requantized to Q8_0" not in layer.extra_repr()
 
 
 @pytest.fixture(scope="module", params=["Q4_K_M", "Q5_K_M"])
@@ -155,13 +157,42 @@ def test_mixed_file_is_on_the_fast_path(mixed):
     assert model.lm_head.qtype == Q.Q6_K
 
 
+def _prefill_top2_gaps(model, backend, prompt: list[int]) -> list[float]:
+    """Top-2 log-probability gap at every prompt position, one prefill on `backend`."""
+    from test_shapes import BLOCK
+
+    from kvserve.model.attention import AttentionMetadata
+    from kvserve.model.kv_quant import cache_shape
+
+    cfg, n = model.config, len(prompt)
+    blocks = n // BLOCK + 1
+    kv = [torch.zeros(cache_shape(blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim, torch.float16),
+                      dtype=torch.float16) for _ in range(cfg.num_hidden_layers)]
+    meta = AttentionMetadata.build([n], [n], [list(range(blocks))], BLOCK)
+    base, model.backend = model.backend, backend
+    try:
+        with torch.inference_mode():
+            lp = torch.log_softmax(model.compute_logits(model(torch.tensor(prompt), torch.arange(n), meta, kv)).float(), -1)
+    finally:
+        model.backend = base
+    top = lp.topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
 @needs_kernels
 def test_mixed_file_greedy_matches_the_reference_path(mixed):
     _, model = mixed
     prompt = torch.randint(3, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(7)).tolist()
     fast, fast_logits = _greedy(model, BACKEND, prompt, 16)
     ref, ref_logits = _greedy(model, replace(BACKEND, fused_forward=False), prompt, 16)
-    assert fast == ref
+    # The two paths are not bit-identical (attention differs), so a random model's prompt-position
+    # argmax may flip at a near-tie (the issue's bar: top-2 logprob gap < 0.05); decode must agree.
+    if fast[:40] != ref[:40]:
+        gaps = _prefill_top2_gaps(model, replace(BACKEND, fused_forward=False), prompt)
+        for i in range(40):
+            if fast[i] != ref[i]:
+                assert gaps[i] < 0.05, (i, gaps[i])
+    assert fast[39:] == ref[39:]
     for a, b in zip(fast_logits, ref_logits):
         assert ((a - b).norm() / b.norm()).item() < 3e-2
     assert len(set(fast)) > 3
@@ -187,6 +218,7 @@ def test_mixed_file_from_the_pack_cache(tmp_path, monkeypatch):
     prompt = list(range(3, 30))
     first = load_model(str(path), backend=BACKEND).model
     want = _greedy(first, BACKEND, prompt, 4)
+    pack_cache.wait()     # the cache file is written in the background
     assert len(list((tmp_path / "packed").glob("*.kvpack"))) == 1
 
     def no_repack(*_):

@@ -44,14 +44,19 @@ def shrink_qs(es):          # the first layer's quants a block shorter than the 
     es[0]["qs"][1] -= 64
 
 
-def flip_sdtype(es):        # float32 scales said to be float16: the d blob is twice what is read
-    e = next(e for e in es if e["sdtype"] == 0)
+def flip_sdtype(es):        # Q4_K super-block scale bytes said to be float16: the d blob is half what is read
+    e = next(e for e in es if e["sdtype"] == 2)
     e["sdtype"] = 1
 
 
-def drop_minima(es):        # a Q4 layer without its minima
-    e = next(e for e in es if e["m"][1])
-    e["m"][1] = 0
+def stray_minima(es):       # a Q4_K layer (its minima are in the super-block scales) given a minima blob
+    e = next(e for e in es if e["sdtype"] == 2)
+    e["m"][1] = 64
+
+
+def shrink_scales(es):      # Q4_K super-block scales a group shorter than the kernels read
+    e = next(e for e in es if e["sdtype"] == 2)
+    e["d"][1] -= 320
 
 
 def unaligned(es):
@@ -62,24 +67,27 @@ def not_an_int(es):
     es[0]["rows"] = float(es[0]["rows"])
 
 
-@pytest.mark.parametrize("edit", [shrink_qs, flip_sdtype, drop_minima, unaligned, not_an_int],
+@pytest.mark.parametrize("edit", [shrink_qs, flip_sdtype, stray_minima, shrink_scales, unaligned, not_an_int],
                          ids=lambda f: f.__name__)
 def test_edited_blob_is_rebuilt(tmp_path, cache_dir, edit):
     path = tiny_random(tmp_path / "r.gguf", "Q4_K")
     want = greedy(*old_load(path))
     load_model(str(path))
+    pack_cache.wait()     # the cache file is written in the background
     (cached,) = cache_dir.glob("*.kvpack")
     good = json.dumps(entries(cached))
     edit_header(cached, edit)
     assert json.dumps(entries(cached)) != good
     loaded = load_model(str(path))
     assert greedy(loaded.model, loaded.tokenizer) == want
+    pack_cache.wait()
     assert json.dumps(entries(cached)) == good         # rewritten from the file
 
 
 def test_take_checks_blob_sizes(tmp_path, cache_dir):
     path = tiny_random(tmp_path / "r.gguf", "Q8_0")
     load_model(str(path))
+    pack_cache.wait()     # the cache file is written in the background
     (cached,) = cache_dir.glob("*.kvpack")
     e = entries(cached)[0]
     session = pack_cache.PackSession.open(path, "")
@@ -97,11 +105,14 @@ def test_total_size_is_capped_in_bytes(tmp_path, cache_dir, monkeypatch):
     a = tiny_random(tmp_path / "a.gguf", "Q4_1", seed=1)
     b = tiny_random(tmp_path / "b.gguf", "Q4_1", seed=2)
     load_model(str(a))
+    pack_cache.wait()     # the cache file is written in the background
     (first,) = cache_dir.glob("*.kvpack")
     monkeypatch.setenv("KVSERVE_PACK_CACHE_MAX_BYTES", str(first.stat().st_size + 1))
     load_model(str(b))
+    pack_cache.wait()     # the cache file is written in the background
     (kept,) = cache_dir.glob("*.kvpack")            # a's entry went: both do not fit the cap
     assert kept != first
     monkeypatch.setenv("KVSERVE_PACK_CACHE_MAX_BYTES", "1")
     load_model(str(a))
+    pack_cache.wait()     # the cache file is written in the background
     assert len(list(cache_dir.glob("*.kvpack"))) == 1    # the newest stays even past the cap

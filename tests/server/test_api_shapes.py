@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import InProcessServer
+from servers import InProcessServer
 
 from kvserve.server.error_shapes import api_of, shape_error
 from kvserve.server.settings import ServerSettings

@@ -9,7 +9,7 @@ import time
 
 import openai
 from client_api_server import NO_CLIENT_WARNINGS, loaded, no_client_warnings, tiny_model  # noqa: F401 (autouse)
-from conftest import InProcessServer
+from servers import InProcessServer
 
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stores.keys import KeyStore

@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 from client_api_server import NO_CLIENT_WARNINGS, no_client_warnings, unknown_fields  # noqa: F401 (an autouse fixture)
-from conftest import ModelServer
+from servers import ModelServer
 
 from kvserve.server.stores.keys import KeyStore
 

@@ -28,6 +28,8 @@ from hostile import ALL_KINDS, PROBE_QUESTIONS, bystander_check, bystander_ms
 
 from kvserve.server.stores.keys import KeyStore
 
+pytestmark = pytest.mark.serial     # latency ratios: `make test` runs these alone, after the parallel pass
+
 ADMIN = "bystander-admin-key"
 COVERED_ELSEWHERE = {"big_embeddings"}     # test_cost_embeddings.py: six at once, with cache lookups
 KINDS = [name for name, _ in ALL_KINDS if name not in COVERED_ELSEWHERE]

@@ -19,6 +19,8 @@ from hostile import PROBE_QUESTIONS, big_embeddings, bystander_ms, long_text, ov
 
 from kvserve.server.stores.keys import KeyStore
 
+pytestmark = pytest.mark.serial     # latency ratios: `make test` runs these alone, after the parallel pass
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_server):

@@ -11,7 +11,7 @@ import types
 
 import httpx
 import pytest
-from conftest import InProcessServer
+from servers import InProcessServer
 
 from kvserve.errors import InvalidRequest
 from kvserve.server.api.lora_admin import ADMIN_FAILURES_PER_MINUTE

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from conftest import InProcessServer
+from servers import InProcessServer
 
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stores.arena import ArenaStore

@@ -27,7 +27,7 @@ import time
 import httpx
 import psycopg
 import pytest
-from conftest import ModelServer
+from servers import ModelServer
 
 from kvserve.server.stores.factory import open_key_backend
 from kvserve.server.stores.keys import KeyStore

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from client_api_server import NO_CLIENT_WARNINGS, no_client_warnings  # noqa: F401 (an autouse fixture)
-from conftest import InProcessServer
+from servers import InProcessServer
 
 from kvserve.server.settings import ServerSettings
 from kvserve.server.stores.keys import KeyStore

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from conftest import InProcessServer
+from servers import InProcessServer
 
 from kvserve.server.api.files import UPLOADS_PER_KEY
 from kvserve.server.settings import ServerSettings

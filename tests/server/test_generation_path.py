@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import InProcessServer
+from servers import InProcessServer
 
 from kvserve.server.generation import Lease, run_generation
 from kvserve.server.generation import run as run_module

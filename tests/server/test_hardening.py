@@ -10,7 +10,7 @@ import socket
 
 import httpx
 import pytest
-from conftest import HARDENED_SHARED_PROMPT
+from servers import HARDENED_SHARED_PROMPT
 
 HTTP = httpx.Client(timeout=300)
 SHARED = HARDENED_SHARED_PROMPT

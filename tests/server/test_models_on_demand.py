@@ -18,8 +18,7 @@ import time
 import httpx
 import ollama
 import pytest
-
-from tests.server.conftest import ModelServer
+from servers import ModelServer
 
 KV = "64MiB"
 NAMES = ("alpha", "bravo", "fp32")

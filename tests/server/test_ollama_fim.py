@@ -8,7 +8,7 @@ from __future__ import annotations
 import ollama
 import pytest
 from client_api_server import NO_CLIENT_WARNINGS, loaded, no_client_warnings, tiny_model  # noqa: F401 (autouse)
-from conftest import InProcessServer
+from servers import InProcessServer
 
 from kvserve.server.api.ollama_fim import fim_prompt
 from kvserve.server.settings import ServerSettings

@@ -14,8 +14,7 @@ import time
 
 import httpx
 import pytest
-
-from tests.server.conftest import ModelServer
+from servers import ModelServer
 
 KV = "64MiB"
 OPERATOR = "operator-secret-key"

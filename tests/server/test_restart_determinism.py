@@ -23,8 +23,7 @@ import os
 
 import httpx
 import pytest
-
-from tests.server.conftest import ModelServer
+from servers import ModelServer
 
 CHATS = ["Name the capital city of France.", "Give me two words that rhyme with cat.",
          "Write one sentence about the ocean.", "Describe a sunset in one sentence."]

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from conftest import REPO, free_port
+from servers import REPO, free_port
 
 
 def serve(tmp_path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

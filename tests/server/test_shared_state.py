@@ -12,7 +12,7 @@ import concurrent.futures as cf
 
 import httpx
 import pytest
-from conftest import ModelServer
+from servers import ModelServer
 
 from kvserve.server.stores.factory import open_key_backend
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from conftest import InProcessServer
 from prometheus_client import CollectorRegistry
+from servers import InProcessServer
 from typer.testing import CliRunner
 
 from kvserve.errors import InvalidRequest

@@ -16,7 +16,7 @@ import re
 
 import httpx
 import pytest
-from conftest import free_port
+from servers import free_port
 from test_serve_cli import serve
 
 PASSAGE = ("The river town of Lowbridge was founded in 1821 by a group of millers who needed the fast water of "

@@ -8,7 +8,7 @@ import threading
 import httpx
 import psycopg
 import pytest
-from conftest import InProcessServer, free_port
+from servers import InProcessServer, free_port
 from typer.testing import CliRunner
 
 from kvserve.errors import InvalidRequest, KVServeError, RateLimitError

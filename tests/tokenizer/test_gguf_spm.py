@@ -5,7 +5,7 @@ The comparison with llama.cpp itself is in test_gguf_spm_llama_cpp.py (slow)."""
 from __future__ import annotations
 
 import pytest
-from conftest import KINDS, TEST_TEXTS
+from spm_corpus import KINDS, TEST_TEXTS
 
 from kvserve.errors import ModelLoadError
 from kvserve.tokenizer.detokenizer import IncrementalDetokenizer

@@ -6,7 +6,7 @@ random-weight llama file with that vocabulary (equal, or differing only after a 
 from __future__ import annotations
 
 import pytest
-from conftest import KINDS, TEST_TEXTS
+from spm_corpus import KINDS, TEST_TEXTS
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ def test_tokenization_equals_llama_cpp(spm_files, kind):
 def test_tokenization_variants_equal_llama_cpp(spm_files, tmp_path, variant):
     """Gemma's files: no space prefix. Phi-3's: llama.cpp strips whitespace after special tokens
     (by the model's name)."""
-    from conftest import PHI3_CONTROL, train_spm
+    from spm_corpus import PHI3_CONTROL, train_spm
 
     from kvserve.bench.gguf_vocab import write_vocab_only
 

@@ -171,10 +171,17 @@ class LlamaCppRunner(_Runner):
 
         path = resolve(cfg.model).path
         n_ctx = cfg.prompt_tokens + cfg.decode_tokens + 16
+        t0 = time.perf_counter()
         # n_batch = n_ctx: llama-cpp-python keeps n_batch rows of scores and indexes them by position
         self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=512,
                                    n_threads=cfg.threads, n_threads_batch=cfg.threads, verbose=False)
         self.vocab_size = self.llm.n_vocab()
+        self.prefill([100])                                         # ready: the first token is out, as kvserve's
+        ready_s = time.perf_counter() - t0
+        self.llm.reset()
+        self.llm._ctx.kv_cache_clear()
+        size = path.stat().st_size      # read per decode token: about the whole file (no KV term here)
+        self.footprint = footprint.Footprint(ready_s, footprint.rss(), size, size, 0, footprint.measure_bandwidth())
         self.detail = f"llama-cpp-python {llama_cpp.__version__}, {path.name}, {cfg.threads} threads"
 
     def run(self, ids: list[int], decode_tokens: int, progress: Progress | None = None) -> tuple[float, float]:

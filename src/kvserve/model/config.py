@@ -128,6 +128,14 @@ class ModelConfig:
                 and self.query_pre_attn_scalar is None and "sliding_attention" not in self.layer_types)
 
     @property
+    def c_layer_ops(self) -> bool:
+        """The C layer ops and whole-stack forward (kernels/cpu_ops.py) implement this model's attention
+        and norms: Llama's, and the Gemma 2/3 features through the layer descriptors (per-head q/k norm,
+        Gemma's sandwich norms, sliding windows with their own RoPE base, soft-capping,
+        query_pre_attn_scalar, GeGLU)."""
+        return self.architecture in LLAMA_SHAPED + ("mixtral", "gemma2", "gemma3_text") and self.qk_norm in (None, "head")
+
+    @property
     def llama_shaped(self) -> bool:
         """No family feature: the C whole-stack forward and C layer ops apply."""
         return self.llama_attention and self.hidden_act == "silu" and not self.num_experts

@@ -9,9 +9,9 @@ KV-head count (GQA/MQA), tied embeddings. Q/K/V and gate/up projections are fuse
 matmul each. The other families (families.py: Qwen3, Phi-3, Gemma 2/3, the MoE ones) are this
 file too, switched by config fields: q/k-norm and sliding windows and soft-capping in the ops'
 attention, Gemma's extra norms and GeGLU in the layer, a MoEBlock (moe.py) in place of the MLP.
-They run on the PyTorch layer ops, except those with Llama's attention (Mixtral), which keep the C
-layer ops around their experts (`config.llama_attention`; `llama_shaped` gates the C whole-stack
-forward). Two ways in:
+Gemma 2/3 run on the C layer ops and whole-stack forward like the Llama shapes (their features are
+fields of the C layer descriptors, `config.c_layer_ops`); Mixtral keeps the C layer ops around its
+experts; the others run on the PyTorch layer ops. Two ways in:
   * `forward(input_ids [B, T])` with no metadata: plain causal attention over the batch,
     for training and for checking against a reference implementation;
   * `forward(input_ids [T], positions [T], attn_metadata, kv_caches)`: a flattened batch of
@@ -235,7 +235,7 @@ class DecoderLM(nn.Module):
         """The ops between projections for paged inference steps, built on first use for the
         current `self.backend` (assigning another backend, as tests do, rebuilds them)."""
         if self._ops is None or self._ops[0] is not self.backend:
-            ops = (self.backend.layer_ops(self) if self.config.llama_attention
+            ops = (self.backend.layer_ops(self) if self.config.c_layer_ops
                    else TorchOps(self.rotary, self.backend, self.rotary_local))
             self._ops = (self.backend, ops)
         return self._ops[1]

@@ -267,7 +267,7 @@ class KernelBackend:
         cfg = model.config
         if self.lib is None:
             return [f"every layer on the PyTorch path: {self.reason}"]
-        if not cfg.llama_attention:
+        if not cfg.c_layer_ops:
             return [f"every layer on the reference path: {_family_features(cfg)}"]
         if not self.fused_forward:
             return ["every layer on the reference path: the C forward is off (KVSERVE_FUSED_FORWARD=0)"]
@@ -339,11 +339,11 @@ class KernelBackend:
 
             if CpuOps.suits(model):
                 return CpuOps(model, self)
-        return TorchOps(model.rotary, self)
+        return TorchOps(model.rotary, self, model.rotary_local)
 
 
 # Head sizes cpu/kvserve_attention.cpp has vector code for (attend_rows / tile_rows: D / 8 lanes).
-VECTOR_HEAD_DIMS = (32, 64, 80, 96, 128)
+VECTOR_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 _PROJECTIONS = {"qkv_proj": "attention QKV", "o_proj": "attention output", "gate_up_proj": "MLP gate/up",
                 "down_proj": "MLP down"}
 
@@ -371,7 +371,7 @@ def _layer_list(idx: list[int], n: int) -> str:
 
 
 def _family_features(cfg) -> str:
-    """The family feature(s) that keep a model off the C layer ops (config.llama_attention)."""
+    """The family feature(s) that keep a model off the C layer ops (config.c_layer_ops)."""
     feats = [name for name, on in (
         ("q/k norm", cfg.qk_norm), ("Gemma norms", cfg.gemma_norms), ("sliding-window layers",
          "sliding_attention" in cfg.layer_types), ("attention soft-capping", cfg.attn_logit_softcapping),

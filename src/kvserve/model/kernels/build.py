@@ -37,7 +37,7 @@ class KvsWeight(ctypes.Structure):
         ("rows", ctypes.c_int32),
         ("cols", ctypes.c_int32),
         ("isa", ctypes.c_int32),     # 0: AVX2 tiles, 1: AVX-512 VNNI, 2: AMX-INT8 (same results)
-        ("sdtype", ctypes.c_int32),  # block scales: 0 float32, 1 float16
+        ("sdtype", ctypes.c_int32),  # block scales: 0 float32, 1 float16, 2 Q4_K super-block bytes
         ("qs", ctypes.c_void_p),
         ("d", ctypes.c_void_p),
         ("m", ctypes.c_void_p),
@@ -134,10 +134,20 @@ def _declare(lib: ctypes.CDLL) -> None:
     vp, i32 = ctypes.c_void_p, ctypes.c_int
     lib.kvs_repack.argtypes = [i32, vp, i32, i32, vp, vp, vp, i32]
     lib.kvs_repack.restype = i32
+    lib.kvs_repack_q4.argtypes = [i32, vp, i32, i32, vp, vp, vp, i32]
+    lib.kvs_repack_q4.restype = i32
     lib.kvs_pack_q4.argtypes = [i32, i32, vp, vp, vp, vp, vp, vp]
     lib.kvs_pack_q4.restype = None
     lib.kvs_repack_q4_k.argtypes = [vp, i32, i32, vp, vp, vp]
     lib.kvs_repack_q4_k.restype = None
+    lib.kvs_repack_q4_k_super.argtypes = [vp, i32, i32, vp, vp]
+    lib.kvs_repack_q4_k_super.restype = None
+    lib.kvs_repack_q5_k_super.argtypes = [vp, i32, i32, vp, vp]
+    lib.kvs_repack_q5_k_super.restype = None
+    lib.kvs_repack_q6_k.argtypes = [vp, i32, i32, vp, vp]
+    lib.kvs_repack_q6_k.restype = None
+    lib.kvs_packed_kscale_bytes.argtypes = [i32, i32, i32]
+    lib.kvs_packed_kscale_bytes.restype = ctypes.c_size_t
     lib.kvs_repack_q8_0.argtypes = [vp, i32, i32, vp, vp, i32]
     lib.kvs_repack_q8_0.restype = None
     lib.kvs_q8_0_rows.argtypes = [i32, vp, i32, i32, vp]
@@ -158,10 +168,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvs_draft_step.argtypes = [vp, i32, i32, i32, vp, i32, vp, vp, vp, vp, i32, vp, vp, vp, vp, i32, vp, i32, vp,
                                    vp, vp, vp, vp, i32]
     lib.kvs_draft_step.restype = i32
-    lib.kvs_rope_kv_attention.argtypes = [vp, vp, i32, vp, vp, vp, vp, i32, vp, i32, i32, i32, vp, vp, i32]
+    lib.kvs_rope_kv_attention.argtypes = [vp, i32, vp, i32, vp, vp, vp, vp, i32, vp, i32, i32, i32, vp, vp, i32]
     lib.kvs_rope_kv_attention.restype = None
     lib.kvs_silu_mul.argtypes = [vp, i32, i32, vp, i32]
     lib.kvs_silu_mul.restype = None
+    lib.kvs_gelu_mul.argtypes = [vp, i32, i32, vp, i32]
+    lib.kvs_gelu_mul.restype = None
     lib.kvs_rms_norm.argtypes = [vp, vp, i32, i32, ctypes.c_float, vp]
     lib.kvs_rms_norm.restype = None
     lib.kvs_dequantize.argtypes = [vp, vp]

@@ -42,7 +42,17 @@ class KvsLayerDesc(ctypes.Structure):
     _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
                 ("qkv", ctypes.POINTER(KvsWeight)), ("o", ctypes.POINTER(KvsWeight)),
                 ("gate_up", ctypes.POINTER(KvsWeight)), ("down", ctypes.POINTER(KvsWeight)),
-                ("kv_cache", ctypes.c_void_p), ("aux_slot", ctypes.c_int32)]
+                ("kv_cache", ctypes.c_void_p), ("aux_slot", ctypes.c_int32),
+                ("attn_out_norm", ctypes.c_void_p), ("ffn_out_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("window", ctypes.c_int32), ("local", ctypes.c_int32)]
+
+
+class KvsPool(ctypes.Structure):
+    """Mirror of `struct kvs_pool`: the sliding layers' own KV pool in a step (engine/kv_hybrid.py)."""
+
+    _fields_ = [("slots", ctypes.c_void_p), ("tables", ctypes.c_void_p), ("max_blocks", ctypes.c_int32),
+                ("num_blocks", ctypes.c_int32)]
 
 
 class KvsModelDesc(ctypes.Structure):
@@ -52,7 +62,8 @@ class KvsModelDesc(ctypes.Structure):
                 ("n_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("inter", ctypes.c_int32),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
-                ("layers", ctypes.POINTER(KvsLayerDesc)), ("attn_isa", ctypes.c_int32)]
+                ("layers", ctypes.POINTER(KvsLayerDesc)), ("attn_isa", ctypes.c_int32),
+                ("softcap", ctypes.c_float), ("act", ctypes.c_int32), ("local", ctypes.POINTER(KvsPool))]
 
 
 @dataclass
@@ -67,6 +78,10 @@ class CpuStep(Step):
     block_size: int = 0
     attend: torch.Tensor | None = None        # [T] uint8: 1 = attention in C, 0 = by SDPA (long chunks)
     long_seqs: tuple[tuple[int, int, int], ...] = ()
+    local_slots: torch.Tensor | None = None   # the sliding layers' pool (meta.local), when it has its own
+    local_tables: torch.Tensor | None = None
+    local_blocks: int = 0
+    pool: KvsPool | None = None                # what kvs_forward reads for the sliding layers
 
 
 def is_int8(lin: torch.nn.Module | None) -> bool:
@@ -83,12 +98,13 @@ class CpuOps(TorchOps):
 
     @staticmethod
     def suits(model: torch.nn.Module) -> bool:
-        """The C glue handles this model's shapes (whole GQA groups, even head_dim)."""
-        return all(layer.num_heads % layer.num_kv_heads == 0 and layer.head_dim % 2 == 0
-                   for layer in model.layers)
+        """The C glue handles this model's shapes (whole GQA groups, even head_dim) and features (the
+        config's c_layer_ops: q/k norm per head, Gemma's norms, windows, soft-capping, GeGLU)."""
+        return model.config.c_layer_ops and all(
+            layer.num_heads % layer.num_kv_heads == 0 and layer.head_dim % 2 == 0 for layer in model.layers)
 
     def __init__(self, model: torch.nn.Module, backend) -> None:
-        super().__init__(model.rotary, backend)
+        super().__init__(model.rotary, backend, model.rotary_local)
         self.lib = backend.lib
         first = model.layers[0]
         # Every projection on the int8 kernels: the one-call forward is available.
@@ -97,21 +113,38 @@ class CpuOps(TorchOps):
         self.q_size, self.num_heads, self.head_dim = first.q_size, first.num_heads, first.head_dim
         self.scale = first.scale
         self.eps = model.norm.eps
+        self.softcap = first.softcap
+        # which layers read the sliding layers' pool when a step has one (meta.local)
+        self.windows = [layer.sliding_window for layer in model.layers]
         # Keep every tensor the descriptors point into alive for the model's lifetime.
         self._keep = [model.rotary.cos.contiguous(), model.rotary.sin.contiguous(), model.norm.weight]
-        self.max_positions = self._keep[0].shape[0]
+        if model.rotary_local is not None:
+            self._keep += [model.rotary_local.cos.contiguous(), model.rotary_local.sin.contiguous()]
+        self.max_positions = min(t.shape[0] for i, t in enumerate(self._keep) if i in (0, 3))
         self.layers = (KvsLayerDesc * len(model.layers))()
         for d, layer in zip(self.layers, model.layers):
+            sandwich = layer.pre_feedforward_layernorm is not None   # Gemma: norms on both sides
             d.attn_norm = layer.input_layernorm.weight.data_ptr()
-            d.ffn_norm = layer.post_attention_layernorm.weight.data_ptr()
+            d.ffn_norm = (layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm).weight.data_ptr()
+            if sandwich:
+                d.attn_out_norm = layer.post_attention_layernorm.weight.data_ptr()
+                d.ffn_out_norm = layer.post_feedforward_layernorm.weight.data_ptr()
+            if layer.qk_norm == "head":
+                d.q_norm, d.k_norm = layer.q_norm.weight.data_ptr(), layer.k_norm.weight.data_ptr()
+            if layer.local_rope:
+                d.cos, d.sin = self._keep[3].data_ptr(), self._keep[4].data_ptr()
+            d.window = layer.sliding_window or 0
+            d.local = int(layer.sliding_window is not None)
             d.aux_slot = -1
             if self.packed:
                 d.qkv, d.o, d.gate_up, d.down = (ctypes.pointer(lin.desc) for lin in _projections(layer))
         self.desc = KvsModelDesc(len(model.layers), model.config.hidden_size, first.num_heads,
                                  first.num_kv_heads, first.head_dim, first.intermediate_size, self.eps,
                                  first.scale, self._keep[0].data_ptr(), self._keep[1].data_ptr(),
-                                 self._keep[2].data_ptr(), self.layers, backend.attn_isa)
+                                 self._keep[2].data_ptr(), self.layers, backend.attn_isa, first.softcap or 0.0,
+                                 int(first.act != "silu"))
         self._cache_ptrs: tuple[int, ...] = ()
+        self._pool_blocks = (0, 0)   # num_blocks of the full layers' caches and of the sliding layers'
         self._capture: tuple[int, ...] = ()
 
     def prepare(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None,
@@ -135,24 +168,44 @@ class CpuOps(TorchOps):
         else:
             seq_of = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
         limit = self.backend.attn_c_max_query
+        if self.softcap or any(self.windows) or self.desc.layers[0].q_norm:
+            limit = None   # the SDPA path below knows none of these: every query attends in C
         long_seqs = () if limit is None else tuple(
             (i, qsl[i], qsl[i + 1]) for i, n in enumerate(q_lens) if n > limit)
         attend_mask = torch.ones(T, dtype=torch.uint8)
         for _, s, e in long_seqs:
             attend_mask[s:e] = 0
-        _, num_blocks, block_size, _, _ = cache.shape
-        return CpuStep(positions.to(torch.int64).contiguous(), meta, slots=meta.slot_mapping.to(torch.int64).contiguous(),
+        full_blocks, local_blocks = self._pool_blocks
+        step = CpuStep(positions.to(torch.int64).contiguous(), meta, slots=meta.slot_mapping.to(torch.int64).contiguous(),
                        seq_of=seq_of, tables=meta.block_tables.to(torch.int64).contiguous(),
-                       kv_dtype=KV_DTYPE_CODES[cache.dtype], num_blocks=num_blocks, block_size=block_size,
+                       kv_dtype=KV_DTYPE_CODES[cache.dtype], num_blocks=full_blocks, block_size=cache.shape[2],
                        attend=attend_mask, long_seqs=long_seqs)
+        if meta.local is not None:   # the sliding layers' own pool (engine/kv_hybrid.py)
+            step.local_slots = meta.local.slot_mapping.to(torch.int64).contiguous()
+            step.local_tables = meta.local.block_tables.to(torch.int64).contiguous()
+            step.local_blocks = local_blocks
+        else:
+            if local_blocks != full_blocks:
+                return None
+            step.local_slots, step.local_tables, step.local_blocks = step.slots, step.tables, full_blocks
+        step.pool = KvsPool(step.local_slots.data_ptr(), step.local_tables.data_ptr(), step.local_tables.shape[1],
+                            step.local_blocks)
+        self.desc.local = ctypes.pointer(step.pool)
+        self._pool = step.pool   # alive while the descriptor points at it
+        return step
 
     def _bind(self, kv_caches: list[torch.Tensor]) -> bool:
         """Point the layer descriptors at these caches; False if the C code cannot read them."""
         ptrs = tuple(c.data_ptr() for c in kv_caches)
         if ptrs != self._cache_ptrs:
+            # every full layer's cache one shape, every sliding layer's another (its own pool's size)
+            shapes = {w is not None: c.shape for w, c in zip(self.windows, kv_caches)}
             cache = kv_caches[0]
-            if not all(c.is_contiguous() and c.dtype == cache.dtype and c.shape == cache.shape for c in kv_caches):
+            if not all(c.is_contiguous() and c.dtype == cache.dtype and c.shape == shapes[w is not None]
+                       and c.shape[2:] == cache.shape[2:] for w, c in zip(self.windows, kv_caches)):
                 return False
+            full = shapes.get(False, shapes.get(True))
+            self._pool_blocks = (full[1], shapes.get(True, full)[1])
             for d, p in zip(self.layers, ptrs):
                 d.kv_cache = p
             self._cache_ptrs = ptrs
@@ -169,7 +222,7 @@ class CpuOps(TorchOps):
         where that path must run (weights not on the int8 kernels, a cache the C code does not read,
         too many rows)."""
         T, n = len(tokens), len(last)
-        if (not self.packed or T > self.max_tokens or not all(is_int8(w) for w in (embed, fc, head))
+        if (not self.packed or T > self.max_tokens or any(self.windows) or not all(is_int8(w) for w in (embed, fc, head))
                 or kv_caches[0].dtype not in KV_DTYPE_CODES or not self._bind(kv_caches)
                 or max(positions) >= self.max_positions):
             return None
@@ -238,6 +291,12 @@ class CpuOps(TorchOps):
         self.lib.kvs_silu_mul(gu.data_ptr(), gu.shape[0], out.shape[1], out.data_ptr(), self.lib.kvs_get_num_threads())
         return out
 
+    def gelu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        gu = gu.contiguous()
+        out = torch.empty(gu.shape[0], gu.shape[1] // 2)
+        self.lib.kvs_gelu_mul(gu.data_ptr(), gu.shape[0], out.shape[1], out.data_ptr(), self.lib.kvs_get_num_threads())
+        return out
+
     def attention(self, qkv: torch.Tensor, layer: torch.nn.Module, step: CpuStep,
                   kv_cache: torch.Tensor | None) -> torch.Tensor:
         """RoPE on q and k in place, K/V written to the cache, attention of every token whose
@@ -245,11 +304,13 @@ class CpuOps(TorchOps):
         T = qkv.shape[0]
         qkv = qkv.contiguous()
         out = torch.empty(T, self.q_size)
+        local = layer.sliding_window is not None
+        slots, tables = (step.local_slots, step.local_tables) if local else (step.slots, step.tables)
         self.lib.kvs_rope_kv_attention(
-            ctypes.byref(self.desc), qkv.data_ptr(), T, step.positions.data_ptr(), step.slots.data_ptr(),
-            step.seq_of.data_ptr(), step.tables.data_ptr(), step.tables.shape[1], kv_cache.data_ptr(),
-            step.kv_dtype, step.num_blocks, step.block_size, step.attend.data_ptr(), out.data_ptr(),
-            self.lib.kvs_get_num_threads())
+            ctypes.byref(self.desc), layer.index, qkv.data_ptr(), T, step.positions.data_ptr(), slots.data_ptr(),
+            step.seq_of.data_ptr(), tables.data_ptr(), tables.shape[1], kv_cache.data_ptr(),
+            step.kv_dtype, step.local_blocks if local else step.num_blocks, step.block_size, step.attend.data_ptr(),
+            out.data_ptr(), self.lib.kvs_get_num_threads())
         for i, s, e in step.long_seqs:   # rotated q of the chunk, K/V (already written) from the cache
             q = qkv[s:e, :self.q_size].view(e - s, self.num_heads, self.head_dim)
             k, v = gather_kv(kv_cache, step.tables[i], step.meta.seq_lens[i])

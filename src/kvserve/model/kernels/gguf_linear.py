@@ -1,5 +1,6 @@
-"""Linear layers over GGUF block-quantized weights, kept packed (Q4_0, Q4_1, Q4_K, Q8_0; Q6_K and
-Q5_K requantized into Q8_0 blocks at load, kquants.py).
+"""Linear layers over GGUF block-quantized weights, kept packed (Q4_0, Q4_1, Q8_0; Q4_K, Q5_K and
+Q6_K with their own super-block scales, at about the file's size; Q5_0 and Q5_1 laid out as Q8_0
+blocks at load, kquants.py).
 
 GGUFQuantLinear follows model/linear.py's Linear protocol and adds row lookups (`rows`), so a
 packed embedding table needs no fp32 copy. Which path a call takes is the KernelBackend's choice.
@@ -27,13 +28,21 @@ _KERNEL_QTYPE = {
     GGMLQuantizationType.Q4_0: 0,
     GGMLQuantizationType.Q4_1: 0,
     GGMLQuantizationType.Q8_0: 1,
-    GGMLQuantizationType.Q4_K: 0,   # repacked losslessly into the Q4 layout: scale d*sc, min -dmin*m
-    GGMLQuantizationType.Q6_K: 1,   # decoded and requantized into Q8_0 blocks (kquants.py)
-    GGMLQuantizationType.Q5_K: 1,
+    GGMLQuantizationType.Q4_K: 2,   # Q4 codes, the file's scales per super-block (148 bytes per 256 values)
+    GGMLQuantizationType.Q6_K: 3,   # 6-bit codes, fp16 d and int8 scales per 16 values (6.56 bits, as the file)
+    GGMLQuantizationType.Q5_K: 4,   # Q4_K's layout plus a plane of fifth bits (5.63 bits a weight)
+    GGMLQuantizationType.Q5_0: 1,   # exactly Q8_0 blocks (kquants.q5_0_as_q8_0)
+    GGMLQuantizationType.Q5_1: 1,   # decoded and requantized, as Q6_K
 }
 
 
 Q8_0 = GGMLQuantizationType.Q8_0
+Q4K_LAYOUT = 2       # the kernels' qtype of Q4_K kept with its super-block scales (kvs_weight.qtype)
+Q6K_LAYOUT = 3       # ... of Q6_K kept at its 6 bits
+Q5K_LAYOUT = 4       # ... of Q5_K (Q4_K's scales, a fifth bit per code)
+SDTYPE_KSUPER = 2    # kvs_weight.sdtype of all three: d holds the super-block scale bytes, m is empty
+_SUPER = {GGMLQuantizationType.Q4_K: Q4K_LAYOUT, GGMLQuantizationType.Q6_K: Q6K_LAYOUT,
+          GGMLQuantizationType.Q5_K: Q5K_LAYOUT}
 
 
 def supports(qtype: GGMLQuantizationType) -> bool:
@@ -136,8 +145,9 @@ class GGUFQuantLinear(torch.nn.Module):
         cached = None
         if session is not None and session.hit and backend.lib is not None:
             lib, kq = backend.lib, _KERNEL_QTYPE[qtype]
-            expect = (lib.kvs_packed_qs_bytes(kq, out_features, in_features),
-                      lib.kvs_packed_scales(out_features, in_features), kq == 0)
+            n_scales = (lib.kvs_packed_kscale_bytes(kq, out_features, in_features) if qtype in _SUPER
+                        else lib.kvs_packed_scales(out_features, in_features))
+            expect = (lib.kvs_packed_qs_bytes(kq, out_features, in_features), n_scales, kq == 0)
             cached = session.take(qtype, out_features, in_features, expect)
         raw = np.ascontiguousarray(raw, dtype=np.uint8)     # a view of the mapped file: no copy
         expect = (out_features, in_features // block * block_bytes)
@@ -159,7 +169,7 @@ class GGUFQuantLinear(torch.nn.Module):
         if self.lib is None:
             self.weight_f32 = reference.dequantize(_tensor(raw), qtype, in_features)
             return
-        q4 = _KERNEL_QTYPE[qtype] == 0
+        q4 = _KERNEL_QTYPE[qtype] in (0, Q4K_LAYOUT, Q5K_LAYOUT)
         if cached is not None:          # repacked by an earlier load (pack_cache.py)
             self.qs, self.d, self.m, sdtype = cached
         else:
@@ -168,7 +178,7 @@ class GGUFQuantLinear(torch.nn.Module):
                 session.record(self)
         self.desc = KvsWeight(
             _KERNEL_QTYPE[qtype], out_features, in_features, backend.gemm_isa, sdtype,
-            self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr() if q4 else None,
+            self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr() if self.m.numel() else None,
             None if self.bias is None else self.bias.data_ptr(),
         )  # fmt: skip
         self._desc_ptr = ctypes.addressof(self.desc)
@@ -189,18 +199,24 @@ class GGUFQuantLinear(torch.nn.Module):
             raw, ggml_type = kquants.q8_0_rows(raw, qtype, cols, lib), int(GGMLQuantizationType.Q8_0)
         empty = _mapped_empty if mapped else torch.empty
         self.qs = empty(lib.kvs_packed_qs_bytes(_KERNEL_QTYPE[qtype], rows, cols), dtype=torch.uint8)
+        if qtype in _SUPER:     # the codes and the file's own super-block scales: nothing rounded
+            self.d = empty(lib.kvs_packed_kscale_bytes(_SUPER[qtype], rows, cols), dtype=torch.uint8)
+            self.m = torch.empty(0, dtype=torch.uint8)
+            repack = {Q4K_LAYOUT: lib.kvs_repack_q4_k_super, Q6K_LAYOUT: lib.kvs_repack_q6_k,
+                      Q5K_LAYOUT: lib.kvs_repack_q5_k_super}[_SUPER[qtype]]
+            repack(raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr())
+            return SDTYPE_KSUPER
         n_scales = lib.kvs_packed_scales(rows, cols)
-        for sdtype in (0,) if qtype == GGMLQuantizationType.Q4_K else (1, 0):
+        for sdtype in (1, 0):
             dt = torch.float16 if sdtype else torch.float32
             self.d = empty(n_scales, dtype=dt)
             self.m = empty(n_scales if q4 else 0, dtype=dt)
-            if qtype == GGMLQuantizationType.Q4_K:
-                lib.kvs_repack_q4_k(raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(),
-                                    self.m.data_ptr())     # = unpack_q4_k + kvs_pack_q4, in C
-                rc = 0
-            elif ggml_type == int(Q8_0):     # kvs_repack's bytes, in 4-byte runs
+            if ggml_type == int(Q8_0):     # kvs_repack's bytes, in 4-byte runs
                 lib.kvs_repack_q8_0(raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(), sdtype)
                 rc = 0
+            elif ggml_type in (int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1)):
+                rc = lib.kvs_repack_q4(ggml_type, raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(),
+                                       self.m.data_ptr(), sdtype)    # kvs_repack's bytes, all threads
             else:
                 rc = lib.kvs_repack(ggml_type, raw.ctypes.data, rows, cols, self.qs.data_ptr(), self.d.data_ptr(),
                                     self.m.data_ptr() if q4 else None, sdtype)
@@ -264,6 +280,25 @@ class GGUFQuantLinear(torch.nn.Module):
         w = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
         self.lib.kvs_dequantize(self._desc_ptr, w.data_ptr())
         return w
+
+    def block_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The per-32-value block scale d and minimum m (None for Q8_0) of every row as float32
+        [out, in / 32], as the kernels form them from whatever layout holds them (for tests and
+        tools: w = d * q + m)."""
+        rows, nb = self.out_features, self.in_features // 32
+        if self.desc.qtype == Q6K_LAYOUT:
+            raise NotImplementedError("Q6_K has a scale per 16 values, not per block of 32")
+        if self.desc.sdtype == SDTYPE_KSUPER:      # [group][super-block] {d[16], dmin[16], sc[8][16], mn[8][16]}
+            ks = self.d.view(-1, nb // 8, 320)
+            ds = ks[:, :, 0:32].contiguous().view(torch.float16).float()          # [groups, nsb, 16]
+            dm = ks[:, :, 32:64].contiguous().view(torch.float16).float()
+            sc = ks[:, :, 64:192].reshape(ks.shape[0], nb // 8, 8, 16).float()
+            mn = ks[:, :, 192:320].reshape(ks.shape[0], nb // 8, 8, 16).float()
+            d, m = ds[:, :, None, :] * sc, -(dm[:, :, None, :] * mn)           # exact products
+            return tuple(t.reshape(-1, nb, 16).transpose(1, 2).reshape(-1, nb)[:rows] for t in (d, m))
+        def per_row(t: torch.Tensor) -> torch.Tensor:
+            return t.float().view(-1, nb, 16).transpose(1, 2).reshape(-1, nb)[:rows]
+        return per_row(self.d), per_row(self.m) if self.m.numel() else None
 
     def extra_repr(self) -> str:
         path = "torch-fallback" if self.lib is None else ("avx512-vnni-int8" if self.desc.isa else "avx2-int8")

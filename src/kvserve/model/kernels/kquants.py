@@ -1,4 +1,9 @@
-"""Q6_K and Q5_K rows on the int8 kernels: decoded exactly, then requantized into Q8_0 blocks.
+"""K-quant and Q5 rows as Q8_0 blocks: decoded exactly, then requantized (Q5_0: converted exactly).
+
+Q6_K and Q5_K have their own layouts in the kernels now (kernel qtypes 3 and 4, at about the
+file's bits, cpu/kvserve_kernels.cpp); what this module says of them below still holds where
+such a tensor shares a fused projection with a tensor of another type (q8_0_rows), and for the
+numpy reference the C decoder is tested against. Q5_0 and Q5_1 always take this road.
 
 llama.cpp's Q4_K_M files store the output head and, in about half the layers, attn_v and
 ffn_down as Q6_K; Q5_K_M files use Q5_K and Q6_K. The kernels' two layouts (cpu/kvserve_kernels.cpp)
@@ -10,6 +15,11 @@ same order) and requantized per 32 values to int8 with a float16 scale amax / 12
 Q8_0 repack then lays out. That is a second rounding: each value moves by at most half a step,
 amax / 254 of its block (Q6_K's own step is about amax / 32), measured in tests/model/
 test_kquants_q6k.py. The pack cache keeps the result, so a file pays the decoding once.
+
+Q5_0 and Q5_1 (llama.cpp writes them into some K-quant mixes, e.g. attn_v of Q4_K_M files whose
+width is not a multiple of 256) take the same road: a Q5_0 value is d * (q - 16), exactly a Q8_0
+block with the same d (`q5_0_as_q8_0`, no second rounding); Q5_1's d * q + m has a minimum the
+Q8_0 layout cannot hold, so its rows are decoded and requantized as Q6_K's are.
 
 A fused projection whose parts have different types (Q4_K q/k beside a Q6_K v in a Q4_K_M file)
 is requantized whole the same way (`q8_0_rows`), so it stays one packed projection.
@@ -29,7 +39,9 @@ from gguf import quants as gguf_quants
 QK_K = 256
 Q8_0_BYTES = 34
 ROWS_PER_CHUNK_VALUES = 1 << 22     # decode this many values at a time (a 128k-row head is 1 GB in fp32)
-REQUANTIZED = (GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q5_K)
+# Laid out as Q8_0 rows at load (Q6_K and Q5_K have their own layouts now, kernel qtypes 3 and 4;
+# they are still requantized here when they share a fused projection with another type).
+REQUANTIZED = (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1)
 
 
 def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -74,6 +86,21 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, cols: int) -> np.nd
     return np.asarray(gguf_quants.dequantize(np.asarray(raw), qtype), dtype=np.float32).reshape(rows, cols)
 
 
+def q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Q5_0 rows (blocks of 22 bytes: fp16 d, 32 fifth bits, 16 bytes of nibbles; x = d * (q - 16))
+    -> Q8_0 rows with the same d and the int8 values q - 16: exact, no second rounding."""
+    rows = raw.shape[0]
+    b = np.asarray(raw, dtype=np.uint8).reshape(-1, 22)
+    qh = b[:, 2:6].copy().view("<u4")                                   # [n, 1]
+    bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [n, 32]
+    qs = b[:, 6:22]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1) | (bits << 4)
+    out = np.empty((b.shape[0], Q8_0_BYTES), dtype=np.uint8)
+    out[:, :2] = b[:, :2]
+    out[:, 2:] = (q.astype(np.int16) - 16).astype(np.int8).view(np.uint8)
+    return out.reshape(rows, -1)
+
+
 def quantize_q8_0(w: np.ndarray) -> np.ndarray:
     """float32 [rows, cols] -> Q8_0 rows uint8 [rows, cols / 32 * 34]: per 32 values a float16
     scale d, amax / 127 rounded up to a float16 (so no value is clipped, even where d is a
@@ -104,6 +131,8 @@ def q8_0_rows(raw: np.ndarray, qtype: GGMLQuantizationType, cols: int, lib=None,
     native=False: numpy only (the reference the C code is tested against)."""
     if qtype == GGMLQuantizationType.Q8_0:
         return np.asarray(raw, dtype=np.uint8)
+    if qtype == GGMLQuantizationType.Q5_0:
+        return q5_0_as_q8_0(raw)
     rows = raw.shape[0]
     out = np.empty((rows, cols // 32 * Q8_0_BYTES), dtype=np.uint8)
     if lib is None and native:

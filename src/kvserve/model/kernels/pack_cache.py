@@ -1,7 +1,7 @@
 """Repacked GGUF weights cached in kvserve's cache directory: one file per model file, keyed by
-its content hash, memory-mapped at the next load.
+its version and this code, memory-mapped at the next load.
 
-The C kernels read Q4_0/Q4_1/Q4_K/Q8_0 weights (Q6_K/Q5_K requantized into Q8_0) in their own
+The C kernels read Q4_0/Q4_1/Q4_K/Q5_K/Q6_K/Q8_0 weights (Q5_0 as Q8_0 blocks, Q5_1 requantized) in their own
 layout (16-row groups, scales apart from the quants: cpu/kvserve_kernels.cpp), so every packed
 projection is rewritten once at load.
 That costs start-up time (and for Q4_K more than a copy) and, held in anonymous memory, a second
@@ -10,8 +10,9 @@ copy of the weights per process. The first load of a file writes what it repacke
 written), so repacking is skipped, the weights are read from disk only when touched, and several
 processes serving one model share the same page-cache pages.
 
-The key covers everything the bytes depend on: the GGUF file's SHA-256 (memoized per path,
-inode, size and mtime, so it is computed once per file version), the kernel sources and the
+The key covers everything the bytes depend on: the GGUF file's version (file_identity: its
+inode, size, mtime and a sampled content hash; not the SHA-256 of every byte, which cost a fresh
+file's first load seconds), the kernel sources and the
 Python modules that decide which projections are built, in which order, from which tensors.
 Entries are consumed in build order and each is checked against the layer asking for it (type,
 rows, columns); any mismatch makes the loader build without the cache. KVSERVE_PACK_CACHE=0 turns
@@ -31,18 +32,21 @@ import mmap
 import os
 import struct
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType
 
 from kvserve.model.kernels import build
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"KVSPACK1"
+Q4_0 = int(GGMLQuantizationType.Q4_0)
 ALIGN = 64
 KEEP_FILES = 16    # packed models kept in the cache; the least recently used beyond are deleted
 KEEP_BYTES = 32 << 30   # and their total size (KVSERVE_PACK_CACHE_MAX_BYTES); the newest is always kept
@@ -51,6 +55,10 @@ _CODE = ("model/decoder.py", "model/linear.py", "model/gguf_loader.py", "model/g
          "model/gguf_file.py", "model/moe.py", "model/kernels/gguf_linear.py", "model/kernels/kquants.py",
          "model/kernels/pack_cache.py",
          "tokenizer/tokenizer.py", "tokenizer/gguf_vocab.py", "tokenizer/spm_exact.py")
+
+
+# The scales' element type per sdtype code (2: Q4_K's super-block scales as bytes).
+_SCALE_DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.uint8}
 
 
 class PackMismatch(RuntimeError):
@@ -62,7 +70,10 @@ def enabled() -> bool:
 
 
 def cache_root() -> Path:
-    return build.cache_dir().parent / "packed"
+    """KVSERVE_PACK_CACHE_DIR, else `packed` beside the compiled kernels (an empty directory
+    measures a first load without recompiling the kernels)."""
+    root = os.environ.get("KVSERVE_PACK_CACHE_DIR")
+    return Path(root) if root else build.cache_dir().parent / "packed"
 
 
 def file_digest(path: Path) -> str:
@@ -82,6 +93,28 @@ def file_digest(path: Path) -> str:
     return digest
 
 
+SAMPLES, SAMPLE_BYTES, HEAD_BYTES = 64, 64 << 10, 4 << 20
+
+
+def file_identity(path: Path) -> str:
+    """A cheap identity of a file version, for cache keys: its (device, inode, size, mtime) and the
+    SHA-256 of its first 4 MiB (a GGUF's header: metadata and tensor table), its last 64 KiB and
+    64 evenly spaced 64 KiB samples. About 8 MB read, not the whole file: hashing every byte of a
+    fresh 1 GB file cost seconds of its first load (a rewrite in place changes mtime; a copy is
+    another file, repacked once)."""
+    st = path.stat()
+    h = hashlib.sha256(f"{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(HEAD_BYTES))
+        span = st.st_size - HEAD_BYTES - SAMPLE_BYTES     # where samples may start, past the head
+        for i in range(SAMPLES + 1) if span > 0 else ():
+            f.seek(HEAD_BYTES + span * i // SAMPLES)       # i = SAMPLES: the file's last bytes
+            h.update(f.read(SAMPLE_BYTES))
+        if span <= 0:
+            h.update(f.read())
+    return h.hexdigest()
+
+
 def code_digest() -> str:
     pkg = Path(__file__).resolve().parents[2]
     h = hashlib.sha256(str(build.KERNEL_VERSION).encode())
@@ -92,7 +125,7 @@ def code_digest() -> str:
 
 def file_key(gguf_path: Path, variant: str = "") -> str:
     """The cache key of a model file's derived data: its content, this code, `variant`."""
-    return hashlib.sha256(f"{file_digest(gguf_path)}|{code_digest()}|{variant}".encode()).hexdigest()[:32]
+    return hashlib.sha256(f"{file_identity(gguf_path)}|{code_digest()}|{variant}".encode()).hexdigest()[:32]
 
 
 def load_tokenizer(gguf_path: Path, build_bpe):
@@ -139,6 +172,7 @@ class PackSession:
         """The session for `gguf_path`: a hit if a valid cache file exists, else one that records.
         `variant` names load choices that change the bytes (the weight format)."""
         path = cache_root() / f"{file_key(gguf_path, variant)}.kvpack"
+        wait(path)      # a write of this entry still under way (the same file loaded again at once)
         try:
             entries, mm = _map(path)
             os.utime(path)     # recently used
@@ -161,18 +195,22 @@ class PackSession:
         if (e["qtype"], e["rows"], e["cols"]) != (int(qtype), rows, cols):
             raise PackMismatch(f"entry {self.next} is {e['qtype'], e['rows'], e['cols']}, the layer "
                                f"{int(qtype), rows, cols}")
-        if e["sdtype"] not in (0, 1):
+        if e["sdtype"] not in _SCALE_DTYPES:
             raise PackMismatch(f"entry {self.next} has scale dtype code {e['sdtype']!r}")
         if expect is not None:
             qs_bytes, n_scales, has_m = expect
-            esize = 2 if e["sdtype"] else 4
+            esize = _SCALE_DTYPES[e["sdtype"]].itemsize
             want = {"qs": qs_bytes, "d": n_scales * esize, "m": n_scales * esize if has_m else 0}
             got = {name: e[name][1] for name in want}
+            if e.get("m_is_-8d"):
+                got["m"] = e["d"][1]
             if got != want:
                 raise PackMismatch(f"entry {self.next} has blob sizes {got}, the kernels read {want}")
         self.next += 1
-        dt = torch.float16 if e["sdtype"] else torch.float32
-        return self._view(e["qs"], torch.uint8), self._view(e["d"], dt), self._view(e["m"], dt), e["sdtype"]
+        dt = _SCALE_DTYPES[e["sdtype"]]
+        d = self._view(e["d"], dt)
+        m = d * -8.0 if e.get("m_is_-8d") else self._view(e["m"], dt)     # exact in either dtype
+        return self._view(e["qs"], torch.uint8), d, m, e["sdtype"]
 
     def _view(self, span: list[int], dtype: torch.dtype) -> torch.Tensor:
         offset, nbytes = span
@@ -184,13 +222,22 @@ class PackSession:
         self.recorded.append(layer)
 
     def finish(self) -> None:
-        """Hit: check every entry was used. Miss: write the cache file, then point the recorded
-        layers at its mapping (their anonymous copies are freed)."""
+        """Hit: check every entry was used. Miss: write the cache file in a background thread (the
+        layers keep their repacked copies: the first token does not wait for a disk write of the
+        file's size, seconds for a 1 GB model); with BACKGROUND off, write it now and point the
+        recorded layers at its mapping (their anonymous copies are freed)."""
         if self.hit:
             if self.next != len(self.entries):
                 raise PackMismatch(f"{len(self.entries) - self.next} cached entries left unused")
             return
         if not self.recorded:
+            return
+        if BACKGROUND:
+            # not a daemon: a process that ends at once (a one-shot run) still completes the file
+            writer = threading.Thread(target=self._write_in_background, name="kvserve-pack-write")
+            with _pending_lock:
+                _pending[self.path] = writer
+            writer.start()
             return
         try:
             self._write()
@@ -213,13 +260,30 @@ class PackSession:
             _populate(reopened.mm)
         _prune(self.path.parent)
 
+    def _write_in_background(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):   # this thread only: the first steps go first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            self._write()
+            _prune(self.path.parent)
+        except Exception as e:  # noqa: BLE001 - a cache that is not written is only a slower next load
+            logger.warning("kvserve: packed weights not cached (%s)", e)
+        finally:
+            with _pending_lock:
+                if _pending.get(self.path) is threading.current_thread():
+                    del _pending[self.path]
+
     def _write(self) -> None:
         entries, blobs, pos = [], [], 0
         for layer in self.recorded:
             e = {"qtype": int(layer.qtype), "rows": layer.out_features, "cols": layer.in_features,
                  "sdtype": layer.desc.sdtype}
+            if e["qtype"] == Q4_0 and layer.m.numel():
+                e["m_is_-8d"] = True      # a Q4_0 minimum is -8 d: not stored (the cache stays <= 1.1x the file)
             for name in ("qs", "d", "m"):
                 t = getattr(layer, name)
+                if name == "m" and e.get("m_is_-8d"):
+                    t = torch.empty(0, dtype=torch.uint8)
                 nbytes = t.numel() * t.element_size()
                 e[name] = [pos, nbytes]
                 blobs.append(t)
@@ -249,6 +313,18 @@ def _data_start(header_len: int) -> int:
 
 
 POPULATE = True
+BACKGROUND = True    # a miss writes its cache file in a background thread (PackSession.finish)
+_pending: dict[Path, threading.Thread] = {}
+_pending_lock = threading.Lock()
+
+
+def wait(path: Path | None = None) -> None:
+    """Wait for the background write of cache file `path` (None: of every file) to end."""
+    with _pending_lock:
+        writers = [t for p, t in _pending.items() if path is None or p == path]
+    for t in writers:
+        t.join()
+
 _MADV_POPULATE_READ = 22     # Linux 5.14+; Python's mmap module does not name it
 
 

@@ -119,6 +119,27 @@ inline float softmax_row(float *sg, int L) {
     return sum;
 }
 
+// Attention logit soft-capping (Gemma 2): s -> cap * tanh(s / cap) over L scores, tanh(y) as
+// 1 - 2 / (e^(2y) + 1). Every score goes through the same 8-lane code (the tail through a padded
+// vector), so a score's bits do not depend on where it sits in the row: a lone query, a tile's
+// query and a windowed query all cap alike.
+inline void softcap_row(float *s, int L, float cap) {
+    const __m256 inv2 = _mm256_set1_ps(2.0f / cap), vcap = _mm256_set1_ps(cap), one = _mm256_set1_ps(1.0f),
+                 two = _mm256_set1_ps(2.0f);
+    const auto cap8 = [&](__m256 v) {
+        const __m256 e = kvs::exp8(_mm256_mul_ps(v, inv2));
+        return _mm256_mul_ps(vcap, _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one))));
+    };
+    int i = 0;
+    for (; i + 8 <= L; i += 8) _mm256_storeu_ps(s + i, cap8(_mm256_loadu_ps(s + i)));
+    if (i < L) {
+        alignas(32) float t[8] = {0.f};
+        for (int j = i; j < L; j++) t[j - i] = s[j];
+        _mm256_store_ps(t, cap8(_mm256_load_ps(t)));
+        for (int j = i; j < L; j++) s[j] = t[j - i];
+    }
+}
+
 // out[r] = inv[r] * sum over the L rows of p[r][t] * v[t] (times the row's scale for int8), lanes
 // c0..c0+NC of NR heads (out rows D apart): NR x NC independent FMA chains share each V load, and
 // each output's chain is key by key in order from zero, as tile_rows computes it (pv_block).
@@ -155,7 +176,7 @@ inline void pv_rows(const float *const *sg, const KV *V, const size_t *off, int 
 template <typename KV, int ND>
 void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, int L, int D, int G,
                  float scale, float *s, float *out, const float *ksc = nullptr, const float *vsc = nullptr,
-                 int pf_bytes = 0) {
+                 int pf_bytes = 0, float softcap = 0.0f) {
     // ksc/vsc: the rows' scales (int8 rows only; unused for float types). pf_bytes: how much of each
     // token to prefetch from its row on (0: the row; more: the following heads' rows too, see attend_heads)
     const auto ks = [&](int t) { return kScaled<KV> ? ksc[t] : 1.0f; };
@@ -165,8 +186,9 @@ void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, in
             float *sg = s + (size_t)g * L, mx = -INFINITY, sum = 0.0f;
             for (int t = 0; t < L; t++) {
                 sg[t] = dot(q + (size_t)g * D, K + off[t], D) * scale * ks(t);
-                mx = sg[t] > mx ? sg[t] : mx;
             }
+            if (softcap > 0.0f) softcap_row(sg, L, softcap);
+            for (int t = 0; t < L; t++) mx = sg[t] > mx ? sg[t] : mx;
             for (int t = 0; t < L; t++) sum += (sg[t] = expf(sg[t] - mx));
             float *o = out + (size_t)g * D;
             for (int i = 0; i < D; i++) o[i] = 0.0f;
@@ -212,7 +234,10 @@ void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, in
         for (int g = 0; g < G; g++) s[(size_t)g * L + t] = dot(q + (size_t)g * D, K + off[t], D) * scale * ks(t);
     thread_local std::vector<float> inv;
     inv.resize(G);
-    for (int g = 0; g < G; g++) inv[g] = 1.0f / softmax_row(s + (size_t)g * L, L);
+    for (int g = 0; g < G; g++) {
+        if (softcap > 0.0f) softcap_row(s + (size_t)g * L, L, softcap);
+        inv[g] = 1.0f / softmax_row(s + (size_t)g * L, L);
+    }
     // V: up to 3 heads x 4 lanes of 8 per pass share each V load (see pv_block): the same chains.
     constexpr int NC = pass_lanes(nd);
     for (int g0 = 0; g0 < G; g0 += 3) {
@@ -260,7 +285,7 @@ inline void pv_block(const float *const *sg, float *const *ar, const float *vf, 
 template <int ND>
 void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf, int L0, int NQ, int G,
                float scale, std::vector<float> &S, float *out, size_t out_stride, const float *ksc,
-               const float *vsc) {
+               const float *vsc, float softcap) {
     // ksc/vsc: per-row scales of int8 rows widened unscaled (nullptr for float caches), applied
     // exactly as attend_rows<int8_t> applies them
     constexpr int D = ND * 8;
@@ -297,6 +322,7 @@ void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf
             const float *qg = q + (size_t)i * q_stride + (size_t)g * D;
             for (int t = L & ~7; t < L; t++)
                 sg[t] = ksc ? dot(qg, kf + (size_t)t * D, D) * scale * ksc[t] : dot(qg, kf + (size_t)t * D, D) * scale;
+            if (softcap > 0.0f) softcap_row(sg, L, softcap);
             inv[i * G + g] = 1.0f / softmax_row(sg, L);
         }
     }
@@ -343,15 +369,19 @@ namespace kvs {
 // token and head (batched decode reads the KV cache at about 3x the speed).
 void attend_heads(const float *q, const void *K, const void *V, int kv_dtype, size_t block_stride, size_t tok_stride,
                   int head_off, int row, int nh, const int64_t *table, int block_size, int L, int D, int G,
-                  float scale, float *scores, float *out, int attn_isa) {
-    // Row offsets of the L tokens, block by block (no division per row), for the first head.
+                  float scale, float *scores, float *out, int attn_isa, float softcap, int start) {
+    // Row offsets of tokens start..L-1, block by block (no division per row), for the first head;
+    // from here on L counts those tokens only (offs[t] is token start + t).
     thread_local std::vector<size_t> offs;
     thread_local std::vector<float> ksc, vsc;
-    offs.resize(L);
-    for (int b = 0, t0 = 0; t0 < L; b++, t0 += block_size) {
+    if (start < 0) start = 0;
+    offs.resize(L - start);
+    for (int b = start / block_size, t0 = b * block_size; t0 < L; b++, t0 += block_size) {
         const size_t base = (size_t)table[b] * block_stride + head_off;
-        for (int i = 0; i < block_size && t0 + i < L; i++) offs[t0 + i] = base + (size_t)i * tok_stride;
+        for (int i = t0 < start ? start - t0 : 0; i < block_size && t0 + i < L; i++)
+            offs[t0 + i - start] = base + (size_t)i * tok_stride;
     }
+    L -= start;
     const int pf_bytes = nh > 1 ? (int)(nh * row * kv_esize(kv_dtype)) : 0;
     for (int h = 0; h < nh; h++) {
         const size_t hoff = (size_t)h * row;
@@ -370,7 +400,7 @@ void attend_heads(const float *q, const void *K, const void *V, int kv_dtype, si
                 vsc[t] = _cvtsh_ss(hv);
             }
         }
-        if (attn_isa >= 1) {
+        if (attn_isa >= 1 && softcap <= 0.0f) {
             thread_local std::vector<float> inv;
             inv.resize(G);
             const size_t es = kv_esize(kv_dtype);
@@ -380,12 +410,13 @@ void attend_heads(const float *q, const void *K, const void *V, int kv_dtype, si
         }
 #define KVS_ROWS(KV, KS, VS)                                                                                   \
     switch (D % 8 ? 0 : D / 8) {                                                                               \
-        case 4: attend_rows<KV, 4>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf); break; \
-        case 8: attend_rows<KV, 8>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf); break; \
-        case 10: attend_rows<KV, 10>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf); break; \
-        case 12: attend_rows<KV, 12>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf); break; \
-        case 16: attend_rows<KV, 16>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf); break; \
-        default: attend_rows<KV, 0>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf); break; \
+        case 4: attend_rows<KV, 4>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf, softcap); break; \
+        case 8: attend_rows<KV, 8>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf, softcap); break; \
+        case 10: attend_rows<KV, 10>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf, softcap); break; \
+        case 12: attend_rows<KV, 12>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf, softcap); break; \
+        case 16: attend_rows<KV, 16>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf, softcap); break; \
+        case 32: attend_rows<KV, 32>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf, softcap); break; \
+        default: attend_rows<KV, 0>(qh, (const KV *)K + hoff, (const KV *)V + hoff, offs.data(), L, D, G, scale, scores, oh, KS, VS, pf, softcap); break; \
     }
         if (kv_dtype == 1) {
             KVS_ROWS(bf16, nullptr, nullptr)
@@ -402,25 +433,25 @@ void attend_heads(const float *q, const void *K, const void *V, int kv_dtype, si
 
 void attend_group(const float *q, const void *K, const void *V, int kv_dtype, size_t block_stride, size_t tok_stride,
                   int head_off, const int64_t *table, int block_size, int L, int D, int G, float scale, float *scores,
-                  float *out) {
+                  float *out, float softcap) {
     attend_heads(q, K, V, kv_dtype, block_stride, tok_stride, head_off, 0, 1, table, block_size, L, D, G, scale,
-                 scores, out);
+                 scores, out, 0, softcap);
 }
 
 void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, int kv_dtype, size_t block_stride,
                  size_t tok_stride, int head_off, const int64_t *table, int block_size, int L0, int NQ, int D, int G,
-                 float scale, float *out, size_t out_stride, int attn_isa, uint64_t reuse) {
+                 float scale, float *out, size_t out_stride, int attn_isa, uint64_t reuse, float softcap) {
     // The tile's keys 0..L0+NQ-2 as contiguous float32 rows (exact: bf16/f16 -> f32 loses nothing),
     // then every query of the tile through the same arithmetic as a lone query (attend_rows), with
     // the loops turned so that a block of keys serves all the tile's queries while it is in L1.
     const int Lmax = L0 + NQ - 1;
     const bool q8 = kv_dtype == KV_INT8;
-    if (q8 && (D % 8 || (D != 32 && D != 64 && D != 80 && D != 96 && D != 128))) {   // no tile code for this D:
+    if (q8 && (D % 8 || (D != 32 && D != 64 && D != 80 && D != 96 && D != 128 && D != 256))) {   // no tile code for this D:
         for (int i = 0; i < NQ; i++) {                        // each query alone (the same arithmetic)
             thread_local std::vector<float> sc1;
             sc1.resize((size_t)(L0 + i) * G);
             attend_group(q + (size_t)i * q_stride, K, V, kv_dtype, block_stride, tok_stride, head_off, table,
-                         block_size, L0 + i, D, G, scale, sc1.data(), out + (size_t)i * out_stride);
+                         block_size, L0 + i, D, G, scale, sc1.data(), out + (size_t)i * out_stride, softcap);
         }
         return;
     }
@@ -448,7 +479,8 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
         sc1.resize((size_t)(L0 + NQ - 1) * G);
         for (int i = 0; i < NQ; i++)
             attend_heads(q + (size_t)i * q_stride, K, V, kv_dtype, block_stride, tok_stride, head_off, 0, 1, table,
-                         block_size, L0 + i, D, G, scale, sc1.data(), out + (size_t)i * out_stride, attn_isa);
+                         block_size, L0 + i, D, G, scale, sc1.data(), out + (size_t)i * out_stride, attn_isa,
+                         softcap);
         return;
     }
     if (!same) have = Widened{K, V, table, head_off, kv_dtype, D, block_size, reuse, 0, 0};
@@ -500,7 +532,7 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
         }
     }
     const float *ks = q8 ? ksc.data() : nullptr, *vs = q8 ? vsc.data() : nullptr;
-    if (attn_isa >= 1 && (D == 32 || D == 64 || D == 128)) {
+    if (attn_isa >= 1 && softcap <= 0.0f && (D == 32 || D == 64 || D == 128)) {
         thread_local std::vector<float> S, A, inv;
         const size_t R = (size_t)NQ * G;
         S.resize(R * Lmax);
@@ -517,11 +549,12 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
             return;
     }
     switch (D % 8 ? 0 : D / 8) {
-        case 4: tile_rows<4>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
-        case 8: tile_rows<8>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
-        case 10: tile_rows<10>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
-        case 12: tile_rows<12>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
-        case 16: tile_rows<16>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs); return;
+        case 4: tile_rows<4>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs, softcap); return;
+        case 8: tile_rows<8>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs, softcap); return;
+        case 10: tile_rows<10>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs, softcap); return;
+        case 12: tile_rows<12>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs, softcap); return;
+        case 16: tile_rows<16>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs, softcap); return;
+        case 32: tile_rows<32>(q, q_stride, kf.data(), vf.data(), L0, NQ, G, scale, scores, out, out_stride, ks, vs, softcap); return;
         default: break;
     }
     offs.resize(Lmax);
@@ -529,7 +562,7 @@ void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, 
     for (int t = 0; t < Lmax; t++) offs[t] = (size_t)t * D;
     for (int i = 0; i < NQ; i++)
         attend_rows<float, 0>(q + (size_t)i * q_stride, kf.data(), vf.data(), offs.data(), L0 + i, D, G, scale,
-                              scores.data(), out + (size_t)i * out_stride);
+                              scores.data(), out + (size_t)i * out_stride, nullptr, nullptr, 0, softcap);
 }
 
 void rms_norm_row(const float *x, const float *w, int n, float eps, float *y) {

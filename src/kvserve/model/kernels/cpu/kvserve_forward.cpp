@@ -1,6 +1,8 @@
 // Longer than 420 lines on purpose: the whole layer stack runs inside one OpenMP parallel region,
 // phases and the adaptive team size (below) share its thread-local state; splitting it would split the region.
-// The Llama layer stack in one call, for steps of a few tokens (single-stream decode, small batches).
+// The Llama layer stack in one call, for steps of a few tokens (single-stream decode, small batches);
+// the Gemma 2/3 features ride on the same loop through the descriptors (sandwich norms, q/k norm,
+// per-layer RoPE tables and sliding windows with their own KV pool, soft-capping, GeGLU).
 //
 // Why: a decode step of the 30-layer default model is ~300 small operations when driven from Python
 // (norms, RoPE, KV write, attention, four projections, SwiGLU, residual adds per layer), and at
@@ -44,6 +46,23 @@ struct kvs_layer_desc {
     const kvs_weight *down;     // [H, I]
     void *kv_cache;             // [2, num_blocks, block_size, Hkv, kv_row(D)], dtype per kvs_forward's kv_dtype
     int32_t aux_slot;           // >= 0: the residual stream after this layer goes to aux, normalised (below)
+    // The family features (null / 0 for the Llama shape):
+    const float *attn_out_norm; // Gemma's sandwich norms: the attention output and the MLP output are
+    const float *ffn_out_norm;  //   RMS-normalised with these before their residual add
+    const float *q_norm;        // [D]: RMSNorm of every q head and every k head before RoPE (Gemma 3, Qwen3)
+    const float *k_norm;
+    const float *cos, *sin;     // this layer's RoPE tables (Gemma 3's local base); null: the model's
+    int32_t window;             // > 0: a query sees its last `window` positions (sliding layer)
+    int32_t local;              // 1: K/V in the step's local pool (kvs_model_desc.local), not kvs_forward's
+};
+
+// The sliding layers' own KV pool in this step (engine/kv_hybrid.py): their slots, block tables
+// (rows of max_blocks, entries behind the window may be -1 and are never read) and pool size.
+struct kvs_pool {
+    const int64_t *slots;
+    const int64_t *tables;
+    int32_t max_blocks;
+    int32_t num_blocks;
 };
 
 // LoRA in the whole-stack forward: one term per (layer, projection, adapter slot), at index
@@ -66,6 +85,9 @@ struct kvs_model_desc {
     const float *final_norm;
     const kvs_layer_desc *layers;
     int32_t attn_isa;  // prompt tiles' attention: 1 = AVX-512 build, 0 = AVX2 (the same bits)
+    float softcap;     // > 0: attention scores -> softcap * tanh(score / softcap) (Gemma 2; AVX2 code)
+    int32_t act;       // the gated MLP: 0 = SwiGLU (silu), 1 = GeGLU (gelu tanh, Gemma)
+    const kvs_pool *local;   // the local layers' pool for this step (set per step; null: none)
 };
 
 }  // extern "C"
@@ -114,11 +136,15 @@ inline void store_row_q8(int8_t *dst, const float *src, int D) {
     memcpy(dst + D, &h, 2);
 }
 
-// One token's qkv row: RoPE on its q and k heads in place, then k and v into the cache at `slot`.
-void rope_and_store(const kvs_model_desc *m, float *r, int64_t position, int64_t slot, char *Kc, char *Vc,
-                    int kv_dtype, int block_size) {
+// One token's qkv row of layer L: q/k RMSNorm per head (if the layer has it), RoPE on its q and k
+// heads in place, then k and v into the cache at `slot`.
+void rope_and_store(const kvs_model_desc *m, const kvs_layer_desc &L, float *r, int64_t position, int64_t slot,
+                    char *Kc, char *Vc, int kv_dtype, int block_size) {
     const int Hq = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim, qd = Hq * D, kvd = Hkv * D;
-    const float *c = m->cos + (size_t)position * D, *s = m->sin + (size_t)position * D;
+    const float *c = (L.cos ? L.cos : m->cos) + (size_t)position * D, *s = (L.sin ? L.sin : m->sin) + (size_t)position * D;
+    if (L.q_norm)   // in place: rms_norm_row reads the row's sum of squares before it writes
+        for (int h = 0; h < Hq + Hkv; h++)
+            kvs::rms_norm_row(r + (size_t)h * D, h < Hq ? L.q_norm : L.k_norm, D, m->eps, r + (size_t)h * D);
     for (int h = 0; h < Hq + Hkv; h++) rope_head(r + (size_t)h * D, c, s, D);
     const size_t esize = kvs::kv_esize(kv_dtype), tok = (size_t)Hkv * kvs::kv_row(D, kv_dtype);
     const size_t off = ((size_t)slot / block_size) * block_size * tok + ((size_t)slot % block_size) * tok;
@@ -167,9 +193,15 @@ std::vector<int> attention_tiles(int T, const uint8_t *attend, const int64_t *se
 // This thread's share of the step's attention (call inside a parallel region, after K/V are
 // written; the caller puts a barrier after it): work items are (tile, KV head), longest tiles first,
 // handed out dynamically.
-void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<int> &tiles, const uint8_t *attend,
-                  const int64_t *positions, const int64_t *seq_of, const int64_t *tables, int max_blocks,
-                  const char *Kc, const char *Vc, int kv_dtype, int block_size, float *out, uint64_t call) {
+void attend_tiles(const kvs_model_desc *m, const kvs_layer_desc &Ld, const float *qkv, const std::vector<int> &tiles,
+                  const uint8_t *attend, const int64_t *positions, const int64_t *seq_of, const int64_t *tables,
+                  int max_blocks, const char *Kc, const char *Vc, int kv_dtype, int block_size, float *out,
+                  uint64_t call) {
+    // A sliding layer's query whose window starts past key 0 attends alone from the window's start
+    // (the tile code reads every key from 0); soft-capping runs the AVX2 code (the same bits).
+    const int W = Ld.window;
+    const float cap = m->softcap;
+    const int isa = cap > 0.0f ? 0 : m->attn_isa;
     const int Hq = m->n_heads, Hkv = m->n_kv_heads, D = m->head_dim;
     const int qd = Hq * D, kvd = Hkv * D, qkv_rows = qd + 2 * kvd, group = Hq / Hkv, row = kvs::kv_row(D, kv_dtype);
     const size_t tok_stride = (size_t)Hkv * row, block_stride = (size_t)block_size * tok_stride;
@@ -208,10 +240,16 @@ void attend_tiles(const kvs_model_desc *m, const float *qkv, const std::vector<i
             if (whole[tile] && h > 0) continue;
             scores.resize((size_t)L0 * group);
             kvs::attend_heads(q, Kc, Vc, kv_dtype, block_stride, tok_stride, h * row, row, whole[tile] ? Hkv : 1, table,
-                              block_size, L0, D, group, m->scale, scores.data(), o, m->attn_isa);
+                              block_size, L0, D, group, m->scale, scores.data(), o, isa, cap, W > 0 ? L0 - W : 0);
+        } else if (W > 0 && L0 + n - 1 > W) {
+            scores.resize((size_t)(L0 + n) * group);
+            for (int i = 0; i < n; i++)
+                kvs::attend_heads(q + (size_t)i * qkv_rows, Kc, Vc, kv_dtype, block_stride, tok_stride, h * row, row, 1,
+                                  table, block_size, L0 + i, D, group, m->scale, scores.data(), o + (size_t)i * qd, isa,
+                                  cap, L0 + i - W);
         } else {
             kvs::attend_tile(q, qkv_rows, Kc, Vc, kv_dtype, block_stride, tok_stride, h * row, table, block_size, L0, n,
-                             D, group, m->scale, o, qd, m->attn_isa, call);
+                             D, group, m->scale, o, qd, isa, call, cap);
         }
     }
 }
@@ -456,6 +494,13 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
     const std::vector<float> unit(aux ? H : 0, 1.0f);   // the aux rows' norm weight
     std::vector<float> xd((size_t)T * (kmax / kvs::QK)), xs((size_t)T * (kmax / kvs::QK));
     std::vector<float> qkv((size_t)T * qkv_rows), attn((size_t)T * qd), gu((size_t)T * 2 * I);
+    bool sandwich = false;   // Gemma: projections' outputs are normalised before the residual add
+    for (int l = 0; l < m->n_layers; l++) {
+        const kvs_layer_desc &L = m->layers[l];
+        sandwich = sandwich || L.attn_out_norm || L.ffn_out_norm;
+        if (L.local && !m->local) return -1;
+    }
+    std::vector<float> proj(sandwich ? (size_t)T * H : 0);
     // LoRA: each adapted token's fp32 projection input (the int8 path keeps only its quantization)
     std::vector<float> xf(lora ? (size_t)T * kmax : 0);
     const size_t tok_stride = (size_t)Hkv * kvs::kv_row(D, kv_dtype), block_stride = (size_t)block_size * tok_stride;
@@ -528,27 +573,43 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
             kvs::linear_rows(io->fc, xq.data(), xd.data(), xs.data(), T, x, H, false, ith, nt);
             KVS_TIMED_BARRIER();
         }
+        // y = W x then x += norm(y) (sandwich norm), or x += W x; `p` is the LoRA projection index
+        auto project_residual = [&](int l, int p, const kvs_weight *W, const float *out_norm, const float *lsrc,
+                                    int K) {
+            float *y = out_norm ? proj.data() : x;
+            kvs::linear_rows(W, xq.data(), xd.data(), xs.data(), T, y, H, !out_norm, ith, nt);
+            KVS_TIMED_BARRIER();
+            add_lora(l, p, lsrc, K, y, H);
+            if (out_norm) {   // this thread's tokens, as add_lora's
+                for (int t = ith; t < T; t += nt) {
+                    float *yt = proj.data() + (size_t)t * H, *xt = x + (size_t)t * H;
+                    kvs::rms_norm_row(yt, out_norm, H, m->eps, yt);
+                    for (int i = 0; i < H; i++) xt[i] += yt[i];
+                }
+            }
+        };
         for (int l = 0; l < m->n_layers; l++) {
             const kvs_layer_desc &L = m->layers[l];
+            const int64_t *l_slots = L.local ? m->local->slots : slots;
+            const int64_t *l_tables = L.local ? m->local->tables : tables;
+            const int l_max_blocks = L.local ? m->local->max_blocks : max_blocks;
             char *Kc = (char *)L.kv_cache;
-            char *Vc = Kc + (size_t)num_blocks * block_stride * esize;
+            char *Vc = Kc + (size_t)(L.local ? m->local->num_blocks : num_blocks) * block_stride * esize;
             quantize(x, H, true, L.attn_norm);
             KVS_TIMED_BARRIER();
             kvs::linear_rows(L.qkv, xq.data(), xd.data(), xs.data(), T, qkv.data(), qkv_rows, false, ith, nt);
             KVS_TIMED_BARRIER();
             add_lora(l, 0, nullptr, H, qkv.data(), qkv_rows);
             for (int t = ith; t < T; t += nt)
-                rope_and_store(m, qkv.data() + (size_t)t * qkv_rows, positions[t], slots[t], Kc, Vc, kv_dtype,
+                rope_and_store(m, L, qkv.data() + (size_t)t * qkv_rows, positions[t], l_slots[t], Kc, Vc, kv_dtype,
                                block_size);
             KVS_TIMED_BARRIER();
-            attend_tiles(m, qkv.data(), tiles, nullptr, positions, seq_of, tables, max_blocks, Kc, Vc, kv_dtype,
+            attend_tiles(m, L, qkv.data(), tiles, nullptr, positions, seq_of, l_tables, l_max_blocks, Kc, Vc, kv_dtype,
                          block_size, attn.data(), call);
             KVS_TIMED_BARRIER();
             quantize(attn.data(), qd, false, nullptr);
             KVS_TIMED_BARRIER();
-            kvs::linear_rows(L.o, xq.data(), xd.data(), xs.data(), T, x, H, true, ith, nt);
-            KVS_TIMED_BARRIER();
-            add_lora(l, 1, attn.data(), qd, x, H);
+            project_residual(l, 1, L.o, L.attn_out_norm, attn.data(), qd);
             quantize(x, H, true, L.ffn_norm);
             KVS_TIMED_BARRIER();
             kvs::linear_rows(L.gate_up, xq.data(), xd.data(), xs.data(), T, gu.data(), 2 * I, false, ith, nt);
@@ -556,18 +617,15 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
             add_lora(l, 2, nullptr, H, gu.data(), 2 * I);
             for (int t = ith; t < T; t += nt) {
                 const float *g = gu.data() + (size_t)t * 2 * I;
-                kvs::silu_mul_row(g, g + I, I, row.data());
+                if (m->act == 1) kvs::gelu_mul_row(g, g + I, I, row.data());
+                else kvs::silu_mul_row(g, g + I, I, row.data());
                 if (lora && row_slot[t] >= 0) memcpy(xf.data() + (size_t)t * kmax, row.data(), I * sizeof(float));
                 kvs::quantize_row_q8(row.data(), I, xq.data() + (size_t)t * I, xd.data() + (size_t)t * (I / kvs::QK),
                                      xs.data() + (size_t)t * (I / kvs::QK));
             }
             KVS_TIMED_BARRIER();
-            kvs::linear_rows(L.down, xq.data(), xd.data(), xs.data(), T, x, H, true, ith, nt);
-            KVS_TIMED_BARRIER();
-            if (lora) {
-                add_lora(l, 3, nullptr, I, x, H);
-                KVS_TIMED_BARRIER();
-            }
+            project_residual(l, 3, L.down, L.ffn_out_norm, nullptr, I);
+            if (lora || L.ffn_out_norm) KVS_TIMED_BARRIER();
             if (aux && L.aux_slot >= 0 && L.aux_slot < n_aux)   // this thread's rows, as the next quantize
                 for (int t = ith; t < T; t += nt)
                     kvs::rms_norm_row(x + (size_t)t * H, unit.data(), H, FLT_EPSILON,
@@ -616,10 +674,11 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
 
 extern "C" {
 
-// qkv [T, (Hq + 2 Hkv) D]: RoPE on q and k in place, k and v written to their cache slots, then
-// attention for every token with attend[t] != 0 into out [T, Hq D] (rows of other tokens are left
-// alone: the caller runs long prompt chunks through a GEMM-based attention instead).
-void kvs_rope_kv_attention(const kvs_model_desc *m, float *qkv, int T, const int64_t *positions,
+// qkv [T, (Hq + 2 Hkv) D] of layer `layer`: q/k norm and RoPE on q and k in place, k and v written
+// to their cache slots, then attention for every token with attend[t] != 0 into out [T, Hq D] (rows
+// of other tokens are left alone: the caller runs long prompt chunks through a GEMM-based attention
+// instead). slots/tables/kv_cache/num_blocks: the layer's pool (a local layer's own, kv_hybrid.py).
+void kvs_rope_kv_attention(const kvs_model_desc *m, int layer, float *qkv, int T, const int64_t *positions,
                            const int64_t *slots, const int64_t *seq_of, const int64_t *tables, int max_blocks,
                            void *kv_cache, int kv_dtype, int num_blocks, int block_size, const uint8_t *attend,
                            float *out, int nth) {
@@ -636,9 +695,10 @@ void kvs_rope_kv_attention(const kvs_model_desc *m, float *qkv, int T, const int
     {
         const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
         for (int t = ith; t < T; t += nt)
-            rope_and_store(m, qkv + (size_t)t * qkv_rows, positions[t], slots[t], Kc, Vc, kv_dtype, block_size);
+            rope_and_store(m, m->layers[layer], qkv + (size_t)t * qkv_rows, positions[t], slots[t], Kc, Vc, kv_dtype,
+                           block_size);
 #pragma omp barrier
-        attend_tiles(m, qkv, tiles, attend, positions, seq_of, tables, max_blocks, Kc, Vc, kv_dtype, block_size, out,
+        attend_tiles(m, m->layers[layer], qkv, tiles, attend, positions, seq_of, tables, max_blocks, Kc, Vc, kv_dtype, block_size, out,
                      call);
     }
 }
@@ -651,6 +711,17 @@ void kvs_silu_mul(const float *gu, int T, int I, float *out, int nth) {
     for (int t = 0; t < T; t++) {
         const float *g = gu + (size_t)t * 2 * I;
         kvs::silu_mul_row(g, g + I, I, out + (size_t)t * I);
+    }
+}
+
+// gu [T, 2I] (gate | up) -> out [T, I] = gelu_tanh(gate) * up (Gemma's GeGLU, as kvs_forward's)
+void kvs_gelu_mul(const float *gu, int T, int I, float *out, int nth) {
+    nth = kvs::team_for(nth);
+    if ((size_t)T * I < 32768) nth = 1;
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (size_t)t * 2 * I;
+        kvs::gelu_mul_row(g, g + I, I, out + (size_t)t * I);
     }
 }
 

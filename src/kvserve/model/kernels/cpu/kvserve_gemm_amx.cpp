@@ -73,12 +73,12 @@ uint8_t *unpack_buffer(size_t bytes) {
 
 // One block's int32 sums (c: 16 tokens x 16 rows) into the float accumulators, exactly as the
 // VNNI tile does it.
-template <bool Q4, bool F16>
-inline void apply_block(__m512 *acc, const int32_t *c, const kvs_weight *w, size_t s, const float *xd,
+template <bool Q4, int SM>
+inline void apply_block(__m512 *acc, const int32_t *c, const kvs_weight *w, int g, const float *xd,
                         const float *xs, int nb, int t0, int b) {
-    const __m512 d = scales16<F16>(w->d, s);
     if (Q4) {
-        const __m512 m = scales16<F16>(w->m, s);
+        __m512 d, m;
+        q4_scales16<SM>(w, g, b, nb, &d, &m);
         for (int j = 0; j < TM; j++) {
             const size_t sb = (size_t)(t0 + j) * nb + b;
             const __m512i is = _mm512_load_si512((const void *)(c + j * 16));
@@ -86,6 +86,7 @@ inline void apply_block(__m512 *acc, const int32_t *c, const kvs_weight *w, size
             acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[sb]), acc[j]);
         }
     } else {
+        const __m512 d = scales16<SM == 1>(w->d, ((size_t)g * nb + b) * 16);
         for (int j = 0; j < TM; j++) {
             const __m512i is = _mm512_load_si512((const void *)(c + j * 16));
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is),
@@ -101,7 +102,7 @@ inline void apply_block(__m512 *acc, const int32_t *c, const kvs_weight *w, size
     } while (0)
 
 // Tokens [0, T16) (a multiple of 16) of groups [gbeg, gend).
-template <bool Q4, bool F16>
+template <bool Q4, int SM>
 void run_groups_amx(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T16, float *y,
                     int ldy, bool add, int gbeg, int gend) {
     const int K = w->cols, nb = K / QK;
@@ -123,7 +124,6 @@ void run_groups_amx(const kvs_weight *w, const int8_t *xq, const float *xd, cons
         } else {
             B = w->qs + (size_t)g * nb * 512;
         }
-        const size_t s0 = (size_t)g * nb * 16;
         const int row0 = g * 16, nvalid = w->rows - row0;
         for (int t0 = 0; t0 < T16; t0 += TM) {
             __m512 acc[TM];
@@ -141,8 +141,8 @@ void run_groups_amx(const kvs_weight *w, const int8_t *xq, const float *xd, cons
                 KVS_TDP(3, 4, 5);
                 _tile_stored(0, cbuf[0], 64);
                 _tile_stored(3, cbuf[1], 64);
-                apply_block<Q4, F16>(acc, cbuf[0], w, s0 + (size_t)b * 16, xd, xs, nb, t0, b);
-                apply_block<Q4, F16>(acc, cbuf[1], w, s0 + (size_t)(b + 1) * 16, xd, xs, nb, t0, b + 1);
+                apply_block<Q4, SM>(acc, cbuf[0], w, g, xd, xs, nb, t0, b);
+                apply_block<Q4, SM>(acc, cbuf[1], w, g, xd, xs, nb, t0, b + 1);
             }
             if (b < nb) {
                 _tile_zero(0);
@@ -150,7 +150,7 @@ void run_groups_amx(const kvs_weight *w, const int8_t *xq, const float *xd, cons
                 _tile_loadd(2, B + (size_t)b * 512, 64);
                 KVS_TDP(0, 1, 2);
                 _tile_stored(0, cbuf[0], 64);
-                apply_block<Q4, F16>(acc, cbuf[0], w, s0 + (size_t)b * 16, xd, xs, nb, t0, b);
+                apply_block<Q4, SM>(acc, cbuf[0], w, g, xd, xs, nb, t0, b);
             }
             for (int j = 0; j < TM; j++)
                 store_rows16(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
@@ -181,15 +181,17 @@ namespace kvs {
 
 void groups_amx(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y, int ldy,
                 bool add, int gbeg, int gend) {
-    int T16 = T / TM * TM;
-    if (T16 > 0 && w->qtype == 0 && !unpack_buffer((size_t)(w->cols / QK) * 512)) T16 = 0;
+    // Q6_K (a scale per 16 values) and Q5_K (a fifth-bit plane) run on the VNNI tiles, same bits
+    int T16 = w->qtype == KVS_QTYPE_Q6K || w->qtype == KVS_QTYPE_Q5K ? 0 : T / TM * TM;
+    if (T16 > 0 && w->qtype != 1 && !unpack_buffer((size_t)(w->cols / QK) * 512)) T16 = 0;
     if (T16 > 0) {
-        const bool q4 = w->qtype == 0, f16 = w->sdtype == 1;
+        const bool f16 = w->sdtype == 1;
         load_config();
-        if (q4 && f16) run_groups_amx<true, true>(w, xq, xd, xs, T16, y, ldy, add, gbeg, gend);
-        else if (q4) run_groups_amx<true, false>(w, xq, xd, xs, T16, y, ldy, add, gbeg, gend);
-        else if (f16) run_groups_amx<false, true>(w, xq, xd, xs, T16, y, ldy, add, gbeg, gend);
-        else run_groups_amx<false, false>(w, xq, xd, xs, T16, y, ldy, add, gbeg, gend);
+        if (w->qtype == KVS_QTYPE_Q4K) run_groups_amx<true, 2>(w, xq, xd, xs, T16, y, ldy, add, gbeg, gend);
+        else if (w->qtype == 0 && f16) run_groups_amx<true, 1>(w, xq, xd, xs, T16, y, ldy, add, gbeg, gend);
+        else if (w->qtype == 0) run_groups_amx<true, 0>(w, xq, xd, xs, T16, y, ldy, add, gbeg, gend);
+        else if (f16) run_groups_amx<false, 1>(w, xq, xd, xs, T16, y, ldy, add, gbeg, gend);
+        else run_groups_amx<false, 0>(w, xq, xd, xs, T16, y, ldy, add, gbeg, gend);
         _tile_release();
     }
     if (T16 < T) {

@@ -35,10 +35,30 @@
 //                           d, m [g][b][16 rows] float16 or float32: w = d * q + m, q in 0..15
 //   Q8_0:                   qs [g][b][i = 0..7][16 rows][4 bytes] int8 q[r][32b + 4i + j],
 //                           d [g][b][16 rows] float16 or float32: w = d * q
+//   Q4_K (qtype 2):         qs as Q4; the scales stay per 256-value super-block s as the file has
+//                           them, KVS_KSUPER_BYTES = 320 bytes per group and super-block at d:
+//                           [g][s] { fp16 d[16 rows], fp16 dmin[16 rows], u8 sc[8 blocks][16 rows],
+//                           u8 mn[8 blocks][16 rows] }: block b = 8s + j has the block scale
+//                           d * sc[j] and minimum -(dmin * mn[j]), formed by the kernels. Both are
+//                           exact float32 products (11-bit fp16 mantissa times a 6-bit integer), so
+//                           the arithmetic above is unchanged; a row reads 148 bytes per 256
+//                           values (the file: 144), where per-block float32 scales read 192.
+//   Q6_K (qtype 3):         qs [g][b] 384 bytes: the low 4 bits as Q4's 256 bytes, then the high 2
+//                           bits [p = 0..1][16 rows][4 bytes]: byte j of row r holds, from bit 0,
+//                           those of q[r][32b + 4i + j] and q[r][32b + 16 + 4i + j] for i = 2p,
+//                           then the same for i = 2p + 1; d [g][s] 288 bytes: { fp16 d[16 rows],
+//                           int8 sc[16 sub-blocks of 16][16 rows] }: w = d * sc * (q - 32), 6.56
+//                           bits a weight as in the file. Its scale per 16 values folds into the
+//                           exact integer sum: isum = sc_lo * sum_lo + sc_hi * sum_hi over the
+//                           block's two halves, then acc = fma(float(isum), d * xd, acc).
+//   Q5_K (qtype 4):         qs [g][b] 320 bytes: Q4's 256 bytes of low nibbles, then [16 rows][4
+//                           bytes] of fifth bits: bit 2i + u of byte j of row r is that of
+//                           q[r][32b + 16u + 4i + j]; scales as Q4_K's (320 bytes per group and
+//                           super-block): w = d * sc * q - dmin * mn, q in 0..31; 5.63 bits a weight.
 //
 // Block scales stay float16 where GGUF stores them so (Q4_0, Q4_1, Q8_0: 20 bytes per 32 Q4
-// weights instead of 24, what a decode step reads) and float32 where they are products (Q4_K's
-// d * sc); either way the kernels widen them to float32 exactly before any arithmetic.
+// weights instead of 24, what a decode step reads); the kernels widen them to float32 exactly
+// before any arithmetic.
 //
 // Threads: OpenMP, and the library is loaded after torch, so `libgomp.so.1` resolves to the copy
 // torch already loaded: the kernels run on torch's own thread team. A private pool measured
@@ -181,12 +201,32 @@ inline __m256 scales8(const void *p, size_t idx) {
     return _mm256_loadu_ps((const float *)p + idx);
 }
 
-template <int TT, bool F16>
+// The block scale d and minimum m of 8 rows (half h of group g) for block b: stored per block
+// (SM 0: float32, 1: float16), or formed from the Q4_K super-block layout (SM 2, see the top of the
+// file): d = d_s * sc, m = -(dmin_s * mn), both exact products in float32 (an fp16 times a 6-bit
+// integer), so the bits are those of the per-block float32 layout.
+template <int SM>
+inline void q4_scales8(const kvs_weight *w, int g, int h, int b, int nb, __m256 *d, __m256 *m) {
+    if (SM == 2) {
+        const uint8_t *p = (const uint8_t *)w->d + ((size_t)g * (nb / 8) + b / 8) * KVS_KSUPER_BYTES;
+        const __m256 ds = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + h * 16)));
+        const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + h * 16)));
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 64 + (b % 8) * 16 + h * 8))));
+        const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 192 + (b % 8) * 16 + h * 8))));
+        *d = _mm256_mul_ps(ds, sc);
+        *m = _mm256_xor_ps(_mm256_mul_ps(dm, mn), _mm256_set1_ps(-0.0f));
+        return;
+    }
+    const size_t at = ((size_t)g * nb + b) * 16 + h * 8;
+    *d = scales8<SM == 1>(w->d, at);
+    *m = scales8<SM == 1>(w->m, at);
+}
+
+template <int TT, int SM>
 void q4_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
               float *y, int ldy, bool add) {
     const int K = w->cols, nb = K / KVS_QK;
     const uint8_t *qg = w->qs + (size_t)g * nb * 256 + h * 32;
-    const size_t s0 = (size_t)g * nb * 16 + h * 8;
     const __m256i mask = _mm256_set1_epi8(0x0F);
     __m256 acc[TT];
     for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
@@ -211,7 +251,8 @@ void q4_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *
 #endif
             }
         }
-        const __m256 d = scales8<F16>(w->d, s0 + (size_t)b * 16), m = scales8<F16>(w->m, s0 + (size_t)b * 16);
+        __m256 d, m;
+        q4_scales8<SM>(w, g, h, b, nb, &d, &m);
         for (int j = 0; j < TT; j++) {
 #if defined(__AVXVNNI__)
             const __m256i s32 = is[j];
@@ -261,27 +302,145 @@ void q8_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *
     for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
 }
 
-template <bool Q4, bool F16, int TT>
+// Bit `from` of every byte of v moved to bit 4 (a 16-bit shift; the bits it carries across a byte
+// boundary never land on bit 4), the rest cleared.
+template <int from>
+inline __m256i bit_to4(__m256i v) {
+    const __m256i m = _mm256_set1_epi8(0x10);
+    if constexpr (from < 4) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - from), m);
+    else if constexpr (from > 4) return _mm256_and_si256(_mm256_srli_epi16(v, from - 4), m);
+    else return _mm256_and_si256(v, m);
+}
+
+template <int i>
+inline void q5_chunk(const uint8_t *qb, __m256i hb, __m256i *lo, __m256i *hi) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(qb + i * 64));
+    *lo = _mm256_or_si256(_mm256_and_si256(raw, mask), bit_to4<2 * i>(hb));
+    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), bit_to4<2 * i + 1>(hb));
+}
+
+// Q5_K (qtype 4): the Q4 tile with a fifth bit per code; codes 0..31, so each chunk's pair sums
+// (at most 2 x 2 x 31 x 127 per int16 lane) are widened to int32 before the next chunk.
+template <int TT>
+void q5_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
+              float *y, int ldy, bool add) {
+    const int K = w->cols, nb = K / KVS_QK;
+    const uint8_t *qg = w->qs + (size_t)g * nb * KVS_Q5_BLOCK_BYTES + h * 32;
+    __m256 acc[TT];
+    for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *qb = qg + (size_t)b * KVS_Q5_BLOCK_BYTES;
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(qb + 256));
+        __m256i is[TT];
+        for (int j = 0; j < TT; j++) is[j] = _mm256_setzero_si256();
+        __m256i lo[4], hi[4];
+        q5_chunk<0>(qb, hb, &lo[0], &hi[0]);
+        q5_chunk<1>(qb, hb, &lo[1], &hi[1]);
+        q5_chunk<2>(qb, hb, &lo[2], &hi[2]);
+        q5_chunk<3>(qb, hb, &lo[3], &hi[3]);
+        for (int i = 0; i < 4; i++) {
+            for (int j = 0; j < TT; j++) {
+                const int8_t *xr = xq + (size_t)(t0 + j) * K + b * KVS_QK + 4 * i;
+#if defined(__AVXVNNI__)
+                is[j] = _mm256_dpbusd_avx_epi32(is[j], lo[i], bcast4(xr));
+                is[j] = _mm256_dpbusd_avx_epi32(is[j], hi[i], bcast4(xr + 16));
+#else
+                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], bcast4(xr)),
+                                                   _mm256_maddubs_epi16(hi[i], bcast4(xr + 16)));
+                is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
+                keep_in_register(is[j]);
+#endif
+            }
+        }
+        __m256 d, m;
+        q4_scales8<2>(w, g, h, b, nb, &d, &m);
+        for (int j = 0; j < TT; j++) {
+            const size_t sb = (size_t)(t0 + j) * nb + b;
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[j]), _mm256_mul_ps(d, _mm256_set1_ps(xd[sb])), acc[j]);
+            acc[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[sb]), acc[j]);
+        }
+    }
+    const int row0 = g * 16 + h * 8, nvalid = w->rows - row0 < 8 ? w->rows - row0 : 8;
+    for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+}
+
+// The 6-bit codes of one chunk i (8 rows x 4 bytes, both halves of the block) as signed q - 32.
+inline void q6_codes(__m256i raw, __m256i hb, int i, __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
+    const __m256i h_lo = i & 1 ? hb : _mm256_slli_epi16(hb, 4);                       // bits 4-5 <- 0-1 / 4-5
+    const __m256i h_hi = i & 1 ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 2);  // bits 4-5 <- 6-7 / 2-3
+    *lo = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_and_si256(h_lo, m2)), c32);
+    *hi = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), _mm256_and_si256(h_hi, m2)), c32);
+}
+
+// 8 int8 sub-block scales as int32 lanes holding the scale in both int16 halves (for vpmaddwd).
+inline __m256i q6_scale_pairs(const uint8_t *p) {
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+}
+
+template <int TT>
+void q6_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *, int t0,
+              float *y, int ldy, bool add) {
+    const int K = w->cols, nb = K / KVS_QK;
+    const uint8_t *qg = w->qs + (size_t)g * nb * KVS_Q6_BLOCK_BYTES + h * 32;
+    __m256 acc[TT];
+    for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *qb = qg + (size_t)b * KVS_Q6_BLOCK_BYTES;
+        __m256i slo[TT], shi[TT];   // int16 pair sums of each half: 4 chunks x 2 x 32 x 127 < 2^15
+        for (int j = 0; j < TT; j++) slo[j] = shi[j] = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            __m256i lo, hi;
+            q6_codes(_mm256_loadu_si256((const __m256i *)(qb + i * 64)),
+                     _mm256_loadu_si256((const __m256i *)(qb + 256 + (i / 2) * 64)), i, &lo, &hi);
+            const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
+            for (int j = 0; j < TT; j++) {
+                const int8_t *xr = xq + (size_t)(t0 + j) * K + b * KVS_QK + 4 * i;
+                slo[j] = _mm256_add_epi16(slo[j], _mm256_maddubs_epi16(alo, _mm256_sign_epi8(bcast4(xr), lo)));
+                shi[j] = _mm256_add_epi16(shi[j], _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(bcast4(xr + 16), hi)));
+                keep_in_register(slo[j]);
+                keep_in_register(shi[j]);
+            }
+        }
+        const uint8_t *ks = (const uint8_t *)w->d + ((size_t)g * (nb / 8) + b / 8) * KVS_Q6_SUPER_BYTES;
+        const __m256i sc_lo = q6_scale_pairs(ks + 32 + (2 * (b % 8)) * 16 + h * 8);
+        const __m256i sc_hi = q6_scale_pairs(ks + 32 + (2 * (b % 8) + 1) * 16 + h * 8);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + h * 16)));
+        for (int j = 0; j < TT; j++) {
+            const __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(slo[j], sc_lo), _mm256_madd_epi16(shi[j], sc_hi));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32),
+                                     _mm256_mul_ps(d, _mm256_set1_ps(xd[(size_t)(t0 + j) * nb + b])), acc[j]);
+        }
+    }
+    const int row0 = g * 16 + h * 8, nvalid = w->rows - row0 < 8 ? w->rows - row0 : 8;
+    for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+}
+
+template <bool Q4, int SM, int TT>
 inline void tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
                   float *y, int ldy, bool add) {
-    if (Q4) q4_tile8<TT, F16>(w, g, h, xq, xd, xs, t0, y, ldy, add);
-    else q8_tile8<TT, F16>(w, g, h, xq, xd, xs, t0, y, ldy, add);
+    if constexpr (Q4 && SM == 4) q5_tile8<TT>(w, g, h, xq, xd, xs, t0, y, ldy, add);
+    else if constexpr (Q4) q4_tile8<TT, SM>(w, g, h, xq, xd, xs, t0, y, ldy, add);
+    else if constexpr (SM == 3) q6_tile8<TT>(w, g, h, xq, xd, xs, t0, y, ldy, add);
+    else q8_tile8<TT, SM == 1>(w, g, h, xq, xd, xs, t0, y, ldy, add);
 }
 
 // Groups [gbeg, gend) of 16 rows for all T tokens: each half-group's weights (nb x 128 bytes for
 // Q4) stay in L1 while the token tiles stream past them.
-template <bool Q4, bool F16>
+template <bool Q4, int SM>
 void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
                      int ldy, bool add, int gbeg, int gend) {
     for (int g = gbeg; g < gend; g++)
         for (int h = 0; h < 2; h++) {
             if (g * 16 + h * 8 >= w->rows) break;
             int t = 0;
-            for (; t + 4 <= T; t += 4) tile8<Q4, F16, 4>(w, g, h, xq, xd, xs, t, y, ldy, add);
+            for (; t + 4 <= T; t += 4) tile8<Q4, SM, 4>(w, g, h, xq, xd, xs, t, y, ldy, add);
             switch (T - t) {
-                case 3: tile8<Q4, F16, 3>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
-                case 2: tile8<Q4, F16, 2>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
-                case 1: tile8<Q4, F16, 1>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
+                case 3: tile8<Q4, SM, 3>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
+                case 2: tile8<Q4, SM, 2>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
+                case 1: tile8<Q4, SM, 1>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
                 default: break;
             }
         }
@@ -306,11 +465,14 @@ void linear_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const f
         groups_avx512(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
         return;
     }
-    const bool q4 = w->qtype == 0, f16 = w->sdtype == 1;
-    if (q4 && f16) run_groups_avx2<true, true>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
-    else if (q4) run_groups_avx2<true, false>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
-    else if (f16) run_groups_avx2<false, true>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
-    else run_groups_avx2<false, false>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    const bool f16 = w->sdtype == 1;
+    if (w->qtype == KVS_QTYPE_Q4K) run_groups_avx2<true, 2>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (w->qtype == KVS_QTYPE_Q6K) run_groups_avx2<false, 3>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (w->qtype == KVS_QTYPE_Q5K) run_groups_avx2<true, 4>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (w->qtype == 0 && f16) run_groups_avx2<true, 1>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (w->qtype == 0) run_groups_avx2<true, 0>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (f16) run_groups_avx2<false, 1>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else run_groups_avx2<false, 0>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
 }
 
 }  // namespace kvs
@@ -330,7 +492,7 @@ struct LinearJob {
 void linear_task(const LinearJob *job, int ith, int nth) {
     const kvs_weight *w = job->w;
     const int K = w->cols, nb = K / KVS_QK;
-    const bool q4 = w->qtype == 0;
+    const bool q4 = w->qtype == 0 || w->qtype == KVS_QTYPE_Q4K || w->qtype == KVS_QTYPE_Q5K;   // minima need xs
     // phase 1: quantize this thread's share of tokens
     for (int t = ith; t < job->T; t += nth)
         quantize_row_q8(job->x + (size_t)t * K, K, job->xq + (size_t)t * K, job->xd + (size_t)t * nb,
@@ -355,6 +517,22 @@ inline float scale_value(const void *p, size_t at, int sdtype) {
     return sdtype ? _cvtsh_ss(((const uint16_t *)p)[at]) : ((const float *)p)[at];
 }
 
+// Block scale and minimum of row r, block b, as the kernels form them (any layout).
+inline void block_scales(const kvs_weight *w, int r, int b, int nb, float *d, float *m) {
+    if (w->qtype == KVS_QTYPE_Q4K || w->qtype == KVS_QTYPE_Q5K) {
+        const uint8_t *p = (const uint8_t *)w->d + ((size_t)(r / 16) * (nb / 8) + b / 8) * KVS_KSUPER_BYTES;
+        uint16_t hd, hm;
+        memcpy(&hd, p + 2 * (r % 16), 2);
+        memcpy(&hm, p + 32 + 2 * (r % 16), 2);
+        *d = _cvtsh_ss(hd) * (float)p[64 + (b % 8) * 16 + r % 16];
+        *m = -(_cvtsh_ss(hm) * (float)p[192 + (b % 8) * 16 + r % 16]);
+        return;
+    }
+    const size_t at = scale_at(r, b, nb);
+    *d = scale_value(w->d, at, w->sdtype);
+    *m = w->qtype == 0 ? scale_value(w->m, at, w->sdtype) : 0.0f;
+}
+
 inline void put_q4(uint8_t *qs, int r, int k, int nb, uint8_t q) {
     qs[q4_byte(r, k, nb)] |= (k % KVS_QK) >= 16 ? (uint8_t)(q << 4) : q;
 }
@@ -374,7 +552,12 @@ int kvs_get_num_threads(void) { return g_nth; }
 
 // Bytes of the repacked arrays for a weight of rows x cols: qs, and d (and m, for Q4) in floats.
 size_t kvs_packed_qs_bytes(int qtype, int rows, int cols) {
-    return (size_t)((rows + 15) / 16) * (cols / KVS_QK) * (qtype == 0 ? 256 : 512);
+    return (size_t)((rows + 15) / 16) * (cols / KVS_QK) *
+           (qtype == 1 ? 512 : qtype == KVS_QTYPE_Q6K ? KVS_Q6_BLOCK_BYTES : qtype == KVS_QTYPE_Q5K ? KVS_Q5_BLOCK_BYTES : 256);
+}
+// Bytes of the super-block scales of qtype 2 (Q4_K), 3 (Q6_K) or 4 (Q5_K) for rows x cols (cols a multiple of 256).
+size_t kvs_packed_kscale_bytes(int qtype, int rows, int cols) {
+    return (size_t)((rows + 15) / 16) * (cols / 256) * (qtype == KVS_QTYPE_Q6K ? KVS_Q6_SUPER_BYTES : KVS_KSUPER_BYTES);
 }
 size_t kvs_packed_scales(int rows, int cols) { return (size_t)((rows + 15) / 16) * 16 * (cols / KVS_QK); }
 
@@ -450,11 +633,34 @@ namespace {
 
 void dequantize_row(const kvs_weight *w, int r, float *o) {
     const int K = w->cols, nb = K / KVS_QK;
+    if (w->qtype == KVS_QTYPE_Q6K) {   // (d * sc) * (q - 32), llama.cpp's order
+        const int rr = r % 16;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *qb = w->qs + ((size_t)(r / 16) * nb + b) * KVS_Q6_BLOCK_BYTES;
+            const uint8_t *ks = (const uint8_t *)w->d + ((size_t)(r / 16) * (nb / 8) + b / 8) * KVS_Q6_SUPER_BYTES;
+            uint16_t hd;
+            memcpy(&hd, ks + 2 * rr, 2);
+            for (int kk = 0; kk < KVS_QK; kk++) {
+                const int i = (kk % 16) / 4, j = kk % 4, upper = kk >= 16;
+                const uint8_t lo4 = (qb[i * 64 + rr * 4 + j] >> (4 * upper)) & 0x0F;
+                const uint8_t hi2 = (qb[256 + (i / 2) * 64 + rr * 4 + j] >> ((i % 2) * 4 + upper * 2)) & 3;
+                const float dsc = _cvtsh_ss(hd) * (float)(int8_t)ks[32 + (2 * (b % 8) + upper) * 16 + rr];
+                o[b * KVS_QK + kk] = dsc * (float)((int)(lo4 | (hi2 << 4)) - 32);
+            }
+        }
+        return;
+    }
     for (int b = 0; b < nb; b++) {
-        const size_t at = scale_at(r, b, nb);
-        const float d = scale_value(w->d, at, w->sdtype);
-        if (w->qtype == 0) {
-            const float m = scale_value(w->m, at, w->sdtype);
+        float d, m;
+        block_scales(w, r, b, nb, &d, &m);
+        if (w->qtype == KVS_QTYPE_Q5K) {
+            const uint8_t *qb = w->qs + ((size_t)(r / 16) * nb + b) * KVS_Q5_BLOCK_BYTES + (r % 16) * 4;
+            for (int i = 0; i < KVS_QK; i++) {
+                const int c = (i % 16) / 4, j = i % 4, upper = i >= 16;
+                const int q = ((qb[c * 64 + j] >> (4 * upper)) & 0x0F) | (((qb[256 + j] >> (2 * c + upper)) & 1) << 4);
+                o[b * KVS_QK + i] = d * (float)q + m;
+            }
+        } else if (w->qtype != 1) {
             for (int i = 0; i < KVS_QK; i++) {
                 const int k = b * KVS_QK + i;
                 const uint8_t byte = w->qs[q4_byte(r, k, nb)];

@@ -13,12 +13,22 @@
 
 extern "C" {
 
+// Kernel layouts (kvs_weight.qtype); drawn at the top of kvserve_kernels.cpp.
+#define KVS_QTYPE_Q4K 2          // Q4_K: Q4 codes, scales per 256-value super-block (d points at them)
+#define KVS_KSUPER_BYTES 320     // one 16-row group's scales of one super-block in that layout
+#define KVS_QTYPE_Q6K 3          // Q6_K: 6-bit codes (4 + 2 bits), fp16 d and int8 scales per 16 values
+#define KVS_Q6_BLOCK_BYTES 384   // one 16-row group's codes of one 32-value block in that layout
+#define KVS_Q6_SUPER_BYTES 288   // one 16-row group's scales of one super-block in that layout
+#define KVS_QTYPE_Q5K 4          // Q5_K: Q4's nibbles plus a plane of fifth bits, Q4_K's scale layout
+#define KVS_Q5_BLOCK_BYTES 320   // one 16-row group's codes of one 32-value block in that layout
+
 struct kvs_weight {
-    int32_t qtype;  // 0 = Q4 (Q4_0/Q4_1/Q4_K repacked), 1 = Q8_0
+    int32_t qtype;  // 0 = Q4 (Q4_0/Q4_1), 1 = Q8_0, 2 = Q4_K, 3 = Q6_K, 4 = Q5_K (sdtype 2, m NULL)
     int32_t rows;   // out_features
     int32_t cols;   // in_features (multiple of 32)
     int32_t isa;    // tiles to run: 0 = AVX2 (or AVX-VNNI builds), 1 = AVX-512 VNNI; identical results
-    int32_t sdtype; // d and m stored as 0 = float32, 1 = float16 (GGUF's own, widened exactly on load)
+    int32_t sdtype; // d and m stored as 0 = float32, 1 = float16 (GGUF's own, widened exactly on load),
+                    // 2 = the bytes of the super-block scales (qtypes 2 and 3)
     const uint8_t *qs;
     const void *d;
     const void *m;      // Q4 only
@@ -55,7 +65,7 @@ void linear_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const f
 // scale: kv_row(D, 3) = D + 2 bytes; strides and head_off count row elements). scores: G * L floats.
 void attend_group(const float *q, const void *K, const void *V, int kv_dtype, size_t block_stride,
                   size_t tok_stride, int head_off, const int64_t *table, int block_size, int L, int D, int G,
-                  float scale, float *scores, float *out);
+                  float scale, float *scores, float *out, float softcap = 0.0f);
 
 // A tile of at most this many queries with no widened keys to reuse runs query by query (attend_tile).
 // Measured on the default model (2 threads, Zen 5): at 400 and 2,000 cached tokens a tile of 2 to 12
@@ -65,9 +75,13 @@ constexpr int kSmallTile = 8;
 // attend_group for the nh KV heads head_off, head_off + row, ... of one query (q and out: nh * G rows
 // of D floats), one after another; the first head's sweep prefetches all nh heads' rows of each token
 // (contiguous in the cache), so the cache is read in runs of nh rows. Same results as nh calls.
+// softcap > 0: scores -> softcap * tanh(score / softcap) before the softmax (Gemma 2; attn_isa must
+// then be 0). start > 0: only keys start..L-1 (a sliding window; table entries before start's block
+// are not read).
 void attend_heads(const float *q, const void *K, const void *V, int kv_dtype, size_t block_stride,
                   size_t tok_stride, int head_off, int row, int nh, const int64_t *table, int block_size, int L,
-                  int D, int G, float scale, float *scores, float *out, int attn_isa = 0);
+                  int D, int G, float scale, float *scores, float *out, int attn_isa = 0, float softcap = 0.0f,
+                  int start = 0);
 
 // The AVX-512 build of one head's lone-query attention (attend_rows; same bits) for head sizes 32,
 // 64 and 128 (false: another size or dtype, nothing done). K, V: the head's rows at K + off[t]
@@ -95,7 +109,7 @@ void groups_amx(const kvs_weight *w, const int8_t *xq, const float *xd, const fl
 // sequence and KV head reuses the keys and values it widened to float32 for the last one.
 void attend_tile(const float *q, size_t q_stride, const void *K, const void *V, int kv_dtype, size_t block_stride,
                  size_t tok_stride, int head_off, const int64_t *table, int block_size, int L0, int NQ, int D, int G,
-                 float scale, float *out, size_t out_stride, int attn_isa, uint64_t reuse);
+                 float scale, float *out, size_t out_stride, int attn_isa, uint64_t reuse, float softcap = 0.0f);
 
 // Buffers of one tile's attention, sized by the caller (R = NQ x G rows): S [R x (L0 + NQ - 1)]
 // scores, A [R x D] running V sums, inv [R].
@@ -168,6 +182,24 @@ inline void silu_mul_row(const float *g, const float *u, int n, float *out) {
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
     }
     for (; i < n; i++) out[i] = g[i] / (1.0f + __builtin_expf(-g[i])) * u[i];
+}
+
+// out[i] = gelu_tanh(g[i]) * u[i] over n floats (Gemma's GeGLU). gelu_tanh(g) = g / 2 (1 + tanh(z)),
+// z = sqrt(2/pi) (g + 0.044715 g^3), which is g / (1 + e^(-2z)).
+inline void gelu_mul_row(const float *g, const float *u, int n, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), k2 = _mm256_set1_ps(-2.0f * 0.7978845608028654f),
+                 c = _mm256_set1_ps(0.044715f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 z = _mm256_mul_ps(k2, _mm256_fmadd_ps(_mm256_mul_ps(c, gv), _mm256_mul_ps(gv, gv), gv));
+        const __m256 den = _mm256_add_ps(one, exp8(z));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) {
+        const float x = g[i], z = -2.0f * 0.7978845608028654f * (x + 0.044715f * x * x * x);
+        out[i] = x / (1.0f + __builtin_expf(z < 88.0f ? z : 88.0f)) * u[i];
+    }
 }
 
 }  // namespace kvs

@@ -5,6 +5,11 @@
 //
 //   kvs_repack_q4_k   Q4_K super-blocks -> the Q4 layout (kvserve_kernels.cpp), scales d*sc and
 //                     minima -(dmin*m) as float32 per 32 values
+//   kvs_repack_q4_k_super  Q4_K super-blocks -> the Q4 codes and the file's own scales per
+//                     super-block (layout qtype 2): fp16 d and dmin, the 6-bit scales and
+//                     minima widened to bytes; nothing computed, so nothing rounded
+//   kvs_repack_q6_k   Q6_K super-blocks -> layout qtype 3: the 6-bit codes (nibbles + 2-bit plane),
+//                     fp16 d and the int8 scales per 16 values, as the file has them
 //   kvs_repack_q8_0   Q8_0 rows into the Q8 layout: kvs_repack's bytes, 4-byte runs at a time
 //   kvs_q8_0_rows     Q4_K / Q5_K / Q6_K rows decoded exactly (llama.cpp's dequantize_row_*) and
 //                     requantized per 32 values into Q8_0 blocks (fp16 scale amax/127 rounded up)
@@ -155,6 +160,122 @@ void kvs_repack_q4_k(const uint8_t *raw, int rows, int cols, uint8_t *qs, float 
                         const uint8_t lo = h ? q[kk] >> 4 : q[kk] & 0x0F;
                         const uint8_t hi = h ? q[kk + 16] >> 4 : q[kk + 16] & 0x0F;
                         dst[(kk / 4) * 64 + kk % 4] = (uint8_t)(lo | (hi << 4));
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Q4_K rows into layout qtype 2 (kvserve_kernels.cpp): qs as kvs_repack_q4_k writes them, ks the
+// super-block scales, sized by kvs_packed_qs_bytes(2, ...) / kvs_packed_kscale_bytes. Padding rows
+// are zero.
+void kvs_repack_q4_k_super(const uint8_t *raw, int rows, int cols, uint8_t *qs, uint8_t *ks) {
+    const int nb = cols / 32, nsb = cols / QK_K;
+    const int groups = (rows + 15) / 16, full = rows / 16;
+    memset(qs + (size_t)full * nb * 256, 0, (size_t)(groups - full) * nb * 256);
+    memset(ks + (size_t)full * nsb * KVS_KSUPER_BYTES, 0, (size_t)(groups - full) * nsb * KVS_KSUPER_BYTES);
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const int g = r / 16, rr = r % 16;
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *b = raw + ((size_t)r * nsb + s) * 144;
+            uint8_t *k = ks + ((size_t)g * nsb + s) * KVS_KSUPER_BYTES;
+            memcpy(k + 2 * rr, b, 2);
+            memcpy(k + 32 + 2 * rr, b + 2, 2);
+            for (int c = 0; c < 4; c++) {
+                const uint8_t *q = b + 16 + 32 * c;   // sub-block 2c: low nibbles, 2c+1: high
+                for (int h = 0; h < 2; h++) {
+                    const int j = 2 * c + h, blk = s * 8 + j;
+                    scale_min_k4(j, b + 4, k + 64 + j * 16 + rr, k + 192 + j * 16 + rr);
+                    uint8_t *dst = qs + ((size_t)g * nb + blk) * 256 + rr * 4;
+                    for (int kk = 0; kk < 16; kk++) {
+                        const uint8_t lo = h ? q[kk] >> 4 : q[kk] & 0x0F;
+                        const uint8_t hi = h ? q[kk + 16] >> 4 : q[kk + 16] & 0x0F;
+                        dst[(kk / 4) * 64 + kk % 4] = (uint8_t)(lo | (hi << 4));
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Q5_K rows into layout qtype 4 (kvserve_kernels.cpp): nibbles as Q4_K's, a plane of fifth bits,
+// the super-block scales as kvs_repack_q4_k_super writes them; sized by kvs_packed_qs_bytes(4, ...)
+// / kvs_packed_kscale_bytes(4, ...). Padding rows are zero.
+void kvs_repack_q5_k_super(const uint8_t *raw, int rows, int cols, uint8_t *qs, uint8_t *ks) {
+    const int nb = cols / 32, nsb = cols / QK_K;
+    const int groups = (rows + 15) / 16, full = rows / 16;
+    const size_t qb = KVS_Q5_BLOCK_BYTES;
+    memset(qs + (size_t)full * nb * qb, 0, (size_t)(groups - full) * nb * qb);
+    memset(ks + (size_t)full * nsb * KVS_KSUPER_BYTES, 0, (size_t)(groups - full) * nsb * KVS_KSUPER_BYTES);
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const int g = r / 16, rr = r % 16;
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *b = raw + ((size_t)r * nsb + s) * 176;
+            const uint8_t *qh = b + 16;
+            uint8_t *k = ks + ((size_t)g * nsb + s) * KVS_KSUPER_BYTES;
+            memcpy(k + 2 * rr, b, 2);
+            memcpy(k + 32 + 2 * rr, b + 2, 2);
+            for (int c = 0; c < 4; c++) {
+                const uint8_t *q = b + 48 + 32 * c;   // sub-block 2c: low nibbles, 2c+1: high
+                for (int h = 0; h < 2; h++) {
+                    const int j = 2 * c + h, blk = s * 8 + j;
+                    scale_min_k4(j, b + 4, k + 64 + j * 16 + rr, k + 192 + j * 16 + rr);
+                    uint8_t *dst = qs + ((size_t)g * nb + blk) * qb + rr * 4;
+                    uint8_t plane[4] = {0, 0, 0, 0};
+                    for (int kk = 0; kk < 16; kk++) {
+                        const uint8_t lo = h ? q[kk] >> 4 : q[kk] & 0x0F;
+                        const uint8_t hi = h ? q[kk + 16] >> 4 : q[kk + 16] & 0x0F;
+                        dst[(kk / 4) * 64 + kk % 4] = (uint8_t)(lo | (hi << 4));
+                        plane[kk % 4] |= (uint8_t)((((qh[kk] >> j) & 1) << (2 * (kk / 4))) |
+                                                   (((qh[kk + 16] >> j) & 1) << (2 * (kk / 4) + 1)));
+                    }
+                    memcpy(dst + 256, plane, 4);
+                }
+            }
+        }
+    }
+}
+
+// Q6_K rows into layout qtype 3 (kvserve_kernels.cpp): the 6-bit codes split into Q4's nibble
+// bytes and a plane of 2-bit pairs, the fp16 d and the 16 int8 scales per super-block; sized by
+// kvs_packed_qs_bytes(3, ...) / kvs_packed_kscale_bytes(3, ...). Padding rows are zero.
+void kvs_repack_q6_k(const uint8_t *raw, int rows, int cols, uint8_t *qs, uint8_t *ks) {
+    const int nb = cols / 32, nsb = cols / QK_K;
+    const int groups = (rows + 15) / 16, full = rows / 16;
+    const size_t qb = KVS_Q6_BLOCK_BYTES, kb = KVS_Q6_SUPER_BYTES;
+    memset(qs + (size_t)full * nb * qb, 0, (size_t)(groups - full) * nb * qb);
+    memset(ks + (size_t)full * nsb * kb, 0, (size_t)(groups - full) * nsb * kb);
+#pragma omp parallel for schedule(static)
+    for (int g = 0; g < groups; g++) {   // a group's bytes are OR-ed together: one thread per group
+        const int r_end = (g + 1) * 16 < rows ? (g + 1) * 16 : rows;
+        if (g < full) memset(qs + (size_t)g * nb * qb, 0, (size_t)nb * qb);
+        for (int r = g * 16; r < r_end; r++) {
+            const int rr = r % 16;
+            for (int s = 0; s < nsb; s++) {
+                const uint8_t *b = raw + ((size_t)r * nsb + s) * 210;
+                const uint8_t *ql = b, *qh = b + 128, *sc = b + 192;
+                uint8_t q[QK_K];   // codes 0..63 in value order (llama.cpp's dequantize_row_q6_K)
+                for (int n = 0; n < 2; n++)
+                    for (int l = 0; l < 32; l++) {
+                        const uint8_t *L = ql + 64 * n, *H = qh + 32 * n;
+                        q[128 * n + l] = (uint8_t)((L[l] & 0xF) | (((H[l] >> 0) & 3) << 4));
+                        q[128 * n + l + 32] = (uint8_t)((L[l + 32] & 0xF) | (((H[l] >> 2) & 3) << 4));
+                        q[128 * n + l + 64] = (uint8_t)((L[l] >> 4) | (((H[l] >> 4) & 3) << 4));
+                        q[128 * n + l + 96] = (uint8_t)((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4));
+                    }
+                uint8_t *k = ks + ((size_t)g * nsb + s) * kb;
+                memcpy(k + 2 * rr, b + 208, 2);
+                for (int t = 0; t < 16; t++) k[32 + t * 16 + rr] = sc[t];
+                for (int j = 0; j < 8; j++) {
+                    uint8_t *dst = qs + ((size_t)g * nb + s * 8 + j) * qb;
+                    for (int kk = 0; kk < 32; kk++) {
+                        const uint8_t v = q[32 * j + kk];
+                        const int i = (kk % 16) / 4, jj = kk % 4, upper = kk >= 16;
+                        dst[i * 64 + rr * 4 + jj] |= (uint8_t)((v & 0x0F) << (4 * upper));
+                        dst[256 + (i / 2) * 64 + rr * 4 + jj] |= (uint8_t)((v >> 4) << ((i % 2) * 4 + upper * 2));
                     }
                 }
             }
