@@ -7,7 +7,8 @@
   on nor used for thresholds), of the head, of the n-gram classifier it replaced, and of the two
   together (the ablation: does the n-gram model add recall without false positives).
 
-`kvserve train moderation --data DIR` rebuilds the shipped head (safety/train_head.py)."""
+`kvserve train moderation --data DIR` rebuilds the shipped head with the encoder's tuned top
+layers (safety/finetune.py; `--head-only`: a head on the frozen embedding, safety/train_head.py)."""
 
 from __future__ import annotations
 
@@ -67,10 +68,17 @@ def train_moderation_cmd(
     data: Annotated[pathlib.Path, typer.Option("--data", help="The fetched sources (docs/safety.md lists them).")],
     out: Annotated[pathlib.Path | None, typer.Option("--out", help="Where to write the head (default: the shipped "
                                                      "safety/data/head.npz).")] = None,
+    head_only: Annotated[bool, typer.Option("--head-only", help="Fit the head on the frozen embedding "
+                                            "(no tuned top layers; the previous head).")] = False,
 ) -> None:
-    """Rebuild the moderation head from the public sources in DIR, deterministically."""
+    """Rebuild the moderation head (and the encoder's tuned top layers) from the public sources in
+    DIR, deterministically."""
     from kvserve.errors import KVServeError
-    from kvserve.safety.train_head import train
+
+    if head_only:
+        from kvserve.safety.train_head import train
+    else:
+        from kvserve.safety.finetune import train
 
     try:
         rep = train(data, out)

@@ -119,10 +119,17 @@ class Verdict:
         return out
 
 
-def _encode(texts: list[str]):
-    from kvserve.model.bert import default_encoder
+def head_encoder(head: Head):
+    """texts -> the vectors `head` judges: the shared encoder's embedding, or its tuned top
+    layers' vector when the head ships them (safety/tuned.py), from one forward."""
+    def encode(texts: list[str]):
+        from kvserve.model.bert import default_encoder
+        from kvserve.safety.tuned import attach
 
-    return default_encoder().encode(texts)[0].numpy()
+        enc = default_encoder()
+        depth = attach(enc, head) or enc.layers
+        return enc.encode_depths(texts, (depth,))[0][depth].numpy()
+    return encode
 
 
 class Moderator:
@@ -142,7 +149,7 @@ class Moderator:
         else:
             self.head = head or default_head()
             self.thresholds = self.head.thresholds
-            self.encode = encode or _encode
+            self.encode = encode or head_encoder(self.head)
 
     @staticmethod
     def windows(text: str) -> list[str]:

@@ -131,18 +131,23 @@ class ModerationService:
                      shared: dict | None) -> dict[int, Any]:
         import numpy as np
 
+        from kvserve.safety.tuned import attach
+
+        # the head's vectors: the shared embedding, or its tuned top layers' run on the same
+        # forward from the hidden states after the frozen layers (safety/tuned.py)
+        depth = await asyncio.to_thread(lambda: attach(embedder.get(), mod.head))
         wins = [mod.windows(t) for _, t, _ in texts]
         out: dict[int, Any] = {}
         last = len(texts) - 1
         if len(wins[last]) == 1:        # the query the cache and router embed too
             query = QueryEmbedding(wins[last][0])
-            out[last] = (await query.get(embedder, "moderation"))[None, :]
+            out[last] = (await query.get(embedder, "moderation", depth))[None, :]
             if shared is not None:
                 shared["query"] = query
         rest = [(i, w) for i, ws in enumerate(wins) if i not in out for w in ws]
         if rest:
-            vecs, _ = await embedder.encode([w for _, w in rest], use="moderation")
-            vecs = vecs.numpy()
+            vecs, _ = await embedder.encode_depths([w for _, w in rest], (depth,), use="moderation")
+            vecs = vecs[depth].numpy()
             for i in {i for i, _ in rest}:
                 out[i] = np.stack([v for (j, _), v in zip(rest, vecs) if j == i])
         return out
