@@ -81,7 +81,7 @@ def train_moderation_cmd(
         from kvserve.safety.finetune import train
 
     try:
-        rep = train(data, out)
+        rep = train(data, out, log=lambda s: typer.echo(s, err=True)) if not head_only else train(data, out)
     except KVServeError as e:
         typer.echo(f"error: {e.message}", err=True)
         raise typer.Exit(1) from None

@@ -64,6 +64,9 @@ def attach(encoder, head) -> str | None:
     None (the full embedding) when the head has no tuned layers."""
     if not getattr(head, "top", None):
         return None
-    if BRANCH not in encoder.branches:
-        encoder.branches[BRANCH] = from_arrays(head.top, encoder.model.config)
+    branch = encoder.branches.get(BRANCH)
+    if branch is None or getattr(branch, "owner", None) is not head.top:     # another head's layers
+        branch = from_arrays(head.top, encoder.model.config)
+        branch.owner = head.top
+        encoder.branches[BRANCH] = branch
     return BRANCH
