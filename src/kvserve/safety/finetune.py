@@ -1,4 +1,4 @@
-"""The moderation encoder's top layers fine-tuned with the head (`kvserve train moderation`).
+"""The moderation encoder's top layers fine-tuned with the head (`kvserve train moderation --tune-top`).
 
 A head on the frozen sentence embedding missed the per-source targets (docs/safety.md), so the
 encoder's top TUNED layers are trained together with the head: all-MiniLM-L6-v2's first
