@@ -48,7 +48,7 @@ def run(desc: KvsWeight, x: torch.Tensor, rows: int) -> torch.Tensor:
     return y
 
 
-@pytest.mark.parametrize("rows,cols", [(37, 768), (64, 256), (5, 512)])
+@pytest.mark.parametrize("rows,cols", [(37, 768), (64, 256), (5, 512), (45, 512)])
 def test_same_bits_as_the_float32_scale_layout(rows, cols):
     raw = random_blocks(Q.Q4_K, rows, cols, seed=rows)
     layer = int8_layer(raw, rows, cols)
@@ -158,7 +158,7 @@ def q6_arithmetic(raw: np.ndarray, rows: int, cols: int, x: torch.Tensor) -> tor
     return acc
 
 
-@pytest.mark.parametrize("rows,cols", [(37, 512), (64, 256)])
+@pytest.mark.parametrize("rows,cols", [(37, 512), (64, 256), (45, 768)])   # last group: 5, 16, 13 rows
 def test_q6_k_layout_is_the_written_out_arithmetic_on_every_batch_size(rows, cols):
     raw = random_blocks(Q.Q6_K, rows, cols, seed=rows)
     blocks = raw.reshape(-1, 210).copy()
@@ -177,12 +177,12 @@ def test_q6_k_layout_is_the_written_out_arithmetic_on_every_batch_size(rows, col
     assert float((full.double() - ref).norm() / ref.norm()) < 0.02
 
 
-def test_q5_k_layout_exact_rows_and_the_written_out_arithmetic():
+@pytest.mark.parametrize("rows,cols", [(37, 512), (45, 768)])
+def test_q5_k_layout_exact_rows_and_the_written_out_arithmetic(rows, cols):
     from test_kernels import _int8_arithmetic
 
     from kvserve.model.kernels import kquants
 
-    rows, cols = 37, 512
     blocks = random_blocks(Q.Q5_K, rows, cols, seed=11).reshape(-1, 176).copy()
     blocks[:, 0:4] = np.array([[3e-3, 2e-3]], np.float16).view(np.uint8)       # finite, sane outputs
     raw = blocks.reshape(rows, -1)

@@ -312,59 +312,6 @@ inline __m256i bit_to4(__m256i v) {
     else return _mm256_and_si256(v, m);
 }
 
-template <int i>
-inline void q5_chunk(const uint8_t *qb, __m256i hb, __m256i *lo, __m256i *hi) {
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)(qb + i * 64));
-    *lo = _mm256_or_si256(_mm256_and_si256(raw, mask), bit_to4<2 * i>(hb));
-    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), bit_to4<2 * i + 1>(hb));
-}
-
-// Q5_K (qtype 4): the Q4 tile with a fifth bit per code; codes 0..31, so each chunk's pair sums
-// (at most 2 x 2 x 31 x 127 per int16 lane) are widened to int32 before the next chunk.
-template <int TT>
-void q5_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
-              float *y, int ldy, bool add) {
-    const int K = w->cols, nb = K / KVS_QK;
-    const uint8_t *qg = w->qs + (size_t)g * nb * KVS_Q5_BLOCK_BYTES + h * 32;
-    __m256 acc[TT];
-    for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *qb = qg + (size_t)b * KVS_Q5_BLOCK_BYTES;
-        const __m256i hb = _mm256_loadu_si256((const __m256i *)(qb + 256));
-        __m256i is[TT];
-        for (int j = 0; j < TT; j++) is[j] = _mm256_setzero_si256();
-        __m256i lo[4], hi[4];
-        q5_chunk<0>(qb, hb, &lo[0], &hi[0]);
-        q5_chunk<1>(qb, hb, &lo[1], &hi[1]);
-        q5_chunk<2>(qb, hb, &lo[2], &hi[2]);
-        q5_chunk<3>(qb, hb, &lo[3], &hi[3]);
-        for (int i = 0; i < 4; i++) {
-            for (int j = 0; j < TT; j++) {
-                const int8_t *xr = xq + (size_t)(t0 + j) * K + b * KVS_QK + 4 * i;
-#if defined(__AVXVNNI__)
-                is[j] = _mm256_dpbusd_avx_epi32(is[j], lo[i], bcast4(xr));
-                is[j] = _mm256_dpbusd_avx_epi32(is[j], hi[i], bcast4(xr + 16));
-#else
-                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], bcast4(xr)),
-                                                   _mm256_maddubs_epi16(hi[i], bcast4(xr + 16)));
-                is[j] = _mm256_add_epi32(is[j], _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
-                keep_in_register(is[j]);
-#endif
-            }
-        }
-        __m256 d, m;
-        q4_scales8<2>(w, g, h, b, nb, &d, &m);
-        for (int j = 0; j < TT; j++) {
-            const size_t sb = (size_t)(t0 + j) * nb + b;
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[j]), _mm256_mul_ps(d, _mm256_set1_ps(xd[sb])), acc[j]);
-            acc[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[sb]), acc[j]);
-        }
-    }
-    const int row0 = g * 16 + h * 8, nvalid = w->rows - row0 < 8 ? w->rows - row0 : 8;
-    for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
-}
-
 // The 6-bit codes of one chunk i (8 rows x 4 bytes, both halves of the block) as signed q - 32.
 inline void q6_codes(__m256i raw, __m256i hb, int i, __m256i *lo, __m256i *hi) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
@@ -418,10 +365,215 @@ void q6_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *
     for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Decode tiles of the K-quants: a whole 16-row group x one token. Each output lane runs exactly the
+// arithmetic of the 8-row tiles above (the same exact integer sums, the same float chain); the two
+// halves share every activation broadcast, consume whole 64-byte lines of codes in address order
+// (the 8-row tiles read half of each line and come back for the other half), and the super-block's
+// fp16 scales are widened once per 8 blocks instead of once per block.
+
+inline __m256 cvt_ph8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+// 16 u8 at p as two float32 vectors (rows 0-7, 8-15), exact.
+inline void u8x16_ps(const uint8_t *p, __m256 *a, __m256 *b) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    *a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+    *b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+}
+
+// is += the u8 x s8 products of lo (with xa) and hi (with xb); Q4: int16 lanes (at most 8 x 2 x 15
+// x 127 per block), Q5: widened to int32 per chunk (codes to 31: 2 x 2 x 31 x 127 per int16 lane).
+template <bool Q5>
+inline void kq_dot(__m256i &is, __m256i lo, __m256i hi, __m256i xa, __m256i xb) {
+#if defined(__AVXVNNI__)
+    is = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(is, lo, xa), hi, xb);
+#else
+    if constexpr (Q5) {
+        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb));
+        is = _mm256_add_epi32(is, _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
+    } else {
+        is = _mm256_add_epi16(is, _mm256_maddubs_epi16(lo, xa));
+        is = _mm256_add_epi16(is, _mm256_maddubs_epi16(hi, xb));
+    }
+    keep_in_register(is);
+#endif
+}
+
+// Q4_K (Q5 false) and Q5_K (Q5 true), 16 rows x token t0.
+template <bool Q5>
+void q4k_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0,
+                  float *y, int ldy, bool add) {
+    constexpr int BB = Q5 ? KVS_Q5_BLOCK_BYTES : 256;
+    const int K = w->cols, nb = K / KVS_QK, ns = nb / 8;
+    const uint8_t *qb = w->qs + (size_t)g * nb * BB;
+    const uint8_t *p = (const uint8_t *)w->d + (size_t)g * ns * KVS_KSUPER_BYTES;
+    const int8_t *x = xq + (size_t)t0 * K;
+    const float *xdt = xd + (size_t)t0 * nb, *xst = xs + (size_t)t0 * nb;
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256 neg = _mm256_set1_ps(-0.0f);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int s = 0; s < ns; s++, p += KVS_KSUPER_BYTES) {
+        const __m256 ds0 = cvt_ph8(p), ds1 = cvt_ph8(p + 16), dm0 = cvt_ph8(p + 32), dm1 = cvt_ph8(p + 48);
+        for (int j = 0; j < 8; j++, qb += BB, x += KVS_QK) {
+            __m256i is0 = _mm256_setzero_si256(), is1 = _mm256_setzero_si256();
+            __m256i hb0 = _mm256_setzero_si256(), hb1 = _mm256_setzero_si256();
+            if constexpr (Q5) {
+                hb0 = _mm256_loadu_si256((const __m256i *)(qb + 256));
+                hb1 = _mm256_loadu_si256((const __m256i *)(qb + 288));
+            }
+#define KVS_KQ_CHUNK(i)                                                                              \
+            {                                                                                        \
+                const __m256i r0 = _mm256_loadu_si256((const __m256i *)(qb + (i) * 64));             \
+                const __m256i r1 = _mm256_loadu_si256((const __m256i *)(qb + (i) * 64 + 32));        \
+                __m256i lo0 = _mm256_and_si256(r0, mask), hi0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), mask); \
+                __m256i lo1 = _mm256_and_si256(r1, mask), hi1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), mask); \
+                if constexpr (Q5) {                                                                  \
+                    lo0 = _mm256_or_si256(lo0, bit_to4<2 * (i)>(hb0));                               \
+                    hi0 = _mm256_or_si256(hi0, bit_to4<2 * (i) + 1>(hb0));                           \
+                    lo1 = _mm256_or_si256(lo1, bit_to4<2 * (i)>(hb1));                               \
+                    hi1 = _mm256_or_si256(hi1, bit_to4<2 * (i) + 1>(hb1));                           \
+                }                                                                                    \
+                const __m256i xa = bcast4(x + 4 * (i)), xb = bcast4(x + 16 + 4 * (i));               \
+                kq_dot<Q5>(is0, lo0, hi0, xa, xb);                                                   \
+                kq_dot<Q5>(is1, lo1, hi1, xa, xb);                                                   \
+            }
+            KVS_KQ_CHUNK(0) KVS_KQ_CHUNK(1) KVS_KQ_CHUNK(2) KVS_KQ_CHUNK(3)
+#undef KVS_KQ_CHUNK
+            __m256 sc0, sc1, mn0, mn1;
+            u8x16_ps(p + 64 + j * 16, &sc0, &sc1);
+            u8x16_ps(p + 192 + j * 16, &mn0, &mn1);
+#if !defined(__AVXVNNI__)
+            if constexpr (!Q5) {
+                is0 = _mm256_madd_epi16(is0, _mm256_set1_epi16(1));
+                is1 = _mm256_madd_epi16(is1, _mm256_set1_epi16(1));
+            }
+#endif
+            const int b = s * 8 + j;
+            const __m256 xdb = _mm256_set1_ps(xdt[b]), xsb = _mm256_set1_ps(xst[b]);
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is0), _mm256_mul_ps(_mm256_mul_ps(ds0, sc0), xdb), acc0);
+            acc0 = _mm256_fmadd_ps(_mm256_xor_ps(_mm256_mul_ps(dm0, mn0), neg), xsb, acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is1), _mm256_mul_ps(_mm256_mul_ps(ds1, sc1), xdb), acc1);
+            acc1 = _mm256_fmadd_ps(_mm256_xor_ps(_mm256_mul_ps(dm1, mn1), neg), xsb, acc1);
+        }
+    }
+    const int row0 = g * 16, rest = w->rows - row0;
+    float *yt = y + (size_t)t0 * ldy + row0;
+    store_rows8(acc0, w->bias, row0, rest < 8 ? rest : 8, yt, add);
+    if (rest > 8) store_rows8(acc1, w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
+}
+
+// Q4_K (Q5 false) and Q5_K (Q5 true), 8 rows (half h) x TT tokens: q4_tile8's arithmetic
+// per output, looped by super-block so its fp16 d and dmin are widened once per 8 blocks.
+template <int TT, bool Q5>
+void q4k_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
+               float *y, int ldy, bool add) {
+    constexpr int BB = Q5 ? KVS_Q5_BLOCK_BYTES : 256;
+    const int K = w->cols, nb = K / KVS_QK, ns = nb / 8;
+    const uint8_t *qb = w->qs + (size_t)g * nb * BB + h * 32;
+    const uint8_t *p = (const uint8_t *)w->d + (size_t)g * ns * KVS_KSUPER_BYTES;
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256 neg = _mm256_set1_ps(-0.0f);
+    __m256 acc[TT];
+    for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
+    for (int s = 0; s < ns; s++, p += KVS_KSUPER_BYTES) {
+        const __m256 ds = cvt_ph8(p + h * 16), dm = cvt_ph8(p + 32 + h * 16);
+        for (int jb = 0; jb < 8; jb++, qb += BB) {
+            const int b = s * 8 + jb;
+            __m256i is[TT];
+            for (int j = 0; j < TT; j++) is[j] = _mm256_setzero_si256();
+            __m256i hb = _mm256_setzero_si256();
+            if constexpr (Q5) hb = _mm256_loadu_si256((const __m256i *)(qb + 256));
+            for (int i = 0; i < 4; i++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(qb + i * 64));
+                __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                if constexpr (Q5) {   // bits 2i and 2i + 1 to bit 4 (i is a constant once unrolled)
+                    const __m256i m10 = _mm256_set1_epi8(0x10);
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(i < 2 ? _mm256_slli_epi16(hb, 4 - 2 * i)
+                                                                    : _mm256_srli_epi16(hb, 2 * i - 4), m10));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(i < 2 ? _mm256_slli_epi16(hb, 3 - 2 * i)
+                                                                    : _mm256_srli_epi16(hb, 2 * i - 3), m10));
+                }
+                for (int j = 0; j < TT; j++) {
+                    const int8_t *xr = xq + (size_t)(t0 + j) * K + b * KVS_QK + 4 * i;
+                    kq_dot<Q5>(is[j], lo, hi, bcast4(xr), bcast4(xr + 16));
+                }
+            }
+            const __m256 d = _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                   _mm_loadl_epi64((const __m128i *)(p + 64 + jb * 16 + h * 8)))));
+            const __m256 m = _mm256_xor_ps(_mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                   _mm_loadl_epi64((const __m128i *)(p + 192 + jb * 16 + h * 8))))), neg);
+            for (int j = 0; j < TT; j++) {
+                __m256i s32 = is[j];
+#if !defined(__AVXVNNI__)
+                if constexpr (!Q5) s32 = _mm256_madd_epi16(s32, _mm256_set1_epi16(1));
+#endif
+                const size_t sb = (size_t)(t0 + j) * nb + b;
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(d, _mm256_set1_ps(xd[sb])), acc[j]);
+                acc[j] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[sb]), acc[j]);
+            }
+        }
+    }
+    const int row0 = g * 16 + h * 8, nvalid = w->rows - row0 < 8 ? w->rows - row0 : 8;
+    for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+}
+
+// 16 int8 sub-block scales (rows 0-15) as two vectors of int32 lanes holding the scale in both
+// int16 halves, rows 0-7 and 8-15 (the values q6_scale_pairs gives).
+inline void q6_scale_pairs16(const uint8_t *p, __m256i *a, __m256i *b) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    *a = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(v, v));
+    *b = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(v, v));
+}
+
+// Q6_K, 16 rows x token t0.
+void q6_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, int t0, float *y, int ldy,
+                 bool add) {
+    const int K = w->cols, nb = K / KVS_QK, ns = nb / 8;
+    const uint8_t *qb = w->qs + (size_t)g * nb * KVS_Q6_BLOCK_BYTES;
+    const uint8_t *ks = (const uint8_t *)w->d + (size_t)g * ns * KVS_Q6_SUPER_BYTES;
+    const int8_t *x = xq + (size_t)t0 * K;
+    const float *xdt = xd + (size_t)t0 * nb;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int s = 0; s < ns; s++, ks += KVS_Q6_SUPER_BYTES) {
+        const __m256 d0 = cvt_ph8(ks), d1 = cvt_ph8(ks + 16);
+        for (int j = 0; j < 8; j++, qb += KVS_Q6_BLOCK_BYTES, x += KVS_QK) {
+            __m256i slo0 = _mm256_setzero_si256(), shi0 = slo0, slo1 = slo0, shi1 = slo0;
+            for (int i = 0; i < 4; i++) {
+                __m256i lo0, hi0, lo1, hi1;
+                q6_codes(_mm256_loadu_si256((const __m256i *)(qb + i * 64)),
+                         _mm256_loadu_si256((const __m256i *)(qb + 256 + (i / 2) * 64)), i, &lo0, &hi0);
+                q6_codes(_mm256_loadu_si256((const __m256i *)(qb + i * 64 + 32)),
+                         _mm256_loadu_si256((const __m256i *)(qb + 256 + (i / 2) * 64 + 32)), i, &lo1, &hi1);
+                const __m256i xa = bcast4(x + 4 * i), xb = bcast4(x + 16 + 4 * i);
+                slo0 = _mm256_add_epi16(slo0, _mm256_maddubs_epi16(_mm256_sign_epi8(lo0, lo0), _mm256_sign_epi8(xa, lo0)));
+                shi0 = _mm256_add_epi16(shi0, _mm256_maddubs_epi16(_mm256_sign_epi8(hi0, hi0), _mm256_sign_epi8(xb, hi0)));
+                slo1 = _mm256_add_epi16(slo1, _mm256_maddubs_epi16(_mm256_sign_epi8(lo1, lo1), _mm256_sign_epi8(xa, lo1)));
+                shi1 = _mm256_add_epi16(shi1, _mm256_maddubs_epi16(_mm256_sign_epi8(hi1, hi1), _mm256_sign_epi8(xb, hi1)));
+                keep_in_register(slo0);
+                keep_in_register(shi0);
+                keep_in_register(slo1);
+                keep_in_register(shi1);
+            }
+            __m256i sl0, sl1, sh0, sh1;
+            q6_scale_pairs16(ks + 32 + (2 * j) * 16, &sl0, &sl1);
+            q6_scale_pairs16(ks + 32 + (2 * j + 1) * 16, &sh0, &sh1);
+            const __m256 xdb = _mm256_set1_ps(xdt[s * 8 + j]);
+            const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(slo0, sl0), _mm256_madd_epi16(shi0, sh0));
+            const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(slo1, sl1), _mm256_madd_epi16(shi1, sh1));
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, xdb), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, xdb), acc1);
+        }
+    }
+    const int row0 = g * 16, rest = w->rows - row0;
+    float *yt = y + (size_t)t0 * ldy + row0;
+    store_rows8(acc0, w->bias, row0, rest < 8 ? rest : 8, yt, add);
+    if (rest > 8) store_rows8(acc1, w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
+}
 template <bool Q4, int SM, int TT>
 inline void tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
                   float *y, int ldy, bool add) {
-    if constexpr (Q4 && SM == 4) q5_tile8<TT>(w, g, h, xq, xd, xs, t0, y, ldy, add);
+    if constexpr (Q4 && SM >= 2) q4k_tile8<TT, SM == 4>(w, g, h, xq, xd, xs, t0, y, ldy, add);
     else if constexpr (Q4) q4_tile8<TT, SM>(w, g, h, xq, xd, xs, t0, y, ldy, add);
     else if constexpr (SM == 3) q6_tile8<TT>(w, g, h, xq, xd, xs, t0, y, ldy, add);
     else q8_tile8<TT, SM == 1>(w, g, h, xq, xd, xs, t0, y, ldy, add);
@@ -432,6 +584,15 @@ inline void tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const flo
 template <bool Q4, int SM>
 void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
                      int ldy, bool add, int gbeg, int gend) {
+    if constexpr (SM >= 2) {   // K-quants: one token reads each group once, whole lines (see above)
+        if (T == 1) {
+            for (int g = gbeg; g < gend; g++) {
+                if constexpr (SM == 3) q6_tile16x1(w, g, xq, xd, 0, y, ldy, add);
+                else q4k_tile16x1<SM == 4>(w, g, xq, xd, xs, 0, y, ldy, add);
+            }
+            return;
+        }
+    }
     for (int g = gbeg; g < gend; g++)
         for (int h = 0; h < 2; h++) {
             if (g * 16 + h * 8 >= w->rows) break;
