@@ -405,7 +405,11 @@ uint64_t g_phase[kPhases];
         }                                             \
     } while (0)
 
+int g_token_chunk = 0;   // tokens per linear_rows call in the forward (0: all)
+
 extern "C" {
+
+void kvs_set_token_chunk(int n) { g_token_chunk = n; }
 
 // out[kPhases] = the phase profile (TSC ticks, see g_phase); reset: zero it afterwards.
 int kvs_forward_profile(double *out, int reset) {
@@ -600,11 +604,19 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
             kvs::linear_rows(io->fc, xq.data(), xd.data(), xs.data(), T, x, H, false, ith, nt);
             KVS_TIMED_BARRIER();
         }
+        // y (+)= W x over the T tokens in chunks of g_token_chunk: the same arithmetic per output
+        // (kvs::linear_rows computes each token alone), each chunk's activations staying in L2.
+        auto linear = [&](const kvs_weight *W, float *y, int ldy, bool add) {
+            const int K = W->cols, nb = K / kvs::QK, chunk = g_token_chunk > 0 ? g_token_chunk : T;
+            for (int t0 = 0; t0 < T; t0 += chunk)
+                kvs::linear_rows(W, xq.data() + (size_t)t0 * K, xd.data() + (size_t)t0 * nb, xs.data() + (size_t)t0 * nb,
+                                 T - t0 < chunk ? T - t0 : chunk, y + (size_t)t0 * ldy, ldy, add, ith, nt);
+        };
         // y = W x then x += norm(y) (sandwich norm), or x += W x; `p` is the LoRA projection index
         auto project_residual = [&](int l, int p, const kvs_weight *W, const float *out_norm, const float *lsrc,
                                     int K) {
             float *y = out_norm ? proj.data() : x;
-            kvs::linear_rows(W, xq.data(), xd.data(), xs.data(), T, y, H, !out_norm, ith, nt);
+            linear(W, y, H, !out_norm);
             KVS_TIMED_BARRIER();
             add_lora(l, p, lsrc, K, y, H);
             if (out_norm) {   // this thread's tokens, as add_lora's
@@ -625,7 +637,7 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
             quantize(x, H, true, L.attn_norm);
             KVS_TIMED_BARRIER();
             KVS_PHASE(kPhNorm);
-            kvs::linear_rows(L.qkv, xq.data(), xd.data(), xs.data(), T, qkv.data(), qkv_rows, false, ith, nt);
+            linear(L.qkv, qkv.data(), qkv_rows, false);
             KVS_TIMED_BARRIER();
             KVS_PHASE(kPhQkv);
             add_lora(l, 0, nullptr, H, qkv.data(), qkv_rows);
@@ -646,7 +658,7 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
             quantize(x, H, true, L.ffn_norm);
             KVS_TIMED_BARRIER();
             KVS_PHASE(kPhFfnNorm);
-            kvs::linear_rows(L.gate_up, xq.data(), xd.data(), xs.data(), T, gu.data(), 2 * I, false, ith, nt);
+            linear(L.gate_up, gu.data(), 2 * I, false);
             KVS_TIMED_BARRIER();
             KVS_PHASE(kPhGateUp);
             add_lora(l, 2, nullptr, H, gu.data(), 2 * I);
