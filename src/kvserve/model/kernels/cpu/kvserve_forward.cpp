@@ -405,11 +405,7 @@ uint64_t g_phase[kPhases];
         }                                             \
     } while (0)
 
-int g_token_chunk = 0;   // tokens per linear_rows call in the forward (0: all)
-
 extern "C" {
-
-void kvs_set_token_chunk(int n) { g_token_chunk = n; }
 
 // out[kPhases] = the phase profile (TSC ticks, see g_phase); reset: zero it afterwards.
 int kvs_forward_profile(double *out, int reset) {
@@ -604,13 +600,9 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
             kvs::linear_rows(io->fc, xq.data(), xd.data(), xs.data(), T, x, H, false, ith, nt);
             KVS_TIMED_BARRIER();
         }
-        // y (+)= W x over the T tokens in chunks of g_token_chunk: the same arithmetic per output
-        // (kvs::linear_rows computes each token alone), each chunk's activations staying in L2.
+        // y (+)= W x for the T tokens, this thread's rows
         auto linear = [&](const kvs_weight *W, float *y, int ldy, bool add) {
-            const int K = W->cols, nb = K / kvs::QK, chunk = g_token_chunk > 0 ? g_token_chunk : T;
-            for (int t0 = 0; t0 < T; t0 += chunk)
-                kvs::linear_rows(W, xq.data() + (size_t)t0 * K, xd.data() + (size_t)t0 * nb, xs.data() + (size_t)t0 * nb,
-                                 T - t0 < chunk ? T - t0 : chunk, y + (size_t)t0 * ldy, ldy, add, ith, nt);
+            kvs::linear_rows(W, xq.data(), xd.data(), xs.data(), T, y, ldy, add, ith, nt);
         };
         // y = W x then x += norm(y) (sandwich norm), or x += W x; `p` is the LoRA projection index
         auto project_residual = [&](int l, int p, const kvs_weight *W, const float *out_norm, const float *lsrc,
