@@ -278,7 +278,7 @@ class PackSession:
         for layer in self.recorded:
             e = {"qtype": int(layer.qtype), "rows": layer.out_features, "cols": layer.in_features,
                  "sdtype": layer.desc.sdtype}
-            if e["qtype"] == Q4_0 and layer.m.numel():
+            if e["qtype"] == Q4_0:     # (the layer may not even hold them: GGUFQuantLinear._drop_q4_0_minima)
                 e["m_is_-8d"] = True      # a Q4_0 minimum is -8 d: not stored (the cache stays <= 1.1x the file)
             for name in ("qs", "d", "m"):
                 t = getattr(layer, name)

@@ -275,11 +275,48 @@ inline void pv_block(const float *const *sg, float *const *ar, const float *vf, 
         for (int c = 0; c < NC; c++) _mm256_storeu_ps(ar[r] + 8 * (c0 + c), acc[r][c]);
 }
 
+// The scores' dot products of two query rows q0, q1 against the 8 keys at kf (rows of ND * 8
+// floats): acc0[j], acc1[j] as attend_rows forms acc[j] for one row (mul by lane chunk 0, then one
+// FMA per chunk, in order), four keys at a time so that each key load serves both rows: 8 chains
+// and 6 loads per 8 FMAs instead of 8 chains and 16 loads (a wide head, D = 256, keeps no query
+// in registers). Same products, same chains: the same bits.
+template <int ND>
+inline void qk_pair8(const float *q0, const float *q1, const float *kf, __m256 *acc0, __m256 *acc1) {
+    constexpr int D = ND * 8;
+    for (int kh = 0; kh < 2; kh++) {
+        const float *k = kf + (size_t)(4 * kh) * D;
+        const __m256 x0 = _mm256_loadu_ps(q0), x1 = _mm256_loadu_ps(q1);
+        __m256 k0 = _mm256_loadu_ps(k), k1 = _mm256_loadu_ps(k + D), k2 = _mm256_loadu_ps(k + 2 * D),
+               k3 = _mm256_loadu_ps(k + 3 * D);
+        __m256 a0 = _mm256_mul_ps(x0, k0), a1 = _mm256_mul_ps(x0, k1), a2 = _mm256_mul_ps(x0, k2),
+               a3 = _mm256_mul_ps(x0, k3);
+        __m256 b0 = _mm256_mul_ps(x1, k0), b1 = _mm256_mul_ps(x1, k1), b2 = _mm256_mul_ps(x1, k2),
+               b3 = _mm256_mul_ps(x1, k3);
+        for (int c = 1; c < ND; c++) {
+            const __m256 y0 = _mm256_loadu_ps(q0 + 8 * c), y1 = _mm256_loadu_ps(q1 + 8 * c);
+            k0 = _mm256_loadu_ps(k + 8 * c);
+            k1 = _mm256_loadu_ps(k + D + 8 * c);
+            k2 = _mm256_loadu_ps(k + 2 * D + 8 * c);
+            k3 = _mm256_loadu_ps(k + 3 * D + 8 * c);
+            a0 = _mm256_fmadd_ps(y0, k0, a0);
+            a1 = _mm256_fmadd_ps(y0, k1, a1);
+            a2 = _mm256_fmadd_ps(y0, k2, a2);
+            a3 = _mm256_fmadd_ps(y0, k3, a3);
+            b0 = _mm256_fmadd_ps(y1, k0, b0);
+            b1 = _mm256_fmadd_ps(y1, k1, b1);
+            b2 = _mm256_fmadd_ps(y1, k2, b2);
+            b3 = _mm256_fmadd_ps(y1, k3, b3);
+        }
+        acc0[4 * kh] = a0, acc0[4 * kh + 1] = a1, acc0[4 * kh + 2] = a2, acc0[4 * kh + 3] = a3;
+        acc1[4 * kh] = b0, acc1[4 * kh + 1] = b1, acc1[4 * kh + 2] = b2, acc1[4 * kh + 3] = b3;
+    }
+}
+
 // NQ consecutive queries of one sequence (query i attends to keys 0..L0+i-1) x the G heads of one
 // KV head, against contiguous float32 K/V rows [L0+NQ-1, ND*8]. Bit for bit what attend_rows<float,
 // ND> gives each query alone (the same products, chains, reduction trees and softmax, in the same
 // order); only the loop nest differs: scores for 8 keys at a time for every query, then per-query
-// softmax, then V in blocks of 32 rows that every query's accumulators (kept in memory between
+// softmax, then V in blocks of 32 rows (16 for D = 256) that every query's accumulators (kept in memory between
 // blocks) read while the block is in L1. A long prompt's tile thus reads its K/V from memory once
 // instead of once per query.
 template <int ND>
@@ -294,7 +331,29 @@ void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf
     thread_local std::vector<float> A;
     A.assign((size_t)R * D, 0.0f);
     const __m256 vscale = _mm256_set1_ps(scale);
-    for (int t = 0; t + 8 <= Lmax; t += 8) {
+    // Wide heads (D = 256): the rows (query, head) whose keys t..t+7 are all in range, two at a time
+    // (qk_pair8); the scores are those of the row-by-row loop below.
+    constexpr bool kPairs = ND >= 32;
+    for (int t = 0; kPairs && t + 8 <= Lmax; t += 8) {
+        const int i0 = t + 8 - L0 > 0 ? t + 8 - L0 : 0;       // queries before i0: this block is their tail
+        const int r0 = i0 * G, R = NQ * G;
+        const float *kt = kf + (size_t)t * D;
+        for (int r = r0; r < R; r += 2) {
+            const int r1 = r + 1 < R ? r + 1 : r;              // an odd last row pairs with itself
+            const float *qa = q + (size_t)(r / G) * q_stride + (size_t)(r % G) * D;
+            const float *qb = q + (size_t)(r1 / G) * q_stride + (size_t)(r1 % G) * D;
+            __m256 acc0[8], acc1[8];
+            qk_pair8<ND>(qa, qb, kt, acc0, acc1);
+            __m256 s0 = _mm256_mul_ps(hsum8(acc0), vscale), s1 = _mm256_mul_ps(hsum8(acc1), vscale);
+            if (ksc) {
+                s0 = _mm256_mul_ps(s0, _mm256_loadu_ps(ksc + t));
+                s1 = _mm256_mul_ps(s1, _mm256_loadu_ps(ksc + t));
+            }
+            _mm256_storeu_ps(S.data() + (size_t)r * Lmax + t, s0);
+            _mm256_storeu_ps(S.data() + (size_t)r1 * Lmax + t, s1);
+        }
+    }
+    for (int t = 0; !kPairs && t + 8 <= Lmax; t += 8) {
         for (int i = 0; i < NQ; i++) {
             if (t + 8 > L0 + i) continue;                      // this query's tail: below
             for (int g = 0; g < G; g++) {
@@ -328,10 +387,12 @@ void tile_rows(const float *q, size_t q_stride, const float *kf, const float *vf
     }
     // V: rows of one query (its G heads, up to 3 at a time) x 4 lanes of 8 share each V load, so
     // 12 independent FMA chains run side by side; each output's chain is still key by key in order.
-    constexpr int NC = pass_lanes(ND);
-    for (int b0 = 0; b0 < Lmax; b0 += 32) {
+    // A block of V rows stays in L1 for all the queries: 32 rows, 16 for D = 256 (16 KB of the 32);
+    // each output's chain is the same whichever the block size (pv_block carries it through A).
+    constexpr int NC = pass_lanes(ND), KB = ND >= 32 ? 16 : 32;
+    for (int b0 = 0; b0 < Lmax; b0 += KB) {
         for (int i = 0; i < NQ; i++) {
-            const int L = L0 + i, b1 = b0 + 32 < L ? b0 + 32 : L;
+            const int L = L0 + i, b1 = b0 + KB < L ? b0 + KB : L;
             if (b0 >= L) continue;
             for (int g0 = 0; g0 < G; g0 += 3) {
                 const float *sg[3];

@@ -391,6 +391,33 @@ void kvs_team_reset(void) {
         waited += __rdtsc() - t_;             \
     } while (0)
 
+// The forward's phase profile: thread 0's TSC ticks from the end of one phase (a barrier) to the
+// end of the next, summed per kind over every layer and call (kvs_forward_profile reads it). A
+// phase's wall time on the step's critical path: its slowest thread plus the barrier.
+enum { kPhNorm, kPhQkv, kPhRope, kPhAttn, kPhQuant, kPhO, kPhFfnNorm, kPhGateUp, kPhAct, kPhDown, kPhFinal, kPhases };
+uint64_t g_phase[kPhases];
+#define KVS_PHASE(k)                                  \
+    do {                                              \
+        if (ith == 0) {                               \
+            const uint64_t n_ = __rdtsc();            \
+            g_phase[k] += n_ - ph_last;               \
+            ph_last = n_;                             \
+        }                                             \
+    } while (0)
+
+extern "C" {
+
+// out[kPhases] = the phase profile (TSC ticks, see g_phase); reset: zero it afterwards.
+int kvs_forward_profile(double *out, int reset) {
+    for (int k = 0; k < kPhases; k++) {
+        out[k] = (double)g_phase[k];
+        if (reset) g_phase[k] = 0;
+    }
+    return kPhases;
+}
+
+}  // extern "C"
+
 extern "C" {
 
 // x [T, hidden] (the embedded tokens) is updated in place through every layer; out [T, hidden]
@@ -517,7 +544,7 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
 #pragma omp parallel num_threads(nth)
     {
         const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
-        uint64_t waited = 0;
+        uint64_t waited = 0, ph_last = __rdtsc();
         std::vector<float> row((size_t)(H > I ? H : I) + (io ? io->F + H : 0));
         // Quantize this thread's tokens of src [T, K] (row stride K) into xq/xd/xs.
         std::vector<float> lr(64);
@@ -573,11 +600,15 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
             kvs::linear_rows(io->fc, xq.data(), xd.data(), xs.data(), T, x, H, false, ith, nt);
             KVS_TIMED_BARRIER();
         }
+        // y (+)= W x for the T tokens, this thread's rows
+        auto linear = [&](const kvs_weight *W, float *y, int ldy, bool add) {
+            kvs::linear_rows(W, xq.data(), xd.data(), xs.data(), T, y, ldy, add, ith, nt);
+        };
         // y = W x then x += norm(y) (sandwich norm), or x += W x; `p` is the LoRA projection index
         auto project_residual = [&](int l, int p, const kvs_weight *W, const float *out_norm, const float *lsrc,
                                     int K) {
             float *y = out_norm ? proj.data() : x;
-            kvs::linear_rows(W, xq.data(), xd.data(), xs.data(), T, y, H, !out_norm, ith, nt);
+            linear(W, y, H, !out_norm);
             KVS_TIMED_BARRIER();
             add_lora(l, p, lsrc, K, y, H);
             if (out_norm) {   // this thread's tokens, as add_lora's
@@ -597,23 +628,31 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
             char *Vc = Kc + (size_t)(L.local ? m->local->num_blocks : num_blocks) * block_stride * esize;
             quantize(x, H, true, L.attn_norm);
             KVS_TIMED_BARRIER();
-            kvs::linear_rows(L.qkv, xq.data(), xd.data(), xs.data(), T, qkv.data(), qkv_rows, false, ith, nt);
+            KVS_PHASE(kPhNorm);
+            linear(L.qkv, qkv.data(), qkv_rows, false);
             KVS_TIMED_BARRIER();
+            KVS_PHASE(kPhQkv);
             add_lora(l, 0, nullptr, H, qkv.data(), qkv_rows);
             for (int t = ith; t < T; t += nt)
                 rope_and_store(m, L, qkv.data() + (size_t)t * qkv_rows, positions[t], l_slots[t], Kc, Vc, kv_dtype,
                                block_size);
             KVS_TIMED_BARRIER();
+            KVS_PHASE(kPhRope);
             attend_tiles(m, L, qkv.data(), tiles, nullptr, positions, seq_of, l_tables, l_max_blocks, Kc, Vc, kv_dtype,
                          block_size, attn.data(), call);
             KVS_TIMED_BARRIER();
+            KVS_PHASE(kPhAttn);
             quantize(attn.data(), qd, false, nullptr);
             KVS_TIMED_BARRIER();
+            KVS_PHASE(kPhQuant);
             project_residual(l, 1, L.o, L.attn_out_norm, attn.data(), qd);
+            KVS_PHASE(kPhO);
             quantize(x, H, true, L.ffn_norm);
             KVS_TIMED_BARRIER();
-            kvs::linear_rows(L.gate_up, xq.data(), xd.data(), xs.data(), T, gu.data(), 2 * I, false, ith, nt);
+            KVS_PHASE(kPhFfnNorm);
+            linear(L.gate_up, gu.data(), 2 * I, false);
             KVS_TIMED_BARRIER();
+            KVS_PHASE(kPhGateUp);
             add_lora(l, 2, nullptr, H, gu.data(), 2 * I);
             for (int t = ith; t < T; t += nt) {
                 const float *g = gu.data() + (size_t)t * 2 * I;
@@ -624,8 +663,10 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
                                      xs.data() + (size_t)t * (I / kvs::QK));
             }
             KVS_TIMED_BARRIER();
+            KVS_PHASE(kPhAct);
             project_residual(l, 3, L.down, L.ffn_out_norm, nullptr, I);
             if (lora || L.ffn_out_norm) KVS_TIMED_BARRIER();
+            KVS_PHASE(kPhDown);
             if (aux && L.aux_slot >= 0 && L.aux_slot < n_aux)   // this thread's rows, as the next quantize
                 for (int t = ith; t < T; t += nt)
                     kvs::rms_norm_row(x + (size_t)t * H, unit.data(), H, FLT_EPSILON,
@@ -636,6 +677,7 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
                 kvs::rms_norm_row(x + (size_t)t * H, m->final_norm, H, m->eps, out + (size_t)t * H);
             else
                 memcpy(out + (size_t)t * H, x + (size_t)t * H, H * sizeof(float));
+        KVS_PHASE(kPhFinal);
         if (io) {   // the head over the chosen rows, as kvs_linear would run it, then each row's argmax
             const int V = io->head->rows;
             KVS_TIMED_BARRIER();

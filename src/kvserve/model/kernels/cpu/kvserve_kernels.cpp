@@ -33,6 +33,7 @@
 //                           so one 64-byte load gives 16 rows x 8 values, an AND and a shift+AND
 //                           two u8 vectors whose lanes (4 bytes = 1 int32 lane) are rows.
 //                           d, m [g][b][16 rows] float16 or float32: w = d * q + m, q in 0..15
+//                           (Q4_0 with float16 d may come without m: then m = -8 d, formed exactly)
 //   Q8_0:                   qs [g][b][i = 0..7][16 rows][4 bytes] int8 q[r][32b + 4i + j],
 //                           d [g][b][16 rows] float16 or float32: w = d * q
 //   Q4_K (qtype 2):         qs as Q4; the scales stay per 256-value super-block s as the file has
@@ -218,8 +219,11 @@ inline void q4_scales8(const kvs_weight *w, int g, int h, int b, int nb, __m256 
         return;
     }
     const size_t at = ((size_t)g * nb + b) * 16 + h * 8;
-    *d = scales8<SM == 1>(w->d, at);
-    *m = scales8<SM == 1>(w->m, at);
+    *d = scales8<SM == 1 || SM == 5>(w->d, at);
+    // SM 5: a Q4_0 weight without its minima (m NULL): m = -8 d, the exact float32 product the
+    // repack stored (kvs_repack_q4 checks it is a float16), formed here instead of read: a decode
+    // step reads 18 bytes per 32 weights, the file's, instead of 20.
+    *m = SM == 5 ? _mm256_mul_ps(*d, _mm256_set1_ps(-8.0f)) : scales8<SM == 1>(w->m, at);
 }
 
 template <int TT, int SM>
@@ -630,6 +634,7 @@ void linear_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const f
     if (w->qtype == KVS_QTYPE_Q4K) run_groups_avx2<true, 2>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (w->qtype == KVS_QTYPE_Q6K) run_groups_avx2<false, 3>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (w->qtype == KVS_QTYPE_Q5K) run_groups_avx2<true, 4>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
+    else if (w->qtype == 0 && f16 && !w->m) run_groups_avx2<true, 5>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (w->qtype == 0 && f16) run_groups_avx2<true, 1>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (w->qtype == 0) run_groups_avx2<true, 0>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
     else if (f16) run_groups_avx2<false, 1>(w, xq, xd, xs, T, y, ldy, add, gbeg, gend);
@@ -691,7 +696,7 @@ inline void block_scales(const kvs_weight *w, int r, int b, int nb, float *d, fl
     }
     const size_t at = scale_at(r, b, nb);
     *d = scale_value(w->d, at, w->sdtype);
-    *m = w->qtype == 0 ? scale_value(w->m, at, w->sdtype) : 0.0f;
+    *m = w->qtype != 0 ? 0.0f : w->m ? scale_value(w->m, at, w->sdtype) : -8.0f * *d;   // no m: Q4_0's -8 d
 }
 
 inline void put_q4(uint8_t *qs, int r, int k, int nb, uint8_t q) {
