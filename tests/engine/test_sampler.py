@@ -204,6 +204,25 @@ def test_ignore_eos_masks_every_eos_always():
     assert sampler(logits, [SamplingRequest(params, [1], list(range(100)))]).token_ids.item() == 3
 
 
+def test_greedy_rows_that_only_ban_tokens_match_the_masked_logits():
+    """The greedy path without a masked copy (ignore_eos, min_tokens, reasoning: bans only) takes
+    what the argmax of the processed logits takes, also when the raw maximum is banned or tied."""
+    g = torch.Generator().manual_seed(1)
+    sampler = Sampler([0, 2])
+    kinds = [SamplingParams(temperature=0.0, ignore_eos=True), SamplingParams(temperature=0.0),
+             SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[5, 7]),
+             SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[5], ignore_eos=True)]
+    for trial in range(60):
+        x = torch.randint(-2, 3, (12, 40), generator=g).float()        # ties everywhere
+        x[torch.rand(12, generator=g) < 0.5, 0] = 9.0                     # EOS often the maximum
+        x[torch.rand(12, generator=g) < 0.3, 5] = 9.0                     # ... or a stop token
+        reqs = [SamplingRequest(kinds[(trial + i) % 4], [1], [3] * (i % 6), in_reasoning=(trial + i) % 9 == 0)
+                for i in range(12)]
+        expected = sampler.process_logits(x, reqs).argmax(-1)
+        assert torch.equal(sampler(x, reqs).token_ids, expected)
+        assert x[:, 0].max() <= 9.0, "the caller's logits are not modified"
+
+
 def test_logprobs_come_from_the_raw_distribution():
     torch.manual_seed(3)
     logits = torch.randn(3, 40)
