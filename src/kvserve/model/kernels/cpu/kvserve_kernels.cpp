@@ -206,6 +206,9 @@ inline __m256 scales8(const void *p, size_t idx) {
 // (SM 0: float32, 1: float16), or formed from the Q4_K super-block layout (SM 2, see the top of the
 // file): d = d_s * sc, m = -(dmin_s * mn), both exact products in float32 (an fp16 times a 6-bit
 // integer), so the bits are those of the per-block float32 layout.
+// SM 2-4 are the K-quant layouts (Q4_K, Q6_K, Q5_K); SM 5 is Q4_0 with float16 d and no stored m.
+constexpr bool kquant_sm(int sm) { return sm >= 2 && sm <= 4; }
+
 template <int SM>
 inline void q4_scales8(const kvs_weight *w, int g, int h, int b, int nb, __m256 *d, __m256 *m) {
     if (SM == 2) {
@@ -577,7 +580,7 @@ void q6_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, 
 template <bool Q4, int SM, int TT>
 inline void tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
                   float *y, int ldy, bool add) {
-    if constexpr (Q4 && SM >= 2) q4k_tile8<TT, SM == 4>(w, g, h, xq, xd, xs, t0, y, ldy, add);
+    if constexpr (Q4 && kquant_sm(SM)) q4k_tile8<TT, SM == 4>(w, g, h, xq, xd, xs, t0, y, ldy, add);
     else if constexpr (Q4) q4_tile8<TT, SM>(w, g, h, xq, xd, xs, t0, y, ldy, add);
     else if constexpr (SM == 3) q6_tile8<TT>(w, g, h, xq, xd, xs, t0, y, ldy, add);
     else q8_tile8<TT, SM == 1>(w, g, h, xq, xd, xs, t0, y, ldy, add);
@@ -588,7 +591,7 @@ inline void tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const flo
 template <bool Q4, int SM>
 void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
                      int ldy, bool add, int gbeg, int gend) {
-    if constexpr (SM >= 2) {   // K-quants: one token reads each group once, whole lines (see above)
+    if constexpr (kquant_sm(SM)) {   // K-quants: one token reads each group once, whole lines (see above)
         if (T == 1) {
             for (int g = gbeg; g < gend; g++) {
                 if constexpr (SM == 3) q6_tile16x1(w, g, xq, xd, 0, y, ldy, add);
