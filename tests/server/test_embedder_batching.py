@@ -60,22 +60,25 @@ def test_waiting_calls_for_other_depths_get_their_own_forward():
         assert float((got * ref).sum(1).min()) > 1 - 1e-3
 
 
-def _recording(emb: Embedder, forwards: list[list[str]]):
+def _recording(emb: Embedder, forwards: list[list[str]], hold=None):
+    """Forwards that record their texts and return each text's number as its vector; `hold(texts)`
+    runs first (a slice that blocks)."""
     import time
 
     import torch
 
     def fake(texts, use, depths=(None,)):
         forwards.append(list(texts))
+        if hold is not None:
+            hold(texts)
         time.sleep(0.01)
         ids = torch.tensor([float("".join(c for c in t if c.isdigit()) or -1) for t in texts])   # "big7" -> 7
         return {d: ids[:, None].repeat(1, 4) for d in depths}, [1] * len(texts)
     emb._encode_counted = fake
 
 
-def test_a_lookup_waits_at_most_one_slice_of_a_big_call():
-    """Issue 49.3: a big call is cut into slices; a lookup arriving meanwhile goes into the next
-    forward, and two big calls take turns."""
+def test_big_calls_take_turns_in_slices():
+    """Issue 49.3: a big call is cut into slices, and two big calls take turns."""
     emb = Embedder(slice_texts=4)
     forwards: list[list[str]] = []
     _recording(emb, forwards)
@@ -86,14 +89,44 @@ def test_a_lookup_waits_at_most_one_slice_of_a_big_call():
         first = asyncio.ensure_future(emb.encode(big))
         await asyncio.sleep(0)            # the first slice starts
         second = asyncio.ensure_future(emb.encode(other))
-        lookup = asyncio.ensure_future(emb.encode(["the query"], use="semantic_cache"))
-        return await asyncio.gather(first, second, lookup)
+        return await asyncio.gather(first, second)
 
-    (vecs, tokens), (vecs2, _), _ = asyncio.run(main())
-    assert all(len(f) <= 4 or "the query" in f for f in forwards)
-    assert "the query" in forwards[1]                       # right after the slice that was running
+    (vecs, tokens), (vecs2, _) = asyncio.run(main())
+    assert all(len(f) <= 4 for f in forwards)
     with_big = [i for i, f in enumerate(forwards) if any(t.startswith("big") for t in f)]
     with_other = [i for i, f in enumerate(forwards) if any(t.startswith("other") for t in f)]
     assert with_other[-1] < with_big[-1]                    # the second call did not wait for the first
     assert tokens == 40 and [int(x) for x in vecs[:, 0]] == list(range(40))   # every row its own text's
     assert [int(x) for x in vecs2[:, 0]] == list(range(8))
+
+
+def test_a_lookup_runs_beside_a_big_calls_slice():
+    """A request-path lookup (semantic cache, router, moderation) does not wait for the slice that
+    is running: the big call's first forward blocks until the lookup's forward has run, which
+    only happens if the lookup has a thread of its own."""
+    import threading
+
+    emb = Embedder(slice_texts=4)
+    forwards: list[list[str]] = []
+    looked_up = threading.Event()
+    held: list[bool] = []
+
+    def hold(texts):
+        if "the query" in texts:
+            looked_up.set()
+        elif not held:
+            held.append(looked_up.wait(timeout=5))
+    _recording(emb, forwards, hold)
+    big = [f"big{i}" for i in range(12)]
+
+    async def main():
+        first = asyncio.ensure_future(emb.encode(big))
+        await asyncio.sleep(0.05)         # the first slice is running (and blocked)
+        lookup = asyncio.ensure_future(emb.encode(["the query"], use="semantic_cache"))
+        return await asyncio.gather(first, lookup)
+
+    (vecs, tokens), (q, _) = asyncio.run(main())
+    assert held == [True]                                   # the lookup ran while the slice waited
+    assert ["the query"] in forwards and all("the query" not in f for f in forwards if len(f) > 1)
+    assert tokens == 12 and [int(x) for x in vecs[:, 0]] == list(range(12))
+    assert int(q[0, 0]) == -1

@@ -144,7 +144,8 @@ class _PackedBf16Linear(nn.Module):
 
 
 class SentenceEncoder:
-    """Text -> unit vectors. Thread-safe (one forward at a time); `encode` takes a list of strings."""
+    """Text -> unit vectors; `encode` takes a list of strings. Thread-safe: forwards on several
+    threads at once read the same weights (the server's lookups run beside a big request's batch)."""
 
     def __init__(self, model: BertEncoder, tokenizer, *, name: str = DEFAULT_EMBEDDING_MODEL,
                  max_seq_length: int = 256, chunk_tokens: int = 8192, bf16: bool | None = None,
@@ -166,17 +167,21 @@ class SentenceEncoder:
         """The model to run: the fp32 one, or its copy with bf16 Linear weights (made once)."""
         if not self.bf16:
             return self.model
-        if self._bf16_model is None:
-            m = copy.deepcopy(self.model)
-            for layer in m.layers:
-                for name in ("qkv", "attn_out", "up", "down"):
-                    lin = getattr(layer, name)
-                    try:
-                        setattr(layer, name, _PackedBf16Linear(lin))
-                    except (AttributeError, RuntimeError):   # no prepacking ops, or oneDNN held to AVX2
-                        lin.to(torch.bfloat16)
-            self._bf16_model = m.eval()
+        with self._lock:    # made once, by the first thread to ask
+            if self._bf16_model is None:
+                self._bf16_model = self._bf16_copy()
         return self._bf16_model
+
+    def _bf16_copy(self) -> BertEncoder:
+        m = copy.deepcopy(self.model)
+        for layer in m.layers:
+            for name in ("qkv", "attn_out", "up", "down"):
+                lin = getattr(layer, name)
+                try:
+                    setattr(layer, name, _PackedBf16Linear(lin))
+                except (AttributeError, RuntimeError):   # no prepacking ops, or oneDNN held to AVX2
+                    lin.to(torch.bfloat16)
+        return m.eval()
 
     def token_counts(self, texts: list[str]) -> list[int]:
         return [min(len(e.ids), self.max_seq_length) for e in self.tokenizer.encode_batch(texts)]
@@ -226,8 +231,8 @@ class SentenceEncoder:
         out = {d: torch.empty(len(rows), self.dim) for d in depths}
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
         start = 0
-        with self._lock, torch.inference_mode(), autocast:
-            model = self._model()
+        model = self._model()
+        with torch.inference_mode(), autocast:
             while start < len(order):
                 end = start
                 while end < len(order) and len(rows[order[end]]) * (end - start + 1) <= self.chunk_tokens:

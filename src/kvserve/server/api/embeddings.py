@@ -20,7 +20,6 @@ callers' (routing/embedder.py), so none of them starves a chat's semantic-cache 
 from __future__ import annotations
 
 import base64
-import json
 from typing import TYPE_CHECKING, Literal
 
 from fastapi import FastAPI, Request
@@ -90,13 +89,18 @@ async def embed_texts(server: ServerState, embedder: Embedder, request: Request,
 
 
 def _body(vecs, encoding_format: str, model: str, tokens: int) -> bytes:
-    """The response's JSON, written row by row on the encoder's thread (a 200 x 384 list of floats is
-    a tenth of a second of formatting: never on the event loop, and giving the GIL back between rows)."""
-    rows = []
-    for i, v in enumerate(vecs):
-        emb = (base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() if encoding_format == "base64"
-               else v.tolist())
-        rows.append(json.dumps({"object": "embedding", "index": i, "embedding": emb}, separators=(",", ":")))
-    tail = json.dumps({"model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
-                      separators=(",", ":"))
-    return ('{"object":"list","data":[' + ",".join(rows) + "]," + tail[1:]).encode()
+    """The response's JSON (`json_body`)."""
+    rows = ([base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() for v in vecs]
+            if encoding_format == "base64" else vecs.tolist())
+    return json_body({"object": "list",
+                      "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(rows)],
+                      "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+def json_body(obj) -> bytes:
+    """`obj` as JSON, tensors as lists of floats, run on the encoder's thread (never the event loop)
+    by msgspec's encoder: a 200 x 384 list of floats in about 8 ms where the standard library's
+    takes 70, the same numbers (each float's shortest round-trip text)."""
+    import msgspec
+
+    return msgspec.json.encode(obj, enc_hook=lambda t: t.tolist())

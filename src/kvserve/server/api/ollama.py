@@ -40,7 +40,7 @@ from pydantic import Field
 
 import kvserve
 from kvserve.errors import ContextLengthExceeded, InvalidRequest
-from kvserve.server.api.embeddings import EmbeddingRequest, embed_texts
+from kvserve.server.api.embeddings import EmbeddingRequest, embed_texts, json_body
 from kvserve.server.api.ollama_fim import fim_prompt
 from kvserve.server.api.ollama_models import mount_ollama_models, served_name
 from kvserve.server.api.ollama_wire import OllamaRenderer, line, now
@@ -357,14 +357,14 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
         return await generation(request, gen_body, num_ctx, is_chat, body.model, hold)
 
     @app.post("/api/embed")
-    async def embed(request: Request) -> dict:
+    async def embed(request: Request) -> Response:
         body = await read_request(request, EmbedBody, settings)
         req = validate_body({"input": body.input, "model": served_name(body.model), "dimensions": body.dimensions},
                             EmbeddingRequest)
         embedder = gw.routing.embedder
         vecs, tokens = await embed_texts(gw, embedder, request, req)
-        rows = await embedder.run(lambda: [v.tolist() for v in vecs])     # off the event loop, as /v1/embeddings
-        return {"model": body.model, "embeddings": rows, "prompt_eval_count": tokens}
+        out = {"model": body.model, "embeddings": vecs, "prompt_eval_count": tokens}
+        return Response(await embedder.run(json_body, out), media_type="application/json")   # as /v1/embeddings
 
     @app.get("/api/version")
     async def version() -> dict:

@@ -15,12 +15,13 @@ Fairness: a forward holds at most `SLICE_TEXTS` texts and `SLICE_CHARS` characte
 counted as at most `WINDOW_CHARS`, about the encoder's 256-token window: at most one window of
 tokens a forward, about 50 ms on one core of a Xeon, so a 75 ms chat stays within 2x). A big call (an /v1/embeddings request of
 hundreds of inputs) is cut into slices that take turns with the other waiting calls, round robin,
-and the short lookups of the semantic cache and the router (`use` other than "api") go first in
-every forward; so a lookup waits at most one slice however much is queued, and two big requests
-share the encoder instead of one waiting for the other. Every forward runs on the encoder's own
-thread (one worker, torch on one core there), never in asyncio's default pool: template
-rendering, store reads and usage writes in that pool never queue behind embeddings, and the other
-core stays with the engine.
+so two big requests share the encoder instead of one waiting for the other. The lookups on a
+request's path (`use` other than "api": the semantic cache, the router, moderation) wait for no
+slice at all: they have their own lane, a queue and a thread of their own (`_Lane`), so a chat's
+lookup runs beside a big call's forward, not after it (one 256-token text is a forward of about
+100 ms on a busy core; a short lookup is a few). Forwards run on the lanes' threads, never in
+asyncio's default pool: template rendering, store reads and usage writes in that pool never
+queue behind embeddings. The bulk lane also counts tokens and formats responses (`run`).
 
 The `/v1/embeddings` route over this encoder is api/embeddings.py.
 """
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 EMBEDDING_MODEL = "all-minilm-l6-v2"
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 SLICE_TEXTS = 16      # texts per forward, and
-SLICE_CHARS = 512     # their characters: the longest a lookup can wait behind a big call
+SLICE_CHARS = 512     # their characters: how long a big call holds the bulk lane at a time
 WINDOW_CHARS = 1024   # a longer text costs no more than this (the encoder truncates at 256 tokens)
 
 
@@ -72,6 +73,16 @@ class QueryEmbedding:
         return self.vectors[depth]
 
 
+class _Lane:
+    """Calls waiting for forwards, the flag of the task draining them, and the one thread that runs
+    them."""
+
+    def __init__(self, name: str):
+        self.queue: list[_Call] = []
+        self.draining = False
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+
 @dataclass(eq=False)
 class _Call:
     """One `encode_depths` call waiting for (the rest of) its vectors."""
@@ -99,9 +110,7 @@ class Embedder:
         self.slice_texts, self.slice_chars = slice_texts, slice_chars
         self._encoder = None
         self._lock = threading.Lock()
-        self._queue: list[_Call] = []
-        self._draining = False
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-embed")
+        self._bulk, self._lookups = _Lane("kvserve-embed"), _Lane("kvserve-embed-lookup")
         self.batches = 0    # forwards run by `encode` (coalesced calls count once)
         self.latency = Histogram("kvserve:embedding_latency_seconds", "Time to embed one batch of texts.",
                                  ["use"], buckets=LATENCY_BUCKETS, registry=registry)
@@ -133,7 +142,7 @@ class Embedder:
 
     async def run(self, fn, *args: Any) -> Any:
         """`fn(*args)` on the encoder's thread (tokenizing a request's inputs, say)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._bulk.executor, fn, *args)
 
     async def token_counts(self, texts: list[str]) -> list[int]:
         """Each text's tokens as the encoder counts them (truncated at its sequence length)."""
@@ -154,21 +163,23 @@ class Embedder:
             vecs, _ = await self.run(self._encode_counted, [], use, depths)
             return vecs, 0
         call = _Call(list(texts), depths, use, asyncio.get_running_loop().create_future())
-        self._queue.append(call)
-        if not self._draining:
-            self._draining = True
-            asyncio.get_running_loop().create_task(self._drain())
+        lane = self._lookups if call.lookup else self._bulk
+        lane.queue.append(call)
+        if not lane.draining:
+            lane.draining = True
+            asyncio.get_running_loop().create_task(self._drain(lane))
         try:
             return await call.fut
         finally:   # a caller gone (cancelled) stops costing forwards
-            if call in self._queue:
-                self._queue.remove(call)
+            if call in lane.queue:
+                lane.queue.remove(call)
 
-    def _next_batch(self) -> list[tuple[_Call, int]]:
-        """The next forward's (call, texts taken): lookups first, then the waiting calls in turn, up
-        to `slice_texts` texts and `slice_chars` characters (at least one text), all asking for
-        the depths of the first one served; a call with texts left goes to the back of the queue."""
-        queue = sorted(self._queue, key=lambda c: not c.lookup)   # stable: arrival order within each kind
+    def _next_batch(self, lane: _Lane) -> list[tuple[_Call, int]]:
+        """The lane's next forward's (call, texts taken): the waiting calls in turn, all asking for
+        the depths of the first one; lookups whole, other calls up to `slice_texts` texts and
+        `slice_chars` characters (at least one text), a call with texts left going to the back of
+        the queue."""
+        queue = list(lane.queue)
         depths = queue[0].depths
         texts, chars, batch = self.slice_texts, self.slice_chars, []
         for call in queue:
@@ -185,25 +196,27 @@ class Embedder:
                 break
             batch.append((call, take))
         for call, take in batch:
-            self._queue.remove(call)
+            lane.queue.remove(call)
             if call.done + take < len(call.texts):
-                self._queue.append(call)
+                lane.queue.append(call)
         return batch
 
-    async def _drain(self) -> None:
+    async def _drain(self, lane: _Lane) -> None:
         import torch
 
+        loop = asyncio.get_running_loop()
         try:
-            while self._queue:
-                batch = self._next_batch()
+            while lane.queue:
+                batch = self._next_batch(lane)
                 texts = [t for call, take in batch for t in call.texts[call.done:call.done + take]]
                 self.batches += 1
                 try:
-                    vecs, counts = await self.run(self._encode_counted, texts, batch[0][0].use, batch[0][0].depths)
+                    vecs, counts = await loop.run_in_executor(lane.executor, self._encode_counted, texts,
+                                                              batch[0][0].use, batch[0][0].depths)
                 except BaseException as e:   # every call in the forward gets the error
                     for call, _ in batch:
-                        if call in self._queue:
-                            self._queue.remove(call)
+                        if call in lane.queue:
+                            lane.queue.remove(call)
                         if not call.fut.done():
                             call.fut.set_exception(e)
                     if not isinstance(e, Exception):
@@ -219,7 +232,7 @@ class Embedder:
                         whole = {d: torch.cat([p[d] for p in call.parts]) for d in call.depths}
                         call.fut.set_result((whole, sum(call.counts)))
         finally:
-            self._draining = False
+            lane.draining = False
 
     def _encode_counted(self, texts: list[str], use: str, depths: tuple = (None,)):
         from kvserve.model.bert import one_thread
@@ -236,4 +249,5 @@ class Embedder:
                 "kvserve_kind": "embedding", "dimensions": 384}
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for lane in (self._bulk, self._lookups):
+            lane.executor.shutdown(wait=False, cancel_futures=True)
