@@ -78,7 +78,8 @@ def _recording(emb: Embedder, forwards: list[list[str]], hold=None):
 
 
 def test_big_calls_take_turns_in_slices():
-    """Issue 49.3: a big call is cut into slices, and two big calls take turns."""
+    """Issue 49.3: a big call is cut into slices, and two big calls take turns (a Batch API line's
+    embeddings too: bulk work, not a request-path lookup)."""
     emb = Embedder(slice_texts=4)
     forwards: list[list[str]] = []
     _recording(emb, forwards)
@@ -89,9 +90,10 @@ def test_big_calls_take_turns_in_slices():
         first = asyncio.ensure_future(emb.encode(big))
         await asyncio.sleep(0)            # the first slice starts
         second = asyncio.ensure_future(emb.encode(other))
-        return await asyncio.gather(first, second)
+        third = asyncio.ensure_future(emb.encode([f"line{i}" for i in range(8)], use="batch"))
+        return await asyncio.gather(first, second, third)
 
-    (vecs, tokens), (vecs2, _) = asyncio.run(main())
+    (vecs, tokens), (vecs2, _), _ = asyncio.run(main())
     assert all(len(f) <= 4 for f in forwards)
     with_big = [i for i, f in enumerate(forwards) if any(t.startswith("big") for t in f)]
     with_other = [i for i, f in enumerate(forwards) if any(t.startswith("other") for t in f)]

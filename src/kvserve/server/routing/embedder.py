@@ -16,7 +16,7 @@ counted as at most `WINDOW_CHARS`, about the encoder's 256-token window: at most
 tokens a forward, about 50 ms on one core of a Xeon, so a 75 ms chat stays within 2x). A big call (an /v1/embeddings request of
 hundreds of inputs) is cut into slices that take turns with the other waiting calls, round robin,
 so two big requests share the encoder instead of one waiting for the other. The lookups on a
-request's path (`use` other than "api": the semantic cache, the router, moderation) wait for no
+request's path (`use` not in `BULK_USES`: the semantic cache, the router, moderation) wait for no
 slice at all: they have their own lane, a queue and a thread of their own (`_Lane`), so a chat's
 lookup runs beside a big call's forward, not after it (one 256-token text is a forward of about
 100 ms on a busy core; a short lookup is a few). Forwards run on the lanes' threads, never in
@@ -45,6 +45,7 @@ LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 SLICE_TEXTS = 16      # texts per forward, and
 SLICE_CHARS = 512     # their characters: how long a big call holds the bulk lane at a time
 WINDOW_CHARS = 1024   # a longer text costs no more than this (the encoder truncates at 256 tokens)
+BULK_USES = {"api", "batch"}   # the encoder's callers off a request's path: /v1/embeddings (and rerank), batch lines
 
 
 class QueryEmbedding:
@@ -97,7 +98,7 @@ class _Call:
 
     @property
     def lookup(self) -> bool:
-        return self.use != "api"
+        return self.use not in BULK_USES
 
 
 class Embedder:
