@@ -28,6 +28,7 @@ from pydantic import Field
 
 from kvserve.errors import InvalidRequest, ModelNotFound
 from kvserve.server.gates.encoder_usage import charged_encode
+from kvserve.server.generation import ClientGone, until_disconnected
 from kvserve.server.protocol import _Strict, read_request
 from kvserve.server.routing.embedder import Embedder
 
@@ -69,14 +70,18 @@ def mount_embeddings(app: FastAPI, server: ServerState, embedder: Embedder) -> N
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         req = await read_request(request, EmbeddingRequest, settings)
-        vecs, tokens = await embed_texts(server, embedder, request, req)
+        try:
+            vecs, tokens = await embed_texts(server, embedder, request, req)
+        except ClientGone:
+            return Response(status_code=499)
         body = await embedder.run(_body, vecs, req.encoding_format, embedder.name, tokens)
         return Response(body, media_type="application/json")
 
 
 async def embed_texts(server: ServerState, embedder: Embedder, request: Request, req: EmbeddingRequest):
     """The vectors and token count of a validated request, under its caps and charged to its key
-    (Ollama's /api/embed renders them in its own shape: api/ollama.py)."""
+    (Ollama's /api/embed renders them in its own shape: api/ollama.py). A client that hangs up
+    stops costing forwards: its texts leave the encoder's queue (ClientGone; nothing is charged)."""
     settings = server.settings
     if req.model not in (None, "", embedder.name):
         raise ModelNotFound(f"The model {req.model!r} is not an embedding model of this server; use "
@@ -85,7 +90,7 @@ async def embed_texts(server: ServerState, embedder: Embedder, request: Request,
     if req.dimensions is not None and req.dimensions != 384:
         raise InvalidRequest(f"{embedder.name} makes 384-dimensional vectors; dimensions={req.dimensions} "
                              "is not supported.", param="dimensions")
-    return await charged_encode(server, request.state.record, texts)
+    return await until_disconnected(request.receive, charged_encode(server, request.state.record, texts))
 
 
 def _body(vecs, encoding_format: str, model: str, tokens: int) -> bytes:

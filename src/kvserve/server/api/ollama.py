@@ -46,7 +46,7 @@ from kvserve.server.api.ollama_models import mount_ollama_models, served_name
 from kvserve.server.api.ollama_wire import OllamaRenderer, line, now
 from kvserve.server.api.shared import count_prompt_tokens, deliver, start, under_lease
 from kvserve.server.gates.auth import manages_models
-from kvserve.server.generation import ModelHandle, run_generation
+from kvserve.server.generation import ClientGone, ModelHandle, run_generation
 from kvserve.server.generation.plan import charge_load, check_before_load
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -362,7 +362,10 @@ def mount_ollama(app: FastAPI, gw: ServerState) -> None:
         req = validate_body({"input": body.input, "model": served_name(body.model), "dimensions": body.dimensions},
                             EmbeddingRequest)
         embedder = gw.routing.embedder
-        vecs, tokens = await embed_texts(gw, embedder, request, req)
+        try:
+            vecs, tokens = await embed_texts(gw, embedder, request, req)
+        except ClientGone:
+            return Response(status_code=499)
         out = {"model": body.model, "embeddings": vecs, "prompt_eval_count": tokens}
         return Response(await embedder.run(json_body, out), media_type="application/json")   # as /v1/embeddings
 
