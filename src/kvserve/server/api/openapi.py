@@ -133,12 +133,18 @@ class FileObject(BaseModel):
     expires_at: int | None = None
 
 
-class FileList(BaseModel):
+class CursorPage(BaseModel):
+    """OpenAI's cursor page (api/files.py's `page`): a list model names its `data`'s items."""
+
     object: Literal["list"]
-    data: list[FileObject]
+    data: list[Any]
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool
+
+
+class FileList(CursorPage):
+    data: list[FileObject]
 
 
 class FileDeleted(BaseModel):
@@ -177,12 +183,8 @@ class BatchObject(BaseModel):
     metadata: dict[str, str] | None = None
 
 
-class BatchList(BaseModel):
-    object: Literal["list"]
+class BatchList(CursorPage):
     data: list[BatchObject]
-    first_id: str | None = None
-    last_id: str | None = None
-    has_more: bool
 
 
 class RerankResult(BaseModel):
