@@ -47,6 +47,17 @@ inline void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
     }
 }
 
+// Sub-block 2c+h of a Q4_K/Q5_K super-block (h = 0: the low nibbles of its 32 bytes at q, 1: the
+// high ones) into one row of a 16-row group of the Q4 layout: value pairs (kk, kk+16) as one byte,
+// four at a time per 64-byte column; dst is the row's first byte in the group's block.
+inline void put_nibbles(const uint8_t *q, int h, uint8_t *dst) {
+    for (int kk = 0; kk < 16; kk++) {
+        const uint8_t lo = h ? q[kk] >> 4 : q[kk] & 0x0F;
+        const uint8_t hi = h ? q[kk + 16] >> 4 : q[kk + 16] & 0x0F;
+        dst[(kk / 4) * 64 + kk % 4] = (uint8_t)(lo | (hi << 4));
+    }
+}
+
 // One Q4_K/Q5_K/Q6_K super-block -> 256 floats.
 void decode_block(int ggml_type, const uint8_t *b, float *y) {
     if (ggml_type == 12 || ggml_type == 13) {   // Q4_K (144 bytes) / Q5_K (176 bytes)
@@ -156,11 +167,7 @@ void kvs_repack_q4_k(const uint8_t *raw, int rows, int cols, uint8_t *qs, float 
                     d[at] = sd * (float)sc;
                     m[at] = -(smin * (float)mn);
                     uint8_t *dst = qs + ((size_t)g * nb + blk) * 256 + rr * 4;
-                    for (int kk = 0; kk < 16; kk++) {
-                        const uint8_t lo = h ? q[kk] >> 4 : q[kk] & 0x0F;
-                        const uint8_t hi = h ? q[kk + 16] >> 4 : q[kk + 16] & 0x0F;
-                        dst[(kk / 4) * 64 + kk % 4] = (uint8_t)(lo | (hi << 4));
-                    }
+                    put_nibbles(q, h, dst);
                 }
             }
         }
@@ -189,11 +196,7 @@ void kvs_repack_q4_k_super(const uint8_t *raw, int rows, int cols, uint8_t *qs, 
                     const int j = 2 * c + h, blk = s * 8 + j;
                     scale_min_k4(j, b + 4, k + 64 + j * 16 + rr, k + 192 + j * 16 + rr);
                     uint8_t *dst = qs + ((size_t)g * nb + blk) * 256 + rr * 4;
-                    for (int kk = 0; kk < 16; kk++) {
-                        const uint8_t lo = h ? q[kk] >> 4 : q[kk] & 0x0F;
-                        const uint8_t hi = h ? q[kk + 16] >> 4 : q[kk + 16] & 0x0F;
-                        dst[(kk / 4) * 64 + kk % 4] = (uint8_t)(lo | (hi << 4));
-                    }
+                    put_nibbles(q, h, dst);
                 }
             }
         }
@@ -225,10 +228,8 @@ void kvs_repack_q5_k_super(const uint8_t *raw, int rows, int cols, uint8_t *qs, 
                     scale_min_k4(j, b + 4, k + 64 + j * 16 + rr, k + 192 + j * 16 + rr);
                     uint8_t *dst = qs + ((size_t)g * nb + blk) * qb + rr * 4;
                     uint8_t plane[4] = {0, 0, 0, 0};
+                    put_nibbles(q, h, dst);
                     for (int kk = 0; kk < 16; kk++) {
-                        const uint8_t lo = h ? q[kk] >> 4 : q[kk] & 0x0F;
-                        const uint8_t hi = h ? q[kk + 16] >> 4 : q[kk + 16] & 0x0F;
-                        dst[(kk / 4) * 64 + kk % 4] = (uint8_t)(lo | (hi << 4));
                         plane[kk % 4] |= (uint8_t)((((qh[kk] >> j) & 1) << (2 * (kk / 4))) |
                                                    (((qh[kk + 16] >> j) & 1) << (2 * (kk / 4) + 1)));
                     }
