@@ -1,6 +1,7 @@
-"""Greedy decoding of a model straight over its paged KV cache, without the engine: the loop the
-fast-path tests (test_shapes.py, test_gemma_fast_path.py) run on the C forward and on the PyTorch
-reference path to compare the two. Each test builds its own cache and block tables."""
+"""What the fast-path tests (test_shapes.py, test_gemma_fast_path.py) share: the check that a model
+runs every layer on the whole-stack C forward, and greedy decoding straight over its paged KV cache,
+without the engine, run on the C forward and on the PyTorch reference path to compare the two.
+Each test builds its own cache and block tables."""
 
 from __future__ import annotations
 
@@ -40,3 +41,11 @@ def paged_greedy(model, backend: KernelBackend, prompt: list[int], n: int, kv: l
     finally:
         model.backend = base
     return tokens, logits
+
+
+def assert_on_the_fast_path(backend: KernelBackend, model) -> None:
+    """No layer of `model` falls back to a slow path, and the start-up line says so."""
+    assert backend.slow_paths(model) == []
+    assert "every layer and the LM head on the fast path" in backend.describe_model(model)
+    ops = model.layer_ops()
+    assert ops.packed and ops.max_tokens > 0

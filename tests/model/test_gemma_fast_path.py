@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from paged_greedy import paged_greedy
+from paged_greedy import assert_on_the_fast_path, paged_greedy
 
 from kvserve.bench.gguf_random import write
 from kvserve.model.attention import AttentionMetadata
@@ -69,10 +69,7 @@ def _prompt(model, n: int, seed: int) -> list[int]:
 
 @needs_kernels
 def test_every_layer_is_on_the_fast_path(model):
-    assert BACKEND.slow_paths(model) == []
-    assert "every layer and the LM head on the fast path" in BACKEND.describe_model(model)
-    ops = model.layer_ops()
-    assert ops.packed and ops.max_tokens > 0
+    assert_on_the_fast_path(BACKEND, model)
 
 
 NEAR_TIE = 0.05   # issue 58's near-tie: the reference's top-2 logit gap at a differing token

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from paged_greedy import paged_greedy
+from paged_greedy import assert_on_the_fast_path, paged_greedy
 from test_shapes_gguf import Shape, llama3_freq_factors, write_shape
 
 from kvserve.model.attention import AttentionMetadata
@@ -62,10 +62,7 @@ def _greedy(model, backend: KernelBackend, prompt: list[int], n: int, chunks: li
 
 @needs_kernels
 def test_every_shape_is_on_the_fast_path(model):
-    assert BACKEND.slow_paths(model) == []
-    assert "every layer and the LM head on the fast path" in BACKEND.describe_model(model)
-    ops = model.layer_ops()
-    assert ops.packed and ops.max_tokens > 0
+    assert_on_the_fast_path(BACKEND, model)
 
 
 @needs_kernels
