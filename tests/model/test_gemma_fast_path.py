@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from paged_greedy import assert_on_the_fast_path, paged_greedy
 
 from kvserve.bench.gguf_random import write
-from kvserve.engine.sampler import greedy_ids
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.kernels.backend import KernelBackend
 from kvserve.model.kv_quant import cache_shape
@@ -59,26 +59,7 @@ def _greedy(model, backend: KernelBackend, prompt: list[int], n: int, chunks: li
             m.local = AttentionMetadata.build([q], [s], [[-1] * first + local_table[first:]], BLOCK)
         return m
 
-    base = model.backend
-    model.backend = backend
-    tokens, logits, done = [], [], 0
-    try:
-        with torch.inference_mode():
-            for size in chunks or [len(prompt)]:
-                ids = prompt[done:done + size]
-                hidden = model(torch.tensor(ids), torch.arange(done, done + size), meta(size, done + size), kv)
-                done += size
-                if chunks is None:
-                    tokens += greedy_ids(model.compute_logits(hidden)).tolist()
-            for _ in range(n):
-                row = model.compute_logits(hidden[-1:])
-                logits.append(row[0])
-                tokens.append(int(greedy_ids(row)[0]))
-                hidden = model(torch.tensor([tokens[-1]]), torch.tensor([done]), meta(1, done + 1), kv)
-                done += 1
-    finally:
-        model.backend = base
-    return tokens, logits
+    return paged_greedy(model, backend, prompt, n, kv, meta, chunks)
 
 
 def _prompt(model, n: int, seed: int) -> list[int]:
@@ -88,10 +69,7 @@ def _prompt(model, n: int, seed: int) -> list[int]:
 
 @needs_kernels
 def test_every_layer_is_on_the_fast_path(model):
-    assert BACKEND.slow_paths(model) == []
-    assert "every layer and the LM head on the fast path" in BACKEND.describe_model(model)
-    ops = model.layer_ops()
-    assert ops.packed and ops.max_tokens > 0
+    assert_on_the_fast_path(BACKEND, model)
 
 
 NEAR_TIE = 0.05   # issue 58's near-tie: the reference's top-2 logit gap at a differing token

@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from paged_greedy import assert_on_the_fast_path, paged_greedy
 from test_shapes_gguf import Shape, llama3_freq_factors, write_shape
 
-from kvserve.engine.sampler import greedy_ids
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.config import ModelConfig
 from kvserve.model.kernels.backend import KernelBackend
@@ -56,36 +56,13 @@ def _greedy(model, backend: KernelBackend, prompt: list[int], n: int, chunks: li
     table = list(range(blocks))[::-1]   # blocks out of order, as the engine's pool hands them
     kv = [torch.zeros(cache_shape(blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim, kv_dtype),
                       dtype=kv_dtype) for _ in range(cfg.num_hidden_layers)]
-    base = model.backend
-    model.backend = backend
-    tokens, logits, done = [], [], 0
-    try:
-        with torch.inference_mode():
-            for size in chunks or [len(prompt)]:
-                ids = prompt[done:done + size]
-                meta = AttentionMetadata.build([size], [done + size], [table], BLOCK)
-                hidden = model(torch.tensor(ids), torch.arange(done, done + size), meta, kv)
-                done += size
-                if chunks is None:   # every prompt position's argmax: the model says more than one thing
-                    tokens += greedy_ids(model.compute_logits(hidden)).tolist()
-            for _ in range(n):
-                row = model.compute_logits(hidden[-1:])
-                logits.append(row[0])
-                tokens.append(int(greedy_ids(row)[0]))
-                meta = AttentionMetadata.build([1], [done + 1], [table], BLOCK)
-                hidden = model(torch.tensor([tokens[-1]]), torch.tensor([done]), meta, kv)
-                done += 1
-    finally:
-        model.backend = base
-    return tokens, logits
+    return paged_greedy(model, backend, prompt, n, kv,
+                        lambda q, s: AttentionMetadata.build([q], [s], [table], BLOCK), chunks)
 
 
 @needs_kernels
 def test_every_shape_is_on_the_fast_path(model):
-    assert BACKEND.slow_paths(model) == []
-    assert "every layer and the LM head on the fast path" in BACKEND.describe_model(model)
-    ops = model.layer_ops()
-    assert ops.packed and ops.max_tokens > 0
+    assert_on_the_fast_path(BACKEND, model)
 
 
 @needs_kernels

@@ -21,8 +21,10 @@ from typing import Self
 import httpx
 import uvicorn
 
+from kvserve.bench.serve_launch import stop_process
 from kvserve.server.app import create_app
 from kvserve.server.settings import ServerSettings
+from kvserve.server.stores.keys import KeyStore
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ENGINE_CLIENTS = ("inproc", "process")
@@ -32,6 +34,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def make_keys(data_dir: pathlib.Path, *names: str) -> dict[str, str]:
+    """One API key per name in the data dir's key store, before a server opens it: name -> key."""
+    store = KeyStore(data_dir / "kvserve.db")
+    try:
+        return {name: store.create(name) for name in names}
+    finally:
+        store.close()
 
 
 def tiny_model(path: pathlib.Path, ctx: int = 512, **kw) -> pathlib.Path:
@@ -140,13 +151,8 @@ class ModelServer:
             self.proc.wait(timeout=30)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=20)
+        if self.proc:
+            stop_process(self.proc)
         if getattr(self, "_log", None):
             self._log.close()
 

@@ -25,8 +25,7 @@ import json
 import httpx
 import pytest
 from hostile import ALL_KINDS, PROBE_QUESTIONS, bystander_check, bystander_ms
-
-from kvserve.server.stores.keys import KeyStore
+from servers import make_keys
 
 pytestmark = pytest.mark.serial     # latency ratios: `make test` runs these alone, after the parallel pass
 
@@ -40,9 +39,7 @@ ATTEMPTS = 3
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_server):
     data_dir = tmp_path_factory.mktemp("cost-bystanders")
-    store = KeyStore(data_dir / "kvserve.db")
-    keys = {"hostile": store.create("hostile"), "bystander": store.create("bystander")}
-    store.close()
+    keys = make_keys(data_dir, "hostile", "bystander")
     moderation = data_dir / "moderation.json"
     moderation.write_text(json.dumps({"pii_input": "redact", "pii_output": "redact"}))
     srv = model_server(data_dir, "--max-model-len", "512", "--moderation-config", str(moderation),

@@ -9,8 +9,7 @@ import json
 import httpx
 import openai
 import pytest
-
-from kvserve.server.stores.keys import KeyStore
+from servers import make_keys
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -19,9 +18,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_server):
     data_dir = tmp_path_factory.mktemp("responses")
-    store = KeyStore(data_dir / "kvserve.db")
-    keys = {"a": store.create("a"), "b": store.create("b")}
-    store.close()
+    keys = make_keys(data_dir, "a", "b")
     srv = model_server(data_dir, "--max-model-len", "512")
     srv.keys = keys
     return srv

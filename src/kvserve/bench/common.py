@@ -1,5 +1,6 @@
 """What every `kvserve bench` command shares: the stderr console, progress bars driven by a
-benchmark's events, the table/JSON writer and the row of bar charts. The command modules import it; it imports none
+benchmark's events, the table/JSON writer and the row of bar charts; and the transformers
+peer the in-process model benches (latency, throughput) load. The command modules import it; it imports none
 of them (so the import graph inside bench/ stays acyclic)."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from rich.console import Console
@@ -14,6 +16,25 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 console = Console(stderr=True)
 OUT_DIR = Path("runs/bench")
+
+
+def transformers_peer(model: str | None, threads: int) -> tuple[Any, Path]:
+    """The transformers peer: fp32 weights dequantized from the same GGUF file as kvserve's, on
+    `threads` torch threads; returns the model (eval mode) and the file's path."""
+    import torch
+    import transformers
+
+    from kvserve.errors import InvalidRequest
+    from kvserve.model.registry import resolve
+
+    torch.set_num_threads(threads)
+    path = resolve(model).path
+    if path.suffix != ".gguf":
+        raise InvalidRequest("--peer transformers loads the same GGUF file; this model is not a .gguf",
+                             param="peer")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    return hf, path
 
 
 def progress() -> Progress:

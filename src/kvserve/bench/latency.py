@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvserve.bench import footprint
-from kvserve.bench.common import save_bar_charts
+from kvserve.bench.common import save_bar_charts, transformers_peer
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.kv_quant import cache_shape
 
@@ -209,12 +209,7 @@ class TransformersRunner(_Runner):
     def __init__(self, cfg: LatencyConfig):
         import transformers
 
-        from kvserve.model.registry import resolve
-
-        torch.set_num_threads(cfg.threads)
-        path = resolve(cfg.model).path
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        self.model, path = transformers_peer(cfg.model, cfg.threads)
         self.vocab_size = self.model.config.vocab_size
         self.detail = f"transformers {transformers.__version__}, fp32 from {path.name}, {cfg.threads} threads"
 

@@ -61,6 +61,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:
+    """Stop a server process: SIGTERM, then SIGKILL if it has not exited within `timeout`."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
+
+
 def find_llama_server() -> str | None:
     """The llama.cpp server binary: $LLAMA_SERVER, `llama-server` on PATH, or a local build."""
     for cand in (os.environ.get("LLAMA_SERVER"), shutil.which("llama-server"),
@@ -161,13 +173,8 @@ class LaunchedServer:
     def stop(self, keep_log: bool = False) -> None:
         """Stop the server and remove what it left in the temp dir: its data dir, and its log
         unless `keep_log` (a run that failed; the error names the log's path)."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=20)
+        if self.proc:
+            stop_process(self.proc)
         if self.data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
         if self.log_path and not keep_log:

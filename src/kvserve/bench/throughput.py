@@ -29,7 +29,14 @@ from typing import Annotated
 import torch
 import typer
 
-from kvserve.bench.common import console, progress, progress_events, save_bar_charts, write_outputs
+from kvserve.bench.common import (
+    console,
+    progress,
+    progress_events,
+    save_bar_charts,
+    transformers_peer,
+    write_outputs,
+)
 from kvserve.errors import InvalidRequest, KVServeError
 
 Emit = Callable[..., None]
@@ -155,16 +162,8 @@ def run_kvserve(cfg: ThroughputConfig, emit: Emit) -> tuple[ThroughputResult, Wo
 def run_transformers(cfg: ThroughputConfig, wl: Workload, emit: Emit) -> ThroughputResult:
     import transformers
 
-    from kvserve.model.registry import resolve
-
-    torch.set_num_threads(cfg.threads)
     emit("load", engine="transformers")
-    path = resolve(cfg.model).path
-    if path.suffix != ".gguf":
-        raise InvalidRequest("--peer transformers loads the same GGUF file; this model is not a .gguf",
-                             param="peer")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model, path = transformers_peer(cfg.model, cfg.threads)
     gen_kw = {"do_sample": False, "pad_token_id": model.config.eos_token_id if model.config.pad_token_id is None
               else model.config.pad_token_id}
     with torch.inference_mode():

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -45,6 +46,13 @@ def _threads(n: int | None) -> None:
         import torch
 
         torch.set_num_threads(n)
+
+
+def _config(cls: type, params: dict, **override: Any) -> Any:
+    """A stage's config dataclass from a command's parameters: each field from the parameter of its
+    name (the command's options are named as the config's fields), `override` for the others."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in params.items() if k in names}, **override)
 
 
 def _run_stage(threads: int | None, stage: Callable[[], dict], keys: tuple[str, ...]) -> None:
@@ -226,10 +234,8 @@ def sft_cmd(
     """Supervised fine-tuning on chats; loss on assistant tokens only."""
     from kvserve.train.sft import SFTConfig, sft
 
-    _run_stage(threads, lambda: sft(SFTConfig(
-        model=model, data=data, out=out, epochs=epochs, max_steps=max_steps, batch_size=batch_size, lr=lr,
-        max_len=max_len, seed=seed, debug=debug, resume=resume, lora_rank=lora_rank, lora_targets=lora_targets,
-        lora_alpha=lora_alpha, qlora=qlora)), ("out", "steps"))
+    params = locals()
+    _run_stage(threads, lambda: sft(_config(SFTConfig, params)), ("out", "steps"))
 
 
 @train_app.command("dpo")
@@ -250,10 +256,8 @@ def dpo_cmd(
     """Direct Preference Optimization against a frozen reference copy of --model."""
     from kvserve.train.dpo import DPOConfig, dpo
 
-    _run_stage(threads, lambda: dpo(DPOConfig(
-        model=model, data=data, out=out, beta=beta, epochs=epochs, max_steps=max_steps, batch_size=batch_size,
-        lr=lr, seed=seed, resume=resume, lora_rank=lora_rank, lora_targets=lora_targets, lora_alpha=lora_alpha,
-        qlora=qlora)), ("out", "steps", "reward_accuracy", "reward_margin"))
+    params = locals()
+    _run_stage(threads, lambda: dpo(_config(DPOConfig, params)), ("out", "steps", "reward_accuracy", "reward_margin"))
 
 
 @train_app.command("merge")
@@ -337,11 +341,8 @@ def grpo_cmd(
 
     shown = ("out", "eval_reward_before", "eval_reward_after", "eval_accuracy_before", "eval_accuracy_after",
              "eval_greedy_accuracy_before", "eval_greedy_accuracy_after", "eval_thinking_before", "eval_thinking_after")
-    _run_stage(threads, lambda: grpo(GRPOConfig(
-        model=model, out=out, task=task, max_operand=max_operand, group_size=group_size,
-        prompts_per_step=prompts_per_step, max_steps=max_steps, max_tokens=max_tokens, temperature=temperature,
-        kl_coef=kl_coef, scale_rewards=not no_std, lr=lr, seed=seed, resume=resume, reward_model=reward_model,
-        heldout=heldout, terms=terms, eval_prompts=eval_prompts, eval_samples=eval_samples)), shown)
+    params = locals()
+    _run_stage(threads, lambda: grpo(_config(GRPOConfig, params, scale_rewards=not no_std)), shown)
 
 
 @eval_app.command("perplexity")

@@ -23,7 +23,7 @@ from kvserve.server.api.batches import BatchRequest
 from kvserve.server.api.embeddings import EmbeddingRequest
 from kvserve.server.api.ollama import ChatBody, EmbedBody, GenerateBody
 from kvserve.server.api.ollama_models import ShowBody
-from kvserve.server.api.rerank import RerankRequest, ScoreRequest
+from kvserve.server.api.rerank import RERANK_PATHS, RerankRequest, ScoreRequest
 from kvserve.server.error_shapes import api_of
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -133,12 +133,18 @@ class FileObject(BaseModel):
     expires_at: int | None = None
 
 
-class FileList(BaseModel):
+class CursorPage(BaseModel):
+    """OpenAI's cursor page (api/files.py's `page`): a list model names its `data`'s items."""
+
     object: Literal["list"]
-    data: list[FileObject]
+    data: list[Any]
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool
+
+
+class FileList(CursorPage):
+    data: list[FileObject]
 
 
 class FileDeleted(BaseModel):
@@ -177,12 +183,8 @@ class BatchObject(BaseModel):
     metadata: dict[str, str] | None = None
 
 
-class BatchList(BaseModel):
-    object: Literal["list"]
+class BatchList(CursorPage):
     data: list[BatchObject]
-    first_id: str | None = None
-    last_id: str | None = None
-    has_more: bool
 
 
 class RerankResult(BaseModel):
@@ -234,9 +236,7 @@ BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/api/generate", "post"): GenerateBody,
     ("/api/embed", "post"): EmbedBody,
     ("/api/show", "post"): ShowBody,
-    ("/v1/rerank", "post"): RerankRequest,
-    ("/rerank", "post"): RerankRequest,
-    ("/v2/rerank", "post"): RerankRequest,
+    **{(path, "post"): RerankRequest for path in RERANK_PATHS},
     ("/v1/score", "post"): ScoreRequest,
     ("/v1/batches", "post"): BatchRequest,
 }
@@ -257,9 +257,7 @@ RESPONSES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/batches", "get"): BatchList,
     ("/v1/batches/{batch_id}", "get"): BatchObject,
     ("/v1/batches/{batch_id}/cancel", "post"): BatchObject,
-    ("/v1/rerank", "post"): RerankResponse,
-    ("/rerank", "post"): RerankResponse,
-    ("/v2/rerank", "post"): RerankResponse,
+    **{(path, "post"): RerankResponse for path in RERANK_PATHS},
     ("/v1/score", "post"): ScoreResponse,
 }
 

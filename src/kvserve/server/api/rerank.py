@@ -117,6 +117,9 @@ async def score(gw: ServerState, request: Request) -> dict:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
+RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")   # the last two: where the cohere client sends it
+
+
 def mount_rerank(app: FastAPI, gw: ServerState) -> None:
     """/v1/rerank (and /rerank, /v2/rerank) and /v1/score."""
 
@@ -126,6 +129,6 @@ def mount_rerank(app: FastAPI, gw: ServerState) -> None:
     async def score_route(request: Request) -> dict:
         return await score(gw, request)
 
-    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+    for path in RERANK_PATHS:
         app.add_api_route(path, rerank_route, methods=["POST"])
     app.add_api_route("/v1/score", score_route, methods=["POST"])

@@ -47,6 +47,17 @@ inline void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
     }
 }
 
+// Sub-block 2c+h of a Q4_K/Q5_K super-block (h = 0: the low nibbles of its 32 bytes at q, 1: the
+// high ones) into one row of a 16-row group of the Q4 layout: value pairs (kk, kk+16) as one byte,
+// four at a time per 64-byte column; dst is the row's first byte in the group's block.
+inline void put_nibbles(const uint8_t *q, int h, uint8_t *dst) {
+    for (int kk = 0; kk < 16; kk++) {
+        const uint8_t lo = h ? q[kk] >> 4 : q[kk] & 0x0F;
+        const uint8_t hi = h ? q[kk + 16] >> 4 : q[kk + 16] & 0x0F;
+        dst[(kk / 4) * 64 + kk % 4] = (uint8_t)(lo | (hi << 4));
+    }
+}
+
 // One Q4_K/Q5_K/Q6_K super-block -> 256 floats.
 void decode_block(int ggml_type, const uint8_t *b, float *y) {
     if (ggml_type == 12 || ggml_type == 13) {   // Q4_K (144 bytes) / Q5_K (176 bytes)
@@ -128,6 +139,46 @@ void quantize_block_q8_0(const float *x, uint8_t *out) {
     _mm256_storeu_si256((__m256i *)(out + 2), p8);
 }
 
+// Q4_K (Q5 false) or Q5_K (Q5 true) super-blocks into layout qtype 2 / 4: the nibbles as
+// kvs_repack_q4_k writes them, for Q5_K a plane of fifth bits after each row group's block, and the
+// file's own super-block scales (fp16 d and dmin, the 6-bit scales and minima widened to bytes).
+template <bool Q5>
+void repack_k_super(const uint8_t *raw, int rows, int cols, uint8_t *qs, uint8_t *ks) {
+    const int nb = cols / 32, nsb = cols / QK_K;
+    const int groups = (rows + 15) / 16, full = rows / 16;
+    const size_t qb = Q5 ? KVS_Q5_BLOCK_BYTES : 256, sb = Q5 ? 176 : 144, nibbles = Q5 ? 48 : 16;
+    memset(qs + (size_t)full * nb * qb, 0, (size_t)(groups - full) * nb * qb);
+    memset(ks + (size_t)full * nsb * KVS_KSUPER_BYTES, 0, (size_t)(groups - full) * nsb * KVS_KSUPER_BYTES);
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const int g = r / 16, rr = r % 16;
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *b = raw + ((size_t)r * nsb + s) * sb;
+            const uint8_t *qh = b + 16;    // Q5_K: the fifth bits
+            uint8_t *k = ks + ((size_t)g * nsb + s) * KVS_KSUPER_BYTES;
+            memcpy(k + 2 * rr, b, 2);
+            memcpy(k + 32 + 2 * rr, b + 2, 2);
+            for (int c = 0; c < 4; c++) {
+                const uint8_t *q = b + nibbles + 32 * c;   // sub-block 2c: low nibbles, 2c+1: high
+                for (int h = 0; h < 2; h++) {
+                    const int j = 2 * c + h, blk = s * 8 + j;
+                    scale_min_k4(j, b + 4, k + 64 + j * 16 + rr, k + 192 + j * 16 + rr);
+                    uint8_t *dst = qs + ((size_t)g * nb + blk) * qb + rr * 4;
+                    put_nibbles(q, h, dst);
+                    if (!Q5)
+                        continue;
+                    uint8_t plane[4] = {0, 0, 0, 0};
+                    for (int kk = 0; kk < 16; kk++) {
+                        plane[kk % 4] |= (uint8_t)((((qh[kk] >> j) & 1) << (2 * (kk / 4))) |
+                                                   (((qh[kk + 16] >> j) & 1) << (2 * (kk / 4) + 1)));
+                    }
+                    memcpy(dst + 256, plane, 4);
+                }
+            }
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -156,11 +207,7 @@ void kvs_repack_q4_k(const uint8_t *raw, int rows, int cols, uint8_t *qs, float 
                     d[at] = sd * (float)sc;
                     m[at] = -(smin * (float)mn);
                     uint8_t *dst = qs + ((size_t)g * nb + blk) * 256 + rr * 4;
-                    for (int kk = 0; kk < 16; kk++) {
-                        const uint8_t lo = h ? q[kk] >> 4 : q[kk] & 0x0F;
-                        const uint8_t hi = h ? q[kk + 16] >> 4 : q[kk + 16] & 0x0F;
-                        dst[(kk / 4) * 64 + kk % 4] = (uint8_t)(lo | (hi << 4));
-                    }
+                    put_nibbles(q, h, dst);
                 }
             }
         }
@@ -171,72 +218,14 @@ void kvs_repack_q4_k(const uint8_t *raw, int rows, int cols, uint8_t *qs, float 
 // super-block scales, sized by kvs_packed_qs_bytes(2, ...) / kvs_packed_kscale_bytes. Padding rows
 // are zero.
 void kvs_repack_q4_k_super(const uint8_t *raw, int rows, int cols, uint8_t *qs, uint8_t *ks) {
-    const int nb = cols / 32, nsb = cols / QK_K;
-    const int groups = (rows + 15) / 16, full = rows / 16;
-    memset(qs + (size_t)full * nb * 256, 0, (size_t)(groups - full) * nb * 256);
-    memset(ks + (size_t)full * nsb * KVS_KSUPER_BYTES, 0, (size_t)(groups - full) * nsb * KVS_KSUPER_BYTES);
-#pragma omp parallel for schedule(static)
-    for (int r = 0; r < rows; r++) {
-        const int g = r / 16, rr = r % 16;
-        for (int s = 0; s < nsb; s++) {
-            const uint8_t *b = raw + ((size_t)r * nsb + s) * 144;
-            uint8_t *k = ks + ((size_t)g * nsb + s) * KVS_KSUPER_BYTES;
-            memcpy(k + 2 * rr, b, 2);
-            memcpy(k + 32 + 2 * rr, b + 2, 2);
-            for (int c = 0; c < 4; c++) {
-                const uint8_t *q = b + 16 + 32 * c;   // sub-block 2c: low nibbles, 2c+1: high
-                for (int h = 0; h < 2; h++) {
-                    const int j = 2 * c + h, blk = s * 8 + j;
-                    scale_min_k4(j, b + 4, k + 64 + j * 16 + rr, k + 192 + j * 16 + rr);
-                    uint8_t *dst = qs + ((size_t)g * nb + blk) * 256 + rr * 4;
-                    for (int kk = 0; kk < 16; kk++) {
-                        const uint8_t lo = h ? q[kk] >> 4 : q[kk] & 0x0F;
-                        const uint8_t hi = h ? q[kk + 16] >> 4 : q[kk + 16] & 0x0F;
-                        dst[(kk / 4) * 64 + kk % 4] = (uint8_t)(lo | (hi << 4));
-                    }
-                }
-            }
-        }
-    }
+    repack_k_super<false>(raw, rows, cols, qs, ks);
 }
 
 // Q5_K rows into layout qtype 4 (kvserve_kernels.cpp): nibbles as Q4_K's, a plane of fifth bits,
 // the super-block scales as kvs_repack_q4_k_super writes them; sized by kvs_packed_qs_bytes(4, ...)
 // / kvs_packed_kscale_bytes(4, ...). Padding rows are zero.
 void kvs_repack_q5_k_super(const uint8_t *raw, int rows, int cols, uint8_t *qs, uint8_t *ks) {
-    const int nb = cols / 32, nsb = cols / QK_K;
-    const int groups = (rows + 15) / 16, full = rows / 16;
-    const size_t qb = KVS_Q5_BLOCK_BYTES;
-    memset(qs + (size_t)full * nb * qb, 0, (size_t)(groups - full) * nb * qb);
-    memset(ks + (size_t)full * nsb * KVS_KSUPER_BYTES, 0, (size_t)(groups - full) * nsb * KVS_KSUPER_BYTES);
-#pragma omp parallel for schedule(static)
-    for (int r = 0; r < rows; r++) {
-        const int g = r / 16, rr = r % 16;
-        for (int s = 0; s < nsb; s++) {
-            const uint8_t *b = raw + ((size_t)r * nsb + s) * 176;
-            const uint8_t *qh = b + 16;
-            uint8_t *k = ks + ((size_t)g * nsb + s) * KVS_KSUPER_BYTES;
-            memcpy(k + 2 * rr, b, 2);
-            memcpy(k + 32 + 2 * rr, b + 2, 2);
-            for (int c = 0; c < 4; c++) {
-                const uint8_t *q = b + 48 + 32 * c;   // sub-block 2c: low nibbles, 2c+1: high
-                for (int h = 0; h < 2; h++) {
-                    const int j = 2 * c + h, blk = s * 8 + j;
-                    scale_min_k4(j, b + 4, k + 64 + j * 16 + rr, k + 192 + j * 16 + rr);
-                    uint8_t *dst = qs + ((size_t)g * nb + blk) * qb + rr * 4;
-                    uint8_t plane[4] = {0, 0, 0, 0};
-                    for (int kk = 0; kk < 16; kk++) {
-                        const uint8_t lo = h ? q[kk] >> 4 : q[kk] & 0x0F;
-                        const uint8_t hi = h ? q[kk + 16] >> 4 : q[kk + 16] & 0x0F;
-                        dst[(kk / 4) * 64 + kk % 4] = (uint8_t)(lo | (hi << 4));
-                        plane[kk % 4] |= (uint8_t)((((qh[kk] >> j) & 1) << (2 * (kk / 4))) |
-                                                   (((qh[kk + 16] >> j) & 1) << (2 * (kk / 4) + 1)));
-                    }
-                    memcpy(dst + 256, plane, 4);
-                }
-            }
-        }
-    }
+    repack_k_super<true>(raw, rows, cols, qs, ks);
 }
 
 // Q6_K rows into layout qtype 3 (kvserve_kernels.cpp): the 6-bit codes split into Q4's nibble
