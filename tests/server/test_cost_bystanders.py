@@ -4,7 +4,8 @@ within 2x of its unloaded latency while they run. The embeddings kinds' own chec
 requests at once and the encoder's lookups, is test_cost_embeddings.py.
 
 No time is asserted as a number: each kind's loaded medians are compared with the unloaded ones
-of the same test (before and after, the slower of the two). A shared 2-core machine drifts within
+measured just before and just after it (the slower of the two; "before" is the previous check's
+"after" on the same server, a third fewer probes than measuring it again). A shared 2-core machine drifts within
 seconds, so a kind gets up to three attempts and passes on the first within bounds: a stall of the
 kind the issue found (a chat waiting 54 s instead of 0.04 s; a token scanned at cubic cost) fails
 them all. The server is the default deployment (the engine in the server's process), with output
