@@ -1,7 +1,9 @@
 """Issue 49's soak: clients send the hostile mix (hostile.py's `HOSTILE`, one entry per kind of
 request that is small on the wire and dear for the server) against one server, and its RSS, open
 files and threads stay flat. The slow version runs 10 minutes (`KVSERVE_SOAK_S`, default 600);
-the short one (about 30 s) runs in `make test`. No answer may be a 5xx, and every kind is sent.
+the short one runs in `make test` with two clients, the slow one with three (a round of the mix
+is most of the short one's time: 246 s with three clients on a busy 2-core machine). No answer
+may be a 5xx, and every kind is sent.
 
 Flat: the warm-up lasts until every client has sent every kind `warm_rounds` times (caches that
 fill once, the allocator's arenas and the encoder's buffers are then at their working size), and
@@ -9,8 +11,9 @@ at least `warmup` seconds. After it, RSS may not trend up: the peak of the secon
 samples stays within 5% (plus 64 MiB) of the first half's peak, since one large request can lift
 RSS for a moment in either half but a leak lifts the later half. No sample may exceed the
 post-warm-up RSS by more than 25% (plus 128 MiB). Open file descriptors stay within 16 of the
-post-warm-up count and threads within 4. Issue 60's kinds (uploads and batches) run under
-`--quota batches:active=2,lines=100`: the key's batches are refused past it, 429, never a 5xx.
+post-warm-up count and threads within 4. When the samples are taken the clients stop sending, and
+the requests still in flight are not waited for (the module's end stops the server). Issue 60's
+kinds (uploads and batches) run under `--quota batches:active=2,lines=100`: the key's batches are refused past it, 429, never a 5xx.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def run_hostile_soak(tmp_path: pathlib.Path, model_server, duration: float, warm
                        "--admin-key", "soak-admin-key", "--quota", "responses:items=20",
                        "--quota", "arena:items=5", "--quota", "batches:active=2,lines=100")
     headers = {"Authorization": f"Bearer {key}"}
-    stop = threading.Event()
+    stop, lock = threading.Event(), threading.Lock()
     statuses: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     rounds = [0] * clients
 
@@ -61,9 +64,15 @@ def run_hostile_soak(tmp_path: pathlib.Path, model_server, duration: float, warm
                     rounds[seed] += 1
                 name, send = order[i % len(order)]
                 try:
-                    statuses[name][send(c, srv.base_url, headers).status_code] += 1
+                    status: int | str = send(c, srv.base_url, headers).status_code
                 except httpx.TimeoutException:
-                    statuses[name]["timeout"] += 1
+                    status = "timeout"
+                except httpx.HTTPError:
+                    if stop.is_set():    # the module's end stopped the server under a request in flight
+                        break
+                    raise
+                with lock:
+                    statuses[name][status] += 1
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
@@ -79,12 +88,14 @@ def run_hostile_soak(tmp_path: pathlib.Path, model_server, duration: float, warm
         time.sleep(min(5.0, duration / 12))
         samples.append(resources(srv.proc.pid))
     stop.set()
-    for t in threads:
-        t.join(timeout=600)
+    for t in threads:   # not waited for: a request in flight (a big embeddings, a minute on a busy
+        t.join(timeout=5)   # machine) says nothing the samples have not; the module's end stops its server
     assert httpx.get(srv.base_url + "/health", timeout=60).status_code == 200
-    print({name: dict(c) for name, c in statuses.items()}, rounds, base, samples)
-    assert {name for name, _ in HOSTILE} <= set(statuses), statuses
-    bad = {name: c for name, c in statuses.items() if any(isinstance(s, int) and s >= 500 for s in c)}
+    with lock:
+        seen = {name: dict(c) for name, c in statuses.items()}
+    print(seen, rounds, base, samples)
+    assert {name for name, _ in HOSTILE} <= set(seen), seen
+    bad = {name: c for name, c in seen.items() if any(isinstance(s, int) and s >= 500 for s in c)}
     assert not bad, bad
     half = len(samples) // 2
     first_peak = max(rss for rss, _, _ in samples[:half])
@@ -97,7 +108,7 @@ def run_hostile_soak(tmp_path: pathlib.Path, model_server, duration: float, warm
 
 
 def test_hostile_mix_short(tmp_path, model_server):
-    run_hostile_soak(tmp_path, model_server, duration=20.0, warmup=10.0, warm_rounds=1)
+    run_hostile_soak(tmp_path, model_server, duration=20.0, warmup=10.0, warm_rounds=1, clients=2)
 
 
 @pytest.mark.slow
