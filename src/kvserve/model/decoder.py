@@ -371,6 +371,9 @@ def _noted(lin: Linear, src: WeightSource | torch.Tensor) -> Linear:
     (KernelBackend.slow_paths): "Q6_K" (a GGUF type without a packed variant) or a dtype."""
     if isinstance(lin, DenseLinear):
         raw = getattr(src, "raw", None) is not None
+        if getattr(src, "parts", None) is not None:     # a mixed-type fusion: its members' types
+            lin.source_format = "+".join(sorted({p.qtype.name if p.raw is not None else "dense" for p in src.parts}))
+            return lin
         lin.source_format = src.qtype.name if raw else str(getattr(src, "tensor", src).dtype).replace("torch.", "")
     return lin
 

@@ -216,7 +216,7 @@ def weights_from_gguf(reader, cfg: ModelConfig, *, cached: bool = False) -> dict
 def _packed_tensors(reader) -> set[str]:
     """Names of the 2-D tensors whose projection is built packed from their rows alone: fused
     groups (q/k/v, gate/up) only when every member has the same type or every member's type is
-    packed (then they are requantized together, gguf_linear.concat_q8_0); else they are
+    packed (then each keeps its type, kernels/fused_linear.py); else they are
     concatenated dequantized, which needs the bytes."""
     from kvserve.model.kernels.gguf_linear import supports
 

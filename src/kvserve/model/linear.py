@@ -21,7 +21,7 @@ from torch import nn
 
 from kvserve.errors import InvalidRequest
 from kvserve.model.kernels.backend import KernelBackend
-from kvserve.model.kernels.gguf_linear import Q8_0, GGUFQuantLinear, concat_q8_0, supports
+from kvserve.model.kernels.gguf_linear import GGUFQuantLinear, supports
 
 WEIGHT_FORMATS = ("auto", "fp32", "bf16", "fp16", "gguf", "q8_0", "q4_1")
 PACKED_FORMATS = ("q8_0", "q4_1")     # dense weights are packed into these GGUF block types at load
@@ -33,7 +33,7 @@ class WeightSource:
     tensor: torch.Tensor | None = None     # dense weight, any float dtype
     raw: np.ndarray | None = None          # GGUF packed rows: uint8 [out_features, bytes_per_row]
     qtype: object | None = None            # gguf.GGMLQuantizationType of `raw`
-    parts: list[WeightSource] | None = None   # a mixed-type concat's members (its exact values)
+    parts: list[WeightSource] | None = None   # a mixed-type concat's members, each kept as it is
 
     def dequantize(self) -> torch.Tensor:
         """The weight as fp32 [out, in]."""
@@ -60,8 +60,8 @@ class WeightSource:
         shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
         if all(p.raw is not None for p in parts) and len({p.qtype for p in parts}) == 1:
             return WeightSource(shape, raw=np.concatenate([p.raw for p in parts]), qtype=parts[0].qtype)
-        if all(p.raw is not None and supports(p.qtype) for p in parts):
-            return WeightSource(shape, raw=concat_q8_0(parts), qtype=Q8_0, parts=parts)   # Q4_K beside Q6_K
+        if all(p.raw is not None and supports(p.qtype) for p in parts):   # Q4_K q/k beside a Q6_K v:
+            return WeightSource(shape, parts=parts)                      # segments, none requantized
         if all(p.tensor is not None for p in parts) and len({p.tensor.dtype for p in parts}) == 1:
             return WeightSource(shape, tensor=torch.cat([p.tensor for p in parts]))
         return WeightSource(shape, tensor=torch.cat([p.dequantize() for p in parts]))
@@ -128,13 +128,18 @@ def make_linear(weight: WeightSource, bias: torch.Tensor | None = None, weight_f
     if weight_format not in WEIGHT_FORMATS:
         raise InvalidRequest(f"unknown weight format {weight_format!r}; choose one of {WEIGHT_FORMATS}",
                              param="weight_format")
-    if weight_format in PACKED_FORMATS and weight.raw is None and weight.shape[1] % 32 == 0:
+    if weight_format in PACKED_FORMATS and weight.raw is None and weight.parts is None and weight.shape[1] % 32 == 0:
         import gguf
         import gguf.quants
 
         qtype = gguf.GGMLQuantizationType[weight_format.upper()]
         raw = gguf.quants.quantize(weight.dequantize().numpy(), qtype)
         weight = WeightSource(weight.shape, raw=raw, qtype=qtype)
+    if weight_format in ("auto", "gguf", *PACKED_FORMATS) and weight.parts is not None:
+        from kvserve.model.kernels.fused_linear import SegmentedQuantLinear
+
+        return SegmentedQuantLinear([(p.raw, p.qtype, p.shape[0]) for p in weight.parts], weight.shape[1], bias,
+                                    backend=backend or KernelBackend.pytorch())
     if weight_format in ("auto", "gguf", *PACKED_FORMATS) and weight.raw is not None and supports(weight.qtype):
         return GGUFQuantLinear(weight.raw, weight.qtype, weight.shape[1], weight.shape[0], bias,
                                backend=backend or KernelBackend.pytorch(), lookup_only=lookup_only)

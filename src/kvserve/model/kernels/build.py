@@ -26,23 +26,26 @@ from pathlib import Path
 
 CXX_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-pthread", "-std=c++17"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
-KERNEL_VERSION = 12  # must match kvs_version() in the source
+KERNEL_VERSION = 13  # must match kvs_version() in the source
 
 
 class KvsWeight(ctypes.Structure):
     """Mirror of `struct kvs_weight` in cpu/kvserve_kernels.h."""
 
-    _fields_ = [
-        ("qtype", ctypes.c_int32),
-        ("rows", ctypes.c_int32),
-        ("cols", ctypes.c_int32),
-        ("isa", ctypes.c_int32),     # 0: AVX2 tiles, 1: AVX-512 VNNI, 2: AMX-INT8 (same results)
-        ("sdtype", ctypes.c_int32),  # block scales: 0 float32, 1 float16, 2 Q4_K super-block bytes
-        ("qs", ctypes.c_void_p),
-        ("d", ctypes.c_void_p),
-        ("m", ctypes.c_void_p),
-        ("bias", ctypes.c_void_p),
-    ]
+
+KvsWeight._fields_ = [
+    ("qtype", ctypes.c_int32),   # 5: segments (a fused projection whose members keep their types)
+    ("rows", ctypes.c_int32),
+    ("cols", ctypes.c_int32),
+    ("isa", ctypes.c_int32),     # 0: AVX2 tiles, 1: AVX-512 VNNI, 2: AMX-INT8 (same results)
+    ("sdtype", ctypes.c_int32),  # block scales: 0 float32, 1 float16, 2 Q4_K super-block bytes
+    ("qs", ctypes.c_void_p),
+    ("d", ctypes.c_void_p),
+    ("m", ctypes.c_void_p),
+    ("bias", ctypes.c_void_p),
+    ("nseg", ctypes.c_int32),    # qtype 5: seg[0..nseg) cover the output rows in order
+    ("seg", ctypes.POINTER(KvsWeight)),
+]
 
 
 def source_dir() -> Path:

@@ -50,16 +50,6 @@ def supports(qtype: GGMLQuantizationType) -> bool:
     return qtype in _KERNEL_QTYPE
 
 
-def concat_q8_0(parts: list) -> np.ndarray:
-    """Q8_0 rows of a fused projection whose parts (WeightSources, packed types) differ in type,
-    e.g. a Q4_K_M file's Q4_K q/k beside its Q6_K v: one projection needs one layout, and Q8_0 is
-    the one every part requantizes into (kquants.py). Parts given as empty rows (a pack-cache hit:
-    nothing is read) give empty rows."""
-    if any(p.raw.shape[1] == 0 for p in parts):
-        return np.zeros((sum(p.shape[0] for p in parts), 0), dtype=np.uint8)
-    return np.concatenate([kquants.q8_0_rows(p.raw, p.qtype, p.shape[1]) for p in parts])
-
-
 class Bf16Weight:
     """A bf16 weight for torch's oneDNN matmul, prepacked once into oneDNN's blocked layout when
     the backend says torch and the CPU can (halves the time of small and medium calls: no

@@ -1,9 +1,8 @@
 """K-quant and Q5 rows as Q8_0 blocks: decoded exactly, then requantized (Q5_0: converted exactly).
 
 Q6_K and Q5_K have their own layouts in the kernels now (kernel qtypes 3 and 4, at about the
-file's bits, cpu/kvserve_kernels.cpp); what this module says of them below still holds where
-such a tensor shares a fused projection with a tensor of another type (q8_0_rows), and for the
-numpy reference the C decoder is tested against. Q5_0 and Q5_1 always take this road.
+file's bits, cpu/kvserve_kernels.cpp); what this module says of them below is the numpy
+reference the C decoder is tested against (q8_0_rows). Q5_0 and Q5_1 always take this road.
 
 llama.cpp's Q4_K_M files store the output head and, in about half the layers, attn_v and
 ffn_down as Q6_K; Q5_K_M files use Q5_K and Q6_K. The kernels' two layouts (cpu/kvserve_kernels.cpp)
@@ -22,7 +21,7 @@ block with the same d (`q5_0_as_q8_0`, no second rounding); Q5_1's d * q + m has
 Q8_0 layout cannot hold, so its rows are decoded and requantized as Q6_K's are.
 
 A fused projection whose parts have different types (Q4_K q/k beside a Q6_K v in a Q4_K_M file)
-is requantized whole the same way (`q8_0_rows`), so it stays one packed projection.
+is not requantized: each part keeps its own layout (kernels/fused_linear.py, row segments).
 
     Q6_K  256 values, 210 bytes: ql[128] low 4 bits, qh[64] high 2 bits, scales int8[16] (one per
           16 values), d fp16.   x = d * sc * (q - 32), q in 0..63
@@ -39,8 +38,7 @@ from gguf import quants as gguf_quants
 QK_K = 256
 Q8_0_BYTES = 34
 ROWS_PER_CHUNK_VALUES = 1 << 22     # decode this many values at a time (a 128k-row head is 1 GB in fp32)
-# Laid out as Q8_0 rows at load (Q6_K and Q5_K have their own layouts now, kernel qtypes 3 and 4;
-# they are still requantized here when they share a fused projection with another type).
+# Laid out as Q8_0 rows at load (Q6_K and Q5_K have their own layouts, kernel qtypes 3 and 4).
 REQUANTIZED = (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1)
 
 

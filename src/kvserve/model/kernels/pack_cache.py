@@ -53,7 +53,7 @@ KEEP_BYTES = 32 << 30   # and their total size (KVSERVE_PACK_CACHE_MAX_BYTES); t
 # The modules whose code decides which projections exist, their order and their bytes.
 _CODE = ("model/decoder.py", "model/linear.py", "model/gguf_loader.py", "model/gguf_families.py",
          "model/gguf_file.py", "model/moe.py", "model/kernels/gguf_linear.py", "model/kernels/kquants.py",
-         "model/kernels/pack_cache.py",
+         "model/kernels/pack_cache.py", "model/kernels/fused_linear.py",
          "tokenizer/tokenizer.py", "tokenizer/gguf_vocab.py", "tokenizer/spm_exact.py")
 
 

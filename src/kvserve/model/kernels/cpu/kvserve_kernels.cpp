@@ -80,7 +80,7 @@
 
 extern "C" {
 
-int kvs_version(void) { return 12; }
+int kvs_version(void) { return 13; }
 
 }  // extern "C"
 
@@ -620,6 +620,11 @@ namespace kvs {
 
 void linear_rows(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
                  int ldy, bool add, int ith, int nth) {
+    if (w->qtype == KVS_QTYPE_SEGMENTS) {   // each segment's rows split over the threads, its own tiles
+        for (int s = 0, off = 0; s < w->nseg; off += w->seg[s].rows, s++)
+            linear_rows(&w->seg[s], xq, xd, xs, T, y + off, ldy, add, ith, nth);
+        return;
+    }
     const int ng = (w->rows + 15) / 16;
     const int per = (ng + nth - 1) / nth;
     const int gbeg = ith * per < ng ? ith * per : ng;
@@ -658,10 +663,20 @@ struct LinearJob {
     float *xs;
 };
 
+// True if the tiles of w (or of one of its segments) read xs: layouts with a minimum per block.
+bool needs_sums(const kvs_weight *w) {
+    if (w->qtype == KVS_QTYPE_SEGMENTS) {
+        for (int s = 0; s < w->nseg; s++)
+            if (needs_sums(&w->seg[s])) return true;
+        return false;
+    }
+    return w->qtype == 0 || w->qtype == KVS_QTYPE_Q4K || w->qtype == KVS_QTYPE_Q5K;
+}
+
 void linear_task(const LinearJob *job, int ith, int nth) {
     const kvs_weight *w = job->w;
     const int K = w->cols, nb = K / KVS_QK;
-    const bool q4 = w->qtype == 0 || w->qtype == KVS_QTYPE_Q4K || w->qtype == KVS_QTYPE_Q5K;   // minima need xs
+    const bool q4 = needs_sums(w);   // minima need xs
     // phase 1: quantize this thread's share of tokens
     for (int t = ith; t < job->T; t += nth)
         quantize_row_q8(job->x + (size_t)t * K, K, job->xq + (size_t)t * K, job->xd + (size_t)t * nb,
@@ -801,6 +816,12 @@ void kvs_pack_q4(int rows, int cols, const uint8_t *q, const float *sd, const fl
 namespace {
 
 void dequantize_row(const kvs_weight *w, int r, float *o) {
+    if (w->qtype == KVS_QTYPE_SEGMENTS) {   // the segment holding row r
+        int s = 0;
+        for (; s + 1 < w->nseg && r >= w->seg[s].rows; s++) r -= w->seg[s].rows;
+        dequantize_row(&w->seg[s], r, o);
+        return;
+    }
     const int K = w->cols, nb = K / KVS_QK;
     if (w->qtype == KVS_QTYPE_Q6K) {   // (d * sc) * (q - 32), llama.cpp's order
         const int rr = r % 16;

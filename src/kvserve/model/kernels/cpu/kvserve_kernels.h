@@ -21,9 +21,11 @@ extern "C" {
 #define KVS_Q6_SUPER_BYTES 288   // one 16-row group's scales of one super-block in that layout
 #define KVS_QTYPE_Q5K 4          // Q5_K: Q4's nibbles plus a plane of fifth bits, Q4_K's scale layout
 #define KVS_Q5_BLOCK_BYTES 320   // one 16-row group's codes of one 32-value block in that layout
+#define KVS_QTYPE_SEGMENTS 5     // a fused projection of row segments, each in its own layout (seg)
 
 struct kvs_weight {
-    int32_t qtype;  // 0 = Q4 (Q4_0/Q4_1), 1 = Q8_0, 2 = Q4_K, 3 = Q6_K, 4 = Q5_K (sdtype 2, m NULL)
+    int32_t qtype;  // 0 = Q4 (Q4_0/Q4_1), 1 = Q8_0, 2 = Q4_K, 3 = Q6_K, 4 = Q5_K (sdtype 2, m NULL),
+                    // 5 = segments (qs, d, m NULL; nseg, seg)
     int32_t rows;   // out_features
     int32_t cols;   // in_features (multiple of 32)
     int32_t isa;    // tiles to run: 0 = AVX2 (or AVX-VNNI builds), 1 = AVX-512 VNNI; identical results
@@ -33,6 +35,12 @@ struct kvs_weight {
     const void *d;
     const void *m;      // Q4 only
     const float *bias;  // may be NULL
+    // qtype 5: a fused projection (q/k/v, gate/up) whose members keep their own types, e.g. a
+    // Q4_K_M file's Q4_K q and k beside its Q6_K v: output rows [off_i, off_i + seg[i].rows) are
+    // seg[i]'s (off_i: the rows of the segments before it), each run by its own tiles, so no member
+    // is requantized for the fusion. Segments are plain weights (nseg 0) of the same cols.
+    int32_t nseg;
+    const kvs_weight *seg;
 };
 
 // Rows `ids` of W as float32 [n, cols] (an embedding lookup from packed rows); -1 on an id out of range.
