@@ -577,6 +577,49 @@ void q6_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, 
     store_rows8(acc0, w->bias, row0, rest < 8 ? rest : 8, yt, add);
     if (rest > 8) store_rows8(acc1, w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
 }
+// Q4_0 / Q4_1 (SM 0, 1, 5), 16 rows x token t0: q4_tile8's arithmetic per output lane (the same
+// exact integer sums, the same float chain), with the K-quant decode tiles' access pattern: both
+// halves of the group share each activation broadcast and consume whole 64-byte lines of codes in
+// address order. The 8-row tile's first half fetched every line of the group from memory while
+// using half of it, and its second half ran from cache with the memory idle; streaming whole lines
+// keeps the prefetchers busy for the whole group (a decode step of a Q4_0 file is ~90% this loop).
+template <int SM>
+void q4_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
+                 int ldy, bool add) {
+    const int K = w->cols, nb = K / KVS_QK;
+    const uint8_t *qb = w->qs + (size_t)g * nb * 256;
+    const int8_t *x = xq + (size_t)t0 * K;
+    const float *xdt = xd + (size_t)t0 * nb, *xst = xs + (size_t)t0 * nb;
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, qb += 256, x += KVS_QK) {
+        __m256i is0 = _mm256_setzero_si256(), is1 = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            const __m256i r0 = _mm256_loadu_si256((const __m256i *)(qb + i * 64));
+            const __m256i r1 = _mm256_loadu_si256((const __m256i *)(qb + i * 64 + 32));
+            const __m256i xa = bcast4(x + 4 * i), xb = bcast4(x + 16 + 4 * i);
+            kq_dot<false>(is0, _mm256_and_si256(r0, mask), _mm256_and_si256(_mm256_srli_epi16(r0, 4), mask), xa, xb);
+            kq_dot<false>(is1, _mm256_and_si256(r1, mask), _mm256_and_si256(_mm256_srli_epi16(r1, 4), mask), xa, xb);
+        }
+#if !defined(__AVXVNNI__)
+        is0 = _mm256_madd_epi16(is0, _mm256_set1_epi16(1));
+        is1 = _mm256_madd_epi16(is1, _mm256_set1_epi16(1));
+#endif
+        __m256 d0, m0, d1, m1;
+        q4_scales8<SM>(w, g, 0, b, nb, &d0, &m0);
+        q4_scales8<SM>(w, g, 1, b, nb, &d1, &m1);
+        const __m256 xdb = _mm256_set1_ps(xdt[b]), xsb = _mm256_set1_ps(xst[b]);
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is0), _mm256_mul_ps(d0, xdb), acc0);
+        acc0 = _mm256_fmadd_ps(m0, xsb, acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is1), _mm256_mul_ps(d1, xdb), acc1);
+        acc1 = _mm256_fmadd_ps(m1, xsb, acc1);
+    }
+    const int row0 = g * 16, rest = w->rows - row0;
+    float *yt = y + (size_t)t0 * ldy + row0;
+    store_rows8(acc0, w->bias, row0, rest < 8 ? rest : 8, yt, add);
+    if (rest > 8) store_rows8(acc1, w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
+}
+
 template <bool Q4, int SM, int TT>
 inline void tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
                   float *y, int ldy, bool add) {
@@ -597,6 +640,11 @@ void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, con
                 if constexpr (SM == 3) q6_tile16x1(w, g, xq, xd, 0, y, ldy, add);
                 else q4k_tile16x1<SM == 4>(w, g, xq, xd, xs, 0, y, ldy, add);
             }
+            return;
+        }
+    } else if constexpr (Q4) {   // Q4_0 / Q4_1: the same whole-line decode tile
+        if (T == 1) {
+            for (int g = gbeg; g < gend; g++) q4_tile16x1<SM>(w, g, xq, xd, xs, 0, y, ldy, add);
             return;
         }
     }
