@@ -25,17 +25,11 @@ RedisUrl = Annotated[str | None, typer.Option(
 
 
 @contextmanager
-def user_errors(exit_code: int = 1, files: bool = False) -> Iterator[None]:
+def user_errors(exit_code: int = 1) -> Iterator[None]:
     """A KVServeError in the block printed as `error: <message>` on stderr, then exit `exit_code`
-    (2: an option is wrong, before anything started; 1: the command failed). `files`: an OSError
-    too, as `error: <file>: <reason>` (a path the user named could not be read or written)."""
+    (2: an option is wrong, before anything started; 1: the command failed)."""
     try:
         yield
     except KVServeError as e:
         typer.echo(f"error: {e.message}", err=True)
-        raise typer.Exit(exit_code) from None
-    except OSError as e:
-        if not files:
-            raise
-        typer.echo(f"error: {e.filename or ''}: {e.strerror}", err=True)
         raise typer.Exit(exit_code) from None

@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from kvserve.server.cli_common import user_errors
+from kvserve.errors import KVServeError
 
 
 def quantize_cmd(
@@ -32,10 +32,16 @@ def quantize_cmd(
         import torch
 
         torch.set_num_threads(threads)
-    with user_errors(files=True):
+    try:
         s = quantize(QuantizeConfig(model=model, type=type, out=out, calibrate=calibrate, calib_tokens=calib_tokens,
                                     eval_text=eval_text, eval_windows=eval_windows, seq_len=seq_len,
                                     evaluate=not no_eval))
+    except KVServeError as e:
+        typer.echo(f"error: {e.message}", err=True)
+        raise typer.Exit(1) from None
+    except OSError as e:
+        typer.echo(f"error: {e.filename or ''}: {e.strerror}", err=True)
+        raise typer.Exit(1) from None
     if as_json:
         rows = [{"model": r["model"], "bytes": r["bytes"], **(r["result"].as_dict() if "result" in r else {})}
                 for r in s["rows"]]
