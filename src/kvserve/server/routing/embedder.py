@@ -19,7 +19,9 @@ so two big requests share the encoder instead of one waiting for the other. The 
 request's path (`use` not in `BULK_USES`: the semantic cache, the router, moderation) wait for no
 slice at all: they have their own lane, a queue and a thread of their own (`_Lane`), so a chat's
 lookup runs beside a big call's forward, not after it (one 256-token text is a forward of about
-100 ms on a busy core; a short lookup is a few). Forwards run on the lanes' threads, never in
+100 ms on a busy core; a short lookup is a few). That lane slices too, in its own smaller slices:
+a conversation of hundreds of turns has as many moderation windows, and another chat's lookup
+waits for one slice of them, not all. Forwards run on the lanes' threads, never in
 asyncio's default pool: template rendering, store reads and usage writes in that pool never
 queue behind embeddings. The bulk lane also counts tokens and formats responses (`run`).
 
@@ -44,6 +46,8 @@ EMBEDDING_MODEL = "all-minilm-l6-v2"
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 SLICE_TEXTS = 16      # texts per forward, and
 SLICE_CHARS = 512     # their characters: how long a big call holds the bulk lane at a time
+LOOKUP_SLICE_TEXTS = 8      # the lookup lane's slices: a request's many moderation windows (a long
+LOOKUP_SLICE_CHARS = 1024   # conversation) take turns with other requests' one-text lookups
 WINDOW_CHARS = 1024   # a longer text costs no more than this (the encoder truncates at 256 tokens)
 BULK_USES = {"api", "batch"}   # the encoder's callers off a request's path: /v1/embeddings (and rerank), batch lines
 
@@ -78,7 +82,8 @@ class _Lane:
     """Calls waiting for forwards, the flag of the task draining them, and the one thread that runs
     them."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, slice_texts: int, slice_chars: int):
+        self.slice_texts, self.slice_chars = slice_texts, slice_chars
         self.queue: list[_Call] = []
         self.draining = False
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
@@ -111,7 +116,8 @@ class Embedder:
         self.slice_texts, self.slice_chars = slice_texts, slice_chars
         self._encoder = None
         self._lock = threading.Lock()
-        self._bulk, self._lookups = _Lane("kvserve-embed"), _Lane("kvserve-embed-lookup")
+        self._bulk = _Lane("kvserve-embed", slice_texts, slice_chars)
+        self._lookups = _Lane("kvserve-embed-lookup", LOOKUP_SLICE_TEXTS, LOOKUP_SLICE_CHARS)
         self.batches = 0    # forwards run by `encode` (coalesced calls count once)
         self.latency = Histogram("kvserve:embedding_latency_seconds", "Time to embed one batch of texts.",
                                  ["use"], buckets=LATENCY_BUCKETS, registry=registry)
@@ -177,12 +183,11 @@ class Embedder:
 
     def _next_batch(self, lane: _Lane) -> list[tuple[_Call, int]]:
         """The lane's next forward's (call, texts taken): the waiting calls in turn, all asking for
-        the depths of the first one; lookups whole, other calls up to `slice_texts` texts and
-        `slice_chars` characters (at least one text), a call with texts left going to the back of
-        the queue."""
+        the depths of the first one, each up to the lane's slice of texts and characters (at least
+        one text a forward), a call with texts left going to the back of the queue."""
         queue = list(lane.queue)
         depths = queue[0].depths
-        texts, chars, batch = self.slice_texts, self.slice_chars, []
+        texts, chars, batch = lane.slice_texts, lane.slice_chars, []
         for call in queue:
             if call.depths != depths:
                 continue
@@ -190,7 +195,7 @@ class Embedder:
             for text in call.texts[call.done:]:
                 cost = min(len(text), WINDOW_CHARS)
                 first = not batch and take == 0      # a forward takes at least one text
-                if not call.lookup and not first and (texts <= 0 or cost > chars):
+                if not first and (texts <= 0 or cost > chars):
                     break
                 take, texts, chars = take + 1, texts - 1, chars - cost
             if take == 0:
