@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType
 
 from kvserve.model.kernels import reference
 from kvserve.model.kernels.build import KvsWeight
-from kvserve.model.kernels.gguf_linear import Bf16Weight, GGUFQuantLinear, _tensor
+from kvserve.model.kernels.gguf_linear import Bf16Weight, GGUFQuantLinear, _tensor, linear_state
 
 if TYPE_CHECKING:
     from kvserve.model.kernels.backend import KernelBackend
@@ -50,15 +50,7 @@ class SegmentedQuantLinear(GGUFQuantLinear):
         torch.nn.Module.__init__(self)
         self.qtype = None
         self.qtypes = tuple(GGMLQuantizationType(q) for _, q, _ in parts)
-        self.in_features = in_features
-        self.out_features = sum(rows for _, _, rows in parts)
-        self.backend = backend
-        self.lib = backend.lib
-        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous(),
-                             persistent=False)
-        self.register_buffer("weight_f32", None, persistent=False)
-        self.weight_bf16: Bf16Weight | None = None
-        self.desc: KvsWeight | None = None
+        linear_state(self, in_features, sum(rows for _, _, rows in parts), bias, backend)
         self.segments = torch.nn.ModuleList()
         if self.lib is None:
             self.weight_f32 = torch.cat([reference.dequantize(_tensor(np.ascontiguousarray(raw)), qt, in_features)

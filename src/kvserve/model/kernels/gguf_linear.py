@@ -146,16 +146,7 @@ class GGUFQuantLinear(torch.nn.Module):
                 f"GGUF {qtype.name} tensor has byte shape {tuple(raw.shape)}, expected {expect}"
             )
         self.qtype = qtype
-        self.in_features = in_features
-        self.out_features = out_features
-        self.backend = backend
-        self.lib = backend.lib
-        # Buffers, so that a model moved to another device (PyTorch path) takes them along.
-        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous(),
-                             persistent=False)
-        self.register_buffer("weight_f32", None, persistent=False)
-        self.weight_bf16: Bf16Weight | None = None
-        self.desc: KvsWeight | None = None    # what the C kernels read; None on the PyTorch path
+        linear_state(self, in_features, out_features, bias, backend)
         if self.lib is None:
             self.weight_f32 = reference.dequantize(_tensor(raw), qtype, in_features)
             return
@@ -312,3 +303,18 @@ class GGUFQuantLinear(torch.nn.Module):
         elif self.backend.f32_min_tokens is not None and self.lib is not None:
             path += f", fp32 GEMM for T>={self.backend.f32_min_tokens}"
         return f"in={self.in_features}, out={self.out_features}, qtype={self.qtype.name}, {path}"
+
+
+def linear_state(m: torch.nn.Module, in_features: int, out_features: int, bias: torch.Tensor | None,
+                 backend: KernelBackend) -> None:
+    """The attributes every quantized linear here starts with (GGUFQuantLinear, fused_linear's
+    SegmentedQuantLinear): shapes, backend, and bias / fp32 weight as buffers, so that a model moved
+    to another device (PyTorch path) takes them along; `desc` is what the C kernels read (None on
+    the PyTorch path)."""
+    m.in_features, m.out_features = in_features, out_features
+    m.backend, m.lib = backend, backend.lib
+    m.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous(),
+                      persistent=False)
+    m.register_buffer("weight_f32", None, persistent=False)
+    m.weight_bf16 = None
+    m.desc = None
