@@ -79,7 +79,7 @@ def test_eval_moderation_cli(tmp_path):
 
 def test_thresholds_come_from_the_dev_split():
     mod = Moderator(ModerationConfig())
-    t = mod.classifier.thresholds
-    assert set(t) == {"harassment", "hate", "self-harm", "sexual", "violence", "illicit"}
-    assert all(0.5 <= v <= 0.95 for v in t.values())
+    t = mod.thresholds        # the head's, picked on the validation split by train_head.py
+    assert {"harassment", "hate", "self-harm", "sexual", "violence", "illicit"} <= set(t)
+    assert all(0.3 <= v <= 0.97 for v in t.values())
     assert ModerationConfig(thresholds={"hate": 0.9}).threshold("hate/threatening", t) == 0.9

@@ -162,6 +162,10 @@ class SentenceEncoder:
         self._lock = threading.Lock()
         self.bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported() if bf16 is None else bf16
         self._bf16_model: BertEncoder | None = None
+        # name -> a module with `.start` (a depth) and `.embed(states, mask) -> unit rows`: layers
+        # run on the hidden states after `start` layers of the same forward (a task's tuned top
+        # layers: moderation's, safety/tuned.py); `encode_depths` takes the name as a depth
+        self.branches: dict[str, nn.Module] = {}
 
     def _model(self) -> BertEncoder:
         """The model to run: the fp32 one, or its copy with bf16 Linear weights (made once)."""
@@ -201,14 +205,19 @@ class SentenceEncoder:
     def layers(self) -> int:
         return self.model.config.num_hidden_layers
 
-    def encode_depths(self, texts: list[str], depths: tuple[int, ...]) -> tuple[dict[int, torch.Tensor], list[int]]:
+    def encode_depths(self, texts: list[str], depths: tuple) -> tuple[dict, list[int]]:
         """({depth: [len(texts), dim] unit rows}, token counts): each text's vector pooled (mean,
         L2-normalized) from the hidden states after the first `depth` layers, as `encode` pools
         the last ones. One forward serves every depth and runs only as deep as the deepest (a
-        shallow depth is a cheaper sentence feature: the router's, server/router.py)."""
-        depths = tuple(sorted(set(depths)))
-        if not depths or depths[0] < 0 or depths[-1] > self.layers:
+        shallow depth is a cheaper sentence feature: the router's, server/router.py). A depth may
+        be a branch's name (`branches`): its vector, from its layers on the same forward's states."""
+        names = tuple(sorted({d for d in depths if isinstance(d, str)}))
+        if any(n not in self.branches for n in names):
+            raise InvalidRequest(f"no branch {names} on the encoder (have {sorted(self.branches)})", param="layers")
+        depths = tuple(sorted({d for d in depths if not isinstance(d, str)}))
+        if (not depths and not names) or (depths and (depths[0] < 0 or depths[-1] > self.layers)):
             raise InvalidRequest(f"depths {depths} outside 0..{self.layers}", param="layers")
+        depths += names
         if not texts:
             return {d: torch.zeros(0, self.dim) for d in depths}, []
         encs = self.tokenizer.encode_batch(texts)
@@ -227,7 +236,7 @@ class SentenceEncoder:
         with one_thread() if small else contextlib.nullcontext():
             return self._forward(rows, autocast, depths), [len(r) for r in rows]
 
-    def _forward(self, rows: list[list[int]], autocast, depths: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    def _forward(self, rows: list[list[int]], autocast, depths: tuple) -> dict:
         out = {d: torch.empty(len(rows), self.dim) for d in depths}
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
         start = 0
@@ -245,9 +254,15 @@ class SentenceEncoder:
                 for j, i in enumerate(idx):
                     ids[j, :len(rows[i])] = torch.tensor(rows[i])
                     mask[j, :len(rows[i])] = 1
-                states = model.hidden_states(ids, mask, depths)
+                names = [d for d in depths if isinstance(d, str)]
+                ints = tuple(d for d in depths if not isinstance(d, str))
+                states = model.hidden_states(ids, mask, ints + tuple(self.branches[n].start for n in names))
+                for n in names:
+                    out[n][torch.tensor(idx)] = self.branches[n].embed(states[self.branches[n].start], mask).float()
                 m = mask[..., None].float()
                 for d, h in states.items():
+                    if d not in ints:
+                        continue
                     pooled = (h.float() * m).sum(1) / m.sum(1).clamp(min=1e-9)
                     out[d][torch.tensor(idx)] = F.normalize(pooled, p=2, dim=1)
                 start = end

@@ -8,7 +8,10 @@ The report:
 * the false-positive rate (benign rows flagged) and, per category, the recall (rows with that label
   flagged in it) and the share of rows flagged at all; per `set`, the share flagged;
 * per group, the three AUCs of Jigsaw's Unintended Bias benchmark (Borkan et al., 2019) over a
-  continuous toxicity score (the largest margin of a category's score over its threshold):
+  continuous toxicity score: the largest margin of a hate or harassment score over its threshold
+  (BIAS_CATEGORIES: what the benchmark measures is toxicity toward a group; a request for a crime
+  or a violent plan is scored by other categories, whose scores say nothing about the group; so
+  the AUCs' toxic rows are those labelled hate or harassment, and benign rows those unlabelled):
   subgroup AUC (toxic vs benign texts about the group), BPSN (benign texts about the group vs toxic
   texts not about it: low when the group's name alone raises the score) and BNSP (toxic texts
   about the group vs benign texts not about it: low when hate about the group scores too low);
@@ -31,6 +34,8 @@ from kvserve.safety.classifier import DATA, LABELS
 from kvserve.safety.moderator import ModerationConfig, Moderator
 
 HELDOUT_PATH = DATA / "heldout.jsonl"
+BIAS_CATEGORIES = ("hate", "hate/threatening", "harassment", "harassment/threatening")
+TOXIC = {"hate", "harassment"}     # the AUCs' positives; rows harmful only in other ways are in neither side
 
 
 @dataclass
@@ -40,7 +45,7 @@ class Row:
     groups: set[str]
     set: str | None
     flagged: set[str] = field(default_factory=set)   # main categories flagged
-    score: float = 0.0                                # max over categories of score - threshold
+    score: float = 0.0                                # max over BIAS_CATEGORIES of score - threshold
 
 
 def read_jsonl(path: pathlib.Path) -> list[Row]:
@@ -84,7 +89,8 @@ def score_rows(rows: list[Row], moderator: Moderator) -> None:
     for r in rows:
         v = moderator.check(r.text, input=False)
         r.flagged = {c for c in LABELS if v.categories[c]}
-        r.score = max(v.scores[c] - moderator.config.threshold(c, moderator.thresholds) for c in LABELS)
+        r.score = max(v.scores[c] - moderator.config.threshold(c, moderator.thresholds)
+                      for c in BIAS_CATEGORIES if c in v.scores)
 
 
 def report(rows: list[Row]) -> dict[str, Any]:
@@ -105,8 +111,8 @@ def report(rows: list[Row]) -> dict[str, Any]:
     for g in sorted({g for r in rows for g in r.groups}):
         sub = [r for r in rows if g in r.groups]
         bg = [r for r in rows if g not in r.groups]
-        sp, sn = [r.score for r in sub if r.labels], [r.score for r in sub if not r.labels]
-        bp, bn = [r.score for r in bg if r.labels], [r.score for r in bg if not r.labels]
+        sp, sn = [r.score for r in sub if r.labels & TOXIC], [r.score for r in sub if not r.labels]
+        bp, bn = [r.score for r in bg if r.labels & TOXIC], [r.score for r in bg if not r.labels]
         groups[g] = {"rows": len(sub), "flagged_benign": sum(bool(r.flagged) for r in sub if not r.labels),
                      "subgroup_auc": auc(sp, sn), "bpsn_auc": auc(bp, sn), "bnsp_auc": auc(sp, bn)}
     out["groups"] = groups

@@ -26,7 +26,7 @@ from kvserve.errors import InvalidRequest
 HEADS = ("harassment", "hate", "self-harm", "sexual", "sexual/minors", "violence", "violence/graphic",
          "illicit", "illicit/violent")
 OUTPUTS = HEADS + ("help",)   # `help`: asks for help for oneself or someone else (never refused)
-EVAL_ONLY = ("simplesafetytests", "xstest")
+EVAL_ONLY = ("simplesafetytests", "xstest", "harmbench", "kvserve_eval")
 OWN = pathlib.Path(__file__).parent / "data"
 # source -> (file under DATA_DIR, repository it comes from, license)
 SOURCES = {
@@ -36,7 +36,16 @@ SOURCES = {
     "alpaca": ("alpaca_seed.jsonl", "tatsu-lab/stanford_alpaca seed_tasks.jsonl", "Apache-2.0 (code) / CC BY-NC 4.0"),
     "simplesafetytests": ("sst.csv", "bertiev/SimpleSafetyTests", "CC BY 4.0"),
     "xstest": ("xstest.csv", "paul-rottger/exaggerated-safety xstest_prompts.csv", "CC BY 4.0"),
+    "harmbench": ("harmbench/harmbench_behaviors_text_all.csv",
+                  "centerforaisafety/HarmBench data/behavior_datasets (copy in busycalibrating/AdversariaLLM)", "MIT"),
+    "alpaca_instructions": ("refusal_direction", ("andyrdt/refusal_direction dataset/splits harmless_*.json "
+                            "(Alpaca instructions; copy in busycalibrating/AdversariaLLM data/refusal_direction)"),
+                            "CC BY-NC 4.0 (Alpaca data)"),
 }
+ALPACA_EVERY = 4        # every 4th instruction of the harmless files (about 7,800 rows): enough, and quick to embed
+# HarmBench's standard behaviours by semantic category (copyright and misinformation are not a category here)
+_HARMBENCH = {"illegal": {"illicit"}, "cybercrime_intrusion": {"illicit"}, "chemical_biological": {"illicit", "violence"},
+              "harmful": {"illicit"}, "harassment_bullying": {"harassment"}}
 
 
 @dataclass
@@ -155,8 +164,32 @@ def load(data_dir: pathlib.Path | None) -> list[Row]:
                 harmful = r["label"] == "unsafe"
                 add("xstest", (advbench_labels(r["prompt"]) if harmful else set()) or ({"illicit"} if harmful else set()),
                     r["prompt"], type=r["type"])
-    for labels, text in _own_tsv("train.tsv") + _own_tsv("eval.tsv") + _own_tsv("eval_blind.tsv"):
+    if d is not None and (d / SOURCES["harmbench"][0]).exists():
+        for r in csv.DictReader((d / SOURCES["harmbench"][0]).open(encoding="utf-8")):
+            cats = _HARMBENCH.get(r["SemanticCategory"])
+            if r["FunctionalCategory"] == "standard" and cats:
+                labels = advbench_labels(r["Behavior"]) | cats
+                if {"illicit", "violence"} <= labels:
+                    labels.add("illicit/violent")
+                add("harmbench", labels, r["Behavior"])
+    if d is not None and (d / SOURCES["alpaca_instructions"][0]).is_dir():
+        for part in ("train", "val", "test"):
+            f = d / SOURCES["alpaca_instructions"][0] / f"harmless_{part}.json"
+            if f.exists():
+                for r in json.loads(f.read_text(encoding="utf-8"))[::ALPACA_EVERY]:
+                    add("alpaca_instructions", set(), r["instruction"])
+    for labels, text in _own_tsv("train.tsv"):
         add("kvserve_labelled", labels, text)
+    for labels, text in _own_tsv("eval.tsv") + _own_tsv("eval_blind.tsv"):     # the moderator's held-out sets
+        add("kvserve_eval", labels, text)
+    from kvserve.safety import augment  # counterfactual identity rows: the same sentence over many groups
+
+    for split in ("train", "dev"):          # train groups to train on, other (dev) groups to pick thresholds on
+        for labels, text in augment.rows(split):
+            text = text.strip()
+            if text:
+                rows.append(Row(text, {lab for lab in labels if lab in HEADS}, "kvserve_augment",
+                                "train" if split == "train" else "val"))
     for text in _own_lines("help_seeking.txt"):
         add("kvserve_help", {"help"}, text)
     for text in _own_lines("benign_sensitive.txt"):

@@ -7,7 +7,8 @@
   on nor used for thresholds), of the head, of the n-gram classifier it replaced, and of the two
   together (the ablation: does the n-gram model add recall without false positives).
 
-`kvserve train moderation --data DIR` rebuilds the shipped head (safety/train_head.py)."""
+`kvserve train moderation --data DIR` rebuilds the shipped head on the frozen embedding
+(safety/train_head.py); `--tune-top` also tunes the encoder's top layers (safety/finetune.py)."""
 
 from __future__ import annotations
 
@@ -67,13 +68,20 @@ def train_moderation_cmd(
     data: Annotated[pathlib.Path, typer.Option("--data", help="The fetched sources (docs/safety.md lists them).")],
     out: Annotated[pathlib.Path | None, typer.Option("--out", help="Where to write the head (default: the shipped "
                                                      "safety/data/head.npz).")] = None,
+    tune_top: Annotated[bool, typer.Option("--tune-top", help="Also tune the encoder's top layers with the head "
+                                           "(safety/finetune.py; not what ships: docs/safety.md).")] = False,
 ) -> None:
-    """Rebuild the moderation head from the public sources in DIR, deterministically."""
+    """Rebuild the moderation head (with --tune-top, and the encoder's tuned top layers) from the
+    public sources in DIR, deterministically."""
     from kvserve.errors import KVServeError
-    from kvserve.safety.train_head import train
+
+    if tune_top:
+        from kvserve.safety.finetune import train
+    else:
+        from kvserve.safety.train_head import train
 
     try:
-        rep = train(data, out)
+        rep = train(data, out, log=lambda s: typer.echo(s, err=True)) if tune_top else train(data, out)
     except KVServeError as e:
         typer.echo(f"error: {e.message}", err=True)
         raise typer.Exit(1) from None

@@ -91,6 +91,9 @@ class Head:
             self.w1 = None
         self.thresholds = {lab: float(t) for lab, t in zip(self.labels, arrays["thresholds"])}
         self.size_bytes = sum(int(a.nbytes) for a in arrays.values())
+        # the encoder's tuned top layers (safety/tuned.py), when the head judges their vector
+        # rather than the shared embedding
+        self.top = {k: v for k, v in arrays.items() if k.startswith("top.")}
 
     def probs(self, vectors: np.ndarray) -> np.ndarray:
         """[n, len(labels)] probabilities of n embeddings."""
@@ -107,11 +110,11 @@ class Head:
 
 
 def save(path: pathlib.Path, *, w2: np.ndarray, b2: np.ndarray, thresholds: list[float],
-         w1: np.ndarray | None = None, b1: np.ndarray | None = None) -> None:
+         w1: np.ndarray | None = None, b1: np.ndarray | None = None, top: dict[str, np.ndarray] | None = None) -> None:
     np.savez_compressed(path, labels=np.array(OUTPUTS), w2=w2.astype(np.float16), b2=b2.astype(np.float32),
                         w1=(w1 if w1 is not None else np.zeros((0,))).astype(np.float16),
                         b1=(b1 if b1 is not None else np.zeros((0,))).astype(np.float32),
-                        thresholds=np.array(thresholds, dtype=np.float32))
+                        thresholds=np.array(thresholds, dtype=np.float32), **(top or {}))
 
 
 def load(path: pathlib.Path | None = None) -> Head:

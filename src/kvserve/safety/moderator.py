@@ -119,21 +119,26 @@ class Verdict:
         return out
 
 
-def _encode(texts: list[str]):
-    from kvserve.model.bert import default_encoder
+def head_encoder(head: Head):
+    """texts -> the vectors `head` judges: the shared encoder's embedding, or its tuned top
+    layers' vector when the head ships them (safety/tuned.py), from one forward."""
+    def encode(texts: list[str]):
+        from kvserve.model.bert import default_encoder
+        from kvserve.safety.tuned import attach
 
-    return default_encoder().encode(texts)[0].numpy()
+        enc = default_encoder()
+        depth = attach(enc, head) or enc.layers
+        return enc.encode_depths(texts, (depth,))[0][depth].numpy()
+    return encode
 
 
 class Moderator:
     """Checks text against one configuration; cheap to make (rules compile, the model is shared).
-    `engine`: "ngram" (the hashed n-gram classifier, what the server uses) or "head" (the trained
-    head over the sentence embedding, issue 59: not yet the default, since it misses the benign
-    false-positive target on OpenAI's samples and the identity-bias tests; `kvserve eval
-    moderation --data DIR` compares the two)."""
+    `engine`: "head" (the trained head over the sentence embedding, the default) or "ngram" (the
+    hashed n-gram classifier it replaced, kept for `kvserve eval moderation`'s comparison)."""
 
     def __init__(self, config: ModerationConfig | None = None, classifier: TextClassifier | None = None,
-                 engine: str = "ngram", head: Head | None = None, encode=None):
+                 engine: str = "head", head: Head | None = None, encode=None):
         self.config = config or ModerationConfig()
         c = self.config
         self.rules = Rules(blocklist=c.blocklist, regexes=c.regexes)
@@ -144,7 +149,7 @@ class Moderator:
         else:
             self.head = head or default_head()
             self.thresholds = self.head.thresholds
-            self.encode = encode or _encode
+            self.encode = encode or head_encoder(self.head)
 
     @staticmethod
     def windows(text: str) -> list[str]:
@@ -183,7 +188,7 @@ class Moderator:
             scores[cat] = 1.0
         if input and self.config.jailbreak:
             scores["jailbreak"] = self.rules.jailbreak_score(text)
-        scores = {k: round(v, 6) for k, v in scores.items()}
+        scores = {k: float(f"{v:.6g}") for k, v in scores.items()}     # significant digits: a tiny score keeps its rank
         categories = {k: v >= self.config.threshold(k, self.thresholds) for k, v in scores.items()}
         help_seeking = "help" in base and base["help"] >= self.thresholds.get("help", 2.0) and not hits
         return Verdict(any(categories.values()), categories, scores, (time.perf_counter() - t0) * 1000,

@@ -24,7 +24,17 @@ def new_flags(data_dir: pathlib.Path, head_path: pathlib.Path | None = None) -> 
     h = head_mod.load(head_path)
 
     def run(rows: list[Row]) -> list[set[str]]:
-        vecs = row_windows(rows, pathlib.Path(data_dir) / ".embeddings.npz")
+        if h.top:           # the head judges its tuned top layers' vectors (safety/finetune.py)
+            from kvserve.safety.finetune import tuned_vectors
+
+            wins = [head_mod.windows(r.text) for r in rows]
+            flat = tuned_vectors([w for ws in wins for w in ws], h, pathlib.Path(data_dir))
+            vecs, i = [], 0
+            for ws in wins:
+                vecs.append(flat[i:i + len(ws)])
+                i += len(ws)
+        else:
+            vecs = row_windows(rows, pathlib.Path(data_dir) / ".embeddings.npz")
         out = []
         for v in vecs:
             s = h.scores(v)

@@ -5,7 +5,9 @@
    a text is trained on as its first 800 characters (head.train_text: a label is the whole text's,
    so not every sentence group of it carries it) and judged, for thresholds, over its windows;
 3. the head (head.py) fitted on `train` rows: a one-hidden-layer MLP (numpy, full-batch Adam,
-   fixed seed: the same data gives the same head bit for bit on one machine);
+   fixed seed: the same data gives the same head bit for bit on one machine), then HARD_ROUNDS
+   hard-negative rounds: the benign training rows the last fit scored >= 0.5 in a category weigh
+   HARD_WEIGHT times more in the next fit (ordinary text that reads like harm: the false positives);
 4. each category's threshold: on `val` rows (never `train`, never `test`), the one with the best
    F1 among those that flag at most MAX_VAL_FPR of the benign validation rows.
 """
@@ -18,7 +20,7 @@ import pathlib
 import numpy as np
 
 from kvserve.safety import head as head_mod
-from kvserve.safety.datasets import OUTPUTS, Row, load
+from kvserve.safety.datasets import HEADS, OUTPUTS, Row, load
 
 HIDDEN = 64
 EPOCHS = 400
@@ -26,6 +28,8 @@ LR = 3e-3
 WEIGHT_DECAY = 1e-4
 MAX_VAL_FPR = 0.01
 SEED = 0
+HARD_ROUNDS = 2
+HARD_WEIGHT = 3.0
 
 
 def _key(text: str) -> str:
@@ -76,9 +80,9 @@ def _mask(rows: list[Row]) -> np.ndarray:
 
 
 def fit_mlp(x: np.ndarray, y: np.ndarray, hidden: int = HIDDEN, epochs: int = EPOCHS, seed: int = SEED,
-            mask: np.ndarray | None = None):
+            mask: np.ndarray | None = None, row_weights: np.ndarray | None = None):
     """(w1, b1, w2, b2): ReLU layer then per-category sigmoids, weighted BCE (a category's positives
-    weigh its negatives in total, capped at 20x), full-batch Adam."""
+    weigh its negatives in total, capped at 20x; `row_weights` on top), full-batch Adam."""
     rng = np.random.default_rng(seed)
     n, d = x.shape
     k = y.shape[1]
@@ -94,6 +98,8 @@ def fit_mlp(x: np.ndarray, y: np.ndarray, hidden: int = HIDDEN, epochs: int = EP
         h = np.maximum(h_pre, 0)
         p = 1 / (1 + np.exp(-np.clip(h @ w2.T + b2, -30, 30)))
         wt = np.where(y > 0, wpos, 1.0) * (1.0 if mask is None else mask)
+        if row_weights is not None:
+            wt = wt * row_weights[:, None]
         g = wt * (p - y) / n                           # d loss / d logits
         grads = [None, None, g.T @ h, g.sum(0)]
         gh = (g @ w2) * (h_pre > 0)
@@ -137,13 +143,22 @@ def train(data_dir: pathlib.Path, out: pathlib.Path | None = None, hidden: int =
     vecs = dict(zip(va, row_windows([rows[i] for i in va], cache)))
     x = embed([head_mod.train_text(rows[i].text) for i in tr], cache)
     y = _targets([rows[i] for i in tr])
-    w1, b1, w2, b2 = fit_mlp(x, y, hidden=hidden, mask=_mask([rows[i] for i in tr]))
-    tmp = head_mod.Head({"labels": np.array(OUTPUTS), "w1": w1, "b1": b1, "w2": w2, "b2": b2,
-                         "thresholds": np.zeros(len(OUTPUTS))})
+    mask = _mask([rows[i] for i in tr])
+    weights = np.ones(len(tr), np.float32)
+    benign = ~y[:, :len(HEADS)].any(1)
+    hard_counts = []
+    for rnd in range(HARD_ROUNDS + 1):
+        w1, b1, w2, b2 = fit_mlp(x, y, hidden=hidden, mask=mask, row_weights=weights)
+        tmp = head_mod.Head({"labels": np.array(OUTPUTS), "w1": w1, "b1": b1, "w2": w2, "b2": b2,
+                             "thresholds": np.zeros(len(OUTPUTS))})
+        if rnd < HARD_ROUNDS:
+            hard = benign & (tmp.probs(x)[:, :len(HEADS)].max(1) >= 0.5)
+            weights = np.where(hard, weights * HARD_WEIGHT, weights).astype(np.float32)
+            hard_counts.append(int(hard.sum()))
     pv = np.stack([tmp.probs(vecs[i]).max(0) for i in va])
     yv = _targets([rows[i] for i in va])
     thresholds = pick_thresholds(pv, yv, np.array([not rows[i].harmful for i in va]))
     path = out or head_mod.HEAD_PATH
     head_mod.save(path, w1=w1, b1=b1, w2=w2, b2=b2, thresholds=thresholds)
-    return {"path": str(path), "rows": len(rows), "train": len(tr), "val": len(va),
+    return {"path": str(path), "rows": len(rows), "train": len(tr), "val": len(va), "hard_negatives": hard_counts,
             "bytes": path.stat().st_size, "thresholds": dict(zip(OUTPUTS, thresholds))}

@@ -35,6 +35,7 @@ from kvserve.safety import pii
 from kvserve.safety.moderator import ModerationConfig, Moderator, Verdict
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.records import RequestRecord
+from kvserve.server.routing.embedder import Embedder, QueryEmbedding
 from kvserve.server.stages.output_moderation import OutputModerationStage
 from kvserve.server.stores.moderation_policies import PolicyStore
 
@@ -105,18 +106,58 @@ class ModerationService:
     # ---- input ----------------------------------------------------------------------------
 
     async def check_input_async(self, req: GenerationRequest, record: RequestRecord, config: ModerationConfig,
-                                tokenizer: Tokenizer | None = None) -> list[dict[str, Any]]:
-        """`check_input` inline for a short request (well under a millisecond), in a worker thread
-        for a long one (or one with token-id prompts to decode), so a large body never stalls the
-        event loop. `tokenizer` decodes token-id prompts (completions)."""
-        if not has_token_prompts(req) and sum(len(t) for _, t, _ in input_texts(req)) <= INLINE_CHARS:
-            return self.check_input(req, record, config)
-        return await asyncio.to_thread(self.check_input, req, record, config, tokenizer)
+                                tokenizer: Tokenizer | None = None, embedder: Embedder | None = None,
+                                shared: dict | None = None) -> list[dict[str, Any]]:
+        """`check_input` with the embeddings it needs made on the shared encoder's thread
+        (`embedder`, coalesced with the other requests' lookups). The last message's embedding
+        is made as the semantic cache and the router make theirs (normalized text, full depth):
+        it goes in `shared["query"]` so the request embeds it once. Without `embedder` (tests,
+        benches) the moderator embeds on its own, in a worker thread."""
+        if has_token_prompts(req):
+            texts = await asyncio.to_thread(input_texts, req, tokenizer)
+        else:
+            texts = input_texts(req)
+        vectors: dict[int, Any] | None = None
+        if config.input and embedder is not None and texts:
+            mod = self.moderator(config)
+            if mod.engine == "head":
+                vectors = await self._embed(mod, texts, embedder, shared)
+        if vectors is None and config.input:
+            return await asyncio.to_thread(self.check_input, req, record, config, tokenizer)
+        return self.check_input(req, record, config, tokenizer, vectors=vectors)
+
+    @staticmethod
+    async def _embed(mod: Moderator, texts: list[tuple[str, str, bool]], embedder: Embedder,
+                     shared: dict | None) -> dict[int, Any]:
+        import numpy as np
+
+        from kvserve.safety.tuned import attach
+
+        # the head's vectors: the shared embedding, or its tuned top layers' run on the same
+        # forward from the hidden states after the frozen layers (safety/tuned.py)
+        depth = await asyncio.to_thread(lambda: attach(embedder.get(), mod.head))
+        wins = [mod.windows(t) for _, t, _ in texts]
+        out: dict[int, Any] = {}
+        last = len(texts) - 1
+        if len(wins[last]) == 1:        # the query the cache and router embed too
+            query = QueryEmbedding(wins[last][0])
+            out[last] = (await query.get(embedder, "moderation", depth))[None, :]
+            if shared is not None:
+                shared["query"] = query
+        rest = [(i, w) for i, ws in enumerate(wins) if i not in out for w in ws]
+        if rest:
+            vecs, _ = await embedder.encode_depths([w for _, w in rest], (depth,), use="moderation")
+            vecs = vecs[depth].numpy()
+            for i in {i for i, _ in rest}:
+                out[i] = np.stack([v for (j, _), v in zip(rest, vecs) if j == i])
+        return out
 
     def check_input(self, req: GenerationRequest, record: RequestRecord, config: ModerationConfig,
-                    tokenizer: Tokenizer | None = None) -> list[dict[str, Any]]:
+                    tokenizer: Tokenizer | None = None, vectors: dict[int, Any] | None = None) -> list[dict[str, Any]]:
         """Check a chat or completions request before it is queued; raise ContentPolicyViolation
-        when flagged; redact personal data in place when configured. Returns the trace entries."""
+        when flagged by a blocking category (self-harm never blocks: the verdict is logged and the
+        answer gets the support message); redact personal data in place when configured.
+        `vectors`: per input text, its windows' embeddings, when made already. Returns the trace entries."""
         entries: list[dict[str, Any]] = []
         texts = input_texts(req, tokenizer)
         if config.pii_input != "off":
@@ -144,24 +185,31 @@ class ModerationService:
         t0 = time.perf_counter()
         worst: Verdict | None = None
         where = None
-        for param, text, is_user in texts:
-            for i in range(0, max(len(text), 1), CHUNK):
-                v = mod.check(text[max(0, i - 100):i + CHUNK], input=is_user)
-                if worst is None or (v.flagged and not worst.flagged):
+        for n, (param, text, is_user) in enumerate(texts):
+            if mod.engine == "head":        # windows of all of the text inside the check
+                parts = [(text, None if vectors is None else vectors.get(n))]
+            else:
+                parts = [(text[max(0, i - 100):i + CHUNK], None) for i in range(0, max(len(text), 1), CHUNK)]
+            for part, vecs in parts:
+                v = mod.check(part, input=is_user, vectors=vecs)
+                if worst is None or (v.flagged and not worst.flagged) or (v.blocking and not worst.blocking):
                     worst, where = v, param
-                if v.flagged:
+                if v.blocking:
                     break
-            if worst is not None and worst.flagged:
+            if worst is not None and worst.blocking:
                 break
         if worst is None:
             return entries
         worst.elapsed_ms = (time.perf_counter() - t0) * 1000
         self.observe("input", worst, config.action)
         annotated = {"action": "annotate"} if worst.flagged and config.action == "annotate" else {}
+        if worst.flagged and not worst.blocking:      # self-harm or help-seeking: answered, logged, supported
+            annotated = {"action": "support"}
+            self.annotated.labels("input", worst.top or "self-harm").inc()
         entries.append({"check": "input", **worst.summary(), **annotated})
         if not (record.moderation and record.moderation.get("flagged")):   # a PII annotation stays
             record.moderation = {"stage": "input", **worst.summary(), **annotated}
-        if worst.flagged and not annotated:
+        if worst.blocking and not annotated:
             cats = ", ".join(c for c, f in worst.categories.items() if f)
             raise ContentPolicyViolation(f"The request was flagged by input moderation ({cats}) and was not "
                                          "processed.", param=where)
@@ -169,14 +217,20 @@ class ModerationService:
 
     # ---- output ---------------------------------------------------------------------------
 
-    def output_stage(self, config: ModerationConfig, constrained: bool = False) -> OutputModerationStage | None:
+    def output_stage(self, config: ModerationConfig, constrained: bool = False,
+                     record: RequestRecord | None = None) -> OutputModerationStage | None:
         """The output stage of one choice. `constrained`: the text follows the request's grammar or
-        schema, which a mask such as `[EMAIL]` could break, so nothing is redacted (the trace says so)."""
-        if not config.output and (config.pii_output == "off" or constrained):
+        schema, which a mask such as `[EMAIL]` could break, so nothing is redacted (the trace says so).
+        `record`: the request's, whose input verdict says whether the support message goes first."""
+        m = record.moderation if record is not None else None
+        support = (config.support_message if config.support_message and not constrained and m
+                   and m.get("action") == "support" else "")
+        if not config.output and (config.pii_output == "off" or constrained) and not support:
             return None
         return OutputModerationStage(self.moderator(config) if config.output else None, config, self,
                                      redact=config.pii_output == "redact" and not constrained,
-                                     skipped_redaction=config.pii_output == "redact" and constrained)
+                                     skipped_redaction=config.pii_output == "redact" and constrained,
+                                     support=support)
 
 
 def is_scoring_request(req: GenerationRequest) -> bool:

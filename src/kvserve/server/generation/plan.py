@@ -39,6 +39,7 @@ from kvserve.server.generation.context import (
 )
 from kvserve.server.generation.engine import ModelHandle
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, check_caps, to_sampling_params
+from kvserve.server.routing.embedder import QueryEmbedding
 from kvserve.server.routing.semantic_cache import CachePlan, Hit
 from kvserve.server.stages import Stage, build_stages
 from kvserve.server.stages.structured import for_request
@@ -157,14 +158,17 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
     check_before_load(gw, record, req)
     moderation = gw.moderation.config_for(record, req)    # input moderation, before any load or queue (400)
     checks = None
+    shared: dict = {}     # the last message's embedding, made once for moderation, router and cache
+    embedder = gw.routing.embedder
     if not has_token_prompts(req):    # token-id prompts are decoded by their model's tokenizer: after the load
-        checks = await gw.moderation.check_input_async(req, record, moderation, None)
+        checks = await gw.moderation.check_input_async(req, record, moderation, None, embedder, shared)
     charge_load(gw, record, req.model)
     holds = [await gw.pool.acquire(req.model)]
     try:
         if checks is None:
-            checks = await gw.moderation.check_input_async(req, record, moderation, prompt_tokenizer(gw, req))
-        plan = await _build_plan(gw, record, req, kind, moderation, checks)
+            checks = await gw.moderation.check_input_async(req, record, moderation, prompt_tokenizer(gw, req),
+                                                           embedder, shared)
+        plan = await _build_plan(gw, record, req, kind, moderation, checks, shared.get("query"))
         if plan.route is not None:        # "auto": the model the router chose (resident: no wait)
             holds.append(await gw.pool.acquire(plan.model.name))
     except BaseException:
@@ -176,10 +180,12 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
 
 
 async def _build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest,
-                      kind: Kind, moderation: ModerationConfig, checks: list[dict[str, Any]]) -> GenerationPlan:
+                      kind: Kind, moderation: ModerationConfig, checks: list[dict[str, Any]],
+                      made: QueryEmbedding | None = None) -> GenerationPlan:
     chat = kind == "chat"
     timings = Timings(t0=record.t0, parsed=time.monotonic())
-    requested, route, query = await gw.routing.route(req, kind, record.key_tier)
+    requested, route, query = await gw.routing.route(req, kind, record.key_tier, made)
+    query = query or made     # input moderation's embedding of the last message: the cache's when the text matches
     model = ModelHandle.resolve(gw, requested, record.key_name)
     headers: dict[str, str] = annotation_header(record)
     max_tokens = _capped_max_tokens(gw, record, req, headers)
@@ -223,7 +229,7 @@ async def _build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletio
     return GenerationPlan(
         prompts=prompts, params=params, headers=headers, structured=structured, tools=tools,
         stages=lambda: build_stages(tools, reasoning=chat, moderation=lambda: gw.moderation.output_stage(
-            moderation, constrained=structured is not None and structured[1] != "tools")),
+            moderation, constrained=structured is not None and structured[1] != "tools", record=record)),
         cache_scope=CacheScopeKey(gw.cache_scope.salt(record.key, req.cache_salt), req.cache_salt),
         moderation=moderation, input_checks=checks, priority=engine_priority(record.key_tier, req.priority),
         prompt_token_texts=texts, top_logprobs=top, echo=echo, cache_key=cache_key, candidate=hit, **common)

@@ -165,7 +165,7 @@ class Embedder:
         """({depth: [n, dim] unit rows}, tokens): vectors pooled after `depth` layers (None: the
         full embedding; model/bert.py `encode_depths`), coalesced with waiting calls that ask
         for the same depths."""
-        depths = tuple(sorted(set(depths), key=lambda d: -1 if d is None else d))
+        depths = tuple(sorted(set(depths), key=repr))     # canonical: calls asking the same coalesce
         if not texts:
             vecs, _ = await self.run(self._encode_counted, [], use, depths)
             return vecs, 0

@@ -112,16 +112,19 @@ class RoutingStep:
         self.embedder.close()
 
     # ---- the router -----------------------------------------------------------------------
-    async def route(self, req: GenerationRequest, kind: str,
-                    tier: str) -> tuple[str | None, dict | None, QueryEmbedding | None]:
+    async def route(self, req: GenerationRequest, kind: str, tier: str,
+                    made: QueryEmbedding | None = None) -> tuple[str | None, dict | None, QueryEmbedding | None]:
         """The model a request goes to, the router's decision for the trace (None: not routed), and
-        the query's embedding when the router computed it (for `from_cache`)."""
+        the query's embedding when the router computed it (for `from_cache`). `made`: the embedding
+        input moderation made of the last message (used when it is the router's query text)."""
         if self.router is None or req.model != self.router.name:
             return req.model, None, None
         # The semantic cache will embed this query after the router unless it is bypassed: then
         # the router's forward runs the whole depth and hands the embedding on (one forward).
         full_later = self.cache is not None and bypass_reason(req, self.cache.options) is None
         query = QueryEmbedding(self.router.query_text(req, kind), full_later=full_later)
+        if made is not None and made.text == query.text:     # input moderation embedded it already
+            query.vectors.update(made.vectors)
         decision = await self.router.choose(req, kind, overloaded=self.admission.prefers_cheaper(tier),
                                             query=query)
         if decision["model"] is None:

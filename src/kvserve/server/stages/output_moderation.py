@@ -29,7 +29,7 @@ class OutputModerationStage:
     """The last stage of a choice: redact personal data, check a window every N tokens, cut on a flag."""
 
     def __init__(self, moderator: Moderator | None, config: ModerationConfig, service: VerdictSink,
-                 redact: bool | None = None, skipped_redaction: bool = False):
+                 redact: bool | None = None, skipped_redaction: bool = False, support: str = ""):
         self.moderator = moderator
         self.config = config
         self.service = service
@@ -41,6 +41,7 @@ class OutputModerationStage:
         if skipped_redaction:
             self.checks.append({"check": "pii_output", "action": "skipped", "reason": "structured output"})
         self.cut = False
+        self.support = support      # the operator's support message, sent before the answer's first text
 
     def feed(self, delta: ChoiceDelta) -> ChoiceDelta:
         if self.cut:                # the choice already ended: nothing more goes out
@@ -53,6 +54,9 @@ class OutputModerationStage:
             for tc in delta.tool_calls if tc.get("function"))
         if self.redactor is not None:   # held-back text leaves an empty delta, sent as such (keeps the stream alive)
             delta.text = self.redactor.feed(delta.text) + (self.redactor.finish() if delta.done else "")
+        if self.support and (delta.text or delta.done):
+            delta.text, self.support = self.support.rstrip() + "\n\n" + delta.text, ""
+            self.checks.append({"check": "support_message", "action": "added"})
         if self.moderator is None:
             return delta
         self.window = (self.window + raw)[-self.config.window_chars:]
