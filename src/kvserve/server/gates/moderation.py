@@ -107,24 +107,25 @@ class ModerationService:
 
     async def check_input_async(self, req: GenerationRequest, record: RequestRecord, config: ModerationConfig,
                                 tokenizer: Tokenizer | None = None, embedder: Embedder | None = None,
-                                shared: dict | None = None) -> list[dict[str, Any]]:
+                                shared: dict | None = None, skip: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
         """`check_input` with the embeddings it needs made on the shared encoder's thread
         (`embedder`, coalesced with the other requests' lookups). The last message's embedding
         is made as the semantic cache and the router make theirs (normalized text, full depth):
         it goes in `shared["query"]` so the request embeds it once. Without `embedder` (tests,
-        benches) the moderator embeds on its own, in a worker thread."""
+        benches) the moderator embeds on its own, in a worker thread. `skip`: the indices of
+        messages the model will not read (dropped by `truncate: "oldest"`), not judged."""
         if has_token_prompts(req):
             texts = await asyncio.to_thread(input_texts, req, tokenizer)
         else:
-            texts = input_texts(req)
+            texts = input_texts(req, skip=skip)
         vectors: dict[int, Any] | None = None
         if config.input and embedder is not None and texts:
             mod = self.moderator(config)
             if mod.engine == "head":
                 vectors = await self._embed(mod, texts, embedder, shared)
         if vectors is None and config.input:
-            return await asyncio.to_thread(self.check_input, req, record, config, tokenizer)
-        return self.check_input(req, record, config, tokenizer, vectors=vectors)
+            return await asyncio.to_thread(self.check_input, req, record, config, tokenizer, skip=skip)
+        return self.check_input(req, record, config, tokenizer, vectors=vectors, skip=skip)
 
     @staticmethod
     async def _embed(mod: Moderator, texts: list[tuple[str, str, bool]], embedder: Embedder,
@@ -153,13 +154,15 @@ class ModerationService:
         return out
 
     def check_input(self, req: GenerationRequest, record: RequestRecord, config: ModerationConfig,
-                    tokenizer: Tokenizer | None = None, vectors: dict[int, Any] | None = None) -> list[dict[str, Any]]:
+                    tokenizer: Tokenizer | None = None, vectors: dict[int, Any] | None = None,
+                    skip: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
         """Check a chat or completions request before it is queued; raise ContentPolicyViolation
         when flagged by a blocking category (self-harm never blocks: the verdict is logged and the
         answer gets the support message); redact personal data in place when configured.
-        `vectors`: per input text, its windows' embeddings, when made already. Returns the trace entries."""
+        `vectors`: per input text, its windows' embeddings, when made already; `skip`: messages
+        the model will not read (see `check_input_async`). Returns the trace entries."""
         entries: list[dict[str, Any]] = []
-        texts = input_texts(req, tokenizer)
+        texts = input_texts(req, tokenizer, skip)
         if config.pii_input != "off":
             t0 = time.perf_counter()
             kinds = sorted({m.kind for _, text, _ in texts for m in pii.find(text)})
@@ -178,7 +181,7 @@ class ModerationService:
                                              "remove them and retry.", param="messages")
             if kinds and config.pii_input == "redact":
                 redact_input(req)
-                texts = input_texts(req, tokenizer)
+                texts = input_texts(req, tokenizer, skip)
         if not config.input:
             return entries
         mod = self.moderator(config)
@@ -256,12 +259,14 @@ def has_token_prompts(req: GenerationRequest) -> bool:
     return isinstance(prompt, list) and any(isinstance(p, (int, list)) for p in prompt)
 
 
-def input_texts(req: GenerationRequest, tokenizer: Tokenizer | None = None) -> list[tuple[str, str, bool]]:
+def input_texts(req: GenerationRequest, tokenizer: Tokenizer | None = None,
+                skip: frozenset[int] = frozenset()) -> list[tuple[str, str, bool]]:
     """(param, text, written by the caller) for each piece of a request's input to check. Token-id
-    prompts are checked as `tokenizer` decodes them (the text the model reads), when it is given."""
+    prompts are checked as `tokenizer` decodes them (the text the model reads), when it is given.
+    `skip`: indices of chat messages left out (ones the model will not read)."""
     if isinstance(req, ChatCompletionRequest):
         return [(f"messages[{i}]", m.text(), m.role in ("user", "system", "developer"))
-                for i, m in enumerate(req.messages) if m.role != "assistant" and m.content]
+                for i, m in enumerate(req.messages) if m.role != "assistant" and m.content and i not in skip]
     prompt = req.prompt
     if isinstance(prompt, str):
         return [("prompt", prompt, True)]

@@ -1,7 +1,8 @@
 """The generation plan: what one request will run, built once from any API's body, gates included.
 
     parse (the API's module) → `build_plan`: caps (400) → the key's tpm bound (429: the
-    answer's max_tokens alone does not fit the bucket) → input moderation (400) → only then a
+    answer's max_tokens alone does not fit the bucket) → input moderation (400; a long chat with
+    `truncate: "oldest"` is fitted to the window first and judged on the turns kept) → only then a
     model on demand loaded (waits) and held until the lease ends (routing/residency.py), so a
     refused request never loads a model → route: the model ("auto": the router), the pool
     (404; 503 while loading) → the ladder's max_tokens cap
@@ -160,15 +161,18 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
     checks = None
     shared: dict = {}     # the last message's embedding, made once for moderation, router and cache
     embedder = gw.routing.embedder
-    if not has_token_prompts(req):    # token-id prompts are decoded by their model's tokenizer: after the load
+    fit_first = fits_before_moderation(req)
+    if not has_token_prompts(req) and not fit_first:   # token ids are decoded by their model: after the load
         checks = await gw.moderation.check_input_async(req, record, moderation, None, embedder, shared)
     charge_load(gw, record, req.model)
     holds = [await gw.pool.acquire(req.model)]
     try:
         if checks is None:
+            skip = await _dropped_turns(gw, record, req, shared) if fit_first else frozenset()
             checks = await gw.moderation.check_input_async(req, record, moderation, prompt_tokenizer(gw, req),
-                                                           embedder, shared)
-        plan = await _build_plan(gw, record, req, kind, moderation, checks, shared.get("query"))
+                                                           embedder, shared, skip=skip)
+        plan = await _build_plan(gw, record, req, kind, moderation, checks, shared.get("query"),
+                                 shared.get("prompts"))
         if plan.route is not None:        # "auto": the model the router chose (resident: no wait)
             holds.append(await gw.pool.acquire(plan.model.name))
     except BaseException:
@@ -179,9 +183,39 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
     return plan
 
 
+FIT_FIRST_CHARS = 4_000   # a truncating chat past this is fitted to the window before it is moderated
+
+
+def fits_before_moderation(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    """Whether input moderation waits for the prompt to be fitted to the window: a long chat with
+    `truncate: "oldest"` is judged on the turns the model will read, not on the ones dropped (a
+    255-turn conversation cut to its last few turns must not cost 255 turns of encoder forwards).
+    Such a request holds its model before it is judged; a short chat is judged before any load."""
+    if not isinstance(req, ChatCompletionRequest) or req.truncate != "oldest" or req.model == "auto":
+        return False
+    return sum(len(m.text()) for m in req.messages if m.content) > FIT_FIRST_CHARS
+
+
+async def _dropped_turns(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest,
+                         shared: dict) -> frozenset[int]:
+    """The indices of the messages `truncate: "oldest"` drops from `req` (the prompt is built here,
+    once: it goes in `shared["prompts"]` for the plan). The template's k oldest droppable turns
+    stand for at least the request's k oldest non-system turns (folding tool turns only merges
+    them), so leaving those k out never skips a turn the model reads."""
+    model = ModelHandle.resolve(gw, req.model, record.key_name)
+    max_tokens = _capped_max_tokens(gw, record, req, {})
+    tools = make_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+    prompts = await asyncio.to_thread(build_prompts, model.tokenizer, req, max_model_len=model.max_model_len,
+                                      max_tokens=max_tokens, tools=tools)
+    shared["prompts"] = (model.name, max_tokens, prompts)
+    droppable = [i for i, m in enumerate(req.messages[:-1]) if m.role not in ("system", "developer")]
+    return frozenset(droppable[:prompts[0].dropped_messages])
+
+
 async def _build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletionRequest | CompletionRequest,
                       kind: Kind, moderation: ModerationConfig, checks: list[dict[str, Any]],
-                      made: QueryEmbedding | None = None) -> GenerationPlan:
+                      made: QueryEmbedding | None = None,
+                      fitted: tuple[str, int | None, list[Prompt]] | None = None) -> GenerationPlan:
     chat = kind == "chat"
     timings = Timings(t0=record.t0, parsed=time.monotonic())
     requested, route, query = await gw.routing.route(req, kind, record.key_tier, made)
@@ -204,8 +238,11 @@ async def _build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletio
                                                                     add_special_tokens=False)
     tools = make_plan(req.tools, req.tool_choice, req.parallel_tool_calls) if chat else None
     tok = model.tokenizer
-    prompts = await asyncio.to_thread(build_prompts, tok, req, max_model_len=model.max_model_len,
-                                      max_tokens=max_tokens, tools=tools)
+    if fitted is not None and fitted[:2] == (model.name, max_tokens):    # built for input moderation
+        prompts = fitted[2]
+    else:
+        prompts = await asyncio.to_thread(build_prompts, tok, req, max_model_len=model.max_model_len,
+                                          max_tokens=max_tokens, tools=tools)
     if prompts[0].dropped_messages:
         headers[TRUNCATED_HEADER] = str(prompts[0].dropped_messages)
     texts = await asyncio.to_thread(token_texts, tok, prompts[0].token_ids) if req.kvserve_trace else []
