@@ -77,9 +77,11 @@ def within(loaded_ms: float, base_ms: float, factor: float = 2.0, slack_ms: floa
 
 # ---- the hostile kinds ------------------------------------------------------------------------
 
-def big_embeddings(client: httpx.Client, base_url: str, headers: dict, inputs: int = 200) -> httpx.Response:
-    """The largest /v1/embeddings request the caps allow (about 200 x 256 tokens)."""
-    return client.post(base_url + "/v1/embeddings", headers=headers, timeout=600,
+def big_embeddings(client: httpx.Client, base_url: str, headers: dict, inputs: int = 200,
+                   timeout: float = 600) -> httpx.Response:
+    """The largest /v1/embeddings request the caps allow (about 200 x 256 tokens); with a short
+    `timeout`, sent by a client that hangs up (httpx.TimeoutException; the server stops: 499)."""
+    return client.post(base_url + "/v1/embeddings", headers=headers, timeout=timeout,
                        json={"input": [long_text(i) for i in range(inputs)]})
 
 
