@@ -43,6 +43,35 @@ def test_an_error_reaches_every_waiting_call():
         asyncio.run(emb.encode(["again"]))
 
 
+def test_a_call_cut_by_shutdown_is_a_retryable_503():
+    """Calls waiting when the server closes the encoder get 503 `overloaded` with Retry-After, not a
+    500 (a soak's big request in flight when its server stopped came back 500)."""
+    from kvserve.errors import Overloaded
+    emb = Embedder()
+    emb.get()
+    started = __import__("threading").Event()
+
+    def slow(texts, use, depths=(None,)):
+        started.set()
+        __import__("time").sleep(0.3)
+        return Embedder._encode_counted(emb, texts, use, depths)
+    emb._encode_counted = slow
+
+    async def main():
+        calls = [asyncio.ensure_future(emb.encode([f"text {i}"] * 40)) for i in range(3)]
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        emb.close()
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    got = asyncio.run(main())
+    assert any(isinstance(r, Overloaded) for r in got), got
+    assert all(isinstance(r, (Overloaded, tuple)) for r in got), got
+    assert all(r.status == 503 and r.retry_after > 0 for r in got if isinstance(r, Overloaded))
+    with pytest.raises(Overloaded):
+        asyncio.run(emb.encode(["after"]))
+
+
 def test_waiting_calls_for_other_depths_get_their_own_forward():
     emb = Embedder()
     full = emb.encode_sync(TEXTS[0])[0]

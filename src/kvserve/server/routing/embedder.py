@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram
 
+from kvserve.errors import Overloaded
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -76,6 +78,12 @@ class QueryEmbedding:
             vecs, _ = await embedder.encode_depths([self.text], tuple(want), use=use)
             self.vectors.update({d: v[0].numpy() for d, v in vecs.items()})
         return self.vectors[depth]
+
+
+def shutting_down() -> Overloaded:
+    """The error of an encoder call the server's shutdown cut (503, retryable: not a 500)."""
+    return Overloaded("The server is shutting down; retry the request (on another replica or when it is back).",
+                      retry_after=5.0)
 
 
 class _Lane:
@@ -119,6 +127,7 @@ class Embedder:
         self._bulk = _Lane("kvserve-embed", slice_texts, slice_chars)
         self._lookups = _Lane("kvserve-embed-lookup", LOOKUP_SLICE_TEXTS, LOOKUP_SLICE_CHARS)
         self.batches = 0    # forwards run by `encode` (coalesced calls count once)
+        self.closed = False
         self.latency = Histogram("kvserve:embedding_latency_seconds", "Time to embed one batch of texts.",
                                  ["use"], buckets=LATENCY_BUCKETS, registry=registry)
 
@@ -166,6 +175,8 @@ class Embedder:
         full embedding; model/bert.py `encode_depths`), coalesced with waiting calls that ask
         for the same depths."""
         depths = tuple(sorted(set(depths), key=repr))     # canonical: calls asking the same coalesce
+        if self.closed:
+            raise shutting_down()
         if not texts:
             vecs, _ = await self.run(self._encode_counted, [], use, depths)
             return vecs, 0
@@ -220,6 +231,8 @@ class Embedder:
                     vecs, counts = await loop.run_in_executor(lane.executor, self._encode_counted, texts,
                                                               batch[0][0].use, batch[0][0].depths)
                 except BaseException as e:   # every call in the forward gets the error
+                    if self.closed and isinstance(e, RuntimeError):   # the executor shut down under it
+                        e = shutting_down()
                     for call, _ in batch:
                         if call in lane.queue:
                             lane.queue.remove(call)
@@ -255,5 +268,6 @@ class Embedder:
                 "kvserve_kind": "embedding", "dimensions": 384}
 
     def close(self) -> None:
+        self.closed = True
         for lane in (self._bulk, self._lookups):
             lane.executor.shutdown(wait=False, cancel_futures=True)
