@@ -116,3 +116,40 @@ def test_total_size_is_capped_in_bytes(tmp_path, cache_dir, monkeypatch):
     load_model(str(a))
     pack_cache.wait()     # the cache file is written in the background
     assert len(list(cache_dir.glob("*.kvpack"))) == 1    # the newest stays even past the cap
+
+
+def resident(t) -> float:
+    """The share of `t`'s pages mapped into this process (/proc/self/pagemap's present bit)."""
+    import mmap as _mmap
+    page = _mmap.PAGESIZE
+    first, last = t.data_ptr() // page, (t.data_ptr() + t.numel() * t.element_size() - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        raw = f.read((last - first + 1) * 8)
+    present = [int.from_bytes(raw[i:i + 8], "little") >> 63 for i in range(0, len(raw), 8)]
+    return sum(present) / len(present)
+
+
+def test_an_untied_embedding_table_is_not_mapped_whole(tmp_path, cache_dir):
+    """A load from the cache brings in every projection's pages at once but leaves the untied
+    embedding table's to the rows a token reads (a 3B Q4_K_M file's table is 220 MB of RSS)."""
+    import os
+
+    if not os.path.exists("/proc/self/pagemap"):
+        pytest.skip("no /proc/self/pagemap here")
+    path = tiny_random(tmp_path / "r.gguf", "Q4_1")
+    load_model(str(path))
+    pack_cache.wait()
+    again = load_model(str(path))           # from the cache
+    net = again.model
+    assert net.packed_embed is not None and net.packed_embed is not net.lm_head
+    emb = net.packed_embed.qs
+    assert emb.numel() >= 64 * 4096        # pages enough that the edges do not decide
+    assert resident(emb) < 0.5, resident(emb)   # a warm-up's rows, with the kernel's fault-around (64 KiB)
+    layer = [m.qs for m in net.layers[0].modules() if getattr(m, "qs", None) is not None]
+    assert layer
+    for w in (net.lm_head.qs, *layer):
+        assert resident(w) == 1.0
+    before = resident(emb)
+    assert greedy(again.model, again.tokenizer) == greedy(*old_load(path))   # the rows are read on demand
+    assert resident(emb) >= before

@@ -65,8 +65,8 @@ def _build(cfg: ModelConfig, weights: dict, weight_format: str, backend: KernelB
            session: pack_cache.PackSession | None) -> DecoderLM:
     with torch.no_grad(), pack_cache.active(session):
         net = DecoderLM.from_weights(cfg, weights, weight_format, backend=backend).eval()
-    if session is not None:
-        session.finish()
+    if session is not None:     # an untied embedding table is read a row per token: not mapped whole
+        session.finish(tuple(m for m in (getattr(net, "packed_embed", None),) if m is not None))
     return net
 
 
