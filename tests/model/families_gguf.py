@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from ggufmaker import CHAT_TEMPLATE, SPECIALS, byte_vocab, permute
 
+from kvserve.model.gguf_write import add_llama_shape, finish
+
 # our family -> (GGUF architecture, gguf-py MODEL_ARCH)
 GGUF_ARCH = {"qwen3": "qwen3", "phi3": "phi3", "phi3_swa": "phi3", "mistral_swa": "llama", "gemma2": "gemma2", "gemma3": "gemma3",
              "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
@@ -32,13 +34,8 @@ def write_gguf(checkpoint: Path, family: str, path: Path, qtype: str = "F32") ->
     tmap = gguf.get_tensor_name_map(model_arch, n_layers)
     w = gguf.GGUFWriter(str(path), arch)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_name(f"tiny-{family}")
-    w.add_block_count(n_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    add_llama_shape(w, name=f"tiny-{family}", layers=n_layers, ctx=c.max_position_embeddings, hidden=c.hidden_size,
+                    inter=c.intermediate_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     rp = c.rope_parameters
@@ -102,8 +99,5 @@ def write_gguf(checkpoint: Path, family: str, path: Path, qtype: str = "F32") ->
     for (layer, proj), per_expert in sorted(experts.items()):
         stacked = torch.stack([per_expert[e] for e in range(len(per_expert))])
         add(f"blk.{layer}.ffn_{proj.split('_')[0]}_exps.weight", stacked)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path

@@ -9,6 +9,8 @@ import gguf
 import numpy as np
 import torch
 
+from kvserve.model.gguf_write import add_llama_shape, finish
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
                  "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
@@ -55,13 +57,8 @@ def make_tiny_llama_gguf(path: Path, *, qtype: str = "F32", arch: str = "llama",
     n_vocab = len(vocab)
     head_dim = hidden // heads
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny-test")
-    w.add_block_count(layers)
-    w.add_context_length(ctx)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(inter)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
+    add_llama_shape(w, name="tiny-test", layers=layers, ctx=ctx, hidden=hidden, inter=inter, heads=heads,
+                    kv_heads=kv_heads)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
@@ -114,10 +111,7 @@ def make_tiny_llama_gguf(path: Path, *, qtype: str = "F32", arch: str = "llama",
     vec("output_norm.weight", hidden)
     if not tied:
         mat("output.weight", n_vocab, hidden, 0.5)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from kvserve.model.gguf_write import add_llama_shape, finish
+
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -92,13 +94,8 @@ def write_shape(path: Path, s: Shape, seed: int = 0) -> Path:
     tokens = _SPECIALS + alphabet + ["Ġt", "he"]
     tokens += [f"x{i}" for i in range(s.vocab - len(tokens))]
     w = gguf.GGUFWriter(str(path), s.arch)
-    w.add_name(s.name)
-    w.add_block_count(s.layers)
-    w.add_context_length(s.ctx)
-    w.add_embedding_length(s.hidden)
-    w.add_feed_forward_length(s.inter)
-    w.add_head_count(s.heads)
-    w.add_head_count_kv(s.kv_heads)
+    add_llama_shape(w, name=s.name, layers=s.layers, ctx=s.ctx, hidden=s.hidden, inter=s.inter, heads=s.heads,
+                    kv_heads=s.kv_heads)
     w.add_rope_freq_base(s.theta)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(s.vocab)
@@ -146,8 +143,5 @@ def write_shape(path: Path, s: Shape, seed: int = 0) -> Path:
     vec("output_norm.weight", s.hidden, 1.0)
     if not s.tied:
         mat("output.weight", s.vocab, s.hidden)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path

@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvserve.model.gguf_write import add_llama_shape, finish
+
 
 class Shape(NamedTuple):
     hidden: int
@@ -166,14 +168,10 @@ def write(path: str | Path, shape: str = "llama-1b", qtype: str = "Q4_1", seed: 
     w = gguf.GGUFWriter(str(path), s.arch)
     gemma = s.arch in ("gemma2", "gemma3")
     head_dim = s.head_dim or s.hidden // s.heads
-    w.add_name(f"random-{s.name or shape}-{qtype}")
-    w.add_block_count(s.layers)
-    w.add_context_length({"gemma3": 32768, "phi3": 4096}.get(s.arch, 32768 if s.name == "mistral" else
-                                                                 4096 if s.name == "llama2" else 8192))
-    w.add_embedding_length(s.hidden)
-    w.add_feed_forward_length(s.inter)
-    w.add_head_count(s.heads)
-    w.add_head_count_kv(s.kv_heads)
+    ctx = {"gemma3": 32768, "phi3": 4096}.get(s.arch, 32768 if s.name == "mistral" else
+                                                4096 if s.name == "llama2" else 8192)
+    add_llama_shape(w, name=f"random-{s.name or shape}-{qtype}", layers=s.layers, ctx=ctx, hidden=s.hidden,
+                    inter=s.inter, heads=s.heads, kv_heads=s.kv_heads)
     w.add_layer_norm_rms_eps(1e-5 if s.arch in ("llama", "phi3") else 1e-6)
     if gemma:
         w.add_key_length(head_dim)
@@ -243,10 +241,7 @@ def write(path: str | Path, shape: str = "llama-1b", qtype: str = "Q4_1", seed: 
     vec("output_norm.weight", s.hidden, 1.0, norm)
     if not gemma:                          # Gemma's head is the embedding
         mat("output.weight", s.vocab, s.hidden)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvserve.model.gguf_write import finish
+
 # gguf.TokenType values (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -84,8 +86,5 @@ def write_vocab_only(path: str | Path, model_path: str | Path, *, arch: str = "l
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
     add_sentencepiece_vocab(w, model_path, **kwargs)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return Path(path)

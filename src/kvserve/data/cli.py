@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvserve.errors import KVServeError
+from kvserve.cli_errors import user_errors
 
 data_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Prepare training data.")
 
@@ -32,10 +32,7 @@ def clean_cmd(
 
     cfg = CleanConfig(lang=tuple(x.lower() for x in lang or ()), min_words=min_words, max_words=max_words,
                       scrub_pii=not no_pii)
-    try:
+    with user_errors():
         report = clean(CleanJob(inputs=inputs, out=out, config=cfg, dedup_threshold=threshold, workers=workers,
                                 progress=progress))
-    except KVServeError as e:
-        typer.echo(f"error: {e.message}", err=True)
-        raise typer.Exit(1) from None
     typer.echo(json.dumps({k: report[k] for k in ("documents_in", "kept", "dropped", "docs_per_s")}, indent=2))

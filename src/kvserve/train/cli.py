@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvserve.errors import KVServeError
+from kvserve.cli_errors import fail, user_errors
 
 train_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="Train models kvserve serves: tokenizer, pretraining, SFT, DPO, reward model, GRPO, "
@@ -29,11 +29,6 @@ LORA_TARGETS = typer.Option(None, "--lora-targets", help="Projections to adapt: 
 LORA_ALPHA = typer.Option(None, "--lora-alpha", help="LoRA scale numerator (default 2 x rank).")
 QLORA = typer.Option(False, "--qlora", help="QLoRA: the frozen base in 4 bits (kvserve's q4_0 kernels); "
                                             "rank 8 unless --lora-rank.")
-
-
-def _fail(e: KVServeError) -> None:
-    typer.echo(f"error: {e.message}", err=True)
-    raise typer.Exit(1)
 
 
 def _summary(result: dict, keys: tuple[str, ...]) -> None:
@@ -59,10 +54,8 @@ def _run_stage(threads: int | None, stage: Callable[[], dict], keys: tuple[str, 
     """Run a training stage on `threads` torch threads; a user error prints `error: ...` and
     exits 1, a result prints its `keys` as JSON."""
     _threads(threads)
-    try:
+    with user_errors():
         result = stage()
-    except KVServeError as e:
-        _fail(e)
     _summary(result, keys)
 
 
@@ -97,14 +90,12 @@ def draft_cmd(
     """Distil a small draft model for `--speculative draft:DIR` from the target, on the target's own text."""
     from kvserve.train.draft import DraftConfig, train_draft
 
-    try:
+    with user_errors():
         r = train_draft(DraftConfig(out=out, target=target, kind=kind, layers=layers, feature_layers=feature_layers,
                                     vocab_size=vocab_size, eagle_steps=eagle_steps, init=init,
                                     num_prompts=num_prompts, gen_tokens=gen_tokens, temperature=temperature,
                                     greedy_share=greedy_share, self_prompt_share=self_prompt_share,
                                     steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads))
-    except KVServeError as e:
-        _fail(e)
     typer.echo(json.dumps(r, indent=2))
 
 
@@ -119,11 +110,9 @@ def router_cmd(
     """Train the model router's classifier (logistic regression over sentence-encoder features)."""
     from kvserve.train.router_training import labelled_prompts, read_labelled, train_router
 
-    try:
+    with user_errors():
         rows = read_labelled(data) if data else labelled_prompts()
         clf = train_router(rows, layers=layers)
-    except KVServeError as e:
-        _fail(e)
     Path(out).write_text(json.dumps(clf))
     _summary({"out": out, **clf}, ("out", "examples", "layers", "heldout_accuracy", "handwritten_accuracy",
                                    "classes"))
@@ -146,12 +135,10 @@ def cache_head_cmd(
     from kvserve.train.cache_head import save_head, train_cache_head
 
     if not Path(out).resolve().parent.is_dir():    # before minutes of training, not after
-        _fail(KVServeError(f"cannot write {out}: its directory does not exist"))
+        fail(f"cannot write {out}: its directory does not exist")
     head = train_cache_head(hidden=hidden, steps=steps, seed=seed, pos_margin=pos_margin, members=members)
-    try:
+    with user_errors(os_error=lambda e: f"cannot write {out}: {e}"):
         digest = save_head(head, out, hidden=hidden, steps=steps, seed=seed, pos_margin=pos_margin, members=members)
-    except OSError as e:
-        _fail(KVServeError(f"cannot write {out}: {e}"))
     typer.echo(json.dumps({"out": out, "digest": digest,
                            "measure": f"python -m kvserve.bench.semantic_pairs --head {out} 0.95 0.93"}, indent=2))
 
@@ -167,12 +154,10 @@ def tokenizer_cmd(
     from kvserve.train.data import load_corpus, split_documents
     from kvserve.train.tokenizer_train import bytes_per_token, save_tokenizer, train_tokenizer
 
-    try:
+    with user_errors():
         train, held = split_documents(load_corpus(corpus, max_chars))
         tok = train_tokenizer(train, vocab_size)
         save_tokenizer(tok, out)
-    except KVServeError as e:
-        _fail(e)
     held_text = "\n\n".join(held)
     typer.echo(json.dumps({"out": out, "vocab_size": tok.get_vocab_size(),
                            "train_bytes_per_token": round(bytes_per_token(tok, "\n\n".join(train[:200])), 3),
@@ -203,14 +188,12 @@ def pretrain_cmd(
     from kvserve.train.pretrain import PretrainConfig, pretrain
 
     _threads(threads)
-    try:
+    with user_errors():
         r = pretrain(PretrainConfig(
             tokenizer=tokenizer, out=out, corpus=corpus, max_chars=max_chars, size=size, seq_len=seq_len,
             batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps, max_steps=max_steps,
             max_minutes=max_minutes, eval_every=eval_every, checkpoint_every=checkpoint_every, seed=seed,
             resume=resume))
-    except KVServeError as e:
-        _fail(e)
     if "val_bpb" in r:
         _summary(r, ("out", "steps", "params", "val_loss", "val_bpb", "unigram_bpb"))
 
@@ -269,10 +252,8 @@ def merge_cmd(
     """Fold a LoRA adapter into its base: W += scale * B A; the result serves without the adapter."""
     from kvserve.train.lora import merge
 
-    try:
+    with user_errors():
         path = merge(model, adapter, out)
-    except KVServeError as e:
-        _fail(e)
     typer.echo(f"merged {adapter} into {model}: {path}")
 
 
@@ -370,7 +351,7 @@ def perplexity_cmd(
     _threads(threads)
     weight_format, peer = weight_format or ["fp32"], peer or []
     rows = []
-    try:
+    with user_errors(os_error=lambda e: f"cannot read {text}: {e.strerror}"):
         if any(p != "llama-cpp" for p in peer):
             raise InvalidRequest(f"unknown peer in {peer}: the one peer is llama-cpp", param="peer")
         body = Path(text).read_text(errors="replace") if text else "\n\n".join(split_documents(load_corpus())[1])
@@ -386,11 +367,6 @@ def perplexity_cmd(
         for _ in peer:
             rows.append(("llama.cpp", llama_cpp_perplexity(model, body, seq_len=seq_len, max_windows=max_windows,
                                                            threads=threads)))
-    except KVServeError as e:
-        _fail(e)
-    except OSError as e:
-        typer.echo(f"error: cannot read {text}: {e.strerror}", err=True)
-        raise typer.Exit(1) from None
     if len(rows) > 1:
         typer.echo(perplexity_table(rows))
         return

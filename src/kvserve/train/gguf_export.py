@@ -20,6 +20,7 @@ import torch
 
 from kvserve.errors import InvalidRequest
 from kvserve.model.config import ModelConfig
+from kvserve.model.gguf_write import add_llama_shape, finish
 from kvserve.tokenizer import Tokenizer
 from kvserve.train.quant_formats import ggml_type, quantize_rows
 
@@ -60,13 +61,9 @@ def write_gguf(path: str | Path, cfg: ModelConfig, weights: dict[str, torch.Tens
     check_supported(cfg)
     qtype = qtype.upper()
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name(cfg.name or "model")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_llama_shape(w, name=cfg.name or "model", layers=cfg.num_hidden_layers, ctx=cfg.max_position_embeddings,
+                    hidden=cfg.hidden_size, inter=cfg.intermediate_size, heads=cfg.num_attention_heads,
+                    kv_heads=cfg.num_key_value_heads)
     if cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -110,10 +107,7 @@ def write_gguf(path: str | Path, cfg: ModelConfig, weights: dict[str, torch.Tens
         counts[used] = counts.get(used, 0) + 1
         if on_tensor is not None:
             on_tensor(out_name, used)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return counts
 
 

@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from kvserve.errors import KVServeError
+from kvserve.cli_errors import user_errors
 
 
 def quantize_cmd(
@@ -32,16 +32,10 @@ def quantize_cmd(
         import torch
 
         torch.set_num_threads(threads)
-    try:
+    with user_errors(os_error=lambda e: f"{e.filename or ''}: {e.strerror}"):
         s = quantize(QuantizeConfig(model=model, type=type, out=out, calibrate=calibrate, calib_tokens=calib_tokens,
                                     eval_text=eval_text, eval_windows=eval_windows, seq_len=seq_len,
                                     evaluate=not no_eval))
-    except KVServeError as e:
-        typer.echo(f"error: {e.message}", err=True)
-        raise typer.Exit(1) from None
-    except OSError as e:
-        typer.echo(f"error: {e.filename or ''}: {e.strerror}", err=True)
-        raise typer.Exit(1) from None
     if as_json:
         rows = [{"model": r["model"], "bytes": r["bytes"], **(r["result"].as_dict() if "result" in r else {})}
                 for r in s["rows"]]

@@ -707,6 +707,19 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
     return 0;
 }
 
+// gu [T, 2I] (gate | up) -> out [T, I] = act(gate) * up by Row (kvs::silu_mul_row or
+// kvs::gelu_mul_row), tokens split over the team (one thread below 32768 values).
+template <void (*Row)(const float *, const float *, int, float *)>
+void glu_rows(const float *gu, int T, int I, float *out, int nth) {
+    nth = kvs::team_for(nth);
+    if ((size_t)T * I < 32768) nth = 1;
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (size_t)t * 2 * I;
+        Row(g, g + I, I, out + (size_t)t * I);
+    }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -747,24 +760,12 @@ void kvs_rope_kv_attention(const kvs_model_desc *m, int layer, float *qkv, int T
 
 // gu [T, 2I] (gate | up) -> out [T, I] = silu(gate) * up
 void kvs_silu_mul(const float *gu, int T, int I, float *out, int nth) {
-    nth = kvs::team_for(nth);
-    if ((size_t)T * I < 32768) nth = 1;
-#pragma omp parallel for num_threads(nth) schedule(static)
-    for (int t = 0; t < T; t++) {
-        const float *g = gu + (size_t)t * 2 * I;
-        kvs::silu_mul_row(g, g + I, I, out + (size_t)t * I);
-    }
+    glu_rows<kvs::silu_mul_row>(gu, T, I, out, nth);
 }
 
 // gu [T, 2I] (gate | up) -> out [T, I] = gelu_tanh(gate) * up (Gemma's GeGLU, as kvs_forward's)
 void kvs_gelu_mul(const float *gu, int T, int I, float *out, int nth) {
-    nth = kvs::team_for(nth);
-    if ((size_t)T * I < 32768) nth = 1;
-#pragma omp parallel for num_threads(nth) schedule(static)
-    for (int t = 0; t < T; t++) {
-        const float *g = gu + (size_t)t * 2 * I;
-        kvs::gelu_mul_row(g, g + I, I, out + (size_t)t * I);
-    }
+    glu_rows<kvs::gelu_mul_row>(gu, T, I, out, nth);
 }
 
 }  // extern "C"

@@ -28,51 +28,70 @@ inline __m512i bcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
+// The frame every tile below shares: TT tokens' accumulators for the group's 16 rows; per block b
+// (block_bytes of the group's codes at qb) block(b, qb, acc) adds its products, in block order;
+// then the valid rows are stored.
+template <int TT, class Block>
+inline void tile16(const kvs_weight *w, int g, size_t block_bytes, int t0, float *y, int ldy, bool add, Block block) {
+    const int nb = w->cols / QK;
+    const uint8_t *qg = w->qs + (size_t)g * nb * block_bytes;
+    __m512 acc[TT];
+    for (int j = 0; j < TT; j++) acc[j] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) block(b, qg + (size_t)b * block_bytes, acc);
+    const int row0 = g * 16, nvalid = w->rows - row0;
+    for (int j = 0; j < TT; j++) store_rows16(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+}
+
+// is[j] += the exact int32 sums of one 4-value column of the low and high nibbles (u8 lo, hi)
+// with token t0 + j's int8 values of block b.
+template <int TT>
+inline void dot_nibbles(__m512i *is, __m512i lo, __m512i hi, const int8_t *xq, int K, int t0, int b, int i) {
+    for (int j = 0; j < TT; j++) {
+        const int8_t *xr = xq + (size_t)(t0 + j) * K + b * QK + 4 * i;
+        is[j] = _mm512_dpbusd_epi32(is[j], lo, bcast4(xr));
+        is[j] = _mm512_dpbusd_epi32(is[j], hi, bcast4(xr + 16));
+    }
+}
+
+// acc[j] += block b's sums is[j] times its scale d, plus its minimum m times token t0 + j's sum
+// xs: the two fmas per block of the Q4 layouts (SM as q4_scales16's).
+template <int TT, int SM>
+inline void q4_block_fma(const kvs_weight *w, int g, int b, int nb, const __m512i *is, const float *xd,
+                         const float *xs, int t0, __m512 *acc) {
+    __m512 d, m;
+    q4_scales16<SM>(w, g, b, nb, &d, &m);
+    for (int j = 0; j < TT; j++) {
+        const size_t sb = (size_t)(t0 + j) * nb + b;
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[j]), _mm512_mul_ps(d, _mm512_set1_ps(xd[sb])), acc[j]);
+        acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[sb]), acc[j]);
+    }
+}
+
 template <int TT, int SM>
 void q4_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
                int ldy, bool add) {
     const int K = w->cols, nb = K / QK;
-    const uint8_t *qg = w->qs + (size_t)g * nb * 256;
     const __m512i mask = _mm512_set1_epi8(0x0F);
-    __m512 acc[TT];
-    for (int j = 0; j < TT; j++) acc[j] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *qb = qg + (size_t)b * 256;
+    tile16<TT>(w, g, 256, t0, y, ldy, add, [&](int b, const uint8_t *qb, __m512 *acc) {
         __m512i is[TT];
         for (int j = 0; j < TT; j++) is[j] = _mm512_setzero_si512();
         for (int i = 0; i < 4; i++) {
             const __m512i raw = _mm512_loadu_si512((const void *)(qb + i * 64));
             const __m512i lo = _mm512_and_si512(raw, mask);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-            for (int j = 0; j < TT; j++) {
-                const int8_t *xr = xq + (size_t)(t0 + j) * K + b * QK + 4 * i;
-                is[j] = _mm512_dpbusd_epi32(is[j], lo, bcast4(xr));
-                is[j] = _mm512_dpbusd_epi32(is[j], hi, bcast4(xr + 16));
-            }
+            dot_nibbles<TT>(is, lo, hi, xq, K, t0, b, i);
         }
-        __m512 d, m;
-        q4_scales16<SM>(w, g, b, nb, &d, &m);
-        for (int j = 0; j < TT; j++) {
-            const size_t sb = (size_t)(t0 + j) * nb + b;
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[j]), _mm512_mul_ps(d, _mm512_set1_ps(xd[sb])), acc[j]);
-            acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[sb]), acc[j]);
-        }
-    }
-    const int row0 = g * 16, nvalid = w->rows - row0;
-    for (int j = 0; j < TT; j++) store_rows16(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+        q4_block_fma<TT, SM>(w, g, b, nb, is, xd, xs, t0, acc);
+    });
 }
 
 template <int TT, bool F16>
 void q8_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *, int t0, float *y,
                int ldy, bool add) {
     const int K = w->cols, nb = K / QK;
-    const uint8_t *qg = w->qs + (size_t)g * nb * 512;
     const size_t s0 = (size_t)g * nb * 16;
     const __m512i zero = _mm512_setzero_si512();
-    __m512 acc[TT];
-    for (int j = 0; j < TT; j++) acc[j] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *qb = qg + (size_t)b * 512;
+    tile16<TT>(w, g, 512, t0, y, ldy, add, [&](int b, const uint8_t *qb, __m512 *acc) {
         __m512i is[TT];
         for (int j = 0; j < TT; j++) is[j] = _mm512_setzero_si512();
         for (int i = 0; i < 8; i++) {
@@ -88,9 +107,7 @@ void q8_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, co
         for (int j = 0; j < TT; j++)
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[j]),
                                      _mm512_mul_ps(d, _mm512_set1_ps(xd[(size_t)(t0 + j) * nb + b])), acc[j]);
-    }
-    const int row0 = g * 16, nvalid = w->rows - row0;
-    for (int j = 0; j < TT; j++) store_rows16(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+    });
 }
 
 // Bit `from` of every byte of v moved to bit 4, the rest cleared (as kvserve_kernels.cpp's bit_to4).
@@ -116,11 +133,7 @@ template <int TT>
 void q5_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
                int ldy, bool add) {
     const int K = w->cols, nb = K / QK;
-    const uint8_t *qg = w->qs + (size_t)g * nb * KVS_Q5_BLOCK_BYTES;
-    __m512 acc[TT];
-    for (int j = 0; j < TT; j++) acc[j] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *qb = qg + (size_t)b * KVS_Q5_BLOCK_BYTES;
+    tile16<TT>(w, g, KVS_Q5_BLOCK_BYTES, t0, y, ldy, add, [&](int b, const uint8_t *qb, __m512 *acc) {
         const __m512i hb = _mm512_loadu_si512((const void *)(qb + 256));
         __m512i lo[4], hi[4], is[TT];
         q5_chunk16<0>(qb, hb, &lo[0], &hi[0]);
@@ -128,22 +141,9 @@ void q5_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, co
         q5_chunk16<2>(qb, hb, &lo[2], &hi[2]);
         q5_chunk16<3>(qb, hb, &lo[3], &hi[3]);
         for (int j = 0; j < TT; j++) is[j] = _mm512_setzero_si512();
-        for (int i = 0; i < 4; i++)
-            for (int j = 0; j < TT; j++) {
-                const int8_t *xr = xq + (size_t)(t0 + j) * K + b * QK + 4 * i;
-                is[j] = _mm512_dpbusd_epi32(is[j], lo[i], bcast4(xr));
-                is[j] = _mm512_dpbusd_epi32(is[j], hi[i], bcast4(xr + 16));
-            }
-        __m512 d, m;
-        q4_scales16<2>(w, g, b, nb, &d, &m);
-        for (int j = 0; j < TT; j++) {
-            const size_t sb = (size_t)(t0 + j) * nb + b;
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[j]), _mm512_mul_ps(d, _mm512_set1_ps(xd[sb])), acc[j]);
-            acc[j] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[sb]), acc[j]);
-        }
-    }
-    const int row0 = g * 16, nvalid = w->rows - row0;
-    for (int j = 0; j < TT; j++) store_rows16(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+        for (int i = 0; i < 4; i++) dot_nibbles<TT>(is, lo[i], hi[i], xq, K, t0, b, i);
+        q4_block_fma<TT, 2>(w, g, b, nb, is, xd, xs, t0, acc);
+    });
 }
 
 // Q6_K (qtype 3): the AVX2 q6_tile8's integers per half block (vpdpbusd here), each times its
@@ -152,13 +152,9 @@ template <int TT>
 void q6_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *, int t0, float *y,
                int ldy, bool add) {
     const int K = w->cols, nb = K / QK;
-    const uint8_t *qg = w->qs + (size_t)g * nb * KVS_Q6_BLOCK_BYTES;
     const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30), c32 = _mm512_set1_epi8(32);
     const __m512i zero = _mm512_setzero_si512();
-    __m512 acc[TT];
-    for (int j = 0; j < TT; j++) acc[j] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *qb = qg + (size_t)b * KVS_Q6_BLOCK_BYTES;
+    tile16<TT>(w, g, KVS_Q6_BLOCK_BYTES, t0, y, ldy, add, [&](int b, const uint8_t *qb, __m512 *acc) {
         __m512i slo[TT], shi[TT];
         for (int j = 0; j < TT; j++) slo[j] = shi[j] = _mm512_setzero_si512();
         for (int i = 0; i < 4; i++) {
@@ -187,9 +183,7 @@ void q6_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, co
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32),
                                      _mm512_mul_ps(d, _mm512_set1_ps(xd[(size_t)(t0 + j) * nb + b])), acc[j]);
         }
-    }
-    const int row0 = g * 16, nvalid = w->rows - row0;
-    for (int j = 0; j < TT; j++) store_rows16(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+    });
 }
 
 template <bool Q4, int SM, int TT>
