@@ -9,6 +9,7 @@ maps the packed copy instead of rewriting it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -55,10 +56,26 @@ def _gguf_tokenizer(path, reader) -> Tokenizer:
     if not pack_cache.enabled() or gguf_field(reader, "tokenizer.ggml.model") not in ("gpt2", "llama"):
         return Tokenizer.from_gguf(reader)       # (which says what is wrong)
     try:
-        hf = pack_cache.load_tokenizer(Path(path), lambda: Tokenizer.hf_from_gguf(reader))
+        hf = _cached_tokenizer(Path(path), lambda: Tokenizer.hf_from_gguf(reader))
     except OSError:
         hf = None
     return Tokenizer.from_gguf(reader, hf)
+
+
+def _cached_tokenizer(gguf_path: Path, build_bpe):
+    """The file's BPE tokenizer (a `tokenizers.Tokenizer`): read from the cache's JSON, else made
+    by `build_bpe()` and written there (a 128k vocabulary and its merges take about a second to
+    build from GGUF strings, a tenth of that to read back)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = pack_cache.cache_root() / f"{pack_cache.file_key(gguf_path)}.tokenizer.json"
+    with contextlib.suppress(Exception):    # a missing or unreadable entry is rebuilt
+        return HFTokenizer.from_file(str(path))
+    hf = build_bpe()
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pack_cache.atomic_write(path, hf.to_str().encode())
+    return hf
 
 
 def _build(cfg: ModelConfig, weights: dict, weight_format: str, backend: KernelBackend,

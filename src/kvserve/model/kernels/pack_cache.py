@@ -89,7 +89,7 @@ def file_digest(path: Path) -> str:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     with contextlib.suppress(OSError):
         memo.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(memo, digest.encode())
+        atomic_write(memo, digest.encode())
     return digest
 
 
@@ -128,23 +128,7 @@ def file_key(gguf_path: Path, variant: str = "") -> str:
     return hashlib.sha256(f"{file_identity(gguf_path)}|{code_digest()}|{variant}".encode()).hexdigest()[:32]
 
 
-def load_tokenizer(gguf_path: Path, build_bpe):
-    """The file's BPE tokenizer (a `tokenizers.Tokenizer`): read from the cache's JSON, else made
-    by `build_bpe()` and written there (a 128k vocabulary and its merges take about a second to
-    build from GGUF strings, a tenth of that to read back)."""
-    from tokenizers import Tokenizer as HFTokenizer
-
-    path = cache_root() / f"{file_key(gguf_path)}.tokenizer.json"
-    with contextlib.suppress(Exception):    # a missing or unreadable entry is rebuilt
-        return HFTokenizer.from_file(str(path))
-    hf = build_bpe()
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path, hf.to_str().encode())
-    return hf
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as f:
