@@ -126,4 +126,16 @@ def load_model(model: str | None = None, weight_format: str = "auto", *, device:
         net = _build(cfg, weights_from_dir(src.path, cfg), weight_format, backend, None)
     if torch.device(backend.device).type != "cpu":
         net.to(backend.device)
+    release_freed_heap()
     return LoadedModel(net, tok, cfg, src, time.perf_counter() - t0, backend)
+
+
+def release_freed_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim): a load frees the
+    file's metadata, the tokenizer's build and (on a first load) staging copies, and glibc keeps
+    those pages: 60 MB of RSS after a 1.1B GGUF's load, 210 MB after a 3B's first load."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
