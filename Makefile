@@ -38,12 +38,15 @@ AVX2_TESTS := tests/model tests/test_sampling_params.py \
                 draft_threshold))
 
 # Two pytest-xdist workers, a test file whole on one (tests/conftest.py: files sharing a session
-# fixture go together), then the `serial` tests alone: they compare latencies on this machine.
+# fixture go together), each worker's engines and servers on one thread (OMP_NUM_THREADS=1: two
+# workers of two spinning kernel threads each on two cores made the parallel pass only ~15% faster
+# than one process; the tests that compare thread counts set theirs), then the `serial` tests alone,
+# on every core: they compare latencies on this machine.
 # pytest exits 5 when a marker selects nothing (a tree without serial tests): that is not a failure.
 TEST_WORKERS ?= 2
 test: setup
 	bash scripts/test-deps.sh
-	$(PY) -m pytest -q -m "not slow and not serial" -n $(TEST_WORKERS) --dist loadgroup --durations=60
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow and not serial" -n $(TEST_WORKERS) --dist loadgroup --durations=60
 	$(PY) -m pytest -q -m "serial and not slow" --durations=20 || [ $$? = 5 ]
 	$(MAKE) --no-print-directory test-avx2
 
