@@ -198,3 +198,26 @@ def test_q5_k_layout_exact_rows_and_the_written_out_arithmetic(rows, cols):
         assert torch.equal(layer(x[:T]), full[:T]), T
     ref = x.double() @ want.double().T
     assert float((full.double() - ref).norm() / ref.norm()) < 0.02
+
+
+@pytest.mark.parametrize("fill", [0x00, 0xFF, 0xA5])   # every code 0 (q - 32 = -32), 63 (+31), mixed
+def test_q6_k_extreme_codes_and_activations_same_bits_on_every_batch_size(fill):
+    """The one-token Q6_K tile sums unsigned codes and takes 32 x the activations' sum off per
+    half-block; the batched tile sums signed codes. At the int16 bounds (every code at an end of
+    its range, every activation at +-127, scales at -128 and 127) both give the same exact integer,
+    so the same bits, and equal the written-out arithmetic."""
+    rows, cols = 21, 512
+    blocks = np.zeros((rows * cols // 256, 210), np.uint8)
+    blocks[:, :192] = fill
+    blocks[:, 192:208] = np.array([127, -128, 1, -1, 64, -64, 127, 127, -128, -128, 0, 5, 100, -100, 33, -7],
+                                  np.int8).view(np.uint8)
+    blocks[:, 208:210] = np.full((1,), 2e-3, np.float16).view(np.uint8)
+    raw = blocks.reshape(rows, -1)
+    layer = GGUFQuantLinear(raw, Q.Q6_K, cols, rows, backend=BACKEND)
+    k = torch.arange(cols)
+    x = torch.stack([torch.ones(cols), -torch.ones(cols), torch.where(k % 2 == 0, 1.0, -1.0),
+                     torch.where(k % 32 < 16, 1.0, -1.0), torch.randn(cols, generator=torch.Generator().manual_seed(3))])
+    full = layer(x)
+    assert torch.equal(full, q6_arithmetic(raw, rows, cols, x))
+    for t in range(x.shape[0]):
+        assert torch.equal(layer(x[t:t + 1]), full[t:t + 1]), t
