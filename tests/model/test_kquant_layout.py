@@ -198,3 +198,46 @@ def test_q5_k_layout_exact_rows_and_the_written_out_arithmetic(rows, cols):
         assert torch.equal(layer(x[:T]), full[:T]), T
     ref = x.double() @ want.double().T
     assert float((full.double() - ref).norm() / ref.norm()) < 0.02
+
+
+@pytest.mark.parametrize("fill", [0x00, 0xFF, 0xA5])   # every code 0 (q - 32 = -32), 63 (+31), mixed
+def test_q6_k_extreme_codes_and_activations_same_bits_on_every_batch_size(fill):
+    """The one-token Q6_K tile sums unsigned codes and takes 32 x the activations' sum off per
+    half-block; the batched tile sums signed codes. At the int16 bounds (every code at an end of
+    its range, every activation at +-127, scales at -128 and 127) both give the same exact integer,
+    so the same bits, and equal the written-out arithmetic."""
+    rows, cols = 21, 512
+    blocks = np.zeros((rows * cols // 256, 210), np.uint8)
+    blocks[:, :192] = fill
+    blocks[:, 192:208] = np.array([127, -128, 1, -1, 64, -64, 127, 127, -128, -128, 0, 5, 100, -100, 33, -7],
+                                  np.int8).view(np.uint8)
+    blocks[:, 208:210] = np.full((1,), 2e-3, np.float16).view(np.uint8)
+    raw = blocks.reshape(rows, -1)
+    layer = GGUFQuantLinear(raw, Q.Q6_K, cols, rows, backend=BACKEND)
+    k = torch.arange(cols)
+    x = torch.stack([torch.ones(cols), -torch.ones(cols), torch.where(k % 2 == 0, 1.0, -1.0),
+                     torch.where(k % 32 < 16, 1.0, -1.0), torch.randn(cols, generator=torch.Generator().manual_seed(3))])
+    full = layer(x)
+    assert torch.equal(full, q6_arithmetic(raw, rows, cols, x))
+    for t in range(x.shape[0]):
+        assert torch.equal(layer(x[t:t + 1]), full[t:t + 1]), t
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_prompt_token_blocks_give_the_same_bits(qtype):
+    """A long K (8192 values: 24 tokens of int8 activations per L2-sized block) makes a 70-token call
+    run its tokens in blocks (run_groups_avx2); every row equals the same token's row alone and in
+    shorter calls."""
+    rows, cols = 21, 8192
+    blocks = random_blocks(qtype, rows, cols, seed=5).reshape(rows * cols // 256, -1).copy()
+    at = {Q.Q4_K: slice(0, 4), Q.Q5_K: slice(0, 4), Q.Q6_K: slice(208, 210)}[qtype]
+    blocks[:, at] = np.array([2e-3, 1e-3][:(at.stop - at.start) // 2], np.float16).view(np.uint8)   # finite outputs
+    raw = blocks.reshape(rows, -1)
+    layer = int8_layer(raw, rows, cols) if qtype == Q.Q4_K else GGUFQuantLinear(raw, qtype, cols, rows, backend=BACKEND)
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(9))
+    full = layer(x)
+    assert torch.isfinite(full).all()
+    for T in (1, 5, 24, 25, 49):
+        assert torch.equal(layer(x[:T]), full[:T]), T
+    for t in (0, 23, 24, 47, 69):
+        assert torch.equal(layer(x[t:t + 1]), full[t:t + 1]), t
