@@ -224,6 +224,8 @@ def load(data_dir: pathlib.Path | None) -> list[Row]:
         add("kvserve_sensitive", set(), text)
     for text in _own_lines("benign_contrast.txt"):
         add("kvserve_contrast", set(), text)
+    for labels, text in _own_tsv("harm_contrast.tsv"):     # the contrast set's harmful side
+        add("kvserve_harm_contrast", labels, text)
     for text in _own_lines("benign_docs.txt")[::3] + _own_lines("benign_generated.txt")[::6]:
         add("kvserve_docs", set(), text)
     return _drop_eval_copies(rows)

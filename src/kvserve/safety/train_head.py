@@ -30,6 +30,10 @@ MAX_VAL_FPR = 0.005
 SEED = 0
 HARD_ROUNDS = 2
 HARD_WEIGHT = 3.0
+# sources whose rows weigh more from the first fit: the benign texts that read most like harm
+# (forum text, statements about groups, requests with the words of violence) are a small share
+# of the benign rows next to the Alpaca instructions
+SOURCE_WEIGHTS: dict[str, float] = {}
 
 
 def _key(text: str) -> str:
@@ -144,7 +148,7 @@ def train(data_dir: pathlib.Path, out: pathlib.Path | None = None, hidden: int =
     x = embed([head_mod.train_text(rows[i].text) for i in tr], cache)
     y = _targets([rows[i] for i in tr])
     mask = _mask([rows[i] for i in tr])
-    weights = np.ones(len(tr), np.float32)
+    weights = np.array([SOURCE_WEIGHTS.get(rows[i].source, 1.0) for i in tr], np.float32)
     benign = ~y[:, :len(HEADS)].any(1)
     hard_counts = []
     for rnd in range(HARD_ROUNDS + 1):
