@@ -140,6 +140,20 @@ def pick_thresholds(probs: np.ndarray, y: np.ndarray, benign: np.ndarray) -> lis
 
 
 def train(data_dir: pathlib.Path, out: pathlib.Path | None = None, hidden: int = HIDDEN) -> dict:
+    """Fit on one BLAS thread: another thread count sums in another order, and 400 Adam steps
+    carry that into different weights and thresholds (so the head is the same on every machine)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:             # scikit-learn's dependency (the `safety` extra): without it, set OPENBLAS_NUM_THREADS=1
+        import contextlib
+
+        def threadpool_limits(limits: int):
+            return contextlib.nullcontext()
+    with threadpool_limits(limits=1):
+        return _train(data_dir, out, hidden)
+
+
+def _train(data_dir: pathlib.Path, out: pathlib.Path | None, hidden: int) -> dict:
     rows = load(data_dir)
     cache = pathlib.Path(data_dir) / ".embeddings.npz"
     tr = [i for i, r in enumerate(rows) if r.split == "train"]
