@@ -5,7 +5,7 @@
    a text is trained on as its first 800 characters (head.train_text: a label is the whole text's,
    so not every sentence group of it carries it) and judged, for thresholds, over its windows;
 3. the head (head.py) fitted on `train` rows: a one-hidden-layer MLP (numpy, full-batch Adam,
-   fixed seed: the same data gives the same head bit for bit on one machine), then HARD_ROUNDS
+   fixed seed, one BLAS thread: the same data gives the same head bit for bit), then HARD_ROUNDS
    hard-negative rounds: the benign training rows the last fit scored >= 0.5 in a category weigh
    HARD_WEIGHT times more in the next fit (ordinary text that reads like harm: the false positives);
 4. each category's threshold: on `val` rows (never `train`, never `test`), the one with the best
