@@ -60,6 +60,17 @@ NEUTRAL_MODAL = (
     "must be counted in the census", "should be hired for their skills", "must be given equal pay",
     "should be represented on the council", "must have access to good schools",
 )
+# Negations and customs: "{g} do not ..." is as ordinary as "{g} ..." (without these, "do not"
+# beside a group's name read as hate: ToxiGen's hateful lines deny groups things).
+NEUTRAL_NEGATED = (
+    "do not eat pork", "do not drink alcohol", "do not work on their holy day", "do not all speak the same language",
+    "do not celebrate Christmas", "do not all live in cities", "do not all vote the same way",
+    "do not all share one culture", "do not fit a single stereotype", "do not eat meat on Fridays",
+    "do not wear shoes inside the house", "do not all follow the same traditions", "are not all religious",
+    "are not one single community", "were not allowed to vote a century ago", "did not always have equal rights",
+    "do not all agree on politics", "do not need a visa to visit many countries", "do not use their surname at work",
+    "do not fast in every month of the year",
+)
 POSITIVE_TEMPLATES = ("{g} {p}.", "Many {g} {p}.", "Some {g} {p}.", "{G} {p}, says the report.",
                       "It is true that {g} {p}.", "In my town, {g} {p}.")
 HATEFUL = (
@@ -138,6 +149,34 @@ BENIGN_HARSH_WORDS = (
     "The surgeon cut through the abdominal wall to remove the appendix.",
     "White blood cells attack and kill invading germs.", "Radiation can burn the skin during treatment.",
     "Bleach kills mould on bathroom tiles.", "Predators kill their prey to survive.",
+    # imperatives and warnings at home (the harmful contrast set's verbs, aimed at food, plants and safety)
+    "Cut off the stalks and throw them in the compost.", "Chop the heads off the carrots before you peel them.",
+    "Slice off the fat and discard it.", "Hack back the hedge before it blocks the path.",
+    "Snip off the dead flowers to keep the plant blooming.", "Saw off the lowest branch of the apple tree.",
+    "Crush the garlic and burn it slightly for a smoky taste.", "Drown the pasta in sauce and serve it hot.",
+    "Strangle the weeds by covering them with cardboard.", "Skin the tomatoes by dropping them in boiling water.",
+    "Too much vitamin A is toxic, so keep the bottle out of reach.", "An overdose of insulin can be fatal; check the dose twice.",
+    "Carbon monoxide can kill, so fit an alarm near the boiler.", "Keep bleach and ammonia apart: mixed, they give off a toxic gas.",
+    "Store knives and medicines where toddlers cannot get them.", "Never leave a child alone in the bath, even for a minute.",
+    "Lock the rat poison in the shed so the dog cannot reach it.", "Lithium batteries can catch fire if they are punctured.",
+    "Pound the chicken breasts flat with a rolling pin.", "Shoot the rinse water out of the hose to clean the deck.",
+    "Trim off the fat before you roast the lamb.", "Cut the tops off the strawberries.",
+    "Snap off the woody ends of the asparagus.", "Slice off the crusts and cut the bread into cubes.",
+    "Chop off the root end of the leek and rinse out the grit.", "Cut the ends off the courgettes and grate them.",
+    "Dishwasher tablets are poisonous to children, so keep them in a high cupboard.",
+    "Large doses of vitamin D are harmful, so stick to the dose on the label.",
+    "Swallowed button batteries can burn a child's throat; keep spare ones locked away.",
+    "Too much paracetamol damages the liver, so never give a child an adult's dose.",
+    # "bomb" in harmless senses (without them a short "make a ... bomb" reads as a weapon)
+    "How do I make seed bombs to scatter wildflowers?", "A bomb calorimeter measures the energy in food.",
+    "How do I stop strangers photobombing my holiday pictures?", "The film bombed at the box office.",
+    "How do I make hot chocolate bombs for the holidays?", "The quarterback threw a bomb for a touchdown.",
+    "The knitting club yarn-bombed the trees on the high street.", "That new album is the bomb.",
+    "How do I make bath bombs with baking soda and citric acid?", "She gave me a lavender bath bomb for my birthday.",
+    "Bath bombs fizz because citric acid reacts with baking soda in water.",
+    "Make a bath bomb with Epsom salt and a few drops of lavender oil.", "Bath bomb recipe: baking soda, citric acid, cornflour.",
+    "My daughter and I made rose bath bombs as gifts.", "Drop a bath bomb in the tub and watch it fizz.",
+    "Where can I buy vegan bath bombs?", "Pack the bath bomb mixture tightly into the mould and let it dry.",
     # history and news
     "The army killed thousands at the Somme in 1916.", "The assassination of Franz Ferdinand started the war.",
     "The bombing of Dresden destroyed most of the old city.", "Genocide is the deliberate killing of a people.",
@@ -199,7 +238,7 @@ def rows(split: str = "train", seed: int = 0) -> list[tuple[set[str], str]]:
     else:
         raise ValueError(split)
     for g in groups:
-        for p in neutral + (NEUTRAL_MODAL if split == "train" else ()):
+        for p in neutral + (NEUTRAL_MODAL + NEUTRAL_NEGATED if split == "train" else ()):
             t = rng.choice(POSITIVE_TEMPLATES)
             out.append((set(), _cap(t.format(g=g, G=_cap(g), p=p))))
         for p in hateful:

@@ -41,7 +41,20 @@ SOURCES = {
     "alpaca_instructions": ("refusal_direction", ("andyrdt/refusal_direction dataset/splits harmless_*.json "
                             "(Alpaca instructions; copy in busycalibrating/AdversariaLLM data/refusal_direction)"),
                             "CC BY-NC 4.0 (Alpaca data)"),
+    # harmful requests of three published sets, as andyrdt/refusal_direction (Apache-2.0) keeps them
+    # in dataset/raw at 9d852fa; rows any eval-only set holds too are dropped (`_drop_eval_copies`)
+    "malicious_instruct": ("refusal_direction/raw/malicious_instruct.txt",
+                           "Princeton-SysML/Jailbreak_LLM MaliciousInstruct (via andyrdt/refusal_direction)",
+                           "as published with the paper; repository copy Apache-2.0"),
+    "strongreject": ("refusal_direction/raw/strongreject.csv",
+                     "alexandrasouly/strongreject (via andyrdt/refusal_direction)", "MIT"),
+    "jailbreakbench": ("refusal_direction/raw/jailbreakbench.csv",
+                       ("JailbreakBench/jailbreakbench JBB-Behaviors, its `Original` rows only (via "
+                        "andyrdt/refusal_direction)"), "MIT"),
 }
+# StrongREJECT's categories that name one of ours (the others get `advbench_labels` alone)
+_STRONGREJECT = {"Sexual content": {"sexual"}, "Violence": {"violence"},
+                 "Hate, harassment and discrimination": {"harassment"}}
 ALPACA_EVERY = 4        # every 4th instruction of the harmless files (about 7,800 rows): enough, and quick to embed
 # HarmBench's standard behaviours by semantic category (copyright and misinformation are not a category here)
 _HARMBENCH = {"illegal": {"illicit"}, "cybercrime_intrusion": {"illicit"}, "chemical_biological": {"illicit", "violence"},
@@ -178,6 +191,21 @@ def load(data_dir: pathlib.Path | None) -> list[Row]:
             if f.exists():
                 for r in json.loads(f.read_text(encoding="utf-8"))[::ALPACA_EVERY]:
                     add("alpaca_instructions", set(), r["instruction"])
+        p = d / SOURCES["malicious_instruct"][0]
+        if p.exists():
+            for ln in p.read_text(encoding="utf-8").splitlines():
+                add("malicious_instruct", advbench_labels(ln), ln)
+        p = d / SOURCES["strongreject"][0]
+        if p.exists():
+            for r in csv.DictReader(p.open(encoding="utf-8")):
+                add("strongreject", _with_illicit_violent(advbench_labels(r["forbidden_prompt"])
+                                                          | _STRONGREJECT.get(r["category"], set())),
+                    r["forbidden_prompt"])
+        p = d / SOURCES["jailbreakbench"][0]
+        if p.exists():
+            for r in csv.DictReader(p.open(encoding="utf-8")):
+                if r["Source"] == "Original":       # the others are AdvBench's and HarmBench's own rows
+                    add("jailbreakbench", advbench_labels(r["Goal"]), r["Goal"])
     for labels, text in _own_tsv("train.tsv"):
         add("kvserve_labelled", labels, text)
     for labels, text in _own_tsv("eval.tsv") + _own_tsv("eval_blind.tsv"):     # the moderator's held-out sets
@@ -194,9 +222,28 @@ def load(data_dir: pathlib.Path | None) -> list[Row]:
         add("kvserve_help", {"help"}, text)
     for text in _own_lines("benign_sensitive.txt"):
         add("kvserve_sensitive", set(), text)
+    for text in _own_lines("benign_contrast.txt"):
+        add("kvserve_contrast", set(), text)
+    for labels, text in _own_tsv("harm_contrast.tsv"):     # the contrast set's harmful side
+        add("kvserve_harm_contrast", labels, text)
     for text in _own_lines("benign_docs.txt")[::3] + _own_lines("benign_generated.txt")[::6]:
         add("kvserve_docs", set(), text)
-    return rows
+    return _drop_eval_copies(rows)
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", " ", text.lower()).strip()
+
+
+def _drop_eval_copies(rows: list[Row]) -> list[Row]:
+    """Without the training-source rows whose text (case and punctuation aside) an eval-only set
+    holds: sets compiled from other sets must not train on a benchmark's rows."""
+    held = {_norm(r.text) for r in rows if r.source in EVAL_ONLY}
+    return [r for r in rows if r.source in EVAL_ONLY or _norm(r.text) not in held]
+
+
+def _with_illicit_violent(labels: set[str]) -> set[str]:
+    return labels | ({"illicit/violent"} if {"illicit", "violence"} <= labels else set())
 
 
 def _sst_area(area: str) -> set[str]:
