@@ -620,11 +620,13 @@ void q4_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, 
     if (rest > 8) store_rows8(acc1, w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
 }
 
-// Q4_0 / Q4_1 (SM 0, 1, 5), 16 rows x TT tokens t0..t0+TT-1 (TT 2 on AVX2: 4 int16 sums and 4
-// accumulators in registers): q4_tile16x1 per token, the same exact integer sums and float chain
-// per output lane. Each 64-byte line of codes is unpacked once for TT tokens and each activation
-// broadcast serves both halves of the group: per 256 products this issues fewer instructions
-// than q4_tile8 over 4 tokens (its 8 broadcasts per chunk feed 8 rows only).
+// Q4_0 / Q4_1 (SM 0, 1, 5), 16 rows x TT tokens t0..t0+TT-1 (TT 2-4): q4_tile16x1 per token, the
+// same exact integer sums and float chain per output lane. Each 64-byte line of codes is unpacked
+// once for TT tokens and each activation broadcast serves both halves of the group. At TT 4 the
+// 8 int16 sums, 4 unpacked code vectors, the mask and 2 broadcasts fill the 16 ymm registers (the
+// accumulators live in L1 between blocks); TT 5-6 spill the sums and ran 5-15% slower. One thread
+// on Zen 3 (AVX2, no VNNI), the default model's shapes at 32 tokens: 1.13-1.19x the 8 rows x 4
+// tokens of q4_tile8 (whose 8 broadcasts per chunk fed 8 rows only), T = 2: 1.25-1.34x (BENCHMARKS.md).
 template <int TT, int SM>
 void q4_tile16xn(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
                  int ldy, bool add) {
@@ -697,11 +699,16 @@ void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, con
             }
             return;
         }
-    } else if constexpr (Q4) {   // Q4_0 / Q4_1: whole 16-row groups, tokens in pairs
+    } else if constexpr (Q4) {   // Q4_0 / Q4_1: whole 16-row groups, tokens in fours
         for (int g = gbeg; g < gend; g++) {
             int t = 0;
-            for (; t + 2 <= T; t += 2) q4_tile16xn<2, SM>(w, g, xq, xd, xs, t, y, ldy, add);
-            if (t < T) q4_tile16x1<SM>(w, g, xq, xd, xs, t, y, ldy, add);
+            for (; t + 4 <= T; t += 4) q4_tile16xn<4, SM>(w, g, xq, xd, xs, t, y, ldy, add);
+            switch (T - t) {
+                case 3: q4_tile16xn<3, SM>(w, g, xq, xd, xs, t, y, ldy, add); break;
+                case 2: q4_tile16xn<2, SM>(w, g, xq, xd, xs, t, y, ldy, add); break;
+                case 1: q4_tile16x1<SM>(w, g, xq, xd, xs, t, y, ldy, add); break;
+                default: break;
+            }
         }
         return;
     }
