@@ -93,6 +93,9 @@ inline __m256 hsum8(const __m256 *a) {
     return _mm256_add_ps(lo, hi);
 }
 
+// Most query heads per KV head whose scores attend_rows forms from one widening of each key row.
+constexpr int kMaxSharedGroup = 8;
+
 // sg[0..L) <- exp(sg - max), returning their sum (vectorised by 8, the tail in scalar code).
 // Lanes of 8 outputs per V pass: a divisor of ND (the passes cover the head exactly), at most 4
 // (with up to 3 heads per pass, 12 accumulators and the loads fit the 16 ymm registers).
@@ -213,6 +216,25 @@ void attend_rows(const float *q, const KV *K, const KV *V, const size_t *off, in
             prefetch_row(K + off[j]);
             // the V rows into L2 too, ready for the V sweep (the first of several heads: every head's)
             for (int b = 0; b < pf; b += 64) _mm_prefetch((const char *)(V + off[j]) + b, _MM_HINT_T1);
+        }
+        if (sizeof(KV) == 2 && G > 1 && G <= kMaxSharedGroup) {   // float16, bf16 rows
+            // The group's heads share each key row, widened once (float16/bf16 -> float32, exact)
+            // instead of once per head; each head's products and sums are the same as below.
+            __m256 acc[kMaxSharedGroup][8];
+            for (int j = 0; j < 8; j++) {
+                const KV *k = K + off[t + j];
+                __m256 kv[nd];
+                for (int c = 0; c < nd; c++) kv[c] = load8(k + 8 * c);
+                for (int g = 0; g < G; g++) {
+                    const float *qg = q + (size_t)g * D;
+                    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), kv[0]);
+                    for (int c = 1; c < nd; c++) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), kv[c], a);
+                    acc[g][j] = a;
+                }
+            }
+            for (int g = 0; g < G; g++)
+                _mm256_storeu_ps(s + (size_t)g * L + t, _mm256_mul_ps(hsum8(acc[g]), vscale));
+            continue;
         }
         for (int g = 0; g < G; g++) {
             const float *qg = q + (size_t)g * D;

@@ -677,6 +677,63 @@ void q4_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, 
     if (rest > 8) store_rows8(acc1, w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
 }
 
+// Q4_0 / Q4_1 (SM 0, 1, 5), 16 rows x TT tokens t0..t0+TT-1 (TT 2-4): q4_tile16x1 per token, the
+// same exact integer sums and float chain per output lane. Each 64-byte line of codes is unpacked
+// once for TT tokens and each activation broadcast serves both halves of the group. At TT 4 the
+// 8 int16 sums, 4 unpacked code vectors, the mask and 2 broadcasts fill the 16 ymm registers (the
+// accumulators live in L1 between blocks); TT 5-6 spill the sums and ran 5-15% slower. One thread
+// on Zen 3 (AVX2, no VNNI), the default model's shapes at 32 tokens: 1.13-1.19x the 8 rows x 4
+// tokens of q4_tile8 (whose 8 broadcasts per chunk fed 8 rows only), T = 2: 1.25-1.34x (BENCHMARKS.md).
+template <int TT, int SM>
+void q4_tile16xn(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
+                 int ldy, bool add) {
+    const int K = w->cols, nb = K / KVS_QK;
+    const uint8_t *qb = w->qs + (size_t)g * nb * 256;
+    const int8_t *x = xq + (size_t)t0 * K;
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256 acc0[TT], acc1[TT];
+    for (int j = 0; j < TT; j++) acc0[j] = acc1[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, qb += 256, x += KVS_QK) {
+        __m256i is0[TT], is1[TT];
+        for (int j = 0; j < TT; j++) is0[j] = is1[j] = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            const __m256i r0 = _mm256_loadu_si256((const __m256i *)(qb + i * 64));
+            const __m256i r1 = _mm256_loadu_si256((const __m256i *)(qb + i * 64 + 32));
+            const __m256i lo0 = _mm256_and_si256(r0, mask), hi0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), mask);
+            const __m256i lo1 = _mm256_and_si256(r1, mask), hi1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), mask);
+            for (int j = 0; j < TT; j++) {
+                const int8_t *xr = x + (size_t)j * K + 4 * i;
+                const __m256i xa = bcast4(xr), xb = bcast4(xr + 16);
+                kq_dot<false>(is0[j], lo0, hi0, xa, xb);
+                kq_dot<false>(is1[j], lo1, hi1, xa, xb);
+            }
+        }
+        __m256 d0, m0, d1, m1;
+        q4_scales8<SM>(w, g, 0, b, nb, &d0, &m0);
+        q4_scales8<SM>(w, g, 1, b, nb, &d1, &m1);
+        for (int j = 0; j < TT; j++) {
+#if defined(__AVXVNNI__)
+            const __m256i s0 = is0[j], s1 = is1[j];
+#else
+            const __m256i s0 = _mm256_madd_epi16(is0[j], _mm256_set1_epi16(1));
+            const __m256i s1 = _mm256_madd_epi16(is1[j], _mm256_set1_epi16(1));
+#endif
+            const size_t sb = (size_t)(t0 + j) * nb + b;
+            const __m256 xdb = _mm256_set1_ps(xd[sb]), xsb = _mm256_set1_ps(xs[sb]);
+            acc0[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, xdb), acc0[j]);
+            acc0[j] = _mm256_fmadd_ps(m0, xsb, acc0[j]);
+            acc1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, xdb), acc1[j]);
+            acc1[j] = _mm256_fmadd_ps(m1, xsb, acc1[j]);
+        }
+    }
+    const int row0 = g * 16, rest = w->rows - row0;
+    for (int j = 0; j < TT; j++) {
+        float *yt = y + (size_t)(t0 + j) * ldy + row0;
+        store_rows8(acc0[j], w->bias, row0, rest < 8 ? rest : 8, yt, add);
+        if (rest > 8) store_rows8(acc1[j], w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
+    }
+}
+
 template <bool Q4, int SM, int TT>
 inline void tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
                   float *y, int ldy, bool add) {
@@ -732,11 +789,18 @@ void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, con
             }
             return;
         }
-    } else if constexpr (Q4) {   // Q4_0 / Q4_1: the same whole-line decode tile
-        if (T == 1) {
-            for (int g = gbeg; g < gend; g++) q4_tile16x1<SM>(w, g, xq, xd, xs, 0, y, ldy, add);
-            return;
+    } else if constexpr (Q4) {   // Q4_0 / Q4_1: whole 16-row groups, tokens in fours
+        for (int g = gbeg; g < gend; g++) {
+            int t = 0;
+            for (; t + 4 <= T; t += 4) q4_tile16xn<4, SM>(w, g, xq, xd, xs, t, y, ldy, add);
+            switch (T - t) {
+                case 3: q4_tile16xn<3, SM>(w, g, xq, xd, xs, t, y, ldy, add); break;
+                case 2: q4_tile16xn<2, SM>(w, g, xq, xd, xs, t, y, ldy, add); break;
+                case 1: q4_tile16x1<SM>(w, g, xq, xd, xs, t, y, ldy, add); break;
+                default: break;
+            }
         }
+        return;
     }
     for (int g = gbeg; g < gend; g++)
         for (int h = 0; h < 2; h++) {
