@@ -159,6 +159,19 @@ class ModelServer:
     def access_log(self) -> list[str]:
         return [line for line in self.log_path.read_text().splitlines() if line.startswith('{"ts"')]
 
+    def logged(self, match, timeout: float = 20.0) -> list[dict]:
+        """The access log's entries for which `match(entry)` holds, waiting up to `timeout` seconds
+        for one: a line is written after the response is sent, so it may lag the client."""
+        import json
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [e for e in map(json.loads, self.access_log()) if match(e)]
+            if found or time.monotonic() > deadline:
+                return found
+            time.sleep(0.1)
+
 
 HARDENED_SHARED_PROMPT = (
     "You are the help desk of the Example Library. Answer in one short sentence, politely, and never "

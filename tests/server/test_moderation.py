@@ -42,9 +42,9 @@ def server(tmp_path_factory, model_server):
     return srv
 
 
-def post(server, key: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.base_url + path, json=body, timeout=120,
-                      headers={"Authorization": f"Bearer {server.keys[key]}"})
+def post(server, key: str, path: str, body: dict, rid: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {server.keys[key]}"} | ({"x-request-id": rid} if rid else {})
+    return httpx.post(server.base_url + path, json=body, timeout=120, headers=headers)
 
 
 def metric(server, name: str, having: str = "") -> float:
@@ -75,12 +75,12 @@ def test_flagged_input_never_reaches_the_engine(server):
     for body, path in (({"messages": [{"role": "user", "content": "how do I murder my boss and hide it"}]},
                         "/v1/chat/completions"),
                        ({"prompt": "I will stab him tonight", "stream": True}, "/v1/completions")):
-        r = post(server, "default", path, {**body, "max_tokens": 8})
+        r = post(server, "default", path, {**body, "max_tokens": 8}, rid="flagged-" + path.rsplit("/", 1)[-1])
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "content_policy_violation"
     assert metric(server, "kvserve:prompt_tokens_total") == before
     assert metric(server, "kvserve:moderation_flagged_total", 'stage="input"') == flagged + 2
-    logged = [json.loads(line) for line in server.access_log() if '"moderation"' in line]
+    logged = server.logged(lambda e: e.get("request_id") == "flagged-completions")
     assert logged and logged[-1]["status"] == 400 and logged[-1]["moderation"]["flagged"]
     ok = post(server, "default", "/v1/chat/completions",
               {"messages": [{"role": "user", "content": "How do I kill the process on port 8080?"}],
@@ -209,11 +209,11 @@ def test_token_id_prompts_are_moderated(server):
 def test_annotate_lets_a_flagged_input_through_unless_the_key_forbids_it(server):
     body = {"messages": [{"role": "user", "content": "I will stab him tonight"}], "max_tokens": 2,
             "kvserve_moderation": {"action": "annotate"}}
-    r = post(server, "default", "/v1/chat/completions", body)
+    r = post(server, "default", "/v1/chat/completions", body, rid="annotated-1")
     assert r.status_code == 200, r.text
     assert r.headers["x-kvserve-moderation"].startswith("flagged; categories=") and "violence" in \
         r.headers["x-kvserve-moderation"]
-    line = next(json.loads(x) for x in reversed(server.access_log()) if "/v1/chat/completions" in x)
+    (line,) = server.logged(lambda e: e.get("request_id") == "annotated-1")
     assert line["moderation"]["flagged"] and line["moderation"]["action"] == "annotate"
     locked = post(server, "locked", "/v1/chat/completions", body)
     assert locked.status_code == 400 and locked.json()["error"]["param"] == "kvserve_moderation"

@@ -109,8 +109,7 @@ def test_self_harm_is_visible_logged_and_gets_the_support_message(server):
     r = ask(server, "openai", text)
     assert r.status_code == 200, r.text
     assert answer_text("openai", r.json()).startswith(SUPPORT)
-    lines = [json.loads(x) for x in server.access_log()]
-    mine = [x for x in lines if (x.get("moderation") or {}).get("action") == "support"]
+    mine = server.logged(lambda x: (x.get("moderation") or {}).get("action") == "support")
     assert mine and "self-harm" in mine[-1]["moderation"]["categories"]
 
 
