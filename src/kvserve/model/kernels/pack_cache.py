@@ -150,6 +150,7 @@ class PackSession:
         self.hit = entries is not None
         self.next = 0
         self.recorded: list[Any] = []
+        self.lookup_only: tuple[Any, ...] = ()    # layers read a row at a time: not populated
 
     @classmethod
     def open(cls, gguf_path: Path, variant: str) -> PackSession:
@@ -247,7 +248,7 @@ class PackSession:
         except PackMismatch as e:
             logger.warning("kvserve: packed-weight cache written but not mapped (%s)", e)
         if POPULATE:
-            _populate(reopened.mm, _spans(reopened.mm, getattr(self, "lookup_only", ())))
+            _populate(reopened.mm, _spans(reopened.mm, self.lookup_only))
         _prune(self.path.parent)
 
     def _write_in_background(self) -> None:

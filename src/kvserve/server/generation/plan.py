@@ -161,7 +161,8 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
     checks = None
     shared: dict = {}     # the last message's embedding, made once for moderation, router and cache
     embedder = gw.routing.embedder
-    fit_first = fits_before_moderation(req)
+    # redaction rewrites the messages after the check, so a prompt fitted before it would not be the model's
+    fit_first = fits_before_moderation(req) and moderation.pii_input != "redact"
     if not has_token_prompts(req) and not fit_first:   # token ids are decoded by their model: after the load
         checks = await gw.moderation.check_input_async(req, record, moderation, None, embedder, shared)
     charge_load(gw, record, req.model)

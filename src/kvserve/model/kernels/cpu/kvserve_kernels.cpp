@@ -743,12 +743,30 @@ inline void tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const flo
     else q8_tile8<TT, SM == 1>(w, g, h, xq, xd, xs, t0, y, ldy, add);
 }
 
-// Groups [gbeg, gend) of 16 rows for all T tokens: each half-group's weights (nb x 128 bytes for
-// Q4) stay in L1 while the token tiles stream past them.
 #ifndef KVS_KQ_XBLOCK
 #define KVS_KQ_XBLOCK 196608
 #endif
 
+// Tokens [tb, te) over groups [gbeg, gend), each 8-row half-group in turn, tokens in fours.
+template <bool Q4, int SM>
+inline void half_group_tiles(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int tb,
+                             int te, float *y, int ldy, bool add, int gbeg, int gend) {
+    for (int g = gbeg; g < gend; g++)
+        for (int h = 0; h < 2; h++) {
+            if (g * 16 + h * 8 >= w->rows) break;
+            int t = tb;
+            for (; t + 4 <= te; t += 4) tile8<Q4, SM, 4>(w, g, h, xq, xd, xs, t, y, ldy, add);
+            switch (te - t) {
+                case 3: tile8<Q4, SM, 3>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
+                case 2: tile8<Q4, SM, 2>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
+                case 1: tile8<Q4, SM, 1>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
+                default: break;
+            }
+        }
+}
+
+// Groups [gbeg, gend) of 16 rows for all T tokens: each half-group's weights (nb x 128 bytes for
+// Q4) stay in L1 while the token tiles stream past them.
 template <bool Q4, int SM>
 void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
                      int ldy, bool add, int gbeg, int gend) {
@@ -772,21 +790,9 @@ void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, con
         // changes: each is the same tile arithmetic.
         const int tb_size = (KVS_KQ_XBLOCK / w->cols) & ~3;
         if (tb_size >= 16 && T > tb_size) {
-            for (int tb = 0; tb < T; tb += tb_size) {
-                const int te = tb + tb_size < T ? tb + tb_size : T;
-                for (int g = gbeg; g < gend; g++)
-                    for (int h = 0; h < 2; h++) {
-                        if (g * 16 + h * 8 >= w->rows) break;
-                        int t = tb;
-                        for (; t + 4 <= te; t += 4) tile8<Q4, SM, 4>(w, g, h, xq, xd, xs, t, y, ldy, add);
-                        switch (te - t) {
-                            case 3: tile8<Q4, SM, 3>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
-                            case 2: tile8<Q4, SM, 2>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
-                            case 1: tile8<Q4, SM, 1>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
-                            default: break;
-                        }
-                    }
-            }
+            for (int tb = 0; tb < T; tb += tb_size)
+                half_group_tiles<Q4, SM>(w, xq, xd, xs, tb, tb + tb_size < T ? tb + tb_size : T, y, ldy, add,
+                                         gbeg, gend);
             return;
         }
     } else if constexpr (Q4) {   // Q4_0 / Q4_1: whole 16-row groups, tokens in fours
@@ -802,18 +808,7 @@ void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, con
         }
         return;
     }
-    for (int g = gbeg; g < gend; g++)
-        for (int h = 0; h < 2; h++) {
-            if (g * 16 + h * 8 >= w->rows) break;
-            int t = 0;
-            for (; t + 4 <= T; t += 4) tile8<Q4, SM, 4>(w, g, h, xq, xd, xs, t, y, ldy, add);
-            switch (T - t) {
-                case 3: tile8<Q4, SM, 3>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
-                case 2: tile8<Q4, SM, 2>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
-                case 1: tile8<Q4, SM, 1>(w, g, h, xq, xd, xs, t, y, ldy, add); break;
-                default: break;
-            }
-        }
+    half_group_tiles<Q4, SM>(w, xq, xd, xs, 0, T, y, ldy, add, gbeg, gend);
 }
 
 }  // namespace
