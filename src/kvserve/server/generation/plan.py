@@ -161,8 +161,7 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
     checks = None
     shared: dict = {}     # the last message's embedding, made once for moderation, router and cache
     embedder = gw.routing.embedder
-    # redaction rewrites the messages after the check, so a prompt fitted before it would not be the model's
-    fit_first = fits_before_moderation(req) and moderation.pii_input != "redact"
+    fit_first = fits_before_moderation(req)
     if not has_token_prompts(req) and not fit_first:   # token ids are decoded by their model: after the load
         checks = await gw.moderation.check_input_async(req, record, moderation, None, embedder, shared)
     charge_load(gw, record, req.model)
@@ -172,8 +171,9 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
             skip = await _dropped_turns(gw, record, req, shared) if fit_first else frozenset()
             checks = await gw.moderation.check_input_async(req, record, moderation, prompt_tokenizer(gw, req),
                                                            embedder, shared, skip=skip)
-        plan = await _build_plan(gw, record, req, kind, moderation, checks, shared.get("query"),
-                                 shared.get("prompts"))
+        # redaction rewrote the messages after the fit: the prompt is built again from them
+        fitted = shared.get("prompts") if moderation.pii_input != "redact" else None
+        plan = await _build_plan(gw, record, req, kind, moderation, checks, shared.get("query"), fitted)
         if plan.route is not None:        # "auto": the model the router chose (resident: no wait)
             holds.append(await gw.pool.acquire(plan.model.name))
     except BaseException:
