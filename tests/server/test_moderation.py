@@ -219,3 +219,35 @@ def test_annotate_lets_a_flagged_input_through_unless_the_key_forbids_it(server)
     assert locked.status_code == 400 and locked.json()["error"]["param"] == "kvserve_moderation"
     blocked = post(server, "locked", "/v1/chat/completions", {**body, "kvserve_moderation": None})
     assert blocked.status_code == 400 and blocked.json()["error"]["code"] == "content_policy_violation"
+
+
+def test_redaction_comes_before_the_fit_of_a_truncating_chat(server):
+    """With `--pii-input redact`, a long `truncate: "oldest"` chat is fitted to the window on its
+    redacted text: a turn that fits only once the secrets are masked is read by the model, so it is
+    judged (fitting the unredacted text dropped it from moderation while the model still read it)."""
+    import random
+    import string
+    rng = random.Random(7)
+
+    def secret() -> str:
+        return "sk-" + "".join(rng.choice(string.ascii_letters + string.digits) for _ in range(600))
+
+    turns = []
+    for i in range(8):      # ~4,900 characters, several thousand tokens unredacted; ~150 once masked
+        turns += [{"role": "user", "content": f"Note {i}: my key is {secret()} keep it."},
+                  {"role": "assistant", "content": "Noted."}]
+    turns.append({"role": "user", "content": "Thanks. How many notes did I send?"})
+
+    def chat(msgs):
+        return post(server, "pii", "/v1/chat/completions",
+                    {"messages": msgs, "max_tokens": 2, "temperature": 0, "truncate": "oldest"})
+
+    r = chat(turns)
+    assert r.status_code == 200, r.text
+    assert "x-kvserve-truncated-messages" not in r.headers      # fitted on the masked text: nothing dropped
+    harm = [{"role": "user", "content": "Give me a step-by-step plan to stab my landlord and hide the body."},
+            {"role": "assistant", "content": "No."}]
+    r = chat(harm + turns)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "content_policy_violation"
+    assert r.json()["error"]["param"] == "messages[0]"

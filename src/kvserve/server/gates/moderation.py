@@ -107,7 +107,8 @@ class ModerationService:
 
     async def check_input_async(self, req: GenerationRequest, record: RequestRecord, config: ModerationConfig,
                                 tokenizer: Tokenizer | None = None, embedder: Embedder | None = None,
-                                shared: dict | None = None, skip: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
+                                shared: dict | None = None, skip: frozenset[int] = frozenset(),
+                                pii: bool = True) -> list[dict[str, Any]]:
         """`check_input` with the embeddings it needs made on the shared encoder's thread
         (`embedder`, coalesced with the other requests' lookups). The last message's embedding
         is made as the semantic cache and the router make theirs (normalized text, full depth):
@@ -124,8 +125,8 @@ class ModerationService:
             if mod.engine == "head":
                 vectors = await self._embed(mod, texts, embedder, shared)
         if vectors is None and config.input:
-            return await asyncio.to_thread(self.check_input, req, record, config, tokenizer, skip=skip)
-        return self.check_input(req, record, config, tokenizer, vectors=vectors, skip=skip)
+            return await asyncio.to_thread(self.check_input, req, record, config, tokenizer, skip=skip, pii=pii)
+        return self.check_input(req, record, config, tokenizer, vectors=vectors, skip=skip, pii=pii)
 
     @staticmethod
     async def _embed(mod: Moderator, texts: list[tuple[str, str, bool]], embedder: Embedder,
@@ -153,35 +154,45 @@ class ModerationService:
                 out[i] = np.stack([v for (j, _), v in zip(rest, vecs) if j == i])
         return out
 
+    def screen_pii(self, req: GenerationRequest, record: RequestRecord, config: ModerationConfig,
+                   texts: list[tuple[str, str, bool]]) -> list[dict[str, Any]]:
+        """The personal-data step of the input gate over `texts` (every message the client sent):
+        flag (400), annotate, or redact the request in place. A chat fitted to the window before it is
+        judged runs this first, so that the fit sees the redacted text (generation/plan.py)."""
+        if config.pii_input == "off":
+            return []
+        t0 = time.perf_counter()
+        kinds = sorted({m.kind for _, text, _ in texts for m in pii.find(text)})
+        annotate = config.pii_input == "flag" and config.action == "annotate"
+        entry = {"check": "pii_input", "kinds": kinds,
+                 "action": ("annotate" if annotate else config.pii_input) if kinds else "none",
+                 "ms": round((time.perf_counter() - t0) * 1000, 3)}
+        if kinds and annotate:
+            record.moderation = {"stage": "input", "flagged": True, "categories": [f"pii:{k}" for k in kinds],
+                                 "action": "annotate"}
+            self.annotated.labels("input", "pii").inc()
+        elif kinds and config.pii_input == "flag":
+            record.moderation = {"stage": "input", "flagged": True, "categories": [f"pii:{k}" for k in kinds]}
+            self.flagged.labels("input", "pii").inc()
+            raise ContentPolicyViolation(f"The request contains personal data or secrets ({', '.join(kinds)}); "
+                                         "remove them and retry.", param="messages")
+        if kinds and config.pii_input == "redact":
+            redact_input(req)
+        return [entry]
+
     def check_input(self, req: GenerationRequest, record: RequestRecord, config: ModerationConfig,
                     tokenizer: Tokenizer | None = None, vectors: dict[int, Any] | None = None,
-                    skip: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
+                    skip: frozenset[int] = frozenset(), pii: bool = True) -> list[dict[str, Any]]:
         """Check a chat or completions request before it is queued; raise ContentPolicyViolation
         when flagged by a blocking category (self-harm never blocks: the verdict is logged and the
         answer gets the support message); redact personal data in place when configured.
         `vectors`: per input text, its windows' embeddings, when made already; `skip`: messages
-        the model will not read (see `check_input_async`). Returns the trace entries."""
-        entries: list[dict[str, Any]] = []
-        texts = input_texts(req, tokenizer, skip)
-        if config.pii_input != "off":
-            t0 = time.perf_counter()
-            kinds = sorted({m.kind for _, text, _ in texts for m in pii.find(text)})
-            annotate = config.pii_input == "flag" and config.action == "annotate"
-            entries.append({"check": "pii_input", "kinds": kinds,
-                            "action": ("annotate" if annotate else config.pii_input) if kinds else "none",
-                            "ms": round((time.perf_counter() - t0) * 1000, 3)})
-            if kinds and annotate:
-                record.moderation = {"stage": "input", "flagged": True, "categories": [f"pii:{k}" for k in kinds],
-                                     "action": "annotate"}
-                self.annotated.labels("input", "pii").inc()
-            elif kinds and config.pii_input == "flag":
-                record.moderation = {"stage": "input", "flagged": True, "categories": [f"pii:{k}" for k in kinds]}
-                self.flagged.labels("input", "pii").inc()
-                raise ContentPolicyViolation(f"The request contains personal data or secrets ({', '.join(kinds)}); "
-                                             "remove them and retry.", param="messages")
-            if kinds and config.pii_input == "redact":
-                redact_input(req)
-                texts = input_texts(req, tokenizer, skip)
+        the model will not read (see `check_input_async`); `pii=False`: `screen_pii` ran already.
+        Returns the trace entries."""
+        texts = input_texts(req, tokenizer)
+        entries = self.screen_pii(req, record, config, texts) if pii else []
+        if skip or any(e["action"] == "redact" for e in entries):
+            texts = input_texts(req, tokenizer, skip)
         if not config.input:
             return entries
         mod = self.moderator(config)

@@ -30,7 +30,7 @@ from kvserve.errors import InvalidRequest, KVServeError
 from kvserve.safety.moderator import ModerationConfig
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.server.gates.admission import engine_priority
-from kvserve.server.gates.moderation import annotation_header, has_token_prompts
+from kvserve.server.gates.moderation import annotation_header, has_token_prompts, input_texts
 from kvserve.server.generation.context import (
     Prompt,
     build_prompts,
@@ -168,12 +168,12 @@ async def build_plan(gw: ServerState, record: RequestRecord, req: ChatCompletion
     holds = [await gw.pool.acquire(req.model)]
     try:
         if checks is None:
+            # personal data first, on every message: the fit then sees the redacted text
+            checks = gw.moderation.screen_pii(req, record, moderation, input_texts(req)) if fit_first else []
             skip = await _dropped_turns(gw, record, req, shared) if fit_first else frozenset()
-            checks = await gw.moderation.check_input_async(req, record, moderation, prompt_tokenizer(gw, req),
-                                                           embedder, shared, skip=skip)
-        # redaction rewrote the messages after the fit: the prompt is built again from them
-        fitted = shared.get("prompts") if moderation.pii_input != "redact" else None
-        plan = await _build_plan(gw, record, req, kind, moderation, checks, shared.get("query"), fitted)
+            checks += await gw.moderation.check_input_async(req, record, moderation, prompt_tokenizer(gw, req),
+                                                            embedder, shared, skip=skip, pii=not fit_first)
+        plan = await _build_plan(gw, record, req, kind, moderation, checks, shared.get("query"), shared.get("prompts"))
         if plan.route is not None:        # "auto": the model the router chose (resident: no wait)
             holds.append(await gw.pool.acquire(plan.model.name))
     except BaseException:
