@@ -18,7 +18,7 @@ M = int(sys.argv[2]) if len(sys.argv) > 2 else 64
 model = sys.argv[3] if len(sys.argv) > 3 else None
 r = KvserveRunner(LatencyConfig(model=model, prompt_tokens=N, decode_tokens=M))
 lib = r.model.backend.lib
-st = (ctypes.c_double*8)()
+st = (ctypes.c_double*9)()   # kvs_team_stats writes 9 (cpu/kvserve_team.cpp)
 ids = prompt_ids(r.vocab_size, N, 0)
 res = {}
 for rep in range(int(os.environ.get("REPS", "2"))):

@@ -1,5 +1,6 @@
 // Longer than 420 lines on purpose: the whole layer stack runs inside one OpenMP parallel region,
-// phases and the adaptive team size (below) share its thread-local state; splitting it would split the region.
+// its phases share the region's thread-local state; splitting it would split the region. The team
+// size on a busy machine and the step's barrier (a late thread may leave the team) are kvserve_team.cpp's.
 // The Llama layer stack in one call, for steps of a few tokens (single-stream decode, small batches);
 // the Gemma 2/3 features ride on the same loop through the descriptors (sandwich norms, q/k norm,
 // per-layer RoPE tables and sliding windows with their own KV pool, soft-capping, GeGLU).
@@ -34,6 +35,7 @@
 #include <vector>
 
 #include "kvserve_kernels.h"
+#include "kvserve_team.h"
 
 extern "C" {
 
@@ -192,11 +194,11 @@ std::vector<int> attention_tiles(int T, const uint8_t *attend, const int64_t *se
 
 // This thread's share of the step's attention (call inside a parallel region, after K/V are
 // written; the caller puts a barrier after it): work items are (tile, KV head), longest tiles first,
-// handed out dynamically.
+// handed out dynamically from `next` (zero before the phase; shared by the `nth` threads at work).
 void attend_tiles(const kvs_model_desc *m, const kvs_layer_desc &Ld, const float *qkv, const std::vector<int> &tiles,
                   const uint8_t *attend, const int64_t *positions, const int64_t *seq_of, const int64_t *tables,
                   int max_blocks, const char *Kc, const char *Vc, int kv_dtype, int block_size, float *out,
-                  uint64_t call) {
+                  uint64_t call, int nth, std::atomic<int> *next) {
     // A sliding layer's query whose window starts past key 0 attends alone from the window's start
     // (the tile code reads every key from 0); soft-capping runs the AVX2 code (the same bits).
     const int W = Ld.window;
@@ -212,7 +214,6 @@ void attend_tiles(const kvs_model_desc *m, const kvs_layer_desc &Ld, const float
     // except a lone query with more than a thread's share of all the lone queries' context (a long
     // prompt's token beside short decodes: bound by reading its whole cache), whose heads stay
     // separate items so that they run on several threads.
-    const int nth = omp_get_num_threads();
     const bool all_heads = ntiles >= 2 * nth;
     thread_local std::vector<uint8_t> whole;
     whole.assign(ntiles, all_heads ? 1 : 0);
@@ -226,8 +227,7 @@ void attend_tiles(const kvs_model_desc *m, const kvs_layer_desc &Ld, const float
     // Items head by head, each head's tiles deepest first: a thread that takes several tiles of one
     // prompt chunk and head widens the chunk's keys once (attend_tile's reuse), not once per tile.
     // No barrier at the end: the caller places (and times) it.
-#pragma omp for schedule(dynamic, 1) nowait
-    for (int it = 0; it < ntiles * Hkv; it++) {
+    for (int it; (it = next->fetch_add(1, std::memory_order_relaxed)) < ntiles * Hkv;) {
         const int tile = ntiles - 1 - it % ntiles, h = it / ntiles;
         const int t0 = tiles[tile];
         int n = 1;
@@ -257,138 +257,18 @@ void attend_tiles(const kvs_model_desc *m, const kvs_layer_desc &Ld, const float
 }  // namespace
 
 
-// ---------------------------------------------------------------------------------------------
-// The team size on a busy machine.
-//
-// Every step's parallel region separates its phases by barriers, so a step runs at the pace of its
-// slowest thread. When another process holds one of the cores, the thread sharing that core gets
-// it in slices of a few milliseconds, and each of the ~300 barriers of a decode step waits for it:
-// on 2 cores with one busy, 2 threads kept 26% of the quiet decode speed where 1 thread alone,
-// on the free core, keeps about two thirds. So the forward times the barriers: if in two steps
-// running one after the other some thread waited for the others more than kDropWait of the step
-// (a static split of even work waits ~0-15% on a quiet machine), the next steps run with one thread
-// fewer; and now and then (kProbeMin, doubling to kProbeMax while the probes keep failing) one
-// step runs with one thread more, which is kept if its threads waited less than kKeepWait.
-// The other parallel calls (the LM head, the per-layer glue) run with the same count.
-//
-// Answers do not change: every kernel's arithmetic for one output is the same for every split of
-// its rows, tokens or attention items over threads (kvserve_kernels.cpp, attend_tiles).
-
-namespace {
-
-constexpr double kDropWait = 0.45, kKeepWait = 0.30;
-constexpr double kProbeMin = 0.25, kProbeMax = 2.0;   // seconds between probes
-
-struct team_state {
-    std::atomic<int> team{0};      // threads to use now; 0 = as many as asked for
-    std::atomic<int> adaptive{1};
-    int high = 0;                  // consecutive steps whose wait was above kDropWait
-    double next_probe = 0.0, gap = kProbeMin;
-    double last_wait = 0.0;
-    long steps = 0, reduced_steps = 0, drops = 0, probes = 0, recoveries = 0;
-};
-team_state g_team;
-
-double now_s() {
-    timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-// Threads for the next timed forward (nth asked for): the current team, or one more on a probe.
-int team_begin(int nth, bool *probe) {
-    *probe = false;
-    const int t = g_team.team.load(std::memory_order_relaxed);
-    if (!g_team.adaptive.load(std::memory_order_relaxed) || t <= 0 || t >= nth) return nth;
-    if (now_s() >= g_team.next_probe) {
-        *probe = true;
-        g_team.probes++;
-        return t + 1;
-    }
-    return t;
-}
-
-// After a timed forward with `used` threads of the `nth` asked for: `wait` is the largest share of
-// the step any one thread spent waiting at barriers.
-void team_end(int nth, int used, bool probe, double wait) {
-    team_state &s = g_team;
-    s.steps++;
-    if (used < nth) s.reduced_steps++;
-    if (used < 2) return;
-    s.last_wait = wait;
-    if (probe) {
-        if (wait < kKeepWait) {
-            s.team.store(used >= nth ? 0 : used, std::memory_order_relaxed);
-            s.gap = kProbeMin;
-            s.recoveries++;
-        } else {
-            s.gap = s.gap * 2 < kProbeMax ? s.gap * 2 : kProbeMax;
-        }
-        s.next_probe = now_s() + s.gap;
-        s.high = 0;
-        return;
-    }
-    if (!s.adaptive.load(std::memory_order_relaxed)) return;
-    s.high = wait > kDropWait ? s.high + 1 : 0;
-    if (s.high >= 2) {
-        s.team.store(used - 1, std::memory_order_relaxed);
-        s.drops++;
-        s.high = 0;
-        s.next_probe = now_s() + s.gap;
-    }
-}
-
-}  // namespace
-
-namespace kvs {
-
-int team_for(int nth) {
-    const int t = g_team.team.load(std::memory_order_relaxed);
-    if (!g_team.adaptive.load(std::memory_order_relaxed) || t <= 0 || t >= nth) return nth < 1 ? 1 : nth;
-    return t;
-}
-
-}  // namespace kvs
-
-extern "C" {
-
-// 0: always the full count (KVSERVE_ADAPTIVE_THREADS=0); 1: fewer threads while a core is taken.
-void kvs_set_adaptive_threads(int on) {
-    g_team.adaptive.store(on ? 1 : 0);
-    if (!on) g_team.team.store(0);
-}
-
-// Threads the parallel calls use now (0: as many as asked for).
-int kvs_team_threads(void) { return g_team.team.load(); }
-
-// out[8]: steps, steps with fewer threads, drops, probes, recoveries, last measured wait share,
-// current team (0 = full), seconds to the next probe.
-void kvs_team_stats(double *out) {
-    const team_state &s = g_team;
-    out[0] = s.steps, out[1] = s.reduced_steps, out[2] = s.drops, out[3] = s.probes, out[4] = s.recoveries;
-    out[5] = s.last_wait, out[6] = s.team.load(), out[7] = s.next_probe - now_s();
-}
-
-// Set the team now (tests, diagnostics): n threads (0 = as many as asked for), until the next
-// drop or probe changes it.
-void kvs_team_force(int n) { g_team.team.store(n < 0 ? 0 : n); }
-
-// Forget what was learnt (tests, benchmarks' phases): the full team again.
-void kvs_team_reset(void) {
-    team_state &s = g_team;
-    s.team.store(0);
-    s.high = 0, s.next_probe = 0.0, s.gap = kProbeMin, s.last_wait = 0.0;
-    s.steps = s.reduced_steps = s.drops = s.probes = s.recoveries = 0;
-}
-
-}  // extern "C"
-
-// A barrier whose wait this thread adds to `waited` (TSC ticks).
+// The forward's barrier (kvs::step_team): its wait goes to `waited` (TSC ticks); then this thread's
+// share of the next phase, (ith, nt), or none at all once it has left the step's team (ith past any
+// token count, `left` set: the loops over tokens run empty and every other piece of work is skipped).
 #define KVS_TIMED_BARRIER()                   \
     do {                                      \
-        const uint64_t t_ = __rdtsc();        \
-        _Pragma("omp barrier")                \
-        waited += __rdtsc() - t_;             \
+        if (team.wait(me, &waited)) {         \
+            ith = team.rank_of(me);           \
+            nt = team.size_now();             \
+        } else {                              \
+            ith = 1 << 30;                    \
+            left = true;                      \
+        }                                     \
     } while (0)
 
 // The forward's phase profile: thread 0's TSC ticks from the end of one phase (a barrier) to the
@@ -537,13 +417,22 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
     if (nth < 1) nth = 1;
     bool probe = false;
     const int asked = nth;
-    nth = team_begin(asked, &probe);
+    nth = kvs::team_begin(asked, &probe);
     std::vector<uint64_t> waits(nth, 0);
+    std::vector<std::atomic<int>> attn_next(m->n_layers);   // each layer's attention items handed out
+    for (auto &a : attn_next) a.store(0, std::memory_order_relaxed);
+    kvs::step_team team(nth);
     const uint64_t t_start = __rdtsc();
 
 #pragma omp parallel num_threads(nth)
     {
-        const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int me = omp_get_thread_num();
+        int ith = me, nt = omp_get_num_threads();
+        bool left = false;      // this thread has left the step's team (kvs::step_team)
+        if (nt != nth) {        // OpenMP gave fewer threads than asked for: the team is those
+#pragma omp single
+            team.limit(nt);
+        }
         uint64_t waited = 0, ph_last = __rdtsc();
         std::vector<float> row((size_t)(H > I ? H : I) + (io ? io->F + H : 0));
         // Quantize this thread's tokens of src [T, K] (row stride K) into xq/xd/xs.
@@ -597,12 +486,12 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
                                      xs.data() + (size_t)t * (K / kvs::QK));
             }
             KVS_TIMED_BARRIER();
-            kvs::linear_rows(io->fc, xq.data(), xd.data(), xs.data(), T, x, H, false, ith, nt);
+            if (!left) kvs::linear_rows(io->fc, xq.data(), xd.data(), xs.data(), T, x, H, false, ith, nt);
             KVS_TIMED_BARRIER();
         }
         // y (+)= W x for the T tokens, this thread's rows
         auto linear = [&](const kvs_weight *W, float *y, int ldy, bool add) {
-            kvs::linear_rows(W, xq.data(), xd.data(), xs.data(), T, y, ldy, add, ith, nt);
+            if (!left) kvs::linear_rows(W, xq.data(), xd.data(), xs.data(), T, y, ldy, add, ith, nt);
         };
         // y = W x then x += norm(y) (sandwich norm), or x += W x; `p` is the LoRA projection index
         auto project_residual = [&](int l, int p, const kvs_weight *W, const float *out_norm, const float *lsrc,
@@ -638,8 +527,9 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
                                block_size);
             KVS_TIMED_BARRIER();
             KVS_PHASE(kPhRope);
-            attend_tiles(m, L, qkv.data(), tiles, nullptr, positions, seq_of, l_tables, l_max_blocks, Kc, Vc, kv_dtype,
-                         block_size, attn.data(), call);
+            if (!left)
+                attend_tiles(m, L, qkv.data(), tiles, nullptr, positions, seq_of, l_tables, l_max_blocks, Kc, Vc,
+                             kv_dtype, block_size, attn.data(), call, nt, &attn_next[l]);
             KVS_TIMED_BARRIER();
             KVS_PHASE(kPhAttn);
             quantize(attn.data(), qd, false, nullptr);
@@ -688,7 +578,7 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
                                      xs.data() + (size_t)j * (H / kvs::QK));
             }
             KVS_TIMED_BARRIER();
-            kvs::linear_rows(io->head, xq.data(), xd.data(), xs.data(), io->n_last, io->logits, V, false, ith, nt);
+            if (!left) kvs::linear_rows(io->head, xq.data(), xd.data(), xs.data(), io->n_last, io->logits, V, false, ith, nt);
             KVS_TIMED_BARRIER();
             for (int j = ith; j < io->n_last; j += nt) {
                 const float *lg = io->logits + (size_t)j * V;
@@ -698,12 +588,12 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
                 io->arg[j] = best;
             }
         }
-        waits[ith] = waited;
+        waits[me] = waited;
     }
     const double wall = (double)(__rdtsc() - t_start);
     uint64_t most = 0;
     for (uint64_t w : waits) most = w > most ? w : most;
-    team_end(asked, nth, probe, wall > 0 ? most / wall : 0.0);
+    kvs::team_end(asked, nth, team.size_now(), probe, wall > 0 ? most / wall : 0.0);
     return 0;
 }
 
@@ -746,6 +636,7 @@ void kvs_rope_kv_attention(const kvs_model_desc *m, int layer, float *qkv, int T
     const std::vector<int> tiles = attention_tiles(T, attend, seq_of, positions);
     const uint64_t call = next_call();
     nth = kvs::team_for(nth);
+    std::atomic<int> next{0};
 #pragma omp parallel num_threads(nth)
     {
         const int ith = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -753,8 +644,8 @@ void kvs_rope_kv_attention(const kvs_model_desc *m, int layer, float *qkv, int T
             rope_and_store(m, m->layers[layer], qkv + (size_t)t * qkv_rows, positions[t], slots[t], Kc, Vc, kv_dtype,
                            block_size);
 #pragma omp barrier
-        attend_tiles(m, m->layers[layer], qkv, tiles, attend, positions, seq_of, tables, max_blocks, Kc, Vc, kv_dtype, block_size, out,
-                     call);
+        attend_tiles(m, m->layers[layer], qkv, tiles, attend, positions, seq_of, tables, max_blocks, Kc, Vc, kv_dtype,
+                     block_size, out, call, nt, &next);
     }
 }
 
