@@ -10,7 +10,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from ggufmaker import CHAT_TEMPLATE, SPECIALS, byte_vocab, permute
+from ggufmaker import add_byte_tokenizer, byte_vocab, permute
 
 from kvserve.model.gguf_write import add_llama_shape, finish
 
@@ -61,16 +61,7 @@ def write_gguf(checkpoint: Path, family: str, path: Path, qtype: str = "F32") ->
             w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
         if family == "qwen3_moe":
             w.add_expert_weights_norm(bool(c.norm_topk_prob))
-    vocab = byte_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(vocab)
-    w.add_token_types([3] * len(SPECIALS) + [1] * (len(vocab) - len(SPECIALS)))
-    w.add_token_merges(["Ġ t", "h e", "Ġt he"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_byte_tokenizer(w, byte_vocab())
 
     def add(name: str, t: torch.Tensor) -> None:
         x = t.detach().float().numpy()

@@ -23,6 +23,20 @@ def byte_vocab() -> list[str]:
     return SPECIALS + alphabet + ["Ġt", "he", "Ġthe"]
 
 
+def add_byte_tokenizer(w: gguf.GGUFWriter, vocab: list[str], n_specials: int = len(SPECIALS)) -> None:
+    """`byte_vocab()` (its first `n_specials` tokens control tokens) as the gpt2 BPE tokenizer of a
+    GGUF: the merges of its three joined tokens, bos 1, eos 2 and the ChatML template."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(vocab)
+    w.add_token_types([3] * n_specials + [1] * (len(vocab) - n_specials))
+    w.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf's permute for Q/K rows."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -62,15 +76,7 @@ def make_tiny_llama_gguf(path: Path, *, qtype: str = "F32", arch: str = "llama",
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(vocab)
-    w.add_token_types([3] * n_specials + [1] * (n_vocab - n_specials))
-    w.add_token_merges(["Ġ t", "h e", "Ġt he"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_byte_tokenizer(w, vocab, n_specials)
 
     override = tensor_type_override or {}
 

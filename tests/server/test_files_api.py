@@ -86,6 +86,25 @@ def test_another_key_sees_nothing(server):
         assert httpx.request(method, server.base_url + path).status_code == 401, path   # no key
 
 
+def test_list_pages_clamp_the_limit_and_follow_the_cursor(server):
+    b = client(server, "b")
+    made = [b.files.create(file=(f"p{i}.jsonl", jsonl(1)), purpose="user_data").id for i in range(2)]
+    url, auth = server.base_url + "/v1/files", {"Authorization": f"Bearer {server.keys['b']}"}
+    seen, after = [], None
+    while True:   # limit 0 is clamped to 1: one file a page, `after` the cursor
+        r = httpx.get(url, params={"purpose": "user_data", "order": "asc", "limit": 0,
+                                   **({"after": after} if after else {})}, headers=auth).json()
+        assert len(r["data"]) == 1 and r["first_id"] == r["last_id"] == r["data"][0]["id"]
+        seen.append(after := r["last_id"])
+        if not r["has_more"]:
+            break
+    assert seen == made
+    whole = httpx.get(url, params={"purpose": "user_data", "limit": 2}, headers=auth).json()
+    assert [f["id"] for f in whole["data"]] == made[::-1] and not whole["has_more"]
+    for f in made:
+        b.files.delete(f)
+
+
 def test_size_cap_quota_and_line_checks(server):
     q = client(server, "q")
     with pytest.raises(openai.APIStatusError) as e:

@@ -59,8 +59,8 @@ def mount_batches(app: FastAPI, gw: ServerState) -> None:
 
     @app.get("/v1/batches")
     async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict:
-        limit = max(1, min(limit, 100))
-        return page(await run_in_threadpool(store.list, owner_of(request), limit + 1, after), limit)
+        owner = owner_of(request)
+        return await page(lambda n: store.list(owner, n, after), limit, cap=100)
 
     @app.get("/v1/batches/{batch_id}")
     async def retrieve(request: Request, batch_id: str) -> dict:

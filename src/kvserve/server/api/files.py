@@ -21,7 +21,7 @@ body checks and at most `MAX_LINE_BYTES`), never all held at once. `expires_afte
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -59,8 +59,11 @@ def owner_of(request: Request) -> str:
     return f"key:{name}" if name else "anonymous"
 
 
-def page(rows: list[dict[str, Any]], limit: int) -> dict[str, Any]:
-    """OpenAI's cursor page of `rows` (fetched with one more than `limit`, to know `has_more`)."""
+async def page(fetch: Callable[[int], list[dict[str, Any]]], limit: int, cap: int) -> dict[str, Any]:
+    """OpenAI's cursor page for a list route: `limit` clamped to 1..`cap`, and `fetch(n)` (the
+    store's list, run off the event loop) asked for one row more than that, to know `has_more`."""
+    limit = max(1, min(limit, cap))
+    rows = await run_in_threadpool(fetch, limit + 1)
     data = rows[:limit]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
@@ -201,8 +204,8 @@ def mount_files(app: FastAPI, gw: ServerState) -> None:
                          after: str | None = None, order: str = "desc") -> dict:
         if order not in ("asc", "desc"):
             raise InvalidRequest("`order` must be asc or desc.", param="order")
-        limit = max(1, min(limit, 10_000))
-        return page(await run_in_threadpool(store.list, owner_of(request), purpose, limit + 1, after, order), limit)
+        owner = owner_of(request)
+        return await page(lambda n: store.list(owner, purpose, n, after, order), limit, cap=10_000)
 
     @app.get("/v1/files/{file_id}")
     async def retrieve(request: Request, file_id: str) -> dict:
