@@ -164,6 +164,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvs_paged_attention.argtypes = [vp, vp, i32, i32, i32, i32, i32, i32, vp, i32, vp, vp, i32,
                                         ctypes.c_float, vp, i32]
     lib.kvs_paged_attention.restype = None
+    lib.kvs_set_dynamic_rows.argtypes = [i32]
+    lib.kvs_set_dynamic_rows.restype = None
     lib.kvs_team_shed_at.argtypes = [i32]
     lib.kvs_team_shed_at.restype = None
     lib.kvs_forward.argtypes = [vp, i32, i32, i32, vp, i32, vp, vp, vp, vp, i32, vp, i32]

@@ -387,6 +387,34 @@ int kvs_draft_step(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bl
 
 namespace {
 
+// Steps of at least this many tokens hand out their projections' rows in chunks (forward_impl's
+// `linear`); below, each thread takes a static share (decode: contiguous rows for the prefetchers).
+constexpr int kDynamicTokens = 32;
+
+// Chunks for W's rows at T tokens: about 4 M multiply-adds each (a fraction of a millisecond on one
+// core; a thread that loses its core mid-chunk holds the phase's end that long at most), whole
+// groups of 16 rows. 0 = a kvs_set_dynamic_rows(0) build of the static split.
+std::atomic<int> g_dynamic_rows{1};
+int linear_chunks(const kvs_weight *W, int T) {
+    if (!g_dynamic_rows.load(std::memory_order_relaxed)) return 0;
+    const int groups = (W->rows + 15) / 16;
+    const long per_group = 16L * W->cols * T;
+    const long want = (4L << 20) / (per_group > 0 ? per_group : 1);
+    const int size = want < 1 ? 1 : (int)want;
+    return (groups + size - 1) / size;
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 (default): prompt steps hand out projection rows in chunks; 0: static shares (A/B benches).
+void kvs_set_dynamic_rows(int on) { g_dynamic_rows.store(on ? 1 : 0); }
+
+}  // extern "C"
+
+namespace {
+
 int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int block_size, float *x, int T,
                  const int64_t *positions, const int64_t *slots, const int64_t *seq_of, const int64_t *tables,
                  int max_blocks, float *out, int nth, const kvs_lora_term *lora, int n_slots,
@@ -421,6 +449,8 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
     std::vector<uint64_t> waits(nth, 0);
     std::vector<std::atomic<int>> attn_next(m->n_layers);   // each layer's attention items handed out
     for (auto &a : attn_next) a.store(0, std::memory_order_relaxed);
+    std::vector<std::atomic<int>> lin_next((size_t)m->n_layers * 4 + 2);   // each projection's row chunks
+    for (auto &a : lin_next) a.store(0, std::memory_order_relaxed);
     kvs::step_team team(nth);
     const uint64_t t_start = __rdtsc();
 
@@ -489,9 +519,22 @@ int forward_impl(const kvs_model_desc *m, int kv_dtype, int num_blocks, int bloc
             if (!left) kvs::linear_rows(io->fc, xq.data(), xd.data(), xs.data(), T, x, H, false, ith, nt);
             KVS_TIMED_BARRIER();
         }
-        // y (+)= W x for the T tokens, this thread's rows
+        // y (+)= W x for the T tokens, this thread's rows: a static share of them for a few tokens;
+        // for a prompt, chunks of row groups handed out from the projection's own counter, so that a
+        // thread sharing its core with another process does what its slices allow and the others do
+        // the rest (kvs::linear_rows with (chunk, chunks) for (ith, nt): the same split function,
+        // so the same arithmetic per row)
+        int lin_seq = 0;
         auto linear = [&](const kvs_weight *W, float *y, int ldy, bool add) {
-            if (!left) kvs::linear_rows(W, xq.data(), xd.data(), xs.data(), T, y, ldy, add, ith, nt);
+            std::atomic<int> &next = lin_next[lin_seq++ % lin_next.size()];
+            if (left) return;
+            const int chunks = nt > 1 && T >= kDynamicTokens ? linear_chunks(W, T) : 0;
+            if (chunks <= nt) {
+                kvs::linear_rows(W, xq.data(), xd.data(), xs.data(), T, y, ldy, add, ith, nt);
+                return;
+            }
+            for (int c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;)
+                kvs::linear_rows(W, xq.data(), xd.data(), xs.data(), T, y, ldy, add, c, chunks);
         };
         // y = W x then x += norm(y) (sandwich norm), or x += W x; `p` is the LoRA projection index
         auto project_residual = [&](int l, int p, const kvs_weight *W, const float *out_norm, const float *lsrc,
