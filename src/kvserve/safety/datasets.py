@@ -22,11 +22,12 @@ import zlib
 from dataclasses import dataclass, field
 
 from kvserve.errors import InvalidRequest
+from kvserve.safety import datasets_social
 
 HEADS = ("harassment", "hate", "self-harm", "sexual", "sexual/minors", "violence", "violence/graphic",
          "illicit", "illicit/violent")
 OUTPUTS = HEADS + ("help",)   # `help`: asks for help for oneself or someone else (never refused)
-EVAL_ONLY = ("simplesafetytests", "xstest", "harmbench", "kvserve_eval")
+EVAL_ONLY = ("simplesafetytests", "xstest", "harmbench", "kvserve_eval") + datasets_social.EVAL_ONLY
 OWN = pathlib.Path(__file__).parent / "data"
 # source -> (file under DATA_DIR, repository it comes from, license)
 SOURCES = {
@@ -51,6 +52,7 @@ SOURCES = {
     "jailbreakbench": ("refusal_direction/raw/jailbreakbench.csv",
                        ("JailbreakBench/jailbreakbench JBB-Behaviors, its `Original` rows only (via "
                         "andyrdt/refusal_direction)"), "MIT"),
+    **datasets_social.SOURCES,      # Davidson et al.'s tweets, ToxicChat's benign prompts
 }
 # StrongREJECT's categories that name one of ours (the others get `advbench_labels` alone)
 _STRONGREJECT = {"Sexual content": {"sexual"}, "Violence": {"violence"},
@@ -206,6 +208,8 @@ def load(data_dir: pathlib.Path | None) -> list[Row]:
             for r in csv.DictReader(p.open(encoding="utf-8")):
                 if r["Source"] == "Original":       # the others are AdvBench's and HarmBench's own rows
                     add("jailbreakbench", advbench_labels(r["Goal"]), r["Goal"])
+    if d is not None:
+        datasets_social.add_rows(d, add)
     for labels, text in _own_tsv("train.tsv"):
         add("kvserve_labelled", labels, text)
     for labels, text in _own_tsv("eval.tsv") + _own_tsv("eval_blind.tsv"):     # the moderator's held-out sets

@@ -5,7 +5,8 @@
 * `--data DIR` (the sources `kvserve train moderation` reads): per source and per category,
   precision, recall, F1 and benign false-positive rate on a split (default `test`, never trained
   on nor used for thresholds), of the head, of the n-gram classifier it replaced, and of the two
-  together (the ablation: does the n-gram model add recall without false positives).
+  together (the ablation: does the n-gram model add recall without false positives);
+  `--previous HEAD.npz` adds another head's column (the one shipped before a retrain).
 
 `kvserve train moderation --data DIR` rebuilds the shipped head on the frozen embedding
 (safety/train_head.py); `--tune-top` also tunes the encoder's top layers (safety/finetune.py)."""
@@ -31,6 +32,8 @@ def moderation_cmd(
     data: Annotated[pathlib.Path | None, typer.Option(
         "--data", help="The sources' directory (docs/safety.md): report per source and category, old vs new.")] = None,
     split: Annotated[str, typer.Option("--split", help="With --data: test | val | train.")] = "test",
+    previous: Annotated[pathlib.Path | None, typer.Option(
+        "--previous", help="With --data: another head.npz (e.g. the one shipped before) reported beside the shipped one.")] = None,
 ) -> None:
     """False-positive rate, recall per category and bias AUCs of moderation on a labelled JSONL;
     with --data, precision/recall/F1 per source and category, the head beside the n-gram classifier."""
@@ -41,7 +44,10 @@ def moderation_cmd(
 
         def both(rows):
             return [a | b for a, b in zip(new(rows), old(rows))]
-        rep = evaluate(data, split, {"head": new, "ngram": old, "head+ngram": both})
+        scorers = {"head": new, "ngram": old, "head+ngram": both}
+        if previous is not None:
+            scorers = {"head": new, "previous head": new_flags(data, previous), **scorers}
+        rep = evaluate(data, split, scorers)
         typer.echo(json.dumps(rep, indent=2) if as_json else format_report(rep))
         return
     from kvserve.errors import KVServeError
