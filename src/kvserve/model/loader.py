@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +98,6 @@ def load_model(model: str | None = None, weight_format: str = "auto", *, device:
     backend: a KernelBackend made by the caller (then device and isa are not used).
     """
     t0 = time.perf_counter()
-    bound_heap_caching()
     if backend is None:
         backend = KernelBackend.detect(device=device, isa=isa)
     src = resolve(model)
@@ -132,37 +130,12 @@ def load_model(model: str | None = None, weight_format: str = "auto", *, device:
     return LoadedModel(net, tok, cfg, src, time.perf_counter() - t0, backend)
 
 
-MMAP_THRESHOLD = 4 << 20    # bytes: a C allocation this big or bigger gets its own mapping
-
-
-def bound_heap_caching() -> None:
-    """Fix glibc's mmap threshold at MMAP_THRESHOLD (once per process; not where the user set
-    MALLOC_MMAP_THRESHOLD_). glibc raises it, up to 32 MB, each time a mapped block is freed, so
-    after the first long prefill its activations (16 MB for 512 tokens of a 1B's MLP) come from the
-    heap, whose freed middle is never given back: a 1B Q4_K_M held 72 MB more anonymous memory after
-    one 512-token prefill than before it, and peaked 66 MB higher. Fixed at 4 MB, a prefill's big
-    tensors are unmapped when freed; a decode step's (a few rows) stay well under it."""
-    global _heap_bounded
-    if _heap_bounded or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return
-    _heap_bounded = True
-    with contextlib.suppress(OSError, AttributeError, TypeError):
-        _libc().mallopt(-3, MMAP_THRESHOLD)       # M_MMAP_THRESHOLD
-
-
-_heap_bounded = False
-
-
-def _libc():
-    import ctypes
-    import ctypes.util
-
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-
-
 def release_freed_heap() -> None:
     """Give the C heap's free pages back to the system (glibc's malloc_trim): a load frees the
     file's metadata, the tokenizer's build and (on a first load) staging copies, and glibc keeps
     those pages: 60 MB of RSS after a 1.1B GGUF's load, 210 MB after a 3B's first load."""
+    import ctypes
+    import ctypes.util
+
     with contextlib.suppress(OSError, AttributeError, TypeError):
-        _libc().malloc_trim(0)
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
