@@ -96,9 +96,10 @@ def _entries(token_ids: list[int], lps: torch.Tensor, ranks: torch.Tensor, top_i
     return [TokenLogprob(*row) for row in zip(token_ids, lps, ranks, ti, tl)]
 
 
-# A step of this many tokens (a prefill chunk) gives the C heap's freed pages back after it: its
-# activations under the mmap threshold (model/loader.py bound_heap_caching) stay in the heap once
-# freed, 33 MB after a 512-token prefill of a 1B; the trim takes 6-9 ms, the step seconds.
+# A step of this many tokens (a prefill chunk) gives the C heap's freed pages back after it: glibc
+# raises its mmap threshold (up to 32 MB) each time a mapped block is freed, so after the first
+# long prefill the activations come from the heap and stay there once freed, 65 MB after a
+# 512-token prefill of a 1B Q4_K_M (288 -> 223 MB anonymous); the trim takes 6-9 ms, the step seconds.
 TRIM_AFTER_TOKENS = 256
 
 
