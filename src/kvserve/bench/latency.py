@@ -21,7 +21,7 @@ import torch
 
 from kvserve.bench import footprint
 from kvserve.bench.common import save_bar_charts, transformers_peer
-from kvserve.engine.model_runner import TRIM_AFTER_TOKENS
+from kvserve.engine.model_runner import TRIM_AFTER_TOKENS, TRIM_MIN_FREE
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.kv_quant import cache_shape
 from kvserve.model.loader import release_freed_heap
@@ -147,7 +147,7 @@ class KvserveRunner(_Runner):
         tok = int(logits[0].argmax())
         if n >= TRIM_AFTER_TOKENS:      # and this (engine/model_runner.py)
             del hidden, logits
-            release_freed_heap()
+            release_freed_heap(TRIM_MIN_FREE)
         return tok
 
     def prefill(self, ids: list[int]) -> int:

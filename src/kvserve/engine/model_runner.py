@@ -96,11 +96,13 @@ def _entries(token_ids: list[int], lps: torch.Tensor, ranks: torch.Tensor, top_i
     return [TokenLogprob(*row) for row in zip(token_ids, lps, ranks, ti, tl)]
 
 
-# A step of this many tokens (a prefill chunk) gives the C heap's freed pages back after it: glibc
-# raises its mmap threshold (up to 32 MB) each time a mapped block is freed, so after the first
-# long prefill the activations come from the heap and stay there once freed, 65 MB after a
-# 512-token prefill of a 1B Q4_K_M (288 -> 223 MB anonymous); the trim takes 6-9 ms, the step seconds.
+# A step of this many tokens (a prefill chunk) gives the C heap's freed pages back after it, when
+# the heap holds TRIM_MIN_FREE bytes free: glibc raises its mmap threshold (up to 32 MB) each time a
+# mapped block is freed, so after the first long prefill the activations come from the heap and
+# stay there once freed, 65 MB after a 512-token prefill of a 1B Q4_K_M (288 -> 223 MB anonymous;
+# the trim 6-9 ms, the step seconds). A small model's steps free little: no trim, no refaults.
 TRIM_AFTER_TOKENS = 256
+TRIM_MIN_FREE = 32 << 20
 
 
 @dataclass(slots=True)
@@ -182,7 +184,7 @@ class ModelRunner:
         out = self.sample(inputs, hidden)      # laps logits and sample
         if len(inputs.input_ids) >= TRIM_AFTER_TOKENS:
             del hidden
-            release_freed_heap()
+            release_freed_heap(TRIM_MIN_FREE)
         return out
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
