@@ -21,8 +21,10 @@ import torch
 
 from kvserve.bench import footprint
 from kvserve.bench.common import save_bar_charts, transformers_peer
+from kvserve.engine.model_runner import TRIM_AFTER_TOKENS, TRIM_MIN_FREE
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.kv_quant import cache_shape
+from kvserve.model.loader import release_freed_heap
 
 Progress = Callable[[int], None]
 
@@ -142,7 +144,11 @@ class KvserveRunner(_Runner):
         hidden = self.model(torch.tensor(ids), positions, meta, self.kv_caches)
         logits = self.model.compute_logits(hidden[-1:])
         self.model.backend.sync_torch_threads()   # as the engine's step does
-        return int(logits[0].argmax())
+        tok = int(logits[0].argmax())
+        if n >= TRIM_AFTER_TOKENS:      # and this (engine/model_runner.py)
+            del hidden, logits
+            release_freed_heap(TRIM_MIN_FREE)
+        return tok
 
     def prefill(self, ids: list[int]) -> int:
         self._pos = len(ids)
@@ -258,6 +264,8 @@ def _measure(key: str, cfg: LatencyConfig, emit: Callable[..., None]) -> list[La
                 b = best[v, load]
                 b[0], b[1] = min(b[0], p), min(b[1], d)
     fp = getattr(runner, "footprint", None)
+    if fp is not None:
+        fp.rss_end = footprint.rss()    # what the process holds once it has run the prompts
     return [LatencyResult(name, detail, cfg.prompt_tokens, cfg.decode_tokens, p, d,
                           None if fp is None or load else {"engine": name, **fp.row(cfg.decode_tokens / d)}, load)
             for p, d, name, detail, load in best.values()]

@@ -10,6 +10,7 @@ maps the packed copy instead of rewriting it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import time
 from dataclasses import dataclass
@@ -130,12 +131,23 @@ def load_model(model: str | None = None, weight_format: str = "auto", *, device:
     return LoadedModel(net, tok, cfg, src, time.perf_counter() - t0, backend)
 
 
-def release_freed_heap() -> None:
+def release_freed_heap(min_free: int = 0) -> None:
     """Give the C heap's free pages back to the system (glibc's malloc_trim): a load frees the
     file's metadata, the tokenizer's build and (on a first load) staging copies, and glibc keeps
-    those pages: 60 MB of RSS after a 1.1B GGUF's load, 210 MB after a 3B's first load."""
-    import ctypes
+    those pages: 60 MB of RSS after a 1.1B GGUF's load, 210 MB after a 3B's first load.
+    min_free: only when the heap holds at least this many free bytes (mallinfo2; a trim that
+    would give back little costs more than it saves: the pages are faulted in again)."""
     import ctypes.util
 
     with contextlib.suppress(OSError, AttributeError, TypeError):
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        if min_free:
+            libc.mallinfo2.restype = _MallInfo2
+            if libc.mallinfo2().fordblks < min_free:
+                return
+        libc.malloc_trim(0)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                      "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
