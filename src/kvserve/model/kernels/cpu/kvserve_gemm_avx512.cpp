@@ -146,7 +146,7 @@ void q5_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, co
     });
 }
 
-// Q6_K (qtype 3): the AVX2 q6_tile8's integers per half block (vpdpbusd here), each times its
+// Q6_K (qtype 3): the AVX2 Q6_K tiles' exact integers per half block (vpdpbusd here), each times its
 // int8 scale per 16 values, then the same one fma per block.
 template <int TT>
 void q6_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *, int t0, float *y,

@@ -319,57 +319,10 @@ inline __m256i bit_to4(__m256i v) {
     else return _mm256_and_si256(v, m);
 }
 
-// The 6-bit codes of one chunk i (8 rows x 4 bytes, both halves of the block) as signed q - 32.
-inline void q6_codes(__m256i raw, __m256i hb, int i, __m256i *lo, __m256i *hi) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
-    const __m256i h_lo = i & 1 ? hb : _mm256_slli_epi16(hb, 4);                       // bits 4-5 <- 0-1 / 4-5
-    const __m256i h_hi = i & 1 ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 2);  // bits 4-5 <- 6-7 / 2-3
-    *lo = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_and_si256(h_lo, m2)), c32);
-    *hi = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), _mm256_and_si256(h_hi, m2)), c32);
-}
-
 // 8 int8 sub-block scales as int32 lanes holding the scale in both int16 halves (for vpmaddwd).
 inline __m256i q6_scale_pairs(const uint8_t *p) {
     const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
     return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
-}
-
-template <int TT>
-void q6_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *, int t0,
-              float *y, int ldy, bool add) {
-    const int K = w->cols, nb = K / KVS_QK;
-    const uint8_t *qg = w->qs + (size_t)g * nb * KVS_Q6_BLOCK_BYTES + h * 32;
-    __m256 acc[TT];
-    for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *qb = qg + (size_t)b * KVS_Q6_BLOCK_BYTES;
-        __m256i slo[TT], shi[TT];   // int16 pair sums of each half: 4 chunks x 2 x 32 x 127 < 2^15
-        for (int j = 0; j < TT; j++) slo[j] = shi[j] = _mm256_setzero_si256();
-        for (int i = 0; i < 4; i++) {
-            __m256i lo, hi;
-            q6_codes(_mm256_loadu_si256((const __m256i *)(qb + i * 64)),
-                     _mm256_loadu_si256((const __m256i *)(qb + 256 + (i / 2) * 64)), i, &lo, &hi);
-            const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
-            for (int j = 0; j < TT; j++) {
-                const int8_t *xr = xq + (size_t)(t0 + j) * K + b * KVS_QK + 4 * i;
-                slo[j] = _mm256_add_epi16(slo[j], _mm256_maddubs_epi16(alo, _mm256_sign_epi8(bcast4(xr), lo)));
-                shi[j] = _mm256_add_epi16(shi[j], _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(bcast4(xr + 16), hi)));
-                keep_in_register(slo[j]);
-                keep_in_register(shi[j]);
-            }
-        }
-        const uint8_t *ks = (const uint8_t *)w->d + ((size_t)g * (nb / 8) + b / 8) * KVS_Q6_SUPER_BYTES;
-        const __m256i sc_lo = q6_scale_pairs(ks + 32 + (2 * (b % 8)) * 16 + h * 8);
-        const __m256i sc_hi = q6_scale_pairs(ks + 32 + (2 * (b % 8) + 1) * 16 + h * 8);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + h * 16)));
-        for (int j = 0; j < TT; j++) {
-            const __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(slo[j], sc_lo), _mm256_madd_epi16(shi[j], sc_hi));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32),
-                                     _mm256_mul_ps(d, _mm256_set1_ps(xd[(size_t)(t0 + j) * nb + b])), acc[j]);
-        }
-    }
-    const int row0 = g * 16 + h * 8, nvalid = w->rows - row0 < 8 ? w->rows - row0 : 8;
-    for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
 }
 
 
@@ -487,7 +440,7 @@ void q4k_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd,
 }
 
 // The 6-bit codes of one chunk i (8 rows x 4 bytes, both halves of the block) as unsigned q in
-// 0..63 (q6_codes without its - 32: the 32 x activation sum is taken off the exact integer sum once
+// 0..63 (q - 32 without the - 32: the 32 x activation sum is taken off the exact integer sum once
 // per block, see q6_tile16x1).
 inline void q6_ucodes(__m256i raw, __m256i hb, int i, __m256i *lo, __m256i *hi) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
@@ -509,11 +462,11 @@ inline int32_t x_half_sums(const int8_t *x) {
     return (int32_t)(((uint32_t)_mm_extract_epi32(s, 1) << 16) | ((uint32_t)_mm_cvtsi128_si32(s) & 0xFFFF));
 }
 
-// Q6_K, 16 rows x token t0. Per output the exact integer sum of the 8-row tile, formed as
-// sc_lo * sum(q * x)_lo + sc_hi * sum(q * x)_hi - 32 (sc_lo * X_lo + sc_hi * X_hi) with unsigned codes
-// q = c + 32 (X: the activations' sum over that half): the identity is exact in int32, so the float
-// chain sees the same integer; it saves q6_tile8's four sign flips and the - 32 per chunk (vpmaddubsw
-// takes the unsigned codes as they are). int16 pair sums: 2 chunks x 2 x 63 x 127 < 2^15.
+// Q6_K, 16 rows x token t0. Per output the exact integer sum of the written-out arithmetic
+// (sum over the block of sc * (q - 32) * x), formed as sc_lo * sum(q * x)_lo + sc_hi * sum(q * x)_hi
+// - 32 (sc_lo * X_lo + sc_hi * X_hi) with unsigned codes q (X: the activations' sum over that half):
+// the identity is exact in int32, so the float chain sees the same integer; signed codes would need
+// four sign flips and a - 32 per chunk (vpmaddubsw takes the unsigned codes as they are). int16 pair sums: 2 chunks x 2 x 63 x 127 < 2^15.
 void q6_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const int32_t *xh, int t0,
                  float *y, int ldy, bool add) {
     const int K = w->cols, nb = K / KVS_QK, ns = nb / 8;
@@ -574,6 +527,76 @@ void q6_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, 
     store_rows8(acc0, w->bias, row0, rest < 8 ? rest : 8, yt, add);
     if (rest > 8) store_rows8(acc1, w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
 }
+// Q6_K, 8 rows (half h) x TT tokens: q6_tile16x1's unsigned codes and per-half-block correction
+// (xh: the tokens' x_half_sums, [t][b]), so the same exact integer per output as the signed sums of
+// the written-out arithmetic, with no sign flips per token. An int16 lane holds two chunks'
+// products (2 x 2 x 63 x 127 < 2^15): each chunk pair's lo / hi sums are scaled (vpmaddwd) and
+// widened once.
+template <int TT>
+void q6_tile8u(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const int32_t *xh, int t0,
+               float *y, int ldy, bool add) {
+    const int K = w->cols, nb = K / KVS_QK;
+    const uint8_t *qb = w->qs + (size_t)g * nb * KVS_Q6_BLOCK_BYTES + h * 32;
+    __m256 acc[TT];
+    for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, qb += KVS_Q6_BLOCK_BYTES) {
+        const uint8_t *ks = (const uint8_t *)w->d + ((size_t)g * (nb / 8) + b / 8) * KVS_Q6_SUPER_BYTES;
+        const uint8_t *sl = ks + 32 + (2 * (b % 8)) * 16 + h * 8, *sh = sl + 16;
+        const __m256i sc_lo = q6_scale_pairs(sl), sc_hi = q6_scale_pairs(sh);
+        __m256i is[TT];
+        for (int pr = 0; pr < 2; pr++) {
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(qb + 256 + pr * 64));
+            __m256i tl[TT], th[TT];
+            for (int u = 0; u < 2; u++) {
+                const int i = 2 * pr + u;
+                __m256i lo, hi;
+                q6_ucodes(_mm256_loadu_si256((const __m256i *)(qb + i * 64)), hb, i, &lo, &hi);
+                for (int j = 0; j < TT; j++) {
+                    const int8_t *xr = xq + (size_t)(t0 + j) * K + b * KVS_QK + 4 * i;
+                    const __m256i pl = _mm256_maddubs_epi16(lo, bcast4(xr)), ph = _mm256_maddubs_epi16(hi, bcast4(xr + 16));
+                    tl[j] = u ? _mm256_add_epi16(tl[j], pl) : pl;
+                    th[j] = u ? _mm256_add_epi16(th[j], ph) : ph;
+                    keep_in_register(tl[j]);
+                    keep_in_register(th[j]);
+                }
+            }
+            for (int j = 0; j < TT; j++) {
+                const __m256i v = _mm256_add_epi32(_mm256_madd_epi16(tl[j], sc_lo), _mm256_madd_epi16(th[j], sc_hi));
+                is[j] = pr ? _mm256_add_epi32(is[j], v) : v;
+            }
+        }
+        // (sc_lo, sc_hi) int16 pairs of the 8 rows, against each token's (X_lo, X_hi): 32 x that off
+        const __m128i vl = _mm_loadl_epi64((const __m128i *)sl), vh = _mm_loadl_epi64((const __m128i *)sh);
+        const __m256i lh = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(vl, vh));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + h * 16)));
+        for (int j = 0; j < TT; j++) {
+            const __m256i xx = _mm256_set1_epi32(xh[(size_t)(t0 + j) * nb + b]);
+            const __m256i s32 = _mm256_sub_epi32(is[j], _mm256_slli_epi32(_mm256_madd_epi16(lh, xx), 5));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32),
+                                     _mm256_mul_ps(d, _mm256_set1_ps(xd[(size_t)(t0 + j) * nb + b])), acc[j]);
+        }
+    }
+    const int row0 = g * 16 + h * 8, nvalid = w->rows - row0 < 8 ? w->rows - row0 : 8;
+    for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+}
+
+// Q6_K, tokens [tb, te) over groups [gbeg, gend): each 8-row half-group in turn, tokens in fours.
+inline void q6_prompt_tiles(const kvs_weight *w, const int8_t *xq, const float *xd, const int32_t *xh, int tb,
+                            int te, float *y, int ldy, bool add, int gbeg, int gend) {
+    for (int g = gbeg; g < gend; g++)
+        for (int h = 0; h < 2; h++) {
+            if (g * 16 + h * 8 >= w->rows) break;
+            int t = tb;
+            for (; t + 4 <= te; t += 4) q6_tile8u<4>(w, g, h, xq, xd, xh, t, y, ldy, add);
+            switch (te - t) {
+                case 3: q6_tile8u<3>(w, g, h, xq, xd, xh, t, y, ldy, add); break;
+                case 2: q6_tile8u<2>(w, g, h, xq, xd, xh, t, y, ldy, add); break;
+                case 1: q6_tile8u<1>(w, g, h, xq, xd, xh, t, y, ldy, add); break;
+                default: break;
+            }
+        }
+}
+
 // Q4_0 / Q4_1 (SM 0, 1, 5), 16 rows x token t0: q4_tile8's arithmetic per output lane (the same
 // exact integer sums, the same float chain), with the K-quant decode tiles' access pattern: both
 // halves of the group share each activation broadcast and consume whole 64-byte lines of codes in
@@ -763,7 +786,6 @@ template <bool Q4, int SM, int TT>
 inline void tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
                   float *y, int ldy, bool add) {
     if constexpr (Q4) q4_tile8<TT, SM>(w, g, h, xq, xd, xs, t0, y, ldy, add);
-    else if constexpr (SM == 3) q6_tile8<TT>(w, g, h, xq, xd, xs, t0, y, ldy, add);
     else q8_tile8<TT, SM == 1>(w, g, h, xq, xd, xs, t0, y, ldy, add);
 }
 
@@ -834,11 +856,18 @@ void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, con
         // changes: each is the same tile arithmetic.
         int tb_size = (KVS_KQ_XBLOCK / w->cols) & ~3;
         if (tb_size < 16 || T <= tb_size) tb_size = T;
+        int32_t *xh = nullptr;   // Q6_K: the tokens' half-block sums (q6_tile8u), once per call
+        if constexpr (SM == 3) {
+            const int nb = w->cols / KVS_QK;
+            xh = (int32_t *)malloc(sizeof(int32_t) * (size_t)T * nb);
+            for (size_t tb = 0; tb < (size_t)T * nb; tb++) xh[tb] = x_half_sums(xq + tb * KVS_QK);
+        }
         for (int tb = 0; tb < T; tb += tb_size) {
             const int te = tb + tb_size < T ? tb + tb_size : T;
-            if constexpr (SM == 3) half_group_tiles<Q4, SM>(w, xq, xd, xs, tb, te, y, ldy, add, gbeg, gend);
+            if constexpr (SM == 3) q6_prompt_tiles(w, xq, xd, xh, tb, te, y, ldy, add, gbeg, gend);
             else group_tiles16<SM>(w, xq, xd, xs, tb, te, y, ldy, add, gbeg, gend);
         }
+        free(xh);
         return;
     } else if constexpr (Q4) {   // Q4_0 / Q4_1: whole 16-row groups, tokens in fours
         group_tiles16<SM>(w, xq, xd, xs, 0, T, y, ldy, add, gbeg, gend);
