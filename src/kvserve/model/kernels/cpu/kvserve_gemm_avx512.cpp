@@ -127,7 +127,7 @@ inline void q5_chunk16(const uint8_t *qb, __m512i hb, __m512i *lo, __m512i *hi) 
     *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), mask), bit_to4_16<2 * i + 1>(hb));
 }
 
-// Q5_K (qtype 4): the AVX2 q4k_tile8's exact block sums and the Q4_K scales' two fmas per block.
+// Q5_K (qtype 4): the AVX2 q5k_tile16xn's exact block sums and the Q4_K scales' two fmas per block.
 // The fifth-bit plane is [16 rows][4 bytes] = 64 bytes: one register for the whole group.
 template <int TT>
 void q5_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
@@ -146,7 +146,7 @@ void q5_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, co
     });
 }
 
-// Q6_K (qtype 3): the AVX2 q6_tile8's integers per half block (vpdpbusd here), each times its
+// Q6_K (qtype 3): the AVX2 Q6_K tiles' exact integers per half block (vpdpbusd here), each times its
 // int8 scale per 16 values, then the same one fma per block.
 template <int TT>
 void q6_tile16(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *, int t0, float *y,

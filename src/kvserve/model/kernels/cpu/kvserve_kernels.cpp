@@ -319,57 +319,10 @@ inline __m256i bit_to4(__m256i v) {
     else return _mm256_and_si256(v, m);
 }
 
-// The 6-bit codes of one chunk i (8 rows x 4 bytes, both halves of the block) as signed q - 32.
-inline void q6_codes(__m256i raw, __m256i hb, int i, __m256i *lo, __m256i *hi) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
-    const __m256i h_lo = i & 1 ? hb : _mm256_slli_epi16(hb, 4);                       // bits 4-5 <- 0-1 / 4-5
-    const __m256i h_hi = i & 1 ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 2);  // bits 4-5 <- 6-7 / 2-3
-    *lo = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_and_si256(h_lo, m2)), c32);
-    *hi = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), _mm256_and_si256(h_hi, m2)), c32);
-}
-
 // 8 int8 sub-block scales as int32 lanes holding the scale in both int16 halves (for vpmaddwd).
 inline __m256i q6_scale_pairs(const uint8_t *p) {
     const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
     return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
-}
-
-template <int TT>
-void q6_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *, int t0,
-              float *y, int ldy, bool add) {
-    const int K = w->cols, nb = K / KVS_QK;
-    const uint8_t *qg = w->qs + (size_t)g * nb * KVS_Q6_BLOCK_BYTES + h * 32;
-    __m256 acc[TT];
-    for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *qb = qg + (size_t)b * KVS_Q6_BLOCK_BYTES;
-        __m256i slo[TT], shi[TT];   // int16 pair sums of each half: 4 chunks x 2 x 32 x 127 < 2^15
-        for (int j = 0; j < TT; j++) slo[j] = shi[j] = _mm256_setzero_si256();
-        for (int i = 0; i < 4; i++) {
-            __m256i lo, hi;
-            q6_codes(_mm256_loadu_si256((const __m256i *)(qb + i * 64)),
-                     _mm256_loadu_si256((const __m256i *)(qb + 256 + (i / 2) * 64)), i, &lo, &hi);
-            const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
-            for (int j = 0; j < TT; j++) {
-                const int8_t *xr = xq + (size_t)(t0 + j) * K + b * KVS_QK + 4 * i;
-                slo[j] = _mm256_add_epi16(slo[j], _mm256_maddubs_epi16(alo, _mm256_sign_epi8(bcast4(xr), lo)));
-                shi[j] = _mm256_add_epi16(shi[j], _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(bcast4(xr + 16), hi)));
-                keep_in_register(slo[j]);
-                keep_in_register(shi[j]);
-            }
-        }
-        const uint8_t *ks = (const uint8_t *)w->d + ((size_t)g * (nb / 8) + b / 8) * KVS_Q6_SUPER_BYTES;
-        const __m256i sc_lo = q6_scale_pairs(ks + 32 + (2 * (b % 8)) * 16 + h * 8);
-        const __m256i sc_hi = q6_scale_pairs(ks + 32 + (2 * (b % 8) + 1) * 16 + h * 8);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + h * 16)));
-        for (int j = 0; j < TT; j++) {
-            const __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(slo[j], sc_lo), _mm256_madd_epi16(shi[j], sc_hi));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32),
-                                     _mm256_mul_ps(d, _mm256_set1_ps(xd[(size_t)(t0 + j) * nb + b])), acc[j]);
-        }
-    }
-    const int row0 = g * 16 + h * 8, nvalid = w->rows - row0 < 8 ? w->rows - row0 : 8;
-    for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
 }
 
 
@@ -387,26 +340,20 @@ inline __m256 u8x8_ps(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-// is += the u8 x s8 products of lo (with xa) and hi (with xb); Q4: int16 lanes (at most 8 x 2 x 15
-// x 127 per block), Q5: widened to int32 per chunk (codes to 31: 2 x 2 x 31 x 127 per int16 lane).
-template <bool Q5>
+// is += the u8 x s8 products of lo (with xa) and hi (with xb) of 4-bit codes: int16 lanes (at most
+// 8 x 2 x 15 x 127 per block).
 inline void kq_dot(__m256i &is, __m256i lo, __m256i hi, __m256i xa, __m256i xb) {
 #if defined(__AVXVNNI__)
     is = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(is, lo, xa), hi, xb);
 #else
-    if constexpr (Q5) {
-        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb));
-        is = _mm256_add_epi32(is, _mm256_madd_epi16(t, _mm256_set1_epi16(1)));
-    } else {
-        is = _mm256_add_epi16(is, _mm256_maddubs_epi16(lo, xa));
-        is = _mm256_add_epi16(is, _mm256_maddubs_epi16(hi, xb));
-    }
+    is = _mm256_add_epi16(is, _mm256_maddubs_epi16(lo, xa));
+    is = _mm256_add_epi16(is, _mm256_maddubs_epi16(hi, xb));
     keep_in_register(is);
 #endif
 }
 
 // Q5_K's is += the products of chunk i (lo with xa, hi with xb): int16 sums over a chunk pair in t
-// (4 x 2 x 31 x 127 < 2^15), widened to int32 once per pair; the same exact sum as kq_dot<true>.
+// (4 x 2 x 31 x 127 < 2^15), widened to int32 once per pair; the exact sum of the chunks' products.
 template <int i>
 inline void q5_dot(__m256i &is, __m256i &t, __m256i lo, __m256i hi, __m256i xa, __m256i xb) {
 #if defined(__AVXVNNI__)
@@ -463,8 +410,8 @@ void q4k_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd,
                     q5_dot<(i)>(is0, t0, lo0, hi0, xa, xb);                                          \
                     q5_dot<(i)>(is1, t1, lo1, hi1, xa, xb);                                          \
                 } else {                                                                             \
-                    kq_dot<false>(is0, lo0, hi0, xa, xb);                                            \
-                    kq_dot<false>(is1, lo1, hi1, xa, xb);                                            \
+                    kq_dot(is0, lo0, hi0, xa, xb);                                            \
+                    kq_dot(is1, lo1, hi1, xa, xb);                                            \
                 }                                                                                    \
             }
             KVS_KQ_CHUNK(0) KVS_KQ_CHUNK(1) KVS_KQ_CHUNK(2) KVS_KQ_CHUNK(3)
@@ -492,62 +439,8 @@ void q4k_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd,
     if (rest > 8) store_rows8(acc1, w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
 }
 
-// Q4_K (Q5 false) and Q5_K (Q5 true), 8 rows (half h) x TT tokens: q4_tile8's arithmetic
-// per output, looped by super-block so its fp16 d and dmin are widened once per 8 blocks.
-template <int TT, bool Q5>
-void q4k_tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
-               float *y, int ldy, bool add) {
-    constexpr int BB = Q5 ? KVS_Q5_BLOCK_BYTES : 256;
-    const int K = w->cols, nb = K / KVS_QK, ns = nb / 8;
-    const uint8_t *qb = w->qs + (size_t)g * nb * BB + h * 32;
-    const uint8_t *p = (const uint8_t *)w->d + (size_t)g * ns * KVS_KSUPER_BYTES;
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    __m256 acc[TT];
-    for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
-    for (int s = 0; s < ns; s++, p += KVS_KSUPER_BYTES) {
-        const __m256 ds = cvt_ph8(p + h * 16), dm = cvt_ph8(p + 32 + h * 16);
-        for (int jb = 0; jb < 8; jb++, qb += BB) {
-            const int b = s * 8 + jb;
-            __m256i is[TT];
-            for (int j = 0; j < TT; j++) is[j] = _mm256_setzero_si256();
-            __m256i hb = _mm256_setzero_si256();
-            if constexpr (Q5) hb = _mm256_loadu_si256((const __m256i *)(qb + 256));
-            for (int i = 0; i < 4; i++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(qb + i * 64));
-                __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-                if constexpr (Q5) {   // bits 2i and 2i + 1 to bit 4 (i is a constant once unrolled)
-                    const __m256i m10 = _mm256_set1_epi8(0x10);
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(i < 2 ? _mm256_slli_epi16(hb, 4 - 2 * i)
-                                                                    : _mm256_srli_epi16(hb, 2 * i - 4), m10));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(i < 2 ? _mm256_slli_epi16(hb, 3 - 2 * i)
-                                                                    : _mm256_srli_epi16(hb, 2 * i - 3), m10));
-                }
-                for (int j = 0; j < TT; j++) {
-                    const int8_t *xr = xq + (size_t)(t0 + j) * K + b * KVS_QK + 4 * i;
-                    kq_dot<Q5>(is[j], lo, hi, bcast4(xr), bcast4(xr + 16));
-                }
-            }
-            const __m256 d = _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                   _mm_loadl_epi64((const __m128i *)(p + 64 + jb * 16 + h * 8)))));
-            const __m256 mneg = _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(   // -m
-                                                   _mm_loadl_epi64((const __m128i *)(p + 192 + jb * 16 + h * 8)))));
-            for (int j = 0; j < TT; j++) {
-                __m256i s32 = is[j];
-#if !defined(__AVXVNNI__)
-                if constexpr (!Q5) s32 = _mm256_madd_epi16(s32, _mm256_set1_epi16(1));
-#endif
-                const size_t sb = (size_t)(t0 + j) * nb + b;
-                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(d, _mm256_set1_ps(xd[sb])), acc[j]);
-                acc[j] = _mm256_fnmadd_ps(mneg, _mm256_set1_ps(xs[sb]), acc[j]);   // acc + m xs, the same rounding
-            }
-        }
-    }
-    const int row0 = g * 16 + h * 8, nvalid = w->rows - row0 < 8 ? w->rows - row0 : 8;
-    for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
-}
-
 // The 6-bit codes of one chunk i (8 rows x 4 bytes, both halves of the block) as unsigned q in
-// 0..63 (q6_codes without its - 32: the 32 x activation sum is taken off the exact integer sum once
+// 0..63 (q - 32 without the - 32: the 32 x activation sum is taken off the exact integer sum once
 // per block, see q6_tile16x1).
 inline void q6_ucodes(__m256i raw, __m256i hb, int i, __m256i *lo, __m256i *hi) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
@@ -569,11 +462,11 @@ inline int32_t x_half_sums(const int8_t *x) {
     return (int32_t)(((uint32_t)_mm_extract_epi32(s, 1) << 16) | ((uint32_t)_mm_cvtsi128_si32(s) & 0xFFFF));
 }
 
-// Q6_K, 16 rows x token t0. Per output the exact integer sum of the 8-row tile, formed as
-// sc_lo * sum(q * x)_lo + sc_hi * sum(q * x)_hi - 32 (sc_lo * X_lo + sc_hi * X_hi) with unsigned codes
-// q = c + 32 (X: the activations' sum over that half): the identity is exact in int32, so the float
-// chain sees the same integer; it saves q6_tile8's four sign flips and the - 32 per chunk (vpmaddubsw
-// takes the unsigned codes as they are). int16 pair sums: 2 chunks x 2 x 63 x 127 < 2^15.
+// Q6_K, 16 rows x token t0. Per output the exact integer sum of the written-out arithmetic
+// (sum over the block of sc * (q - 32) * x), formed as sc_lo * sum(q * x)_lo + sc_hi * sum(q * x)_hi
+// - 32 (sc_lo * X_lo + sc_hi * X_hi) with unsigned codes q (X: the activations' sum over that half):
+// the identity is exact in int32, so the float chain sees the same integer; signed codes would need
+// four sign flips and a - 32 per chunk (vpmaddubsw takes the unsigned codes as they are). int16 pair sums: 2 chunks x 2 x 63 x 127 < 2^15.
 void q6_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const int32_t *xh, int t0,
                  float *y, int ldy, bool add) {
     const int K = w->cols, nb = K / KVS_QK, ns = nb / 8;
@@ -634,6 +527,76 @@ void q6_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, 
     store_rows8(acc0, w->bias, row0, rest < 8 ? rest : 8, yt, add);
     if (rest > 8) store_rows8(acc1, w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
 }
+// Q6_K, 8 rows (half h) x TT tokens: q6_tile16x1's unsigned codes and per-half-block correction
+// (xh: the tokens' x_half_sums, [t][b]), so the same exact integer per output as the signed sums of
+// the written-out arithmetic, with no sign flips per token. An int16 lane holds two chunks'
+// products (2 x 2 x 63 x 127 < 2^15): each chunk pair's lo / hi sums are scaled (vpmaddwd) and
+// widened once.
+template <int TT>
+void q6_tile8u(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const int32_t *xh, int t0,
+               float *y, int ldy, bool add) {
+    const int K = w->cols, nb = K / KVS_QK;
+    const uint8_t *qb = w->qs + (size_t)g * nb * KVS_Q6_BLOCK_BYTES + h * 32;
+    __m256 acc[TT];
+    for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, qb += KVS_Q6_BLOCK_BYTES) {
+        const uint8_t *ks = (const uint8_t *)w->d + ((size_t)g * (nb / 8) + b / 8) * KVS_Q6_SUPER_BYTES;
+        const uint8_t *sl = ks + 32 + (2 * (b % 8)) * 16 + h * 8, *sh = sl + 16;
+        const __m256i sc_lo = q6_scale_pairs(sl), sc_hi = q6_scale_pairs(sh);
+        __m256i is[TT];
+        for (int pr = 0; pr < 2; pr++) {
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(qb + 256 + pr * 64));
+            __m256i tl[TT], th[TT];
+            for (int u = 0; u < 2; u++) {
+                const int i = 2 * pr + u;
+                __m256i lo, hi;
+                q6_ucodes(_mm256_loadu_si256((const __m256i *)(qb + i * 64)), hb, i, &lo, &hi);
+                for (int j = 0; j < TT; j++) {
+                    const int8_t *xr = xq + (size_t)(t0 + j) * K + b * KVS_QK + 4 * i;
+                    const __m256i pl = _mm256_maddubs_epi16(lo, bcast4(xr)), ph = _mm256_maddubs_epi16(hi, bcast4(xr + 16));
+                    tl[j] = u ? _mm256_add_epi16(tl[j], pl) : pl;
+                    th[j] = u ? _mm256_add_epi16(th[j], ph) : ph;
+                    keep_in_register(tl[j]);
+                    keep_in_register(th[j]);
+                }
+            }
+            for (int j = 0; j < TT; j++) {
+                const __m256i v = _mm256_add_epi32(_mm256_madd_epi16(tl[j], sc_lo), _mm256_madd_epi16(th[j], sc_hi));
+                is[j] = pr ? _mm256_add_epi32(is[j], v) : v;
+            }
+        }
+        // (sc_lo, sc_hi) int16 pairs of the 8 rows, against each token's (X_lo, X_hi): 32 x that off
+        const __m128i vl = _mm_loadl_epi64((const __m128i *)sl), vh = _mm_loadl_epi64((const __m128i *)sh);
+        const __m256i lh = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(vl, vh));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + h * 16)));
+        for (int j = 0; j < TT; j++) {
+            const __m256i xx = _mm256_set1_epi32(xh[(size_t)(t0 + j) * nb + b]);
+            const __m256i s32 = _mm256_sub_epi32(is[j], _mm256_slli_epi32(_mm256_madd_epi16(lh, xx), 5));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32),
+                                     _mm256_mul_ps(d, _mm256_set1_ps(xd[(size_t)(t0 + j) * nb + b])), acc[j]);
+        }
+    }
+    const int row0 = g * 16 + h * 8, nvalid = w->rows - row0 < 8 ? w->rows - row0 : 8;
+    for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
+}
+
+// Q6_K, tokens [tb, te) over groups [gbeg, gend): each 8-row half-group in turn, tokens in fours.
+inline void q6_prompt_tiles(const kvs_weight *w, const int8_t *xq, const float *xd, const int32_t *xh, int tb,
+                            int te, float *y, int ldy, bool add, int gbeg, int gend) {
+    for (int g = gbeg; g < gend; g++)
+        for (int h = 0; h < 2; h++) {
+            if (g * 16 + h * 8 >= w->rows) break;
+            int t = tb;
+            for (; t + 4 <= te; t += 4) q6_tile8u<4>(w, g, h, xq, xd, xh, t, y, ldy, add);
+            switch (te - t) {
+                case 3: q6_tile8u<3>(w, g, h, xq, xd, xh, t, y, ldy, add); break;
+                case 2: q6_tile8u<2>(w, g, h, xq, xd, xh, t, y, ldy, add); break;
+                case 1: q6_tile8u<1>(w, g, h, xq, xd, xh, t, y, ldy, add); break;
+                default: break;
+            }
+        }
+}
+
 // Q4_0 / Q4_1 (SM 0, 1, 5), 16 rows x token t0: q4_tile8's arithmetic per output lane (the same
 // exact integer sums, the same float chain), with the K-quant decode tiles' access pattern: both
 // halves of the group share each activation broadcast and consume whole 64-byte lines of codes in
@@ -655,8 +618,8 @@ void q4_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, 
             const __m256i r0 = _mm256_loadu_si256((const __m256i *)(qb + i * 64));
             const __m256i r1 = _mm256_loadu_si256((const __m256i *)(qb + i * 64 + 32));
             const __m256i xa = bcast4(x + 4 * i), xb = bcast4(x + 16 + 4 * i);
-            kq_dot<false>(is0, _mm256_and_si256(r0, mask), _mm256_and_si256(_mm256_srli_epi16(r0, 4), mask), xa, xb);
-            kq_dot<false>(is1, _mm256_and_si256(r1, mask), _mm256_and_si256(_mm256_srli_epi16(r1, 4), mask), xa, xb);
+            kq_dot(is0, _mm256_and_si256(r0, mask), _mm256_and_si256(_mm256_srli_epi16(r0, 4), mask), xa, xb);
+            kq_dot(is1, _mm256_and_si256(r1, mask), _mm256_and_si256(_mm256_srli_epi16(r1, 4), mask), xa, xb);
         }
 #if !defined(__AVXVNNI__)
         is0 = _mm256_madd_epi16(is0, _mm256_set1_epi16(1));
@@ -677,7 +640,8 @@ void q4_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, 
     if (rest > 8) store_rows8(acc1, w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
 }
 
-// Q4_0 / Q4_1 (SM 0, 1, 5), 16 rows x TT tokens t0..t0+TT-1 (TT 2-4): q4_tile16x1 per token, the
+// Q4_0 / Q4_1 (SM 0, 1, 5) and Q4_K (SM 2, its scales formed per block by q4_scales8), 16 rows x TT
+// tokens t0..t0+TT-1 (TT 2-4): q4_tile16x1 per token (Q4_K: q4k_tile16x1), the
 // same exact integer sums and float chain per output lane. Each 64-byte line of codes is unpacked
 // once for TT tokens and each activation broadcast serves both halves of the group. At TT 4 the
 // 8 int16 sums, 4 unpacked code vectors, the mask and 2 broadcasts fill the 16 ymm registers (the
@@ -704,8 +668,8 @@ void q4_tile16xn(const kvs_weight *w, int g, const int8_t *xq, const float *xd, 
             for (int j = 0; j < TT; j++) {
                 const int8_t *xr = x + (size_t)j * K + 4 * i;
                 const __m256i xa = bcast4(xr), xb = bcast4(xr + 16);
-                kq_dot<false>(is0[j], lo0, hi0, xa, xb);
-                kq_dot<false>(is1[j], lo1, hi1, xa, xb);
+                kq_dot(is0[j], lo0, hi0, xa, xb);
+                kq_dot(is1[j], lo1, hi1, xa, xb);
             }
         }
         __m256 d0, m0, d1, m1;
@@ -734,12 +698,94 @@ void q4_tile16xn(const kvs_weight *w, int g, const int8_t *xq, const float *xd, 
     }
 }
 
+// Q5_K, chunk i of one block for 16 rows x TT tokens: the codes (nibbles plus bits 2i, 2i + 1 of the
+// fifth-bit plane at bit 4) once, their u8 x s8 products added to the int16 sums t0/t1 (rows 0-7,
+// 8-15); u = 0 starts a chunk pair's sums. x: token t0's activations of the block (row stride K).
+template <int i, int TT>
+inline void q5_chunk16(const uint8_t *qb, const int8_t *x, int K, __m256i *t0, __m256i *t1) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i r0 = _mm256_loadu_si256((const __m256i *)(qb + i * 64));
+    const __m256i r1 = _mm256_loadu_si256((const __m256i *)(qb + i * 64 + 32));
+    const __m256i hb0 = _mm256_loadu_si256((const __m256i *)(qb + 256));
+    const __m256i hb1 = _mm256_loadu_si256((const __m256i *)(qb + 288));
+    const __m256i lo0 = _mm256_or_si256(_mm256_and_si256(r0, mask), bit_to4<2 * i>(hb0));
+    const __m256i hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r0, 4), mask), bit_to4<2 * i + 1>(hb0));
+    const __m256i lo1 = _mm256_or_si256(_mm256_and_si256(r1, mask), bit_to4<2 * i>(hb1));
+    const __m256i hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r1, 4), mask), bit_to4<2 * i + 1>(hb1));
+    for (int j = 0; j < TT; j++) {
+        const int8_t *xr = x + (size_t)j * K + 4 * i;
+        const __m256i xa = bcast4(xr), xb = bcast4(xr + 16);
+        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa), _mm256_maddubs_epi16(hi0, xb));
+        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa), _mm256_maddubs_epi16(hi1, xb));
+        if constexpr (i % 2 == 0) {
+            t0[j] = p0, t1[j] = p1;
+        } else {
+            t0[j] = _mm256_add_epi16(t0[j], p0), t1[j] = _mm256_add_epi16(t1[j], p1);
+        }
+        keep_in_register(t0[j]);
+        keep_in_register(t1[j]);
+    }
+}
+
+// Q5_K, 16 rows x TT tokens t0..t0+TT-1 (TT 2-4): q4k_tile16x1's arithmetic per output lane (the
+// same exact integer block sums, the same float chain), q4_tile16xn's access pattern. The codes run
+// to 31, so an int16 lane holds two chunks' products (4 x 2 x 31 x 127 < 2^15): each chunk pair's
+// sums are widened to int32 once (q5_dot's pairs, here for TT tokens).
+template <int TT>
+void q5k_tile16xn(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
+                  int ldy, bool add) {
+    const int K = w->cols, nb = K / KVS_QK, ns = nb / 8;
+    const uint8_t *qb = w->qs + (size_t)g * nb * KVS_Q5_BLOCK_BYTES;
+    const uint8_t *p = (const uint8_t *)w->d + (size_t)g * ns * KVS_KSUPER_BYTES;
+    const int8_t *x = xq + (size_t)t0 * K;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc0[TT], acc1[TT];
+    for (int j = 0; j < TT; j++) acc0[j] = acc1[j] = _mm256_setzero_ps();
+    for (int s = 0; s < ns; s++, p += KVS_KSUPER_BYTES) {
+        for (int jb = 0; jb < 8; jb++, qb += KVS_Q5_BLOCK_BYTES, x += KVS_QK) {
+            __m256i is0[TT], is1[TT], u0[TT], u1[TT];
+            q5_chunk16<0, TT>(qb, x, K, u0, u1);
+            q5_chunk16<1, TT>(qb, x, K, u0, u1);
+            for (int j = 0; j < TT; j++) is0[j] = _mm256_madd_epi16(u0[j], ones), is1[j] = _mm256_madd_epi16(u1[j], ones);
+            q5_chunk16<2, TT>(qb, x, K, u0, u1);
+            q5_chunk16<3, TT>(qb, x, K, u0, u1);
+            const __m256 ds0 = cvt_ph8(p), ds1 = cvt_ph8(p + 16), dm0 = cvt_ph8(p + 32), dm1 = cvt_ph8(p + 48);
+            const __m256 d0 = _mm256_mul_ps(ds0, u8x8_ps(p + 64 + jb * 16)), d1 = _mm256_mul_ps(ds1, u8x8_ps(p + 72 + jb * 16));
+            const __m256 mn0 = _mm256_mul_ps(dm0, u8x8_ps(p + 192 + jb * 16)), mn1 = _mm256_mul_ps(dm1, u8x8_ps(p + 200 + jb * 16));
+            const int b = s * 8 + jb;
+            for (int j = 0; j < TT; j++) {
+                const __m256i s0 = _mm256_add_epi32(is0[j], _mm256_madd_epi16(u0[j], ones));
+                const __m256i s1 = _mm256_add_epi32(is1[j], _mm256_madd_epi16(u1[j], ones));
+                const size_t sb = (size_t)(t0 + j) * nb + b;
+                const __m256 xdb = _mm256_set1_ps(xd[sb]), xsb = _mm256_set1_ps(xs[sb]);
+                // acc + m xs with m = -(dm mn): one fnmadd, the same rounding (the negation is exact)
+                acc0[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, xdb), acc0[j]);
+                acc0[j] = _mm256_fnmadd_ps(mn0, xsb, acc0[j]);
+                acc1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, xdb), acc1[j]);
+                acc1[j] = _mm256_fnmadd_ps(mn1, xsb, acc1[j]);
+            }
+        }
+    }
+    const int row0 = g * 16, rest = w->rows - row0;
+    for (int j = 0; j < TT; j++) {
+        float *yt = y + (size_t)(t0 + j) * ldy + row0;
+        store_rows8(acc0[j], w->bias, row0, rest < 8 ? rest : 8, yt, add);
+        if (rest > 8) store_rows8(acc1[j], w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
+    }
+}
+
+// 16 rows x TT tokens of Q4 / Q4_K (q4_tile16xn) or Q5_K (q5k_tile16xn).
+template <int TT, int SM>
+inline void tile16n(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
+                    int ldy, bool add) {
+    if constexpr (SM == 4) q5k_tile16xn<TT>(w, g, xq, xd, xs, t0, y, ldy, add);
+    else q4_tile16xn<TT, SM>(w, g, xq, xd, xs, t0, y, ldy, add);
+}
+
 template <bool Q4, int SM, int TT>
 inline void tile8(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const float *xs, int t0,
                   float *y, int ldy, bool add) {
-    if constexpr (Q4 && kquant_sm(SM)) q4k_tile8<TT, SM == 4>(w, g, h, xq, xd, xs, t0, y, ldy, add);
-    else if constexpr (Q4) q4_tile8<TT, SM>(w, g, h, xq, xd, xs, t0, y, ldy, add);
-    else if constexpr (SM == 3) q6_tile8<TT>(w, g, h, xq, xd, xs, t0, y, ldy, add);
+    if constexpr (Q4) q4_tile8<TT, SM>(w, g, h, xq, xd, xs, t0, y, ldy, add);
     else q8_tile8<TT, SM == 1>(w, g, h, xq, xd, xs, t0, y, ldy, add);
 }
 
@@ -765,8 +811,28 @@ inline void half_group_tiles(const kvs_weight *w, const int8_t *xq, const float 
         }
 }
 
-// Groups [gbeg, gend) of 16 rows for all T tokens: each half-group's weights (nb x 128 bytes for
-// Q4) stay in L1 while the token tiles stream past them.
+// Tokens [tb, te) over groups [gbeg, gend) in whole 16-row groups, tokens in fours (q4_tile16xn;
+// SM 4: q5k_tile16xn): Q4_0, Q4_1, Q4_K and Q5_K. A last lone token of a K-quant runs the decode tile.
+template <int SM>
+inline void group_tiles16(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int tb, int te,
+                          float *y, int ldy, bool add, int gbeg, int gend) {
+    for (int g = gbeg; g < gend; g++) {
+        int t = tb;
+        for (; t + 4 <= te; t += 4) tile16n<4, SM>(w, g, xq, xd, xs, t, y, ldy, add);
+        switch (te - t) {
+            case 3: tile16n<3, SM>(w, g, xq, xd, xs, t, y, ldy, add); break;
+            case 2: tile16n<2, SM>(w, g, xq, xd, xs, t, y, ldy, add); break;
+            case 1:
+                if constexpr (kquant_sm(SM)) q4k_tile16x1<SM == 4>(w, g, xq, xd, xs, t, y, ldy, add);
+                else q4_tile16x1<SM>(w, g, xq, xd, xs, t, y, ldy, add);
+                break;
+            default: break;
+        }
+    }
+}
+
+// Groups [gbeg, gend) of 16 rows for all T tokens: each group's (or half-group's) weights stay in
+// L1 while the token tiles stream past them.
 template <bool Q4, int SM>
 void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y,
                      int ldy, bool add, int gbeg, int gend) {
@@ -788,24 +854,23 @@ void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, con
         // every group of this thread streams past; one block of T = 512 x 3072 (1.5 MB) re-read from L3
         // per 8-row half-group ran ~15% slower per MAC than T = 64. Only the order of the outputs
         // changes: each is the same tile arithmetic.
-        const int tb_size = (KVS_KQ_XBLOCK / w->cols) & ~3;
-        if (tb_size >= 16 && T > tb_size) {
-            for (int tb = 0; tb < T; tb += tb_size)
-                half_group_tiles<Q4, SM>(w, xq, xd, xs, tb, tb + tb_size < T ? tb + tb_size : T, y, ldy, add,
-                                         gbeg, gend);
-            return;
+        int tb_size = (KVS_KQ_XBLOCK / w->cols) & ~3;
+        if (tb_size < 16 || T <= tb_size) tb_size = T;
+        int32_t *xh = nullptr;   // Q6_K: the tokens' half-block sums (q6_tile8u), once per call
+        if constexpr (SM == 3) {
+            const int nb = w->cols / KVS_QK;
+            xh = (int32_t *)malloc(sizeof(int32_t) * (size_t)T * nb);
+            for (size_t tb = 0; tb < (size_t)T * nb; tb++) xh[tb] = x_half_sums(xq + tb * KVS_QK);
         }
+        for (int tb = 0; tb < T; tb += tb_size) {
+            const int te = tb + tb_size < T ? tb + tb_size : T;
+            if constexpr (SM == 3) q6_prompt_tiles(w, xq, xd, xh, tb, te, y, ldy, add, gbeg, gend);
+            else group_tiles16<SM>(w, xq, xd, xs, tb, te, y, ldy, add, gbeg, gend);
+        }
+        free(xh);
+        return;
     } else if constexpr (Q4) {   // Q4_0 / Q4_1: whole 16-row groups, tokens in fours
-        for (int g = gbeg; g < gend; g++) {
-            int t = 0;
-            for (; t + 4 <= T; t += 4) q4_tile16xn<4, SM>(w, g, xq, xd, xs, t, y, ldy, add);
-            switch (T - t) {
-                case 3: q4_tile16xn<3, SM>(w, g, xq, xd, xs, t, y, ldy, add); break;
-                case 2: q4_tile16xn<2, SM>(w, g, xq, xd, xs, t, y, ldy, add); break;
-                case 1: q4_tile16x1<SM>(w, g, xq, xd, xs, t, y, ldy, add); break;
-                default: break;
-            }
-        }
+        group_tiles16<SM>(w, xq, xd, xs, 0, T, y, ldy, add, gbeg, gend);
         return;
     }
     half_group_tiles<Q4, SM>(w, xq, xd, xs, 0, T, y, ldy, add, gbeg, gend);
