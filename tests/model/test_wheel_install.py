@@ -39,7 +39,7 @@ assert build.source_dir().resolve().is_relative_to(target), build.source_dir()
 assert sorted(p.name for p in build.source_dir().iterdir() if p.suffix in (".cpp", ".h")) == [
     "kvserve_attention.cpp", "kvserve_attention_avx512.cpp", "kvserve_avx512_helpers.h", "kvserve_forward.cpp",
     "kvserve_gemm_amx.cpp", "kvserve_gemm_avx512.cpp", "kvserve_kernels.cpp", "kvserve_kernels.h",
-    "kvserve_repack_kquant.cpp", "kvserve_repack_q4.cpp"]
+    "kvserve_repack_kquant.cpp", "kvserve_repack_q4.cpp", "kvserve_team.cpp", "kvserve_team.h"]
 backend = KernelBackend.detect()
 assert backend.lib is not None, backend.reason
 assert list((cache / "kernels").glob("libkvserve_kernels-*.so")), "kernels not compiled into the fresh cache"
