@@ -195,6 +195,18 @@ inline void store_rows8(__m256 v, const float *bias, int row0, int nvalid, float
     for (int i = 0; i < nvalid; i++) dst[i] = add ? dst[i] + o[i] : o[i];
 }
 
+// Row group g's 16 outputs (acc0: rows 0-7, acc1: rows 8-15, a group past the last row cut short)
+// for tokens t0 .. t0 + n - 1, acc[j] being token t0 + j's.
+inline void store_group16(const kvs_weight *w, int g, const __m256 *acc0, const __m256 *acc1, int n, int t0,
+                          float *y, int ldy, bool add) {
+    const int row0 = g * 16, rest = w->rows - row0;
+    for (int j = 0; j < n; j++) {
+        float *yt = y + (size_t)(t0 + j) * ldy + row0;
+        store_rows8(acc0[j], w->bias, row0, rest < 8 ? rest : 8, yt, add);
+        if (rest > 8) store_rows8(acc1[j], w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
+    }
+}
+
 // 8 block scales (float16 or float32) at element idx, widened to float32 (exact).
 template <bool F16>
 inline __m256 scales8(const void *p, size_t idx) {
@@ -433,10 +445,7 @@ void q4k_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd,
             acc1 = _mm256_fnmadd_ps(_mm256_mul_ps(dm1, mn1), xsb, acc1);
         }
     }
-    const int row0 = g * 16, rest = w->rows - row0;
-    float *yt = y + (size_t)t0 * ldy + row0;
-    store_rows8(acc0, w->bias, row0, rest < 8 ? rest : 8, yt, add);
-    if (rest > 8) store_rows8(acc1, w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
+    store_group16(w, g, &acc0, &acc1, 1, t0, y, ldy, add);
 }
 
 // The 6-bit codes of one chunk i (8 rows x 4 bytes, both halves of the block) as unsigned q in
@@ -522,10 +531,7 @@ void q6_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, 
             acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, xdb), acc1);
         }
     }
-    const int row0 = g * 16, rest = w->rows - row0;
-    float *yt = y + (size_t)t0 * ldy + row0;
-    store_rows8(acc0, w->bias, row0, rest < 8 ? rest : 8, yt, add);
-    if (rest > 8) store_rows8(acc1, w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
+    store_group16(w, g, &acc0, &acc1, 1, t0, y, ldy, add);
 }
 // Q6_K, 8 rows (half h) x TT tokens: q6_tile16x1's unsigned codes and per-half-block correction
 // (xh: the tokens' x_half_sums, [t][b]), so the same exact integer per output as the signed sums of
@@ -634,10 +640,7 @@ void q4_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, 
         acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is1), _mm256_mul_ps(d1, xdb), acc1);
         acc1 = _mm256_fmadd_ps(m1, xsb, acc1);
     }
-    const int row0 = g * 16, rest = w->rows - row0;
-    float *yt = y + (size_t)t0 * ldy + row0;
-    store_rows8(acc0, w->bias, row0, rest < 8 ? rest : 8, yt, add);
-    if (rest > 8) store_rows8(acc1, w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
+    store_group16(w, g, &acc0, &acc1, 1, t0, y, ldy, add);
 }
 
 // Q4_0 / Q4_1 (SM 0, 1, 5) and Q4_K (SM 2, its scales formed per block by q4_scales8), 16 rows x TT
@@ -690,12 +693,7 @@ void q4_tile16xn(const kvs_weight *w, int g, const int8_t *xq, const float *xd, 
             acc1[j] = _mm256_fmadd_ps(m1, xsb, acc1[j]);
         }
     }
-    const int row0 = g * 16, rest = w->rows - row0;
-    for (int j = 0; j < TT; j++) {
-        float *yt = y + (size_t)(t0 + j) * ldy + row0;
-        store_rows8(acc0[j], w->bias, row0, rest < 8 ? rest : 8, yt, add);
-        if (rest > 8) store_rows8(acc1[j], w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
-    }
+    store_group16(w, g, acc0, acc1, TT, t0, y, ldy, add);
 }
 
 // Q5_K, chunk i of one block for 16 rows x TT tokens: the codes (nibbles plus bits 2i, 2i + 1 of the
@@ -766,12 +764,7 @@ void q5k_tile16xn(const kvs_weight *w, int g, const int8_t *xq, const float *xd,
             }
         }
     }
-    const int row0 = g * 16, rest = w->rows - row0;
-    for (int j = 0; j < TT; j++) {
-        float *yt = y + (size_t)(t0 + j) * ldy + row0;
-        store_rows8(acc0[j], w->bias, row0, rest < 8 ? rest : 8, yt, add);
-        if (rest > 8) store_rows8(acc1[j], w->bias, row0 + 8, rest - 8 < 8 ? rest - 8 : 8, yt + 8, add);
-    }
+    store_group16(w, g, acc0, acc1, TT, t0, y, ldy, add);
 }
 
 // 16 rows x TT tokens of Q4 / Q4_K (q4_tile16xn) or Q5_K (q5k_tile16xn).
