@@ -189,10 +189,12 @@ class ModerationService:
         `vectors`: per input text, its windows' embeddings, when made already; `skip`: messages
         the model will not read (see `check_input_async`); `pii=False`: `screen_pii` ran already.
         Returns the trace entries."""
-        texts = input_texts(req, tokenizer)
-        entries = self.screen_pii(req, record, config, texts) if pii else []
-        if skip or any(e["action"] == "redact" for e in entries):
-            texts = input_texts(req, tokenizer, skip)
+        texts = input_texts(req, tokenizer, skip)
+        entries: list[dict[str, Any]] = []
+        if pii and config.pii_input != "off":       # personal data on every message, dropped ones too
+            entries = self.screen_pii(req, record, config, input_texts(req, tokenizer) if skip else texts)
+            if entries[0]["action"] == "redact":
+                texts = input_texts(req, tokenizer, skip)
         if not config.input:
             return entries
         mod = self.moderator(config)
