@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from types import SimpleNamespace
 
@@ -179,3 +180,41 @@ def test_a_line_takes_one_request_token_of_its_key(stores, monkeypatch):
     waits = asyncio.run(go())
     assert waits[:3] == [0.5, 0.5, 0.5]     # line 0 twice and line 1: two tokens
     assert waits[3] > 1.0                    # line 2: the bucket is empty, a rate-limit wait
+
+
+def test_an_answer_stored_after_shutdown_began_is_still_logged(stores, monkeypatch, caplog):
+    """stop() at SIGTERM cancels a line while its result is being written: the write goes on in its
+    thread and is stored, so the line's access-log line is written too (old code: stored without a
+    200 in the log, and the restarted server's count of answered lines came up one short)."""
+    store = stores[0]
+    batch_id = started(store, "key:a", 1)
+    r = real_runner(stores)
+    writing, go_on = threading.Event(), threading.Event()
+    finish = store.finish_line
+
+    def slow_finish(*a):
+        writing.set()
+        go_on.wait(10)
+        return finish(*a)
+
+    async def answered(*_a):
+        return 200, {"ok": True}
+
+    monkeypatch.setattr(store, "finish_line", slow_finish)
+    monkeypatch.setattr(r, "_answer", answered)
+
+    async def go():
+        line = store.claim(batch_id, r.name, 1)[0]
+        task = asyncio.get_running_loop().create_task(r._line(store.row(batch_id), line))
+        r.running[(batch_id, 0)] = task
+        await asyncio.to_thread(writing.wait, 10)
+        stopping = asyncio.get_running_loop().create_task(r.stop())
+        await asyncio.sleep(0.05)
+        go_on.set()
+        await stopping
+        return task.cancelled()
+
+    with caplog.at_level("INFO", logger="kvserve.access"):
+        assert asyncio.run(go())
+    assert store.pending(batch_id) == 0 and store.results(batch_id, "done")
+    assert [x for x in caplog.records if x.name == "kvserve.access" and f"{batch_id}-0" in x.getMessage()]

@@ -324,8 +324,20 @@ class BatchRunner:
         record.status = status
         result = line_result(line["custom_id"], record.request_id, status, body)
         self.paid.discard((row["id"], line["line"]))
-        if not await asyncio.to_thread(self.store.finish_line, row["id"], line["line"], self.name, status == 200,
-                                       result):
+        # The write runs in a thread that a cancel (stop() at shutdown) does not stop: the answer may
+        # be stored after the cancel, so the task waits for it and logs what was stored before it ends.
+        write = asyncio.ensure_future(asyncio.to_thread(
+            self.store.finish_line, row["id"], line["line"], self.name, status == 200, result))
+        try:
+            stored = await asyncio.shield(write)
+        except asyncio.CancelledError:
+            self._logged(row, line, record, await write)
+            raise
+        self._logged(row, line, record, stored)
+
+    @staticmethod
+    def _logged(row: dict[str, Any], line: dict[str, Any], record: RequestRecord, stored: bool) -> None:
+        if not stored:
             logger.warning("batch %s line %d was answered elsewhere; this answer is dropped", row["id"], line["line"])
         access_log.info(record.access_log_line())
 
