@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from kvserve.errors import ModelLoadError
-from kvserve.model.kernels import build, reference
+from kvserve.model.kernels import reference
 from kvserve.model.kernels.backend import KernelBackend
 from kvserve.model.kernels.gguf_linear import GGUFQuantLinear, supports
 from kvserve.model.linear import DenseLinear
@@ -304,15 +304,6 @@ print("OK" if ok else "BAD")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "OK"
     assert proc.stderr.count("fast CPU kernels unavailable") == 1
-
-
-@requires_kernels
-def test_builds_from_source_into_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
-    path = build.build(BACKEND.features)
-    assert path.is_file() and path.parent == tmp_path / "kernels"
-    assert build.build(BACKEND.features) == path         # cached: same file, no rebuild
-    assert build.source_dir().as_posix().endswith("kvserve/model/kernels/cpu")   # sources ship in the package
 
 
 @pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-6), (torch.bfloat16, BF16_BOUND)])
