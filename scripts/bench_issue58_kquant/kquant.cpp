@@ -2,23 +2,13 @@
 // K-quant prompt path (T >= 2) of the 1.1B and 3B Llama shapes, Q4_0 beside them as the bar; the
 // weights are random GGUF blocks repacked by new.so (the layouts are shared), outputs compared bit
 // for bit. Built and run by run.sh:  ./kquant REPS [T] [TYPE]
-#include <dlfcn.h>
-#include <time.h>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 #include <random>
-#include <algorithm>
-#include "kvserve_kernels.h"
-typedef void (*lr_t)(const kvs_weight *, const int8_t *, const float *, const float *, int, float *, int, bool, int, int);
-typedef void (*qr_t)(const float *, int, int8_t *, float *, float *);
+#include "kernel_bench_common.h"
 typedef void (*rk_t)(const uint8_t *, int, int, uint8_t *, uint8_t *);
 typedef int (*rq4_t)(int, const uint8_t *, int, int, uint8_t *, void *, void *, int);
 typedef size_t (*sz3_t)(int, int, int);
-static double tcpu() { timespec t; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
-static void *sym(void *h, const char *s) { void *p = dlsym(h, s); if (!p) { printf("dlsym %s\n", s); exit(1); } return p; }
 
 struct Packed { std::vector<uint8_t> qs, d; std::vector<uint16_t> d16; kvs_weight w{}; };
 
@@ -56,12 +46,10 @@ static void make(void *h, const std::string &type, int rows, int cols, std::mt19
 }
 
 int main(int argc, char **argv) {
-    void *ho = dlopen("./old.so", RTLD_NOW | RTLD_LOCAL), *hn = dlopen("./new.so", RTLD_NOW | RTLD_LOCAL);
-    if (!ho || !hn) { printf("dlopen %s\n", dlerror()); return 1; }
-    const char *lsym = "_ZN3kvs11linear_rowsEPK10kvs_weightPKaPKfS6_iPfibii";
-    const char *qsym = "_ZN3kvs15quantize_row_q8EPKfiPaPfS3_";
-    lr_t fo = (lr_t)sym(ho, lsym), fn = (lr_t)sym(hn, lsym);
-    qr_t qn = (qr_t)sym(hn, qsym);
+    const Libs libs = open_libs();
+    void *hn = libs.new_so;
+    lr_t fo = (lr_t)sym(libs.old_so, LINEAR_ROWS), fn = (lr_t)sym(hn, LINEAR_ROWS);
+    qr_t qn = (qr_t)sym(hn, QUANTIZE_ROW_Q8);
     int reps = argc > 1 ? atoi(argv[1]) : 10, onlyT = argc > 2 ? atoi(argv[2]) : 0;
     std::string onlytype = argc > 3 ? argv[3] : "";
     struct S { const char *name; int rows, cols; } shapes[] = {
@@ -88,13 +76,10 @@ int main(int argc, char **argv) {
                 Packed p;
                 make(hn, type, s.rows, s.cols, rng, p);
                 std::vector<float> yo((size_t)T * s.rows), yn((size_t)T * s.rows);
-                double bo = 1e9, bn = 1e9;
-                for (int r = 0; r < reps; r++) {
-                    double t0 = tcpu(); fo(&p.w, xq.data(), xd.data(), xs.data(), T, yo.data(), s.rows, false, 0, 1);
-                    double t1 = tcpu(); fn(&p.w, xq.data(), xd.data(), xs.data(), T, yn.data(), s.rows, false, 0, 1);
-                    double t2 = tcpu();
-                    bo = std::min(bo, t1 - t0); bn = std::min(bn, t2 - t1);
-                }
+                const Best b = best_of(reps,
+                    [&] { fo(&p.w, xq.data(), xd.data(), xs.data(), T, yo.data(), s.rows, false, 0, 1); },
+                    [&] { fn(&p.w, xq.data(), xd.data(), xs.data(), T, yn.data(), s.rows, false, 0, 1); });
+                const double bo = b.old_s, bn = b.new_s;
                 const bool same = !memcmp(yo.data(), yn.data(), yo.size() * 4);
                 const double mac = (double)s.rows * s.cols * T;
                 if (!strcmp(type, "Q4_0")) q40 = bn;

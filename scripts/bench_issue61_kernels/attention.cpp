@@ -1,21 +1,14 @@
 // Issue 61: one thread, CPU time, best of N reps: kvs::attend_group (one query, G heads of one KV head over L
 // paged rows, head_dim 64) of old.so against new.so, float16 and float32 KV, outputs compared bit for bit.
 // Built and run by run.sh.
-#include <dlfcn.h>
-#include <time.h>
-#include <cstdio>
-#include <cstring>
 #include <vector>
 #include <random>
-#include <algorithm>
-#include <immintrin.h>
+#include "kernel_bench_common.h"
 typedef void (*ag_t)(const float *, const void *, const void *, int, size_t, size_t, int, const int64_t *, int, int, int, int, float, float *, float *, float);
-static double tcpu() { timespec t; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
 int main(int argc, char **argv) {
-    void *ho = dlopen("./old.so", RTLD_NOW | RTLD_LOCAL), *hn = dlopen("./new.so", RTLD_NOW | RTLD_LOCAL);
-    const char *sym = "_ZN3kvs12attend_groupEPKfPKvS3_immiPKliiiifPfS6_f";
-    ag_t fo = (ag_t)dlsym(ho, sym), fn = (ag_t)dlsym(hn, sym);
-    if (!fo || !fn) { printf("dlsym\n"); return 1; }
+    const Libs libs = open_libs();
+    const char *attend = "_ZN3kvs12attend_groupEPKfPKvS3_immiPKliiiifPfS6_f";
+    ag_t fo = (ag_t)sym(libs.old_so, attend), fn = (ag_t)sym(libs.new_so, attend);
     int reps = argc > 1 ? atoi(argv[1]) : 200;
     const int D = 64, Hkv = 3, bs = 16, nblk = 64;
     std::mt19937 rng(3);
@@ -33,13 +26,10 @@ int main(int argc, char **argv) {
         for (int G : {3, 4, 1}) for (int L : {64, 200, 256, 513}) {
             std::vector<float> q(G * D), so(G * L), sn(G * L), oo(G * D), on(G * D);
             for (auto &v : q) v = nd(rng);
-            double bo = 1e9, bn = 1e9;
-            for (int r = 0; r < reps; r++) {
-                double t0 = tcpu(); fo(q.data(), K.data(), V.data(), kvd, bstr, tok, 64, table.data(), bs, L, D, G, 0.125f, so.data(), oo.data(), 0.f);
-                double t1 = tcpu(); fn(q.data(), K.data(), V.data(), kvd, bstr, tok, 64, table.data(), bs, L, D, G, 0.125f, sn.data(), on.data(), 0.f);
-                double t2 = tcpu();
-                bo = std::min(bo, t1 - t0); bn = std::min(bn, t2 - t1);
-            }
+            const Best b = best_of(reps,
+                [&] { fo(q.data(), K.data(), V.data(), kvd, bstr, tok, 64, table.data(), bs, L, D, G, 0.125f, so.data(), oo.data(), 0.f); },
+                [&] { fn(q.data(), K.data(), V.data(), kvd, bstr, tok, 64, table.data(), bs, L, D, G, 0.125f, sn.data(), on.data(), 0.f); });
+            const double bo = b.old_s, bn = b.new_s;
             bool same = !memcmp(oo.data(), on.data(), oo.size() * 4);
             printf("attend_group kv=%s G=%d L=%3d D=64  old %7.2f us  new %7.2f us  x%.3f  %s\n", kvd ? "f16" : "f32", G, L, bo * 1e6, bn * 1e6, bo / bn, same ? "same bits" : "DIFFERENT");
         }

@@ -1,26 +1,13 @@
 // Issue 61: one thread, CPU time, best of N reps: kvs::linear_rows of old.so against new.so on the default
 // model's shapes (Q4_1 float16 scales; the Q8_0 lm head at T <= 4, 32, 33), outputs compared bit for bit.
 // Built and run by run.sh.
-#include <dlfcn.h>
-#include <time.h>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 #include <random>
-#include <algorithm>
-#include "kvserve_kernels.h"
-typedef void (*lr_t)(const kvs_weight *, const int8_t *, const float *, const float *, int, float *, int, bool, int, int);
-typedef void (*qr_t)(const float *, int, int8_t *, float *, float *);
-static double tcpu() { timespec t; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+#include "kernel_bench_common.h"
 int main(int argc, char **argv) {
-    void *ho = dlopen("./old.so", RTLD_NOW | RTLD_LOCAL), *hn = dlopen("./new.so", RTLD_NOW | RTLD_LOCAL);
-    if (!ho || !hn) { printf("dlopen %s\n", dlerror()); return 1; }
-    const char *sym = "_ZN3kvs11linear_rowsEPK10kvs_weightPKaPKfS6_iPfibii";
-    const char *qsym = "_ZN3kvs15quantize_row_q8EPKfiPaPfS3_";
-    lr_t fo = (lr_t)dlsym(ho, sym), fn = (lr_t)dlsym(hn, sym);
-    qr_t qo = (qr_t)dlsym(ho, qsym), qn = (qr_t)dlsym(hn, qsym);
-    if (!fo || !fn || !qo || !qn) { printf("dlsym\n"); return 1; }
+    const Libs libs = open_libs();
+    lr_t fo = (lr_t)sym(libs.old_so, LINEAR_ROWS), fn = (lr_t)sym(libs.new_so, LINEAR_ROWS);
+    qr_t qo = (qr_t)sym(libs.old_so, QUANTIZE_ROW_Q8), qn = (qr_t)sym(libs.new_so, QUANTIZE_ROW_Q8);
     int reps = argc > 1 ? atoi(argv[1]) : 30; int onlyT = argc > 2 ? atoi(argv[2]) : 0; bool onlynew = argc > 3;
     struct S { int rows, cols, qt; } shapes[] = {{960, 576, 0}, {576, 576, 0}, {3072, 576, 0}, {576, 1536, 0}, {49152, 576, 1}};
     int Ts[] = {1, 2, 3, 4, 8, 16, 32, 33, 48, 64};
@@ -50,19 +37,14 @@ int main(int argc, char **argv) {
             }
             if (memcmp(xq.data(), xq2.data(), xq.size()) || memcmp(xd.data(), xd2.data(), xd.size() * 4) || memcmp(xs.data(), xs2.data(), xs.size() * 4)) { printf("QUANT MISMATCH\n"); return 1; }
             std::vector<float> yo((size_t)T * s.rows), yn((size_t)T * s.rows);
-            double bo = 1e9, bn = 1e9, bqo = 1e9, bqn = 1e9;
-            for (int r = 0; r < reps; r++) {
-                double t0 = tcpu(); if (!onlynew) fo(&w, xq.data(), xd.data(), xs.data(), T, yo.data(), s.rows, false, 0, 1);
-                double t1 = tcpu(); fn(&w, xq.data(), xd.data(), xs.data(), T, yn.data(), s.rows, false, 0, 1);
-                double t2 = tcpu();
-                bo = std::min(bo, t1 - t0); bn = std::min(bn, t2 - t1);
-                double t3 = tcpu();
-                for (int t = 0; t < T; t++) qo(x.data() + (size_t)t * s.cols, s.cols, xq2.data() + (size_t)t * s.cols, xd2.data() + t * nb, xs2.data() + t * nb);
-                double t4 = tcpu();
-                for (int t = 0; t < T; t++) qn(x.data() + (size_t)t * s.cols, s.cols, xq2.data() + (size_t)t * s.cols, xd2.data() + t * nb, xs2.data() + t * nb);
-                double t5 = tcpu();
-                bqo = std::min(bqo, t4 - t3); bqn = std::min(bqn, t5 - t4);
-            }
+            const Best lin = best_of(reps,
+                [&] { if (!onlynew) fo(&w, xq.data(), xd.data(), xs.data(), T, yo.data(), s.rows, false, 0, 1); },
+                [&] { fn(&w, xq.data(), xd.data(), xs.data(), T, yn.data(), s.rows, false, 0, 1); });
+            auto quantize = [&](qr_t q) {
+                for (int t = 0; t < T; t++) q(x.data() + (size_t)t * s.cols, s.cols, xq2.data() + (size_t)t * s.cols, xd2.data() + t * nb, xs2.data() + t * nb);
+            };
+            const Best quant = best_of(reps, [&] { quantize(qo); }, [&] { quantize(qn); });
+            const double bo = lin.old_s, bn = lin.new_s, bqo = quant.old_s, bqn = quant.new_s;
             bool same = !memcmp(yo.data(), yn.data(), yo.size() * 4);
             double mac = (double)s.rows * s.cols * T;
             printf("%s %5dx%4d T=%2d  old %8.1f us %5.1f GMAC/s  new %8.1f us %5.1f GMAC/s  x%.3f  quant old %.1f new %.1f us  %s\n",

@@ -48,6 +48,24 @@ def run(desc: KvsWeight, x: torch.Tensor, rows: int) -> torch.Tensor:
     return y
 
 
+def extreme_activations(cols: int) -> torch.Tensor:
+    """Five rows of activations: all +1, all -1, alternating per value, alternating per 16 values
+    (each row quantizes to codes of +-127 only), and a random one."""
+    k = torch.arange(cols)
+    return torch.stack([torch.ones(cols), -torch.ones(cols), torch.where(k % 2 == 0, 1.0, -1.0),
+                        torch.where(k % 32 < 16, 1.0, -1.0), torch.randn(cols, generator=torch.Generator().manual_seed(3))])
+
+
+def assert_rows_alone(layer: GGUFQuantLinear, x: torch.Tensor, full: torch.Tensor, spans) -> None:
+    """`layer` on each span x[t0:t1] gives those rows of `full` (its output on all of x), bit for bit."""
+    for t0, t1 in spans:
+        assert torch.equal(layer(x[t0:t1]), full[t0:t1]), (t0, t1)
+
+
+def prefixes(*lengths: int) -> list[tuple[int, int]]:
+    return [(0, T) for T in lengths]
+
+
 @pytest.mark.parametrize("rows,cols", [(37, 768), (64, 256), (5, 512), (45, 512)])
 def test_same_bits_as_the_float32_scale_layout(rows, cols):
     raw = random_blocks(Q.Q4_K, rows, cols, seed=rows)
@@ -57,8 +75,7 @@ def test_same_bits_as_the_float32_scale_layout(rows, cols):
     assert torch.equal(layer.qs, keep[0])                   # the codes are laid out as before
     x = torch.randn(70, cols, generator=torch.Generator().manual_seed(3))
     want = run(desc, x, rows)
-    for T in (1, 2, 3, 5, 16, 17, 70):                      # every tile width, AMX-sized steps too
-        assert torch.equal(layer(x[:T]), want[:T]), T
+    assert_rows_alone(layer, x, want, prefixes(1, 2, 3, 5, 16, 17, 70))   # every tile width, AMX-sized steps too
     d, m = layer.block_scales()                             # the scales the kernels form, bit for bit
     nb = cols // 32
     old_d = keep[1].view(-1, nb, 16).transpose(1, 2).reshape(-1, nb)[:rows]
@@ -171,8 +188,7 @@ def test_q6_k_layout_is_the_written_out_arithmetic_on_every_batch_size(rows, col
     x = torch.randn(40, cols, generator=torch.Generator().manual_seed(6))
     full = layer(x)
     assert torch.equal(full, q6_arithmetic(raw, rows, cols, x))
-    for T in (1, 2, 3, 4, 5, 7, 16, 17):
-        assert torch.equal(layer(x[:T]), full[:T]), T
+    assert_rows_alone(layer, x, full, prefixes(1, 2, 3, 4, 5, 7, 16, 17))
     ref = x.double() @ torch.from_numpy(gguf_quants.dequantize(raw, Q.Q6_K).reshape(rows, cols)).double().T
     assert float((full.double() - ref).norm() / ref.norm()) < 0.02
 
@@ -194,8 +210,7 @@ def test_q5_k_layout_exact_rows_and_the_written_out_arithmetic(rows, cols):
     x = torch.randn(40, cols, generator=torch.Generator().manual_seed(12))
     full = layer(x)
     assert torch.equal(full, _int8_arithmetic(layer, x))
-    for T in (1, 2, 3, 4, 5, 7, 16, 17):
-        assert torch.equal(layer(x[:T]), full[:T]), T
+    assert_rows_alone(layer, x, full, prefixes(1, 2, 3, 4, 5, 7, 16, 17))
     ref = x.double() @ want.double().T
     assert float((full.double() - ref).norm() / ref.norm()) < 0.02
 
@@ -214,15 +229,11 @@ def test_q6_k_extreme_codes_and_activations_same_bits_on_every_batch_size(fill):
     blocks[:, 208:210] = np.full((1,), 2e-3, np.float16).view(np.uint8)
     raw = blocks.reshape(rows, -1)
     layer = GGUFQuantLinear(raw, Q.Q6_K, cols, rows, backend=BACKEND)
-    k = torch.arange(cols)
-    x = torch.stack([torch.ones(cols), -torch.ones(cols), torch.where(k % 2 == 0, 1.0, -1.0),
-                     torch.where(k % 32 < 16, 1.0, -1.0), torch.randn(cols, generator=torch.Generator().manual_seed(3))])
+    x = extreme_activations(cols)
     full = layer(x)
     assert torch.equal(full, q6_arithmetic(raw, rows, cols, x))
-    for t in range(x.shape[0]):
-        assert torch.equal(layer(x[t:t + 1]), full[t:t + 1]), t
-    for t0, t1 in ((0, 2), (1, 4), (2, 5)):                 # the batched tile's 2- and 3-token widths
-        assert torch.equal(layer(x[t0:t1]), full[t0:t1]), (t0, t1)
+    # each token alone, and the batched tile's 2- and 3-token widths
+    assert_rows_alone(layer, x, full, [(t, t + 1) for t in range(x.shape[0])] + [(0, 2), (1, 4), (2, 5)])
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
@@ -239,10 +250,7 @@ def test_prompt_token_blocks_give_the_same_bits(qtype):
     x = torch.randn(70, cols, generator=torch.Generator().manual_seed(9))
     full = layer(x)
     assert torch.isfinite(full).all()
-    for T in (1, 5, 24, 25, 49):
-        assert torch.equal(layer(x[:T]), full[:T]), T
-    for t in (0, 23, 24, 47, 69):
-        assert torch.equal(layer(x[t:t + 1]), full[t:t + 1]), t
+    assert_rows_alone(layer, x, full, prefixes(1, 5, 24, 25, 49) + [(t, t + 1) for t in (0, 23, 24, 47, 69)])
 
 
 @pytest.mark.parametrize("fill", [0xFF, 0xA5])   # every Q5_K code 31 (fifth bits all set), mixed
@@ -257,10 +265,7 @@ def test_q5_k_extreme_codes_and_activations_same_bits_on_every_batch_size(fill):
     blocks[:, 0:4] = np.array([[3e-3, 2e-3]], np.float16).view(np.uint8)
     raw = blocks.reshape(rows, -1)
     layer = GGUFQuantLinear(raw, Q.Q5_K, cols, rows, backend=BACKEND)
-    k = torch.arange(cols)
-    x = torch.stack([torch.ones(cols), -torch.ones(cols), torch.where(k % 2 == 0, 1.0, -1.0),
-                     torch.where(k % 32 < 16, 1.0, -1.0), torch.randn(cols, generator=torch.Generator().manual_seed(3))])
+    x = extreme_activations(cols)
     full = layer(x)
     assert torch.equal(full, _int8_arithmetic(layer, x))
-    for t0, t1 in ((0, 1), (0, 2), (1, 4), (2, 5), (4, 5)):
-        assert torch.equal(layer(x[t0:t1]), full[t0:t1]), (t0, t1)
+    assert_rows_alone(layer, x, full, [(0, 1), (0, 2), (1, 4), (2, 5), (4, 5)])

@@ -14,7 +14,7 @@ Each app has its own registry, so several apps can live in one process (tests).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -67,6 +67,21 @@ PHASE_HELP = ("Cumulative wall time per phase. In the engine (thread or process)
               "formatting and writes).")
 
 
+def _family(name: str, kind: str, doc: str, labels: list[str], samples: Iterable[tuple[list[str], float]]):
+    """The metric family `kvserve:<name>` (kind "gauge" or "counter") with its (label values, value) samples."""
+    family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(P + name, doc, labels=labels)
+    for values, value in samples:
+        family.add_metric(values, float(value))
+    return family
+
+
+def _per_model_families(table: dict[str, tuple[str, str, str]], models: dict[str, dict]) -> Iterator:
+    """A family per `table` row (stats key -> (name, kind, help)), one sample per model (absent: 0)."""
+    for key, (name, kind, doc) in table.items():
+        yield _family(name, kind, doc, ["model_name"],
+                      (([model], stats.get(key, 0) or 0) for model, stats in models.items()))
+
+
 class _EngineCollector:
     """One sample per served model (`per_model`: {name: stats}; else the one model's)."""
 
@@ -80,26 +95,18 @@ class _EngineCollector:
         models = self._per_model() if self._per_model is not None else {self._model_name(): self._stats() or {}}
         if not models:
             models = {self._model_name(): {}}
-        for key, (name, kind, doc) in ENGINE_STATS.items():
-            family_cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            family = family_cls(P + name, doc, labels=["model_name"])
-            for model, stats in models.items():
-                family.add_metric([model], float(stats.get(key, 0) or 0))
-            yield family
-        phases = CounterMetricFamily(P + "phase_seconds", PHASE_HELP, labels=["model_name", "phase"])
-        for model, stats in models.items():
-            for phase, seconds in (stats.get("phase_seconds") or {}).items():
-                phases.add_metric([model, phase], seconds)
-        yield phases
+        yield from _per_model_families(ENGINE_STATS, models)
+        yield _family("phase_seconds", "counter", PHASE_HELP, ["model_name", "phase"],
+                      (([model, phase], seconds) for model, stats in models.items()
+                       for phase, seconds in (stats.get("phase_seconds") or {}).items()))
         yield from _pool_families(models)
         yield from _replica_families(models)
         yield from _spec_families(models)
-        experts = CounterMetricFamily(P + "moe_expert_tokens", "Tokens routed to each expert of each MoE layer.",
-                                      labels=["model_name", "layer", "expert"])
-        for model, stats in models.items():
-            for layer, counts in enumerate(stats.get("moe_expert_tokens") or []):
-                for expert, n in enumerate(counts):
-                    experts.add_metric([model, str(layer), str(expert)], float(n))
+        experts = _family("moe_expert_tokens", "counter", "Tokens routed to each expert of each MoE layer.",
+                          ["model_name", "layer", "expert"],
+                          (([model, str(layer), str(expert)], n) for model, stats in models.items()
+                           for layer, counts in enumerate(stats.get("moe_expert_tokens") or [])
+                           for expert, n in enumerate(counts)))
         if experts.samples:
             yield experts
 
@@ -119,11 +126,9 @@ def _pool_families(models: dict[str, dict]) -> Iterator:
     if not pools:
         return
     for key, (name, doc) in POOL_STATS.items():
-        family = CounterMetricFamily(P + name, doc, labels=["model_name", "pool"])
-        for model, by_pool in pools.items():
-            for pool, values in by_pool.items():
-                family.add_metric([model, pool], float(values.get(key, 0)))
-        yield family
+        yield _family(name, "counter", doc, ["model_name", "pool"],
+                      (([model, pool], values.get(key, 0)) for model, by_pool in pools.items()
+                       for pool, values in by_pool.items()))
 
 
 # Ray replicas (engine/ray_client.py): stats["replicas"][i] key -> (metric name, kind, help)
@@ -146,36 +151,24 @@ def _replica_families(models: dict[str, dict]) -> Iterator:
     replicas = {model: stats["replicas"] for model, stats in models.items() if stats.get("replicas")}
     if not replicas:
         return
-    states = GaugeMetricFamily(P + "replicas", "Replica slots by state: starting, serving, draining, stopped, "
-                               "dead (engine/replica_supervisor.py).", labels=["model_name", "state"])
-    for model, stats in models.items():
-        for state, n in (stats.get("replica_states") or {}).items():
-            states.add_metric([model, state], float(n))
-    yield states
+    yield _family("replicas", "gauge", "Replica slots by state: starting, serving, draining, stopped, dead "
+                  "(engine/replica_supervisor.py).", ["model_name", "state"],
+                  (([model, state], n) for model, stats in models.items()
+                   for state, n in (stats.get("replica_states") or {}).items()))
     for key, (name, doc) in SUPERVISOR_STATS.items():
-        family = CounterMetricFamily(P + name, doc, labels=["model_name"])
-        for model, stats in models.items():
-            if key in stats:
-                family.add_metric([model], float(stats[key]))
-        yield family
+        yield _family(name, "counter", doc, ["model_name"],
+                      (([model], stats[key]) for model, stats in models.items() if key in stats))
     for key, (name, kind, doc) in REPLICA_STATS.items():
-        family_cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-        family = family_cls(P + name, doc, labels=["model_name", "replica", "role"])
-        for model, reps in replicas.items():
-            for r in reps:
-                family.add_metric([model, str(r["index"]), r.get("role") or "serve"], float(r.get(key, 0) or 0))
-        yield family
+        yield _family(name, kind, doc, ["model_name", "replica", "role"],
+                      (([model, str(r["index"]), r.get("role") or "serve"], r.get(key, 0) or 0)
+                       for model, reps in replicas.items() for r in reps))
 
 
 def _spec_families(models: dict[str, dict]) -> Iterator:
     models = {m: st for m, st in models.items() if "spec_decode_num_drafts" in st}
     if not models:
         return
-    for key, (name, doc) in SPEC_STATS.items():
-        family = CounterMetricFamily(P + name, doc, labels=["model_name"])
-        for model, stats in models.items():
-            family.add_metric([model], float(stats.get(key, 0) or 0))
-        yield family
+    yield from _per_model_families({key: (name, "counter", doc) for key, (name, doc) in SPEC_STATS.items()}, models)
     hist = HistogramMetricFamily(P + "spec_decode_acceptance_length", "Tokens a speculating request got from "
                                  "one verification round (accepted drafts + 1).", labels=["model_name"])
     for model, stats in models.items():

@@ -45,9 +45,10 @@ def _threads(n: int | None) -> None:
 
 def _config(cls: type, params: dict, **override: Any) -> Any:
     """A stage's config dataclass from a command's parameters: each field from the parameter of its
-    name (the command's options are named as the config's fields), `override` for the others."""
+    name (the command's options are named as the config's fields), `override` for the others or in
+    place of a parameter."""
     names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in params.items() if k in names}, **override)
+    return cls(**{**{k: v for k, v in params.items() if k in names}, **override})
 
 
 def _run_stage(threads: int | None, stage: Callable[[], dict], keys: tuple[str, ...]) -> None:
@@ -90,12 +91,9 @@ def draft_cmd(
     """Distil a small draft model for `--speculative draft:DIR` from the target, on the target's own text."""
     from kvserve.train.draft import DraftConfig, train_draft
 
+    params = locals()
     with user_errors():
-        r = train_draft(DraftConfig(out=out, target=target, kind=kind, layers=layers, feature_layers=feature_layers,
-                                    vocab_size=vocab_size, eagle_steps=eagle_steps, init=init,
-                                    num_prompts=num_prompts, gen_tokens=gen_tokens, temperature=temperature,
-                                    greedy_share=greedy_share, self_prompt_share=self_prompt_share,
-                                    steps=steps, batch_size=batch_size, lr=lr, seed=seed, threads=threads))
+        r = train_draft(_config(DraftConfig, params))
     typer.echo(json.dumps(r, indent=2))
 
 
@@ -187,13 +185,10 @@ def pretrain_cmd(
     """Pretrain a small Llama-style model with teacher forcing on packed sequences."""
     from kvserve.train.pretrain import PretrainConfig, pretrain
 
+    params = locals()
     _threads(threads)
     with user_errors():
-        r = pretrain(PretrainConfig(
-            tokenizer=tokenizer, out=out, corpus=corpus, max_chars=max_chars, size=size, seq_len=seq_len,
-            batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps, max_steps=max_steps,
-            max_minutes=max_minutes, eval_every=eval_every, checkpoint_every=checkpoint_every, seed=seed,
-            resume=resume))
+        r = pretrain(_config(PretrainConfig, params))
     if "val_bpb" in r:
         _summary(r, ("out", "steps", "params", "val_loss", "val_bpb", "unigram_bpb"))
 
@@ -277,6 +272,8 @@ def reward_cmd(
     from kvserve.errors import InvalidRequest
     from kvserve.train.reward import RewardConfig, reward, synthetic_preferences
 
+    params = locals()
+
     def stage() -> dict:
         if (data is None) == (synthetic is None):
             raise InvalidRequest("give --data FILE or --synthetic repeat|arithmetic", param="data")
@@ -285,9 +282,7 @@ def reward_cmd(
             Path(out).mkdir(parents=True, exist_ok=True)
             path = str(synthetic_preferences(Path(out) / f"synthetic-{synthetic}.jsonl", task=synthetic, seed=seed,
                                              wrong_per_problem=12 if synthetic == "repeat" else 4))
-        return reward(RewardConfig(model=model, data=path, out=out, epochs=epochs, max_steps=max_steps,
-                                   batch_size=batch_size, lr=lr, heldout_every=heldout_every, eval_every=eval_every,
-                                   seed=seed, resume=resume))
+        return reward(_config(RewardConfig, params, data=path))
 
     _run_stage(threads, stage, ("out", "steps", "heldout_accuracy", "train_accuracy", "heldout_pairs"))
 
