@@ -11,7 +11,7 @@ import torch
 
 from kvserve.model.bert import default_encoder
 from kvserve.safety import finetune
-from kvserve.safety.head import HEAD_PATH, Head, default_head
+from kvserve.safety.head import HEAD_PATH, Head, default_head, features
 from kvserve.safety.moderator import Moderator
 from kvserve.safety.tuned import BRANCH, TopLayers, attach
 
@@ -24,7 +24,9 @@ def head() -> Head:
     shipped = default_head()
     if shipped.top:
         return shipped
-    arrays = {k: getattr(shipped, k) for k in ("w1", "b1", "w2", "b2")}
+    rng, n = np.random.default_rng(0), len(shipped.labels)     # a random head over the branch's 384-dim vector
+    arrays = {"w1": rng.normal(0, 0.05, (64, 384)).astype(np.float32), "b1": np.zeros(64, np.float32),
+              "w2": rng.normal(0, 0.05, (n, 64)).astype(np.float32), "b2": np.zeros(n, np.float32)}
     arrays.update(labels=np.array(shipped.labels), thresholds=np.array([shipped.thresholds[k] for k in shipped.labels]))
     return Head({**arrays, **finetune.top_model(64, len(shipped.labels)).arrays()})
 
@@ -70,4 +72,7 @@ def test_a_head_without_tuned_layers_uses_the_shared_embedding(enc):
         plain = Head({k: z[k] for k in z.files if not k.startswith("top.")})
     assert attach(enc, plain) is None
     mod = Moderator(engine="head", head=plain)
-    assert np.allclose(mod.encode(["hello there"]), enc.encode(["hello there"])[0].numpy(), atol=1e-6)
+    depths = plain.depths(enc.layers, full=enc.layers)      # its layers' pooled states, the embedding last
+    ref = features(enc.encode_depths(["hello there"], depths)[0], depths)
+    assert np.allclose(mod.encode(["hello there"]), ref, atol=1e-6)
+    assert np.allclose(ref[:, -384:], enc.encode(["hello there"])[0].numpy(), atol=1e-6)

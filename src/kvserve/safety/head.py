@@ -1,7 +1,10 @@
 """The moderation head: one small classifier per category over the request's sentence embedding.
 
 The features are all-MiniLM-L6-v2's 384-dim unit embedding (model/bert.py), the one the semantic
-cache and the router already compute for a chat request (server/routing/embedder.py). The head
+cache and the router already compute for a chat request (server/routing/embedder.py), or, for a
+head saved with `layers`, the unit mean-pooled states after each of those layers of the same one
+forward, concatenated (`features`): the last layer is tuned for sentence similarity, which keeps
+a text's topic more than what it asks for, and the layers below it add the rest at no cost. The head
 is a one-hidden-layer MLP shared by the categories (`hidden` units, ReLU) with one sigmoid output
 per category, or a plain logistic regression per category when `hidden` is 0; `train.py` fits it
 on the public sets of datasets.py and picks each category's threshold on their validation split.
@@ -94,6 +97,14 @@ class Head:
         # the encoder's tuned top layers (safety/tuned.py), when the head judges their vector
         # rather than the shared embedding
         self.top = {k: v for k, v in arrays.items() if k.startswith("top.")}
+        # the encoder depths whose pooled states the head reads, concatenated; () = the embedding alone
+        self.layers = tuple(int(d) for d in arrays.get("layers", np.zeros(0)))
+
+    def depths(self, full_layers: int, full=None) -> tuple:
+        """What to ask an encoder's `encode_depths` for, in the order `features` joins them: each
+        of `layers` (the encoder's whole depth, `full_layers`, as `full`: the embedder's key for
+        the shared embedding), or `(full,)` for a head over the embedding alone."""
+        return tuple(full if d == full_layers else d for d in self.layers) or (full,)
 
     def probs(self, vectors: np.ndarray) -> np.ndarray:
         """[n, len(labels)] probabilities of n embeddings."""
@@ -109,12 +120,19 @@ class Head:
         return {lab: float(v) for lab, v in zip(self.labels, p)}
 
 
+def features(vectors: dict, depths: tuple) -> np.ndarray:
+    """[n, 384 * len(depths)]: the rows of `vectors` ({depth: [n, 384]}) at `depths`, side by side."""
+    return np.concatenate([np.asarray(vectors[d], dtype=np.float32) for d in depths], axis=-1)
+
+
 def save(path: pathlib.Path, *, w2: np.ndarray, b2: np.ndarray, thresholds: list[float],
-         w1: np.ndarray | None = None, b1: np.ndarray | None = None, top: dict[str, np.ndarray] | None = None) -> None:
+         w1: np.ndarray | None = None, b1: np.ndarray | None = None, top: dict[str, np.ndarray] | None = None,
+         layers: tuple[int, ...] = ()) -> None:
     np.savez_compressed(path, labels=np.array(OUTPUTS), w2=w2.astype(np.float16), b2=b2.astype(np.float32),
                         w1=(w1 if w1 is not None else np.zeros((0,))).astype(np.float16),
                         b1=(b1 if b1 is not None else np.zeros((0,))).astype(np.float32),
-                        thresholds=np.array(thresholds, dtype=np.float32), **(top or {}))
+                        thresholds=np.array(thresholds, dtype=np.float32), layers=np.array(layers, dtype=np.int32),
+                        **(top or {}))
 
 
 def load(path: pathlib.Path | None = None) -> Head:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvserve.safety.classifier import LABELS, TextClassifier, default_classifier
-from kvserve.safety.head import Head, default_head, normalize, windows
+from kvserve.safety.head import Head, default_head, features, normalize, windows
 from kvserve.safety.rules import Rules
 
 CATEGORIES = ("harassment", "harassment/threatening", "hate", "hate/threatening", "illicit", "illicit/violent",
@@ -119,16 +119,24 @@ class Verdict:
         return out
 
 
+def head_depths(encoder, head: Head, full=None) -> tuple:
+    """What `head` reads from a forward of `encoder`, as depths to ask `encode_depths` for: its tuned
+    top layers' branch (safety/tuned.py), or its layers (`Head.depths`; the whole depth as `full`)."""
+    from kvserve.safety.tuned import attach
+
+    branch = attach(encoder, head)
+    return (branch,) if branch is not None else head.depths(encoder.layers, full)
+
+
 def head_encoder(head: Head):
-    """texts -> the vectors `head` judges: the shared encoder's embedding, or its tuned top
-    layers' vector when the head ships them (safety/tuned.py), from one forward."""
+    """texts -> the vectors `head` judges (`head_depths`, joined by `features`), from one forward
+    of the shared encoder."""
     def encode(texts: list[str]):
         from kvserve.model.bert import default_encoder
-        from kvserve.safety.tuned import attach
 
         enc = default_encoder()
-        depth = attach(enc, head) or enc.layers
-        return enc.encode_depths(texts, (depth,))[0][depth].numpy()
+        depths = head_depths(enc, head, full=enc.layers)
+        return features(enc.encode_depths(texts, depths)[0], depths)
     return encode
 
 

@@ -34,7 +34,7 @@ def new_flags(data_dir: pathlib.Path, head_path: pathlib.Path | None = None) -> 
                 vecs.append(flat[i:i + len(ws)])
                 i += len(ws)
         else:
-            vecs = row_windows(rows, pathlib.Path(data_dir) / ".embeddings.npz")
+            vecs = row_windows(rows, pathlib.Path(data_dir) / ".embeddings.npz", h.layers)
         out = []
         for v in vecs:
             s = h.scores(v)

@@ -26,8 +26,8 @@ def thresholds(data_dir: pathlib.Path, salt: bytes) -> dict[str, list[float]]:
     cache = data_dir / ".embeddings.npz"
     rows = [r for r in load(data_dir) if r.split in ("train", "val")
             and zlib.crc32(salt + r.text.encode()) % 100 >= DROP_PERCENT]
-    wins = th.row_windows(rows, cache)
-    x = th.embed([head_mod.train_text(r.text) for r in rows], cache)
+    wins = th.row_windows(rows, cache, th.LAYERS)
+    x = th.embed([head_mod.train_text(r.text) for r in rows], cache, th.LAYERS)
     y, mask = th._targets(rows), th._mask(rows)
     wt = np.ones(len(rows), np.float32)
     benign = np.array([not r.harmful for r in rows])

@@ -133,25 +133,26 @@ class ModerationService:
                      shared: dict | None) -> dict[int, Any]:
         import numpy as np
 
-        from kvserve.safety.tuned import attach
+        from kvserve.safety.head import features
+        from kvserve.safety.moderator import head_depths
 
-        # the head's vectors: the shared embedding, or its tuned top layers' run on the same
-        # forward from the hidden states after the frozen layers (safety/tuned.py)
-        depth = await asyncio.to_thread(lambda: attach(embedder.get(), mod.head))
+        # the head's vectors: the shared embedding, the pooled states of more layers of the same
+        # forward, or its tuned top layers' run on that forward (safety/head.py, safety/tuned.py)
+        depths = await asyncio.to_thread(lambda: head_depths(embedder.get(), mod.head))
         wins = [mod.windows(t) for _, t, _ in texts]
         out: dict[int, Any] = {}
         last = len(texts) - 1
         if len(wins[last]) == 1:        # the query the cache and router embed too
             query = QueryEmbedding(wins[last][0])
-            out[last] = (await query.get(embedder, "moderation", depth))[None, :]
+            out[last] = (await query.features(embedder, "moderation", depths))[None, :]
             if shared is not None:
                 shared["query"] = query
         rest = [(i, w) for i, ws in enumerate(wins) if i not in out for w in ws]
         if rest:
-            vecs, _ = await embedder.encode_depths([w for _, w in rest], (depth,), use="moderation")
-            vecs = vecs[depth].numpy()
+            vecs, _ = await embedder.encode_depths([w for _, w in rest], depths, use="moderation")
+            joined = features(vecs, depths)
             for i in {i for i, _ in rest}:
-                out[i] = np.stack([v for (j, _), v in zip(rest, vecs) if j == i])
+                out[i] = np.stack([v for (j, _), v in zip(rest, joined) if j == i])
         return out
 
     def screen_pii(self, req: GenerationRequest, record: RequestRecord, config: ModerationConfig,

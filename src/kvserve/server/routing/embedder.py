@@ -73,11 +73,20 @@ class QueryEmbedding:
 
     async def get(self, embedder: Embedder, use: str, depth: int | None = None) -> np.ndarray:
         """The query's vector at `depth` layers (None: the full embedding)."""
-        if depth not in self.vectors:
-            want = {depth} | ({None} if self.full_later else set())
+        return await self.features(embedder, use, (depth,))
+
+    async def features(self, embedder: Embedder, use: str, depths: tuple) -> np.ndarray:
+        """The query's vectors at `depths`, side by side (one forward for those not made yet)."""
+        missing = {d for d in depths if d not in self.vectors}
+        if missing:
+            want = missing | ({None} if self.full_later else set())
             vecs, _ = await embedder.encode_depths([self.text], tuple(want), use=use)
             self.vectors.update({d: v[0].numpy() for d, v in vecs.items()})
-        return self.vectors[depth]
+        if len(depths) == 1:
+            return self.vectors[depths[0]]
+        from kvserve.safety.head import features
+
+        return features(self.vectors, depths)
 
 
 def shutting_down() -> Overloaded:
