@@ -23,12 +23,16 @@ from dataclasses import dataclass, field
 
 from kvserve.errors import InvalidRequest
 from kvserve.safety import datasets_social
+from kvserve.safety.labelling import with_rule
 
 HEADS = ("harassment", "hate", "self-harm", "sexual", "sexual/minors", "violence", "violence/graphic",
          "illicit", "illicit/violent")
 OUTPUTS = HEADS + ("help",)   # `help`: asks for help for oneself or someone else (never refused)
 EVAL_ONLY = ("simplesafetytests", "xstest", "harmbench", "kvserve_eval") + datasets_social.EVAL_ONLY
 OWN = pathlib.Path(__file__).parent / "data"
+# sources labelled in a taxonomy of their own without `illicit` (web text, statements about groups,
+# tweets): their labels are kept as published; every other source's harmful rows get labelling.py's rule
+OWN_TAXONOMY = ("openai_mod", "toxigen", "davidson")
 # source -> (file under DATA_DIR, repository it comes from, license)
 SOURCES = {
     "advbench": ("advbench_harmful_behaviors.csv", "llm-attacks/llm-attacks data/advbench (verbatim copy)", "MIT"),
@@ -90,7 +94,9 @@ _AB = [
     ("hate", r"racis|\bhate\b|hatred|minority|discriminat|ethnic|religio|race\b|racial|xenophob|lgbt|jews?\b"),
     ("harassment", r"harass|bully|stalk|cyberbull|defam|threaten|intimidat|humiliat|blackmail|slander|revenge porn"),
     ("violence", (r"bomb|kill|murder|weapon|assassin|explosiv|violen|poison|attack|terror|shoot|firearm|\bguns?\b|"
-                  r"harm (?:to )?(?:others|people|someone|a person)|physical harm|torture|kidnap|massacre|riot|arson")),
+                  r"harm (?:to )?(?:others|people|someone|a person)|physical harm|torture|kidnap|massacre|riot|arson|"
+                  r"\bstab|strangl|behead|slit (?:his|her|their|someone)|set (?:\w+ ){0,3}on fire|"
+                  r"set fire|burn (?:down|alive)|molotov|grenade|detonat|ricin|sarin|nerve agent|anthrax")),
 ]
 
 
@@ -137,6 +143,8 @@ def load(data_dir: pathlib.Path | None) -> list[Row]:
     def add(source: str, labels: set[str], text: str, **extra) -> None:
         text = text.strip()
         if text:
+            if source not in OWN_TAXONOMY:      # labelling.py: a violent how-to is illicit/violent too
+                labels = with_rule(labels, text)
             rows.append(Row(text, labels, source, split_of(text, source), extra))
 
     d = pathlib.Path(data_dir) if data_dir else None
@@ -220,7 +228,7 @@ def load(data_dir: pathlib.Path | None) -> list[Row]:
         for labels, text in augment.rows(split):
             text = text.strip()
             if text:
-                rows.append(Row(text, {lab for lab in labels if lab in HEADS}, "kvserve_augment",
+                rows.append(Row(text, with_rule({lab for lab in labels if lab in HEADS}, text), "kvserve_augment",
                                 "train" if split == "train" else "val"))
     for text in _own_lines("help_seeking.txt"):
         add("kvserve_help", {"help"}, text)

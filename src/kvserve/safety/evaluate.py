@@ -35,9 +35,13 @@ class Row:
         return self.tp / (self.tp + self.fn) if self.tp + self.fn else 1.0
 
 
+# eval.tsv labels a violent how-to request illicit/violent too (safety/labelling.py): its own row
+REPORTED = (*LABELS, "illicit/violent")
+
+
 def _rows(labelled, predicted) -> list[Row]:
     rows = []
-    for cat in (*LABELS, "any"):
+    for cat in (*REPORTED, "any"):
         def has(labels, cat=cat):
             return bool(labels) if cat == "any" else cat in labels
         tp = sum(1 for (t, _), p in zip(labelled, predicted) if has(t) and has(p))
@@ -53,7 +57,7 @@ def evaluate(config: ModerationConfig | None = None, path=DATA / "eval.tsv") -> 
     predicted = []
     for _, text in labelled:
         v = mod.check(text)
-        predicted.append({c for c in LABELS if v.categories[c]})
+        predicted.append({c for c in REPORTED if v.categories[c]})
     return _rows(labelled, predicted)
 
 
@@ -63,7 +67,7 @@ def evaluate_profanity_check(path=DATA / "eval.tsv", threshold: float = 0.5) -> 
 
     labelled = read_labelled(path)
     probs = predict_prob([t for _, t in labelled])
-    return _rows(labelled, [set(LABELS) if p >= threshold else set() for p in probs])
+    return _rows(labelled, [set(REPORTED) if p >= threshold else set() for p in probs])
 
 
 def format_table(rows: list[Row]) -> str:

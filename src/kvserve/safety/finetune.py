@@ -203,8 +203,10 @@ def train(data_dir: pathlib.Path, out: pathlib.Path | None = None, hidden: int =
     vaw = [head_mod.windows(r.text) for r in va]
     tew = [head_mod.windows(r.text) for r in te]       # cached here too, for `kvserve eval moderation`
     states = frozen_states(trt + [w for ws in vaw + tew for w in ws], pathlib.Path(data_dir) / f".layer{FROZEN}.pt")
-    model = fit([states[_key(t)] for t in trt], _targets(tr), _mask(tr), hidden, epochs, log=log,
-                init=head_mod.load(init))
+    start = head_mod.load(init)
+    if start.w1 is not None:        # the frozen fit's width (train_head averages SEEDS fits: 64 units each)
+        hidden = start.w1.shape[0]
+    model = fit([states[_key(t)] for t in trt], _targets(tr), _mask(tr), hidden, epochs, log=log, init=start)
     thresholds = pick_thresholds(row_probs(model, vaw, states), _targets(va), np.array([not r.harmful for r in va]))
     lin1, lin2 = model.head[0], model.head[2]
     path = out or head_mod.HEAD_PATH
