@@ -533,74 +533,118 @@ void q6_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, 
     }
     store_group16(w, g, &acc0, &acc1, 1, t0, y, ldy, add);
 }
-// Q6_K, 8 rows (half h) x TT tokens: q6_tile16x1's unsigned codes and per-half-block correction
-// (xh: the tokens' x_half_sums, [t][b]), so the same exact integer per output as the signed sums of
-// the written-out arithmetic, with no sign flips per token. An int16 lane holds two chunks'
-// products (2 x 2 x 63 x 127 < 2^15): each chunk pair's lo / hi sums are scaled (vpmaddwd) and
-// widened once.
-template <int TT>
-void q6_tile8u(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const int32_t *xh, int t0,
-               float *y, int ldy, bool add) {
-    const int K = w->cols, nb = K / KVS_QK;
-    const uint8_t *qb = w->qs + (size_t)g * nb * KVS_Q6_BLOCK_BYTES + h * 32;
-    __m256 acc[TT];
-    for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, qb += KVS_Q6_BLOCK_BYTES) {
-        const uint8_t *ks = (const uint8_t *)w->d + ((size_t)g * (nb / 8) + b / 8) * KVS_Q6_SUPER_BYTES;
-        const uint8_t *sl = ks + 32 + (2 * (b % 8)) * 16 + h * 8, *sh = sl + 16;
-        const __m256i sc_lo = q6_scale_pairs(sl), sc_hi = q6_scale_pairs(sh);
-        __m256i is[TT];
-        for (int pr = 0; pr < 2; pr++) {
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)(qb + 256 + pr * 64));
-            __m256i tl[TT], th[TT];
-            for (int u = 0; u < 2; u++) {
-                const int i = 2 * pr + u;
-                __m256i lo, hi;
-                q6_ucodes(_mm256_loadu_si256((const __m256i *)(qb + i * 64)), hb, i, &lo, &hi);
-                for (int j = 0; j < TT; j++) {
-                    const int8_t *xr = xq + (size_t)(t0 + j) * K + b * KVS_QK + 4 * i;
-                    const __m256i pl = _mm256_maddubs_epi16(lo, bcast4(xr)), ph = _mm256_maddubs_epi16(hi, bcast4(xr + 16));
-                    tl[j] = u ? _mm256_add_epi16(tl[j], pl) : pl;
-                    th[j] = u ? _mm256_add_epi16(th[j], ph) : ph;
-                    keep_in_register(tl[j]);
-                    keep_in_register(th[j]);
-                }
-            }
-            for (int j = 0; j < TT; j++) {
-                const __m256i v = _mm256_add_epi32(_mm256_madd_epi16(tl[j], sc_lo), _mm256_madd_epi16(th[j], sc_hi));
-                is[j] = pr ? _mm256_add_epi32(is[j], v) : v;
-            }
-        }
-        // (sc_lo, sc_hi) int16 pairs of the 8 rows, against each token's (X_lo, X_hi): 32 x that off
-        const __m128i vl = _mm_loadl_epi64((const __m128i *)sl), vh = _mm_loadl_epi64((const __m128i *)sh);
-        const __m256i lh = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(vl, vh));
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + h * 16)));
-        for (int j = 0; j < TT; j++) {
-            const __m256i xx = _mm256_set1_epi32(xh[(size_t)(t0 + j) * nb + b]);
-            const __m256i s32 = _mm256_sub_epi32(is[j], _mm256_slli_epi32(_mm256_madd_epi16(lh, xx), 5));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32),
-                                     _mm256_mul_ps(d, _mm256_set1_ps(xd[(size_t)(t0 + j) * nb + b])), acc[j]);
-        }
+
+// Q6_K prompt tiles' activations: each 32-value block of n bytes (a multiple of 32) with its int8
+// pairs reordered so that chunk i's 4-byte lanes hold values (4i, 4i+1, 16+4i+2, 16+4i+3) at
+// 4i..4i+3 and (4i+2, 4i+3, 16+4i, 16+4i+1) at 16+4i..16+4i+3: q6_pair_codes' order. As 16 pairs
+// P0..P15 (P8.. the block's upper half): P0 P9 P2 P11 P4 P13 P6 P15 | P1 P8 P3 P10 P5 P12 P7 P14.
+inline void q6_permute_x(const int8_t *x, size_t n, int8_t *xp) {
+    for (size_t k = 0; k < n; k += KVS_QK) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(x + k));
+        const __m256i s = _mm256_permute2x128_si256(a, a, 1);   // the two halves swapped
+        const __m256i lo = _mm256_blend_epi16(a, s, 0xAA);
+        const __m256i hi = _mm256_blend_epi16(_mm256_srli_si256(s, 2), _mm256_slli_si256(a, 2), 0xAA);
+        _mm256_storeu_si256((__m256i *)(xp + k), _mm256_blend_epi32(lo, hi, 0xF0));
     }
-    const int row0 = g * 16 + h * 8, nvalid = w->rows - row0 < 8 ? w->rows - row0 : 8;
-    for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
 }
 
-// Q6_K, tokens [tb, te) over groups [gbeg, gend): each 8-row half-group in turn, tokens in fours.
-inline void q6_prompt_tiles(const kvs_weight *w, const int8_t *xq, const float *xd, const int32_t *xh, int tb,
-                            int te, float *y, int ldy, bool add, int gbeg, int gend) {
-    for (int g = gbeg; g < gend; g++)
-        for (int h = 0; h < 2; h++) {
-            if (g * 16 + h * 8 >= w->rows) break;
-            int t = tb;
-            for (; t + 4 <= te; t += 4) q6_tile8u<4>(w, g, h, xq, xd, xh, t, y, ldy, add);
-            switch (te - t) {
-                case 3: q6_tile8u<3>(w, g, h, xq, xd, xh, t, y, ldy, add); break;
-                case 2: q6_tile8u<2>(w, g, h, xq, xd, xh, t, y, ldy, add); break;
-                case 1: q6_tile8u<1>(w, g, h, xq, xd, xh, t, y, ldy, add); break;
-                default: break;
+// Chunk i's 6-bit codes of 8 rows (raw: nibbles, hb: the pair's high bits) as two vectors whose
+// 4-byte row lanes each hold two codes of the block's lower sub-block then two of its upper one:
+// v1 = (q[4i], q[4i+1], q[16+4i+2], q[16+4i+3]), v2 = (q[4i+2], q[4i+3], q[16+4i], q[16+4i+1]).
+// Against q6_permute_x's activations one vpmaddubsw of each gives int16 lanes (lower, upper) sums of
+// a row, which one vpmaddwd against the row's (sc_lo, sc_hi) scales: one int32 sum per row and
+// token, where separate lower and upper int16 sums need two (the 16-row tile fits in 16 registers).
+inline void q6_pair_codes(__m256i raw, __m256i hb, int i, __m256i rot, __m256i *v1, __m256i *v2) {
+    __m256i lo, hi;
+    q6_ucodes(raw, hb, i, &lo, &hi);
+    *v1 = _mm256_blend_epi16(lo, hi, 0xAA);
+    *v2 = _mm256_shuffle_epi8(_mm256_blend_epi16(hi, lo, 0xAA), rot);   // the two int16 halves swapped
+}
+
+// Q6_K, chunk i of one block for 16 rows x TT tokens: the codes once (q6_pair_codes), each token's
+// products scaled by its rows' (sc_lo, sc_hi) pairs lh0 / lh1 into the int32 sums is0 / is1.
+template <int i, int TT>
+inline void q6_chunk16(const uint8_t *qb, const int8_t *xp, int K, __m256i rot, __m256i lh0, __m256i lh1,
+                       __m256i *is0, __m256i *is1) {
+    const __m256i hb0 = _mm256_loadu_si256((const __m256i *)(qb + 256 + (i / 2) * 64));
+    const __m256i hb1 = _mm256_loadu_si256((const __m256i *)(qb + 256 + (i / 2) * 64 + 32));
+    __m256i a0, b0, a1, b1;
+    q6_pair_codes(_mm256_loadu_si256((const __m256i *)(qb + i * 64)), hb0, i, rot, &a0, &b0);
+    q6_pair_codes(_mm256_loadu_si256((const __m256i *)(qb + i * 64 + 32)), hb1, i, rot, &a1, &b1);
+    for (int t = 0; t < TT; t++) {
+        const int8_t *xr = xp + (size_t)t * K + 4 * i;
+        const __m256i xa = bcast4(xr), xb = bcast4(xr + 16);
+        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(a0, xa), _mm256_maddubs_epi16(b0, xb));
+        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(a1, xa), _mm256_maddubs_epi16(b1, xb));
+        is0[t] = _mm256_add_epi32(is0[t], _mm256_madd_epi16(p0, lh0));
+        is1[t] = _mm256_add_epi32(is1[t], _mm256_madd_epi16(p1, lh1));
+        keep_in_register(is0[t]);
+        keep_in_register(is1[t]);
+    }
+}
+
+// Q6_K, 16 rows x TT tokens t0..t0+TT-1 (TT 2-4): per output q6_tile16x1's exact integer (the
+// written-out sum of sc * (q - 32) * x, formed here as -32 (sc_lo X_lo + sc_hi X_hi) plus each chunk's
+// sc_lo * sum_lo + sc_hi * sum_hi; int16 lanes hold one chunk's 4 products, 4 x 63 x 128 < 2^15) and
+// its float chain. xp: token t0's q6_permute_x activations (row stride K); xh: x_half_sums [t][b].
+template <int TT>
+void q6_tile16xn(const kvs_weight *w, int g, const int8_t *xp, const float *xd, const int32_t *xh, int t0,
+                 float *y, int ldy, bool add) {
+    const int K = w->cols, nb = K / KVS_QK, ns = nb / 8;
+    const uint8_t *qb = w->qs + (size_t)g * nb * KVS_Q6_BLOCK_BYTES;
+    const uint8_t *ks = (const uint8_t *)w->d + (size_t)g * ns * KVS_Q6_SUPER_BYTES;
+    const float *xdt = xd + (size_t)t0 * nb;
+    const int32_t *xht = xh + (size_t)t0 * nb;
+    const __m256i rot = _mm256_setr_epi8(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13,
+                                         2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    __m256 acc0[TT], acc1[TT];
+    for (int t = 0; t < TT; t++) acc0[t] = acc1[t] = _mm256_setzero_ps();
+    for (int s = 0; s < ns; s++, ks += KVS_Q6_SUPER_BYTES) {
+        const __m256 d0 = cvt_ph8(ks), d1 = cvt_ph8(ks + 16);
+        for (int j = 0; j < 8; j++, qb += KVS_Q6_BLOCK_BYTES, xp += KVS_QK) {
+            const int b = s * 8 + j;
+            // (sc_lo, sc_hi) int16 pairs of rows 0-7 and 8-15 (sub-blocks 2j, 2j + 1)
+            const __m128i vl = _mm_loadu_si128((const __m128i *)(ks + 32 + (2 * j) * 16));
+            const __m128i vh = _mm_loadu_si128((const __m128i *)(ks + 32 + (2 * j + 1) * 16));
+            const __m256i lh0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(vl, vh));
+            const __m256i lh1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(vl, vh));
+            const __m256i n0 = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(lh0, 5));
+            const __m256i n1 = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(lh1, 5));
+            __m256i is0[TT], is1[TT];
+            for (int t = 0; t < TT; t++) {   // each sum starts at -32 (sc_lo X_lo + sc_hi X_hi)
+                const __m256i xx = _mm256_set1_epi32(xht[(size_t)t * nb + b]);
+                is0[t] = _mm256_madd_epi16(n0, xx);
+                is1[t] = _mm256_madd_epi16(n1, xx);
+            }
+            q6_chunk16<0, TT>(qb, xp, K, rot, lh0, lh1, is0, is1);
+            q6_chunk16<1, TT>(qb, xp, K, rot, lh0, lh1, is0, is1);
+            q6_chunk16<2, TT>(qb, xp, K, rot, lh0, lh1, is0, is1);
+            q6_chunk16<3, TT>(qb, xp, K, rot, lh0, lh1, is0, is1);
+            for (int t = 0; t < TT; t++) {
+                const __m256 xdb = _mm256_set1_ps(xdt[(size_t)t * nb + b]);
+                acc0[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is0[t]), _mm256_mul_ps(d0, xdb), acc0[t]);
+                acc1[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is1[t]), _mm256_mul_ps(d1, xdb), acc1[t]);
             }
         }
+    }
+    store_group16(w, g, acc0, acc1, TT, t0, y, ldy, add);
+}
+
+// Q6_K, tokens [tb, te) over groups [gbeg, gend) in whole 16-row groups, tokens in fours
+// (q6_tile16xn; xp: tokens tb.. permuted by q6_permute_x); a last lone token runs the decode tile.
+inline void q6_prompt_tiles(const kvs_weight *w, const int8_t *xq, const int8_t *xp, const float *xd,
+                            const int32_t *xh, int tb, int te, float *y, int ldy, bool add, int gbeg, int gend) {
+    const size_t K = w->cols;
+    for (int g = gbeg; g < gend; g++) {
+        int t = tb;
+        for (; t + 4 <= te; t += 4) q6_tile16xn<4>(w, g, xp + (t - tb) * K, xd, xh, t, y, ldy, add);
+        switch (te - t) {
+            case 3: q6_tile16xn<3>(w, g, xp + (t - tb) * K, xd, xh, t, y, ldy, add); break;
+            case 2: q6_tile16xn<2>(w, g, xp + (t - tb) * K, xd, xh, t, y, ldy, add); break;
+            case 1: q6_tile16x1(w, g, xq, xd, xh + (size_t)t * (K / KVS_QK), t, y, ldy, add); break;
+            default: break;
+        }
+    }
 }
 
 // Q4_0 / Q4_1 (SM 0, 1, 5), 16 rows x token t0: q4_tile8's arithmetic per output lane (the same
@@ -849,18 +893,25 @@ void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, con
         // changes: each is the same tile arithmetic.
         int tb_size = (KVS_KQ_XBLOCK / w->cols) & ~3;
         if (tb_size < 16 || T <= tb_size) tb_size = T;
-        int32_t *xh = nullptr;   // Q6_K: the tokens' half-block sums (q6_tile8u), once per call
+        int32_t *xh = nullptr;   // Q6_K: the tokens' half-block sums, once per call
+        int8_t *xp = nullptr;    // Q6_K: one token block's activations in q6_tile16xn's order
         if constexpr (SM == 3) {
             const int nb = w->cols / KVS_QK;
             xh = (int32_t *)malloc(sizeof(int32_t) * (size_t)T * nb);
             for (size_t tb = 0; tb < (size_t)T * nb; tb++) xh[tb] = x_half_sums(xq + tb * KVS_QK);
+            xp = (int8_t *)malloc((size_t)tb_size * w->cols);
         }
         for (int tb = 0; tb < T; tb += tb_size) {
             const int te = tb + tb_size < T ? tb + tb_size : T;
-            if constexpr (SM == 3) q6_prompt_tiles(w, xq, xd, xh, tb, te, y, ldy, add, gbeg, gend);
-            else group_tiles16<SM>(w, xq, xd, xs, tb, te, y, ldy, add, gbeg, gend);
+            if constexpr (SM == 3) {
+                q6_permute_x(xq + (size_t)tb * w->cols, (size_t)(te - tb) * w->cols, xp);
+                q6_prompt_tiles(w, xq, xp, xd, xh, tb, te, y, ldy, add, gbeg, gend);
+            } else {
+                group_tiles16<SM>(w, xq, xd, xs, tb, te, y, ldy, add, gbeg, gend);
+            }
         }
         free(xh);
+        free(xp);
         return;
     } else if constexpr (Q4) {   // Q4_0 / Q4_1: whole 16-row groups, tokens in fours
         group_tiles16<SM>(w, xq, xd, xs, 0, T, y, ldy, add, gbeg, gend);
