@@ -202,10 +202,11 @@ def test_q5_k_layout_exact_rows_and_the_written_out_arithmetic(rows, cols):
 
 @pytest.mark.parametrize("fill", [0x00, 0xFF, 0xA5])   # every code 0 (q - 32 = -32), 63 (+31), mixed
 def test_q6_k_extreme_codes_and_activations_same_bits_on_every_batch_size(fill):
-    """The Q6_K tiles sum unsigned codes (two chunks per int16 lane in the batched one) and take 32 x
-    the activations' sum off per half-block. At the int16 bounds (every code at an end of
-    its range, every activation at +-127, scales at -128 and 127) both give the same exact integer,
-    so the same bits, and equal the written-out arithmetic."""
+    """The Q6_K tiles sum unsigned codes (the batched one a chunk's lower and upper pairs per int16
+    lane, unpacked per tile or, from 8 tokens, once per group) and take 32 x the activations' sum off
+    per half-block. At the int16 bounds (every code at an end of its range, every activation at
+    +-127, scales at -128 and 127) all give the same exact integer, so the same bits, and equal the
+    written-out arithmetic."""
     rows, cols = 21, 512
     blocks = np.zeros((rows * cols // 256, 210), np.uint8)
     blocks[:, :192] = fill
@@ -217,11 +218,12 @@ def test_q6_k_extreme_codes_and_activations_same_bits_on_every_batch_size(fill):
     k = torch.arange(cols)
     x = torch.stack([torch.ones(cols), -torch.ones(cols), torch.where(k % 2 == 0, 1.0, -1.0),
                      torch.where(k % 32 < 16, 1.0, -1.0), torch.randn(cols, generator=torch.Generator().manual_seed(3))])
+    x = torch.cat([x, -x])                                   # 10 tokens: the codes unpacked once per group
     full = layer(x)
     assert torch.equal(full, q6_arithmetic(raw, rows, cols, x))
     for t in range(x.shape[0]):
         assert torch.equal(layer(x[t:t + 1]), full[t:t + 1]), t
-    for t0, t1 in ((0, 2), (1, 4), (2, 5)):                 # the batched tile's 2- and 3-token widths
+    for t0, t1 in ((0, 2), (1, 4), (2, 5), (0, 8), (1, 10)):   # 2- and 3-token tiles, unpacked groups
         assert torch.equal(layer(x[t0:t1]), full[t0:t1]), (t0, t1)
 
 
@@ -247,9 +249,10 @@ def test_prompt_token_blocks_give_the_same_bits(qtype):
 
 @pytest.mark.parametrize("fill", [0xFF, 0xA5])   # every Q5_K code 31 (fifth bits all set), mixed
 def test_q5_k_extreme_codes_and_activations_same_bits_on_every_batch_size(fill):
-    """The batched Q5_K tile (16 rows x up to 4 tokens) sums two chunks' products per int16 lane
-    before widening; at the bound (every code 31, every activation +-127: 4 x 2 x 31 x 127) it
-    still gives the exact integer, so the written-out arithmetic's bits on every batch size."""
+    """The batched Q5_K tile (16 rows x up to 4 tokens; from 8 tokens on codes unpacked once per
+    group) sums two chunks' products per int16 lane before widening; at the bound (every code 31,
+    every activation +-127: 4 x 2 x 31 x 127) it still gives the exact integer, so the written-out
+    arithmetic's bits on every batch size."""
     from test_kernels import _int8_arithmetic
 
     rows, cols = 21, 512
@@ -260,7 +263,8 @@ def test_q5_k_extreme_codes_and_activations_same_bits_on_every_batch_size(fill):
     k = torch.arange(cols)
     x = torch.stack([torch.ones(cols), -torch.ones(cols), torch.where(k % 2 == 0, 1.0, -1.0),
                      torch.where(k % 32 < 16, 1.0, -1.0), torch.randn(cols, generator=torch.Generator().manual_seed(3))])
+    x = torch.cat([x, -x])                                   # 10 tokens: the codes unpacked once per group
     full = layer(x)
     assert torch.equal(full, _int8_arithmetic(layer, x))
-    for t0, t1 in ((0, 1), (0, 2), (1, 4), (2, 5), (4, 5)):
+    for t0, t1 in ((0, 1), (0, 2), (1, 4), (2, 5), (4, 5), (0, 8), (1, 10)):
         assert torch.equal(layer(x[t0:t1]), full[t0:t1]), (t0, t1)
