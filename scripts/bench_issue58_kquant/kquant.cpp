@@ -64,6 +64,11 @@ int main(int argc, char **argv) {
     qr_t qn = (qr_t)sym(hn, qsym);
     int reps = argc > 1 ? atoi(argv[1]) : 10, onlyT = argc > 2 ? atoi(argv[2]) : 0;
     std::string onlytype = argc > 3 ? argv[3] : "";
+    const bool chunked = argc > 4 && atoi(argv[4]);
+    auto run = [&](lr_t f, const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y) {
+        const int ng = chunked ? (w->rows + 15) / 16 : 1;
+        for (int g = 0; g < ng; g++) f(w, xq, xd, xs, T, y, w->rows, false, g, ng);
+    };
     struct S { const char *name; int rows, cols; } shapes[] = {
         {"3B q/o", 3072, 3072}, {"3B gate", 8192, 3072}, {"3B down", 3072, 8192},
         {"1.1B q/o", 2048, 2048}, {"1.1B gate", 5632, 2048}, {"1.1B down", 2048, 5632}};
@@ -90,8 +95,8 @@ int main(int argc, char **argv) {
                 std::vector<float> yo((size_t)T * s.rows), yn((size_t)T * s.rows);
                 double bo = 1e9, bn = 1e9;
                 for (int r = 0; r < reps; r++) {
-                    double t0 = tcpu(); fo(&p.w, xq.data(), xd.data(), xs.data(), T, yo.data(), s.rows, false, 0, 1);
-                    double t1 = tcpu(); fn(&p.w, xq.data(), xd.data(), xs.data(), T, yn.data(), s.rows, false, 0, 1);
+                    double t0 = tcpu(); run(fo, &p.w, xq.data(), xd.data(), xs.data(), T, yo.data());
+                    double t1 = tcpu(); run(fn, &p.w, xq.data(), xd.data(), xs.data(), T, yn.data());
                     double t2 = tcpu();
                     bo = std::min(bo, t1 - t0); bn = std::min(bn, t2 - t1);
                 }

@@ -177,6 +177,21 @@ def test_q6_k_layout_is_the_written_out_arithmetic_on_every_batch_size(rows, col
     assert float((full.double() - ref).norm() / ref.norm()) < 0.02
 
 
+def test_q6_k_prompt_inputs_follow_new_activations_of_the_same_shape():
+    """Each thread keeps the Q6_K prompt tiles' activation sums and permuted copy while its int8
+    activations are unchanged (the forward's row chunks reuse them); calls of one shape with new
+    activations in the same scratch buffer must not read the old ones."""
+    rows, cols = 37, 512
+    blocks = random_blocks(Q.Q6_K, rows, cols, seed=11).reshape(-1, 210).copy()
+    blocks[:, 208:210] = np.full((blocks.shape[0], 1), 2e-3, np.float16).view(np.uint8)
+    raw = blocks.reshape(rows, -1)
+    layer = GGUFQuantLinear(raw, Q.Q6_K, cols, rows, backend=BACKEND)
+    gen = torch.Generator().manual_seed(12)
+    for T in (9, 9, 3, 3, 9):
+        x = torch.randn(T, cols, generator=gen)
+        assert torch.equal(layer(x), q6_arithmetic(raw, rows, cols, x)), T
+
+
 @pytest.mark.parametrize("rows,cols", [(37, 512), (45, 768)])
 def test_q5_k_layout_exact_rows_and_the_written_out_arithmetic(rows, cols):
     from test_kernels import _int8_arithmetic

@@ -70,6 +70,8 @@
 #include <omp.h>
 
 #include <pthread.h>
+#include <atomic>
+#include <vector>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,6 +89,11 @@ int kvs_version(void) { return 13; }
 namespace {
 
 int g_nth = 1;  // threads per call, set from torch.get_num_threads()
+
+// Bumped by every quantize_row_q8, the one writer of the int8 activations the tiles read: a thread's
+// Q6_K activation sums and permuted copy (q6_prepared) made while it is unchanged are still those of
+// the same activations (the forward's phases are ordered by barriers, so a relaxed count suffices).
+std::atomic<uint64_t> g_xq_epoch{0};
 pthread_mutex_t g_call_mu = PTHREAD_MUTEX_INITIALIZER;
 
 // ---------------------------------------------------------------------------------------------
@@ -154,6 +161,7 @@ void quantize_row_q8(const float *x, int K, int8_t *xq, float *xd, float *xs) {
         i0 = _mm256_permutevar8x32_epi32(i0, perm);
         _mm256_storeu_si256((__m256i *)(xq + b * KVS_QK), i0);
     }
+    g_xq_epoch.fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace kvs
@@ -839,7 +847,7 @@ void q5k_tile16xn(const kvs_weight *w, int g, const uint8_t *u, const int8_t *xq
 
 // Q6_K (Q6) or Q5_K, tokens [tb, te) of group g in whole 16-row tiles, tokens in fours
 // (q6_tile16xn / q5k_tile16xn; U: the codes from the group's unpack_group copy u); a last lone token
-// runs the decode tile. Q6_K: xp holds tokens tb.. permuted by q6_permute_x.
+// runs the decode tile. Q6_K: xp holds the call's tokens permuted by q6_permute_x.
 template <bool Q6, bool U>
 inline void kq_group_tiles(const kvs_weight *w, int g, const uint8_t *u, const int8_t *xq, const int8_t *xp,
                            const float *xd, const float *xs, const int32_t *xh, int tb, int te, float *y, int ldy,
@@ -847,10 +855,10 @@ inline void kq_group_tiles(const kvs_weight *w, int g, const uint8_t *u, const i
     const size_t K = w->cols;
     int t = tb;
     if constexpr (Q6) {
-        for (; t + 4 <= te; t += 4) q6_tile16xn<4, U>(w, g, u, xp + (t - tb) * K, xd, xh, t, y, ldy, add);
+        for (; t + 4 <= te; t += 4) q6_tile16xn<4, U>(w, g, u, xp + t * K, xd, xh, t, y, ldy, add);
         switch (te - t) {
-            case 3: q6_tile16xn<3, U>(w, g, u, xp + (t - tb) * K, xd, xh, t, y, ldy, add); break;
-            case 2: q6_tile16xn<2, U>(w, g, u, xp + (t - tb) * K, xd, xh, t, y, ldy, add); break;
+            case 3: q6_tile16xn<3, U>(w, g, u, xp + t * K, xd, xh, t, y, ldy, add); break;
+            case 2: q6_tile16xn<2, U>(w, g, u, xp + t * K, xd, xh, t, y, ldy, add); break;
             case 1: q6_tile16x1(w, g, xq, xd, xh + (size_t)t * (K / KVS_QK), t, y, ldy, add); break;
             default: break;
         }
@@ -942,6 +950,33 @@ inline void group_tiles16(const kvs_weight *w, const int8_t *xq, const float *xd
     }
 }
 
+// The Q6_K prompt tiles' inputs from T tokens of K int8 activations: x_half_sums [t][b] and the
+// q6_permute_x copy, made once per thread while the activations stay the same (g_xq_epoch): a
+// prompt's projection is handed out one row group per call (the forward's row chunks), and making
+// them per call cost ~20% of the tile's time.
+void q6_prepared(const int8_t *xq, const float *xd, int T, int K, const int32_t **xh, const int8_t **xp) {
+    struct Prepared {
+        const int8_t *xq = nullptr;
+        const float *xd = nullptr;
+        int T = 0, K = 0;
+        uint64_t epoch = 0;
+        std::vector<int32_t> xh;
+        std::vector<int8_t> xp;
+    };
+    thread_local Prepared c;
+    const uint64_t epoch = g_xq_epoch.load(std::memory_order_relaxed);
+    if (c.xq != xq || c.xd != xd || c.T != T || c.K != K || c.epoch != epoch || c.xh.empty()) {
+        const size_t n = (size_t)T * K;
+        c.xh.resize(n / KVS_QK);
+        c.xp.resize(n);
+        for (size_t b = 0; b < n / KVS_QK; b++) c.xh[b] = x_half_sums(xq + b * KVS_QK);
+        q6_permute_x(xq, n, c.xp.data());
+        c.xq = xq, c.xd = xd, c.T = T, c.K = K, c.epoch = epoch;
+    }
+    *xh = c.xh.data();
+    *xp = c.xp.data();
+}
+
 // Groups [gbeg, gend) of 16 rows for all T tokens: each group's (or half-group's) weights stay in
 // L1 while the token tiles stream past them.
 template <bool Q4, int SM>
@@ -967,14 +1002,9 @@ void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, con
         // changes: each is the same tile arithmetic.
         int tb_size = (KVS_KQ_XBLOCK / w->cols) & ~3;
         if (tb_size < 16 || T <= tb_size) tb_size = T;
-        int32_t *xh = nullptr;   // Q6_K: the tokens' half-block sums, once per call
-        int8_t *xp = nullptr;    // Q6_K: one token block's activations in q6_tile16xn's order
-        if constexpr (SM == 3) {
-            const int nb = w->cols / KVS_QK;
-            xh = (int32_t *)malloc(sizeof(int32_t) * (size_t)T * nb);
-            for (size_t tb = 0; tb < (size_t)T * nb; tb++) xh[tb] = x_half_sums(xq + tb * KVS_QK);
-            xp = (int8_t *)malloc((size_t)tb_size * w->cols);
-        }
+        const int32_t *xh = nullptr;   // Q6_K: the tokens' half-block sums and permuted activations
+        const int8_t *xp = nullptr;
+        if constexpr (SM == 3) q6_prepared(xq, xd, T, w->cols, &xh, &xp);
         // Q5_K / Q6_K: one group's unpacked codes (kq_prompt_tiles), when the token blocks are long enough
         uint8_t *u = nullptr;
         if constexpr (SM == 3 || SM == 4)
@@ -982,7 +1012,6 @@ void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, con
         for (int tb = 0; tb < T; tb += tb_size) {
             const int te = tb + tb_size < T ? tb + tb_size : T;
             if constexpr (SM == 3) {
-                q6_permute_x(xq + (size_t)tb * w->cols, (size_t)(te - tb) * w->cols, xp);
                 kq_prompt_tiles<true>(w, u, xq, xp, xd, xs, xh, tb, te, y, ldy, add, gbeg, gend);
             } else if constexpr (SM == 4) {
                 kq_prompt_tiles<false>(w, u, xq, nullptr, xd, xs, nullptr, tb, te, y, ldy, add, gbeg, gend);
@@ -990,8 +1019,6 @@ void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, con
                 group_tiles16<SM>(w, xq, xd, xs, tb, te, y, ldy, add, gbeg, gend);
             }
         }
-        free(xh);
-        free(xp);
         free(u);
         return;
     } else if constexpr (Q4) {   // Q4_0 / Q4_1: whole 16-row groups, tokens in fours
