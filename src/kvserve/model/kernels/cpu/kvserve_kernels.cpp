@@ -950,6 +950,25 @@ inline void group_tiles16(const kvs_weight *w, const int8_t *xq, const float *xd
     }
 }
 
+// Q5_K and Q6_K prompts unpack each group's codes once for its token tiles (kq_prompt_tiles).
+constexpr bool kquant_unpacks(int sm) { return sm == 3 || sm == 4; }
+
+// This thread's buffer for one group's unpacked codes (bytes, 32-byte aligned), kept between calls.
+uint8_t *unpack_scratch(size_t bytes) {
+    struct Scratch {
+        uint8_t *p = nullptr;
+        size_t n = 0;
+        ~Scratch() { free(p); }
+    };
+    thread_local Scratch s;
+    if (s.n < bytes) {
+        free(s.p);
+        s.p = (uint8_t *)aligned_alloc(32, bytes);
+        s.n = bytes;
+    }
+    return s.p;
+}
+
 // The Q6_K prompt tiles' inputs from T tokens of K int8 activations: x_half_sums [t][b] and the
 // q6_permute_x copy, made once per thread while the activations stay the same (g_xq_epoch): a
 // prompt's projection is handed out one row group per call (the forward's row chunks), and making
@@ -1000,15 +1019,17 @@ void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, con
         // every group of this thread streams past; one block of T = 512 x 3072 (1.5 MB) re-read from L3
         // per 8-row half-group ran ~15% slower per MAC than T = 64. Only the order of the outputs
         // changes: each is the same tile arithmetic.
+        // A call of one group (the forward's row chunks of a prompt) takes all its tokens at once: its
+        // codes are unpacked once (kq_prompt_tiles) and no other group would reuse the block.
         int tb_size = (KVS_KQ_XBLOCK / w->cols) & ~3;
-        if (tb_size < 16 || T <= tb_size) tb_size = T;
+        if (tb_size < 16 || T <= tb_size || (kquant_unpacks(SM) && gend - gbeg == 1)) tb_size = T;
         const int32_t *xh = nullptr;   // Q6_K: the tokens' half-block sums and permuted activations
         const int8_t *xp = nullptr;
         if constexpr (SM == 3) q6_prepared(xq, xd, T, w->cols, &xh, &xp);
         // Q5_K / Q6_K: one group's unpacked codes (kq_prompt_tiles), when the token blocks are long enough
         uint8_t *u = nullptr;
-        if constexpr (SM == 3 || SM == 4)
-            if (tb_size >= KVS_KQ_UNPACK_MIN) u = (uint8_t *)aligned_alloc(32, (size_t)w->cols / KVS_QK * 512);
+        if constexpr (kquant_unpacks(SM))
+            if (tb_size >= KVS_KQ_UNPACK_MIN) u = unpack_scratch((size_t)w->cols / KVS_QK * 512);
         for (int tb = 0; tb < T; tb += tb_size) {
             const int te = tb + tb_size < T ? tb + tb_size : T;
             if constexpr (SM == 3) {
@@ -1019,7 +1040,6 @@ void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, con
                 group_tiles16<SM>(w, xq, xd, xs, tb, te, y, ldy, add, gbeg, gend);
             }
         }
-        free(u);
         return;
     } else if constexpr (Q4) {   // Q4_0 / Q4_1: whole 16-row groups, tokens in fours
         group_tiles16<SM>(w, xq, xd, xs, 0, T, y, ldy, add, gbeg, gend);
