@@ -971,8 +971,8 @@ uint8_t *unpack_scratch(size_t bytes) {
 
 // The Q6_K prompt tiles' inputs from T tokens of K int8 activations: x_half_sums [t][b] and the
 // q6_permute_x copy, made once per thread while the activations stay the same (g_xq_epoch): a
-// prompt's projection is handed out one row group per call (the forward's row chunks), and making
-// them per call cost ~20% of the tile's time.
+// prompt's projection is handed out one row group per call (the forward's row chunks), and main's
+// half-sums made per call left its Q6_K prompts 1.2-1.6x slower than in one call (BENCHMARKS.md).
 void q6_prepared(const int8_t *xq, const float *xd, int T, int K, const int32_t **xh, const int8_t **xp) {
     struct Prepared {
         const int8_t *xq = nullptr;
