@@ -52,6 +52,11 @@ int main(int argc, char **argv) {
     qr_t qn = (qr_t)sym(hn, QUANTIZE_ROW_Q8);
     int reps = argc > 1 ? atoi(argv[1]) : 10, onlyT = argc > 2 ? atoi(argv[2]) : 0;
     std::string onlytype = argc > 3 ? argv[3] : "";
+    const bool chunked = argc > 4 && atoi(argv[4]);
+    auto run = [&](lr_t f, const kvs_weight *w, const int8_t *xq, const float *xd, const float *xs, int T, float *y) {
+        const int ng = chunked ? (w->rows + 15) / 16 : 1;
+        for (int g = 0; g < ng; g++) f(w, xq, xd, xs, T, y, w->rows, false, g, ng);
+    };
     struct S { const char *name; int rows, cols; } shapes[] = {
         {"3B q/o", 3072, 3072}, {"3B gate", 8192, 3072}, {"3B down", 3072, 8192},
         {"1.1B q/o", 2048, 2048}, {"1.1B gate", 5632, 2048}, {"1.1B down", 2048, 5632}};
@@ -77,8 +82,8 @@ int main(int argc, char **argv) {
                 make(hn, type, s.rows, s.cols, rng, p);
                 std::vector<float> yo((size_t)T * s.rows), yn((size_t)T * s.rows);
                 const Best b = best_of(reps,
-                    [&] { fo(&p.w, xq.data(), xd.data(), xs.data(), T, yo.data(), s.rows, false, 0, 1); },
-                    [&] { fn(&p.w, xq.data(), xd.data(), xs.data(), T, yn.data(), s.rows, false, 0, 1); });
+                    [&] { run(fo, &p.w, xq.data(), xd.data(), xs.data(), T, yo.data()); },
+                    [&] { run(fn, &p.w, xq.data(), xd.data(), xs.data(), T, yn.data()); });
                 const double bo = b.old_s, bn = b.new_s;
                 const bool same = !memcmp(yo.data(), yn.data(), yo.size() * 4);
                 const double mac = (double)s.rows * s.cols * T;

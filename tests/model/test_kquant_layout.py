@@ -193,6 +193,21 @@ def test_q6_k_layout_is_the_written_out_arithmetic_on_every_batch_size(rows, col
     assert float((full.double() - ref).norm() / ref.norm()) < 0.02
 
 
+def test_q6_k_prompt_inputs_follow_new_activations_of_the_same_shape():
+    """Each thread keeps the Q6_K prompt tiles' activation sums and permuted copy while its int8
+    activations are unchanged (the forward's row chunks reuse them); calls of one shape with new
+    activations in the same scratch buffer must not read the old ones."""
+    rows, cols = 37, 512
+    blocks = random_blocks(Q.Q6_K, rows, cols, seed=11).reshape(-1, 210).copy()
+    blocks[:, 208:210] = np.full((blocks.shape[0], 1), 2e-3, np.float16).view(np.uint8)
+    raw = blocks.reshape(rows, -1)
+    layer = GGUFQuantLinear(raw, Q.Q6_K, cols, rows, backend=BACKEND)
+    gen = torch.Generator().manual_seed(12)
+    for T in (9, 9, 3, 3, 9):
+        x = torch.randn(T, cols, generator=gen)
+        assert torch.equal(layer(x), q6_arithmetic(raw, rows, cols, x)), T
+
+
 @pytest.mark.parametrize("rows,cols", [(37, 512), (45, 768)])
 def test_q5_k_layout_exact_rows_and_the_written_out_arithmetic(rows, cols):
     from test_kernels import _int8_arithmetic
@@ -217,10 +232,11 @@ def test_q5_k_layout_exact_rows_and_the_written_out_arithmetic(rows, cols):
 
 @pytest.mark.parametrize("fill", [0x00, 0xFF, 0xA5])   # every code 0 (q - 32 = -32), 63 (+31), mixed
 def test_q6_k_extreme_codes_and_activations_same_bits_on_every_batch_size(fill):
-    """The Q6_K tiles sum unsigned codes (two chunks per int16 lane in the batched one) and take 32 x
-    the activations' sum off per half-block. At the int16 bounds (every code at an end of
-    its range, every activation at +-127, scales at -128 and 127) both give the same exact integer,
-    so the same bits, and equal the written-out arithmetic."""
+    """The Q6_K tiles sum unsigned codes (the batched one a chunk's lower and upper pairs per int16
+    lane, unpacked per tile or, from 8 tokens, once per group) and take 32 x the activations' sum off
+    per half-block. At the int16 bounds (every code at an end of its range, every activation at
+    +-127, scales at -128 and 127) all give the same exact integer, so the same bits, and equal the
+    written-out arithmetic."""
     rows, cols = 21, 512
     blocks = np.zeros((rows * cols // 256, 210), np.uint8)
     blocks[:, :192] = fill
@@ -230,10 +246,11 @@ def test_q6_k_extreme_codes_and_activations_same_bits_on_every_batch_size(fill):
     raw = blocks.reshape(rows, -1)
     layer = GGUFQuantLinear(raw, Q.Q6_K, cols, rows, backend=BACKEND)
     x = extreme_activations(cols)
+    x = torch.cat([x, -x])                                   # 10 tokens: the codes unpacked once per group
     full = layer(x)
     assert torch.equal(full, q6_arithmetic(raw, rows, cols, x))
-    # each token alone, and the batched tile's 2- and 3-token widths
-    assert_rows_alone(layer, x, full, [(t, t + 1) for t in range(x.shape[0])] + [(0, 2), (1, 4), (2, 5)])
+    # each token alone, the batched tile's 2- and 3-token widths, and unpacked groups
+    assert_rows_alone(layer, x, full, [(t, t + 1) for t in range(x.shape[0])] + [(0, 2), (1, 4), (2, 5), (0, 8), (1, 10)])
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
@@ -255,9 +272,10 @@ def test_prompt_token_blocks_give_the_same_bits(qtype):
 
 @pytest.mark.parametrize("fill", [0xFF, 0xA5])   # every Q5_K code 31 (fifth bits all set), mixed
 def test_q5_k_extreme_codes_and_activations_same_bits_on_every_batch_size(fill):
-    """The batched Q5_K tile (16 rows x up to 4 tokens) sums two chunks' products per int16 lane
-    before widening; at the bound (every code 31, every activation +-127: 4 x 2 x 31 x 127) it
-    still gives the exact integer, so the written-out arithmetic's bits on every batch size."""
+    """The batched Q5_K tile (16 rows x up to 4 tokens; from 8 tokens on codes unpacked once per
+    group) sums two chunks' products per int16 lane before widening; at the bound (every code 31,
+    every activation +-127: 4 x 2 x 31 x 127) it still gives the exact integer, so the written-out
+    arithmetic's bits on every batch size."""
     from test_kernels import _int8_arithmetic
 
     rows, cols = 21, 512
@@ -266,6 +284,7 @@ def test_q5_k_extreme_codes_and_activations_same_bits_on_every_batch_size(fill):
     raw = blocks.reshape(rows, -1)
     layer = GGUFQuantLinear(raw, Q.Q5_K, cols, rows, backend=BACKEND)
     x = extreme_activations(cols)
+    x = torch.cat([x, -x])                                   # 10 tokens: the codes unpacked once per group
     full = layer(x)
     assert torch.equal(full, _int8_arithmetic(layer, x))
-    assert_rows_alone(layer, x, full, [(0, 1), (0, 2), (1, 4), (2, 5), (4, 5)])
+    assert_rows_alone(layer, x, full, [(0, 1), (0, 2), (1, 4), (2, 5), (4, 5), (0, 8), (1, 10)])

@@ -70,6 +70,8 @@
 #include <omp.h>
 
 #include <pthread.h>
+#include <atomic>
+#include <vector>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,6 +89,11 @@ int kvs_version(void) { return 13; }
 namespace {
 
 int g_nth = 1;  // threads per call, set from torch.get_num_threads()
+
+// Bumped by every quantize_row_q8, the one writer of the int8 activations the tiles read: a thread's
+// Q6_K activation sums and permuted copy (q6_prepared) made while it is unchanged are still those of
+// the same activations (the forward's phases are ordered by barriers, so a relaxed count suffices).
+std::atomic<uint64_t> g_xq_epoch{0};
 pthread_mutex_t g_call_mu = PTHREAD_MUTEX_INITIALIZER;
 
 // ---------------------------------------------------------------------------------------------
@@ -154,6 +161,7 @@ void quantize_row_q8(const float *x, int K, int8_t *xq, float *xd, float *xs) {
         i0 = _mm256_permutevar8x32_epi32(i0, perm);
         _mm256_storeu_si256((__m256i *)(xq + b * KVS_QK), i0);
     }
+    g_xq_epoch.fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace kvs
@@ -533,74 +541,151 @@ void q6_tile16x1(const kvs_weight *w, int g, const int8_t *xq, const float *xd, 
     }
     store_group16(w, g, &acc0, &acc1, 1, t0, y, ldy, add);
 }
-// Q6_K, 8 rows (half h) x TT tokens: q6_tile16x1's unsigned codes and per-half-block correction
-// (xh: the tokens' x_half_sums, [t][b]), so the same exact integer per output as the signed sums of
-// the written-out arithmetic, with no sign flips per token. An int16 lane holds two chunks'
-// products (2 x 2 x 63 x 127 < 2^15): each chunk pair's lo / hi sums are scaled (vpmaddwd) and
-// widened once.
-template <int TT>
-void q6_tile8u(const kvs_weight *w, int g, int h, const int8_t *xq, const float *xd, const int32_t *xh, int t0,
-               float *y, int ldy, bool add) {
-    const int K = w->cols, nb = K / KVS_QK;
-    const uint8_t *qb = w->qs + (size_t)g * nb * KVS_Q6_BLOCK_BYTES + h * 32;
-    __m256 acc[TT];
-    for (int j = 0; j < TT; j++) acc[j] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, qb += KVS_Q6_BLOCK_BYTES) {
-        const uint8_t *ks = (const uint8_t *)w->d + ((size_t)g * (nb / 8) + b / 8) * KVS_Q6_SUPER_BYTES;
-        const uint8_t *sl = ks + 32 + (2 * (b % 8)) * 16 + h * 8, *sh = sl + 16;
-        const __m256i sc_lo = q6_scale_pairs(sl), sc_hi = q6_scale_pairs(sh);
-        __m256i is[TT];
-        for (int pr = 0; pr < 2; pr++) {
-            const __m256i hb = _mm256_loadu_si256((const __m256i *)(qb + 256 + pr * 64));
-            __m256i tl[TT], th[TT];
-            for (int u = 0; u < 2; u++) {
-                const int i = 2 * pr + u;
-                __m256i lo, hi;
-                q6_ucodes(_mm256_loadu_si256((const __m256i *)(qb + i * 64)), hb, i, &lo, &hi);
-                for (int j = 0; j < TT; j++) {
-                    const int8_t *xr = xq + (size_t)(t0 + j) * K + b * KVS_QK + 4 * i;
-                    const __m256i pl = _mm256_maddubs_epi16(lo, bcast4(xr)), ph = _mm256_maddubs_epi16(hi, bcast4(xr + 16));
-                    tl[j] = u ? _mm256_add_epi16(tl[j], pl) : pl;
-                    th[j] = u ? _mm256_add_epi16(th[j], ph) : ph;
-                    keep_in_register(tl[j]);
-                    keep_in_register(th[j]);
-                }
-            }
-            for (int j = 0; j < TT; j++) {
-                const __m256i v = _mm256_add_epi32(_mm256_madd_epi16(tl[j], sc_lo), _mm256_madd_epi16(th[j], sc_hi));
-                is[j] = pr ? _mm256_add_epi32(is[j], v) : v;
-            }
-        }
-        // (sc_lo, sc_hi) int16 pairs of the 8 rows, against each token's (X_lo, X_hi): 32 x that off
-        const __m128i vl = _mm_loadl_epi64((const __m128i *)sl), vh = _mm_loadl_epi64((const __m128i *)sh);
-        const __m256i lh = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(vl, vh));
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ks + h * 16)));
-        for (int j = 0; j < TT; j++) {
-            const __m256i xx = _mm256_set1_epi32(xh[(size_t)(t0 + j) * nb + b]);
-            const __m256i s32 = _mm256_sub_epi32(is[j], _mm256_slli_epi32(_mm256_madd_epi16(lh, xx), 5));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32),
-                                     _mm256_mul_ps(d, _mm256_set1_ps(xd[(size_t)(t0 + j) * nb + b])), acc[j]);
-        }
+
+// Q6_K prompt tiles' activations: each 32-value block of n bytes (a multiple of 32) with its int8
+// pairs reordered so that chunk i's 4-byte lanes hold values (4i, 4i+1, 16+4i+2, 16+4i+3) at
+// 4i..4i+3 and (4i+2, 4i+3, 16+4i, 16+4i+1) at 16+4i..16+4i+3: q6_pair_codes' order. As 16 pairs
+// P0..P15 (P8.. the block's upper half): P0 P9 P2 P11 P4 P13 P6 P15 | P1 P8 P3 P10 P5 P12 P7 P14.
+inline void q6_permute_x(const int8_t *x, size_t n, int8_t *xp) {
+    for (size_t k = 0; k < n; k += KVS_QK) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(x + k));
+        const __m256i s = _mm256_permute2x128_si256(a, a, 1);   // the two halves swapped
+        const __m256i lo = _mm256_blend_epi16(a, s, 0xAA);
+        const __m256i hi = _mm256_blend_epi16(_mm256_srli_si256(s, 2), _mm256_slli_si256(a, 2), 0xAA);
+        _mm256_storeu_si256((__m256i *)(xp + k), _mm256_blend_epi32(lo, hi, 0xF0));
     }
-    const int row0 = g * 16 + h * 8, nvalid = w->rows - row0 < 8 ? w->rows - row0 : 8;
-    for (int j = 0; j < TT; j++) store_rows8(acc[j], w->bias, row0, nvalid, y + (size_t)(t0 + j) * ldy + row0, add);
 }
 
-// Q6_K, tokens [tb, te) over groups [gbeg, gend): each 8-row half-group in turn, tokens in fours.
-inline void q6_prompt_tiles(const kvs_weight *w, const int8_t *xq, const float *xd, const int32_t *xh, int tb,
-                            int te, float *y, int ldy, bool add, int gbeg, int gend) {
-    for (int g = gbeg; g < gend; g++)
-        for (int h = 0; h < 2; h++) {
-            if (g * 16 + h * 8 >= w->rows) break;
-            int t = tb;
-            for (; t + 4 <= te; t += 4) q6_tile8u<4>(w, g, h, xq, xd, xh, t, y, ldy, add);
-            switch (te - t) {
-                case 3: q6_tile8u<3>(w, g, h, xq, xd, xh, t, y, ldy, add); break;
-                case 2: q6_tile8u<2>(w, g, h, xq, xd, xh, t, y, ldy, add); break;
-                case 1: q6_tile8u<1>(w, g, h, xq, xd, xh, t, y, ldy, add); break;
-                default: break;
+// Chunk i's 6-bit codes of 8 rows (raw: nibbles, hb: the pair's high bits) as two vectors whose
+// 4-byte row lanes each hold two codes of the block's lower sub-block then two of its upper one:
+// v1 = (q[4i], q[4i+1], q[16+4i+2], q[16+4i+3]), v2 = (q[4i+2], q[4i+3], q[16+4i], q[16+4i+1]).
+// Against q6_permute_x's activations one vpmaddubsw of each gives int16 lanes (lower, upper) sums of
+// a row, which one vpmaddwd against the row's (sc_lo, sc_hi) scales: one int32 sum per row and
+// token, where separate lower and upper int16 sums need two (the 16-row tile fits in 16 registers).
+inline void q6_pair_codes(__m256i raw, __m256i hb, int i, __m256i rot, __m256i *v1, __m256i *v2) {
+    __m256i lo, hi;
+    q6_ucodes(raw, hb, i, &lo, &hi);
+    *v1 = _mm256_blend_epi16(lo, hi, 0xAA);
+    *v2 = _mm256_shuffle_epi8(_mm256_blend_epi16(hi, lo, 0xAA), rot);   // the two int16 halves swapped
+}
+
+// Chunk i's codes of a 16-row block at qb as the prompt tiles read them: c[0], c[1] for rows 0-7,
+// c[2], c[3] for rows 8-15; Q5_K: the low and high halves' 5-bit codes, Q6_K: q6_pair_codes' v1, v2.
+// U: read them from a group's unpacked copy u instead (unpack_group: 128 bytes a chunk, the same values).
+template <int i, bool U>
+inline void q5_codes(const uint8_t *qb, const uint8_t *u, __m256i *c) {
+    if constexpr (U) {
+        for (int k = 0; k < 4; k++) c[k] = _mm256_load_si256((const __m256i *)(u + i * 128 + k * 32));
+        return;
+    }
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i r0 = _mm256_loadu_si256((const __m256i *)(qb + i * 64));
+    const __m256i r1 = _mm256_loadu_si256((const __m256i *)(qb + i * 64 + 32));
+    const __m256i hb0 = _mm256_loadu_si256((const __m256i *)(qb + 256));
+    const __m256i hb1 = _mm256_loadu_si256((const __m256i *)(qb + 288));
+    c[0] = _mm256_or_si256(_mm256_and_si256(r0, mask), bit_to4<2 * i>(hb0));
+    c[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r0, 4), mask), bit_to4<2 * i + 1>(hb0));
+    c[2] = _mm256_or_si256(_mm256_and_si256(r1, mask), bit_to4<2 * i>(hb1));
+    c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r1, 4), mask), bit_to4<2 * i + 1>(hb1));
+}
+
+template <int i, bool U>
+inline void q6_codes(const uint8_t *qb, const uint8_t *u, __m256i *c) {
+    if constexpr (U) {
+        for (int k = 0; k < 4; k++) c[k] = _mm256_load_si256((const __m256i *)(u + i * 128 + k * 32));
+        return;
+    }
+    const __m256i rot = _mm256_setr_epi8(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13,
+                                         2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    const __m256i hb0 = _mm256_loadu_si256((const __m256i *)(qb + 256 + (i / 2) * 64));
+    const __m256i hb1 = _mm256_loadu_si256((const __m256i *)(qb + 256 + (i / 2) * 64 + 32));
+    q6_pair_codes(_mm256_loadu_si256((const __m256i *)(qb + i * 64)), hb0, i, rot, &c[0], &c[1]);
+    q6_pair_codes(_mm256_loadu_si256((const __m256i *)(qb + i * 64 + 32)), hb1, i, rot, &c[2], &c[3]);
+}
+
+// Q6_K, chunk i of one block for 16 rows x TT tokens: the codes once (q6_codes), each token's
+// products scaled by its rows' (sc_lo, sc_hi) pairs lh0 / lh1 into the int32 sums is0 / is1.
+template <int i, int TT, bool U>
+inline void q6_chunk16(const uint8_t *qb, const uint8_t *u, const int8_t *xp, int K, __m256i lh0, __m256i lh1,
+                       __m256i *is0, __m256i *is1) {
+    __m256i c[4];
+    q6_codes<i, U>(qb, u, c);
+    for (int t = 0; t < TT; t++) {
+        const int8_t *xr = xp + (size_t)t * K + 4 * i;
+        const __m256i xa = bcast4(xr), xb = bcast4(xr + 16);
+        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(c[0], xa), _mm256_maddubs_epi16(c[1], xb));
+        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(c[2], xa), _mm256_maddubs_epi16(c[3], xb));
+        is0[t] = _mm256_add_epi32(is0[t], _mm256_madd_epi16(p0, lh0));
+        is1[t] = _mm256_add_epi32(is1[t], _mm256_madd_epi16(p1, lh1));
+        keep_in_register(is0[t]);
+        keep_in_register(is1[t]);
+    }
+}
+
+// Group g's codes of a Q5_K (Q6 false) or Q6_K weight as q5_codes / q6_codes give them, into u (512
+// bytes a block, 32-byte aligned): a prompt's token tiles then load them instead of each unpacking
+// them again (Q5_K: 17 vector operations a chunk, Q6_K: 24, against ~45 of products for 4 tokens).
+template <bool Q6>
+void unpack_group(const kvs_weight *w, int g, uint8_t *u) {
+    constexpr int BB = Q6 ? KVS_Q6_BLOCK_BYTES : KVS_Q5_BLOCK_BYTES;
+    const int nb = w->cols / KVS_QK;
+    const uint8_t *qb = w->qs + (size_t)g * nb * BB;
+    for (int b = 0; b < nb; b++, qb += BB, u += 512) {
+        __m256i c[16];
+        if constexpr (Q6) {
+            q6_codes<0, false>(qb, nullptr, c), q6_codes<1, false>(qb, nullptr, c + 4);
+            q6_codes<2, false>(qb, nullptr, c + 8), q6_codes<3, false>(qb, nullptr, c + 12);
+        } else {
+            q5_codes<0, false>(qb, nullptr, c), q5_codes<1, false>(qb, nullptr, c + 4);
+            q5_codes<2, false>(qb, nullptr, c + 8), q5_codes<3, false>(qb, nullptr, c + 12);
+        }
+        for (int k = 0; k < 16; k++) _mm256_store_si256((__m256i *)(u + k * 32), c[k]);
+    }
+}
+
+// Q6_K, 16 rows x TT tokens t0..t0+TT-1 (TT 2-4): per output q6_tile16x1's exact integer (the
+// written-out sum of sc * (q - 32) * x, formed here as -32 (sc_lo X_lo + sc_hi X_hi) plus each chunk's
+// sc_lo * sum_lo + sc_hi * sum_hi; int16 lanes hold one chunk's 4 products, 4 x 63 x 128 < 2^15) and
+// its float chain. xp: token t0's q6_permute_x activations (row stride K); xh: x_half_sums [t][b].
+template <int TT, bool U>
+void q6_tile16xn(const kvs_weight *w, int g, const uint8_t *u, const int8_t *xp, const float *xd, const int32_t *xh,
+                 int t0, float *y, int ldy, bool add) {
+    const int K = w->cols, nb = K / KVS_QK, ns = nb / 8;
+    const uint8_t *qb = w->qs + (size_t)g * nb * KVS_Q6_BLOCK_BYTES;
+    const uint8_t *ks = (const uint8_t *)w->d + (size_t)g * ns * KVS_Q6_SUPER_BYTES;
+    const float *xdt = xd + (size_t)t0 * nb;
+    const int32_t *xht = xh + (size_t)t0 * nb;
+    __m256 acc0[TT], acc1[TT];
+    for (int t = 0; t < TT; t++) acc0[t] = acc1[t] = _mm256_setzero_ps();
+    for (int s = 0; s < ns; s++, ks += KVS_Q6_SUPER_BYTES) {
+        const __m256 d0 = cvt_ph8(ks), d1 = cvt_ph8(ks + 16);
+        for (int j = 0; j < 8; j++, qb += KVS_Q6_BLOCK_BYTES, u += U ? 512 : 0, xp += KVS_QK) {
+            const int b = s * 8 + j;
+            // (sc_lo, sc_hi) int16 pairs of rows 0-7 and 8-15 (sub-blocks 2j, 2j + 1)
+            const __m128i vl = _mm_loadu_si128((const __m128i *)(ks + 32 + (2 * j) * 16));
+            const __m128i vh = _mm_loadu_si128((const __m128i *)(ks + 32 + (2 * j + 1) * 16));
+            const __m256i lh0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(vl, vh));
+            const __m256i lh1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(vl, vh));
+            const __m256i n0 = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(lh0, 5));
+            const __m256i n1 = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(lh1, 5));
+            __m256i is0[TT], is1[TT];
+            for (int t = 0; t < TT; t++) {   // each sum starts at -32 (sc_lo X_lo + sc_hi X_hi)
+                const __m256i xx = _mm256_set1_epi32(xht[(size_t)t * nb + b]);
+                is0[t] = _mm256_madd_epi16(n0, xx);
+                is1[t] = _mm256_madd_epi16(n1, xx);
+            }
+            q6_chunk16<0, TT, U>(qb, u, xp, K, lh0, lh1, is0, is1);
+            q6_chunk16<1, TT, U>(qb, u, xp, K, lh0, lh1, is0, is1);
+            q6_chunk16<2, TT, U>(qb, u, xp, K, lh0, lh1, is0, is1);
+            q6_chunk16<3, TT, U>(qb, u, xp, K, lh0, lh1, is0, is1);
+            for (int t = 0; t < TT; t++) {
+                const __m256 xdb = _mm256_set1_ps(xdt[(size_t)t * nb + b]);
+                acc0[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is0[t]), _mm256_mul_ps(d0, xdb), acc0[t]);
+                acc1[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is1[t]), _mm256_mul_ps(d1, xdb), acc1[t]);
             }
         }
+    }
+    store_group16(w, g, acc0, acc1, TT, t0, y, ldy, add);
 }
 
 // Q4_0 / Q4_1 (SM 0, 1, 5), 16 rows x token t0: q4_tile8's arithmetic per output lane (the same
@@ -696,25 +781,18 @@ void q4_tile16xn(const kvs_weight *w, int g, const int8_t *xq, const float *xd, 
     store_group16(w, g, acc0, acc1, TT, t0, y, ldy, add);
 }
 
-// Q5_K, chunk i of one block for 16 rows x TT tokens: the codes (nibbles plus bits 2i, 2i + 1 of the
-// fifth-bit plane at bit 4) once, their u8 x s8 products added to the int16 sums t0/t1 (rows 0-7,
-// 8-15); u = 0 starts a chunk pair's sums. x: token t0's activations of the block (row stride K).
-template <int i, int TT>
-inline void q5_chunk16(const uint8_t *qb, const int8_t *x, int K, __m256i *t0, __m256i *t1) {
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    const __m256i r0 = _mm256_loadu_si256((const __m256i *)(qb + i * 64));
-    const __m256i r1 = _mm256_loadu_si256((const __m256i *)(qb + i * 64 + 32));
-    const __m256i hb0 = _mm256_loadu_si256((const __m256i *)(qb + 256));
-    const __m256i hb1 = _mm256_loadu_si256((const __m256i *)(qb + 288));
-    const __m256i lo0 = _mm256_or_si256(_mm256_and_si256(r0, mask), bit_to4<2 * i>(hb0));
-    const __m256i hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r0, 4), mask), bit_to4<2 * i + 1>(hb0));
-    const __m256i lo1 = _mm256_or_si256(_mm256_and_si256(r1, mask), bit_to4<2 * i>(hb1));
-    const __m256i hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(r1, 4), mask), bit_to4<2 * i + 1>(hb1));
+// Q5_K, chunk i of one block for 16 rows x TT tokens: the codes (q5_codes: nibbles plus bits 2i,
+// 2i + 1 of the fifth-bit plane at bit 4) once, their u8 x s8 products added to the int16 sums t0/t1
+// (rows 0-7, 8-15); u = 0 starts a chunk pair's sums. x: token t0's activations of the block (row stride K).
+template <int i, int TT, bool U>
+inline void q5_chunk16(const uint8_t *qb, const uint8_t *u, const int8_t *x, int K, __m256i *t0, __m256i *t1) {
+    __m256i c[4];
+    q5_codes<i, U>(qb, u, c);
     for (int j = 0; j < TT; j++) {
         const int8_t *xr = x + (size_t)j * K + 4 * i;
         const __m256i xa = bcast4(xr), xb = bcast4(xr + 16);
-        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xa), _mm256_maddubs_epi16(hi0, xb));
-        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xa), _mm256_maddubs_epi16(hi1, xb));
+        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(c[0], xa), _mm256_maddubs_epi16(c[1], xb));
+        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(c[2], xa), _mm256_maddubs_epi16(c[3], xb));
         if constexpr (i % 2 == 0) {
             t0[j] = p0, t1[j] = p1;
         } else {
@@ -729,9 +807,9 @@ inline void q5_chunk16(const uint8_t *qb, const int8_t *x, int K, __m256i *t0, _
 // same exact integer block sums, the same float chain), q4_tile16xn's access pattern. The codes run
 // to 31, so an int16 lane holds two chunks' products (4 x 2 x 31 x 127 < 2^15): each chunk pair's
 // sums are widened to int32 once (q5_dot's pairs, here for TT tokens).
-template <int TT>
-void q5k_tile16xn(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
-                  int ldy, bool add) {
+template <int TT, bool U>
+void q5k_tile16xn(const kvs_weight *w, int g, const uint8_t *u, const int8_t *xq, const float *xd, const float *xs,
+                  int t0, float *y, int ldy, bool add) {
     const int K = w->cols, nb = K / KVS_QK, ns = nb / 8;
     const uint8_t *qb = w->qs + (size_t)g * nb * KVS_Q5_BLOCK_BYTES;
     const uint8_t *p = (const uint8_t *)w->d + (size_t)g * ns * KVS_KSUPER_BYTES;
@@ -740,13 +818,13 @@ void q5k_tile16xn(const kvs_weight *w, int g, const int8_t *xq, const float *xd,
     __m256 acc0[TT], acc1[TT];
     for (int j = 0; j < TT; j++) acc0[j] = acc1[j] = _mm256_setzero_ps();
     for (int s = 0; s < ns; s++, p += KVS_KSUPER_BYTES) {
-        for (int jb = 0; jb < 8; jb++, qb += KVS_Q5_BLOCK_BYTES, x += KVS_QK) {
+        for (int jb = 0; jb < 8; jb++, qb += KVS_Q5_BLOCK_BYTES, u += U ? 512 : 0, x += KVS_QK) {
             __m256i is0[TT], is1[TT], u0[TT], u1[TT];
-            q5_chunk16<0, TT>(qb, x, K, u0, u1);
-            q5_chunk16<1, TT>(qb, x, K, u0, u1);
+            q5_chunk16<0, TT, U>(qb, u, x, K, u0, u1);
+            q5_chunk16<1, TT, U>(qb, u, x, K, u0, u1);
             for (int j = 0; j < TT; j++) is0[j] = _mm256_madd_epi16(u0[j], ones), is1[j] = _mm256_madd_epi16(u1[j], ones);
-            q5_chunk16<2, TT>(qb, x, K, u0, u1);
-            q5_chunk16<3, TT>(qb, x, K, u0, u1);
+            q5_chunk16<2, TT, U>(qb, u, x, K, u0, u1);
+            q5_chunk16<3, TT, U>(qb, u, x, K, u0, u1);
             const __m256 ds0 = cvt_ph8(p), ds1 = cvt_ph8(p + 16), dm0 = cvt_ph8(p + 32), dm1 = cvt_ph8(p + 48);
             const __m256 d0 = _mm256_mul_ps(ds0, u8x8_ps(p + 64 + jb * 16)), d1 = _mm256_mul_ps(ds1, u8x8_ps(p + 72 + jb * 16));
             const __m256 mn0 = _mm256_mul_ps(dm0, u8x8_ps(p + 192 + jb * 16)), mn1 = _mm256_mul_ps(dm1, u8x8_ps(p + 200 + jb * 16));
@@ -767,11 +845,59 @@ void q5k_tile16xn(const kvs_weight *w, int g, const int8_t *xq, const float *xd,
     store_group16(w, g, acc0, acc1, TT, t0, y, ldy, add);
 }
 
+// Q6_K (Q6) or Q5_K, tokens [tb, te) of group g in whole 16-row tiles, tokens in fours
+// (q6_tile16xn / q5k_tile16xn; U: the codes from the group's unpack_group copy u); a last lone token
+// runs the decode tile. Q6_K: xp holds the call's tokens permuted by q6_permute_x.
+template <bool Q6, bool U>
+inline void kq_group_tiles(const kvs_weight *w, int g, const uint8_t *u, const int8_t *xq, const int8_t *xp,
+                           const float *xd, const float *xs, const int32_t *xh, int tb, int te, float *y, int ldy,
+                           bool add) {
+    const size_t K = w->cols;
+    int t = tb;
+    if constexpr (Q6) {
+        for (; t + 4 <= te; t += 4) q6_tile16xn<4, U>(w, g, u, xp + t * K, xd, xh, t, y, ldy, add);
+        switch (te - t) {
+            case 3: q6_tile16xn<3, U>(w, g, u, xp + t * K, xd, xh, t, y, ldy, add); break;
+            case 2: q6_tile16xn<2, U>(w, g, u, xp + t * K, xd, xh, t, y, ldy, add); break;
+            case 1: q6_tile16x1(w, g, xq, xd, xh + (size_t)t * (K / KVS_QK), t, y, ldy, add); break;
+            default: break;
+        }
+    } else {
+        for (; t + 4 <= te; t += 4) q5k_tile16xn<4, U>(w, g, u, xq, xd, xs, t, y, ldy, add);
+        switch (te - t) {
+            case 3: q5k_tile16xn<3, U>(w, g, u, xq, xd, xs, t, y, ldy, add); break;
+            case 2: q5k_tile16xn<2, U>(w, g, u, xq, xd, xs, t, y, ldy, add); break;
+            case 1: q4k_tile16x1<true>(w, g, xq, xd, xs, t, y, ldy, add); break;
+            default: break;
+        }
+    }
+}
+
+#ifndef KVS_KQ_UNPACK_MIN
+#define KVS_KQ_UNPACK_MIN 8
+#endif
+
+// Q6_K (Q6) or Q5_K, tokens [tb, te) over groups [gbeg, gend). With KVS_KQ_UNPACK_MIN tokens or more
+// each group's codes are unpacked once (into u: 512 bytes a block) for all its token tiles.
+template <bool Q6>
+void kq_prompt_tiles(const kvs_weight *w, uint8_t *u, const int8_t *xq, const int8_t *xp, const float *xd,
+                     const float *xs, const int32_t *xh, int tb, int te, float *y, int ldy, bool add, int gbeg,
+                     int gend) {
+    for (int g = gbeg; g < gend; g++) {
+        if (u && te - tb >= KVS_KQ_UNPACK_MIN) {
+            unpack_group<Q6>(w, g, u);
+            kq_group_tiles<Q6, true>(w, g, u, xq, xp, xd, xs, xh, tb, te, y, ldy, add);
+        } else {
+            kq_group_tiles<Q6, false>(w, g, nullptr, xq, xp, xd, xs, xh, tb, te, y, ldy, add);
+        }
+    }
+}
+
 // 16 rows x TT tokens of Q4 / Q4_K (q4_tile16xn) or Q5_K (q5k_tile16xn).
 template <int TT, int SM>
 inline void tile16n(const kvs_weight *w, int g, const int8_t *xq, const float *xd, const float *xs, int t0, float *y,
                     int ldy, bool add) {
-    if constexpr (SM == 4) q5k_tile16xn<TT>(w, g, xq, xd, xs, t0, y, ldy, add);
+    if constexpr (SM == 4) q5k_tile16xn<TT, false>(w, g, nullptr, xq, xd, xs, t0, y, ldy, add);
     else q4_tile16xn<TT, SM>(w, g, xq, xd, xs, t0, y, ldy, add);
 }
 
@@ -824,6 +950,52 @@ inline void group_tiles16(const kvs_weight *w, const int8_t *xq, const float *xd
     }
 }
 
+// Q5_K and Q6_K prompts unpack each group's codes once for its token tiles (kq_prompt_tiles).
+constexpr bool kquant_unpacks(int sm) { return sm == 3 || sm == 4; }
+
+// This thread's buffer for one group's unpacked codes (bytes, 32-byte aligned), kept between calls.
+uint8_t *unpack_scratch(size_t bytes) {
+    struct Scratch {
+        uint8_t *p = nullptr;
+        size_t n = 0;
+        ~Scratch() { free(p); }
+    };
+    thread_local Scratch s;
+    if (s.n < bytes) {
+        free(s.p);
+        s.p = (uint8_t *)aligned_alloc(32, bytes);
+        s.n = bytes;
+    }
+    return s.p;
+}
+
+// The Q6_K prompt tiles' inputs from T tokens of K int8 activations: x_half_sums [t][b] and the
+// q6_permute_x copy, made once per thread while the activations stay the same (g_xq_epoch): a
+// prompt's projection is handed out one row group per call (the forward's row chunks), and main's
+// half-sums made per call left its Q6_K prompts 1.2-1.6x slower than in one call (BENCHMARKS.md).
+void q6_prepared(const int8_t *xq, const float *xd, int T, int K, const int32_t **xh, const int8_t **xp) {
+    struct Prepared {
+        const int8_t *xq = nullptr;
+        const float *xd = nullptr;
+        int T = 0, K = 0;
+        uint64_t epoch = 0;
+        std::vector<int32_t> xh;
+        std::vector<int8_t> xp;
+    };
+    thread_local Prepared c;
+    const uint64_t epoch = g_xq_epoch.load(std::memory_order_relaxed);
+    if (c.xq != xq || c.xd != xd || c.T != T || c.K != K || c.epoch != epoch || c.xh.empty()) {
+        const size_t n = (size_t)T * K;
+        c.xh.resize(n / KVS_QK);
+        c.xp.resize(n);
+        for (size_t b = 0; b < n / KVS_QK; b++) c.xh[b] = x_half_sums(xq + b * KVS_QK);
+        q6_permute_x(xq, n, c.xp.data());
+        c.xq = xq, c.xd = xd, c.T = T, c.K = K, c.epoch = epoch;
+    }
+    *xh = c.xh.data();
+    *xp = c.xp.data();
+}
+
 // Groups [gbeg, gend) of 16 rows for all T tokens: each group's (or half-group's) weights stay in
 // L1 while the token tiles stream past them.
 template <bool Q4, int SM>
@@ -847,20 +1019,27 @@ void run_groups_avx2(const kvs_weight *w, const int8_t *xq, const float *xd, con
         // every group of this thread streams past; one block of T = 512 x 3072 (1.5 MB) re-read from L3
         // per 8-row half-group ran ~15% slower per MAC than T = 64. Only the order of the outputs
         // changes: each is the same tile arithmetic.
+        // A call of one group (the forward's row chunks of a prompt) takes all its tokens at once: its
+        // codes are unpacked once (kq_prompt_tiles) and no other group would reuse the block.
         int tb_size = (KVS_KQ_XBLOCK / w->cols) & ~3;
-        if (tb_size < 16 || T <= tb_size) tb_size = T;
-        int32_t *xh = nullptr;   // Q6_K: the tokens' half-block sums (q6_tile8u), once per call
-        if constexpr (SM == 3) {
-            const int nb = w->cols / KVS_QK;
-            xh = (int32_t *)malloc(sizeof(int32_t) * (size_t)T * nb);
-            for (size_t tb = 0; tb < (size_t)T * nb; tb++) xh[tb] = x_half_sums(xq + tb * KVS_QK);
-        }
+        if (tb_size < 16 || T <= tb_size || (kquant_unpacks(SM) && gend - gbeg == 1)) tb_size = T;
+        const int32_t *xh = nullptr;   // Q6_K: the tokens' half-block sums and permuted activations
+        const int8_t *xp = nullptr;
+        if constexpr (SM == 3) q6_prepared(xq, xd, T, w->cols, &xh, &xp);
+        // Q5_K / Q6_K: one group's unpacked codes (kq_prompt_tiles), when the token blocks are long enough
+        uint8_t *u = nullptr;
+        if constexpr (kquant_unpacks(SM))
+            if (tb_size >= KVS_KQ_UNPACK_MIN) u = unpack_scratch((size_t)w->cols / KVS_QK * 512);
         for (int tb = 0; tb < T; tb += tb_size) {
             const int te = tb + tb_size < T ? tb + tb_size : T;
-            if constexpr (SM == 3) q6_prompt_tiles(w, xq, xd, xh, tb, te, y, ldy, add, gbeg, gend);
-            else group_tiles16<SM>(w, xq, xd, xs, tb, te, y, ldy, add, gbeg, gend);
+            if constexpr (SM == 3) {
+                kq_prompt_tiles<true>(w, u, xq, xp, xd, xs, xh, tb, te, y, ldy, add, gbeg, gend);
+            } else if constexpr (SM == 4) {
+                kq_prompt_tiles<false>(w, u, xq, nullptr, xd, xs, nullptr, tb, te, y, ldy, add, gbeg, gend);
+            } else {
+                group_tiles16<SM>(w, xq, xd, xs, tb, te, y, ldy, add, gbeg, gend);
+            }
         }
-        free(xh);
         return;
     } else if constexpr (Q4) {   // Q4_0 / Q4_1: whole 16-row groups, tokens in fours
         group_tiles16<SM>(w, xq, xd, xs, 0, T, y, ldy, add, gbeg, gend);
