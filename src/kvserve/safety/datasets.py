@@ -23,11 +23,8 @@ from dataclasses import dataclass, field
 
 from kvserve.errors import InvalidRequest
 from kvserve.safety import datasets_social
-from kvserve.safety.labelling import with_rule
+from kvserve.safety.labelling import HEADS, OUTPUTS, with_rule  # noqa: F401 (OUTPUTS: callers read it here)
 
-HEADS = ("harassment", "hate", "self-harm", "sexual", "sexual/minors", "violence", "violence/graphic",
-         "illicit", "illicit/violent")
-OUTPUTS = HEADS + ("help",)   # `help`: asks for help for oneself or someone else (never refused)
 EVAL_ONLY = ("simplesafetytests", "xstest", "harmbench", "kvserve_eval") + datasets_social.EVAL_ONLY
 OWN = pathlib.Path(__file__).parent / "data"
 # sources labelled in a taxonomy of their own without `illicit` (web text, statements about groups,

@@ -29,6 +29,10 @@ import pathlib
 import re
 import sys
 
+# the categories a labelled row may carry (OpenAI's), in their order; datasets.py and the head use these
+HEADS = ("harassment", "hate", "self-harm", "sexual", "sexual/minors", "violence", "violence/graphic",
+         "illicit", "illicit/violent")
+OUTPUTS = HEADS + ("help",)   # `help`: asks for help for oneself or someone else (never refused)
 VIOLENT_ILLICIT = frozenset({"illicit", "illicit/violent", "violence"})
 
 # a request for instructions, a plan or a means: a question, or an imperative asking to be told how
@@ -96,8 +100,6 @@ def _order(labels: set[str], known: tuple[str, ...]) -> list[str]:
 def rewrite(path: pathlib.Path) -> list[tuple[str, str, str]]:
     """Apply the rule to a `labels<TAB>text` or JSONL labelled file in place: (text, before, after)
     per changed row."""
-    from kvserve.safety.datasets import OUTPUTS
-
     changed = []
     lines = path.read_text(encoding="utf-8").splitlines()
     out = []
