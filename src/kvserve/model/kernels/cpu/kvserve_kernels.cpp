@@ -603,6 +603,15 @@ inline void q6_codes(const uint8_t *qb, const uint8_t *u, __m256i *c) {
     q6_pair_codes(_mm256_loadu_si256((const __m256i *)(qb + i * 64 + 32)), hb1, i, rot, &c[2], &c[3]);
 }
 
+// One chunk's u8 codes c[0..3] (the Q5_K / Q6_K 16-row tiles' q5_codes / q6_codes) times one token's
+// int8 activations xr, xr + 16 (each 4-value group broadcast): the int16 sums of c[0], c[1] (p0) and
+// of c[2], c[3] (p1).
+inline void chunk_products(const __m256i c[4], const int8_t *xr, __m256i *p0, __m256i *p1) {
+    const __m256i xa = bcast4(xr), xb = bcast4(xr + 16);
+    *p0 = _mm256_add_epi16(_mm256_maddubs_epi16(c[0], xa), _mm256_maddubs_epi16(c[1], xb));
+    *p1 = _mm256_add_epi16(_mm256_maddubs_epi16(c[2], xa), _mm256_maddubs_epi16(c[3], xb));
+}
+
 // Q6_K, chunk i of one block for 16 rows x TT tokens: the codes once (q6_codes), each token's
 // products scaled by its rows' (sc_lo, sc_hi) pairs lh0 / lh1 into the int32 sums is0 / is1.
 template <int i, int TT, bool U>
@@ -611,10 +620,8 @@ inline void q6_chunk16(const uint8_t *qb, const uint8_t *u, const int8_t *xp, in
     __m256i c[4];
     q6_codes<i, U>(qb, u, c);
     for (int t = 0; t < TT; t++) {
-        const int8_t *xr = xp + (size_t)t * K + 4 * i;
-        const __m256i xa = bcast4(xr), xb = bcast4(xr + 16);
-        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(c[0], xa), _mm256_maddubs_epi16(c[1], xb));
-        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(c[2], xa), _mm256_maddubs_epi16(c[3], xb));
+        __m256i p0, p1;
+        chunk_products(c, xp + (size_t)t * K + 4 * i, &p0, &p1);
         is0[t] = _mm256_add_epi32(is0[t], _mm256_madd_epi16(p0, lh0));
         is1[t] = _mm256_add_epi32(is1[t], _mm256_madd_epi16(p1, lh1));
         keep_in_register(is0[t]);
@@ -789,10 +796,8 @@ inline void q5_chunk16(const uint8_t *qb, const uint8_t *u, const int8_t *x, int
     __m256i c[4];
     q5_codes<i, U>(qb, u, c);
     for (int j = 0; j < TT; j++) {
-        const int8_t *xr = x + (size_t)j * K + 4 * i;
-        const __m256i xa = bcast4(xr), xb = bcast4(xr + 16);
-        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(c[0], xa), _mm256_maddubs_epi16(c[1], xb));
-        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(c[2], xa), _mm256_maddubs_epi16(c[3], xb));
+        __m256i p0, p1;
+        chunk_products(c, x + (size_t)j * K + 4 * i, &p0, &p1);
         if constexpr (i % 2 == 0) {
             t0[j] = p0, t1[j] = p1;
         } else {
